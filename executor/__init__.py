@@ -1,0 +1,1 @@
+"""Disposable executor processes and the reference torch engine."""

@@ -1,0 +1,5 @@
+import sys
+
+from executor.runtime import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""Fault points: real failures at chosen instructions, for crash tests and tools.
+
+`KVHOLD_FAULT="<point>:<n>:<action>[,...]"` makes the executor fail the n-th time
+it reaches `point` (1-based), e.g. `commit_pages:3:kill` SIGKILLs itself between
+publishing KV page checksums and committing tokens on its third commit. Actions
+are real: `kill` (SIGKILL), `segv` (SIGSEGV, default handler), `stop` (SIGSTOP),
+`spin` (busy loop forever), `exit` (exit code 3). With no variable set, a fault
+point costs one dict lookup.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+_ACTIONS = ("kill", "segv", "stop", "spin", "exit")
+_plan: dict[str, tuple[int, str]] = {}
+_hits: dict[str, int] = {}
+
+
+def parse(spec: str) -> dict[str, tuple[int, str]]:
+    plan = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        point, n, action = item.split(":")
+        if action not in _ACTIONS:
+            raise ValueError(f"fault action {action!r} not one of {_ACTIONS}")
+        plan[point] = (int(n), action)
+    return plan
+
+
+def configure(spec: str | None) -> None:
+    _plan.clear()
+    _hits.clear()
+    if spec:
+        _plan.update(parse(spec))
+
+
+def point(name: str) -> None:
+    if not _plan or name not in _plan:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    n, action = _plan[name]
+    if _hits[name] != n:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "segv":
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "spin":
+        while True:
+            pass
+    elif action == "exit":
+        os._exit(3)
+
+
+configure(os.environ.get("KVHOLD_FAULT"))

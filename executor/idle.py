@@ -1,0 +1,29 @@
+"""The idle workload: hold a lease, map memory, heartbeat, do nothing else.
+
+Used with sidecars that run no model (detection benchmarks, supervision tests):
+the executor is real and its death is real, but it needs no torch.
+"""
+from __future__ import annotations
+
+
+class IdleWorkload:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def prepare(self) -> None:
+        pass
+
+    def promote(self, msg) -> dict | None:
+        return None
+
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> list[int]:
+        return []
+
+    def on_wake(self) -> None:
+        pass
+
+    def on_reaped(self, epochs) -> None:
+        pass

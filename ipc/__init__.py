@@ -1,0 +1,1 @@
+"""What the sidecar, executors and clients share: tables, wire protocol, memory, SDK."""

@@ -1,0 +1,102 @@
+"""Where one kvhold instance lives on a host: its runtime directory and shm names.
+
+Every name is derived from (uid, instance) so two sidecars on one host, or two
+users, never clash. The runtime directory is owner-only (0700) and holds the
+sockets, the executor token and the instance lock; shm objects are named
+``/kvhold-<uid>-<instance>-<what>`` and created 0600 by the sidecar alone.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
+SHM_PREFIX = "kvhold"
+
+
+def validate_instance(name: str) -> str:
+    if not _INSTANCE_RE.match(name):
+        raise ValueError(
+            f"invalid instance name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "
+            "starting with a letter or digit")
+    return name
+
+
+def default_runtime_root() -> Path:
+    """$KVHOLD_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvhold, else /tmp/kvhold-<uid>."""
+    env = os.environ.get("KVHOLD_RUNTIME_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "kvhold"
+    return Path(f"/tmp/kvhold-{os.getuid()}")
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` (and parents we own) 0700; refuse one that others can enter."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePaths:
+    """All host-visible names of one instance."""
+
+    instance: str
+    runtime_dir: Path
+
+    @classmethod
+    def for_instance(cls, instance: str, runtime_root: Path | None = None) -> "InstancePaths":
+        validate_instance(instance)
+        root = runtime_root if runtime_root is not None else default_runtime_root()
+        return cls(instance=instance, runtime_dir=Path(root) / instance)
+
+    def shm_name(self, what: str) -> str:
+        return f"/{SHM_PREFIX}-{os.getuid()}-{self.instance}-{what}"
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"{SHM_PREFIX}-{os.getuid()}-{self.instance}-"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.runtime_dir / "control.sock"
+
+    @property
+    def client_socket(self) -> Path:
+        return self.runtime_dir / "client.sock"
+
+    @property
+    def fd_socket(self) -> Path:
+        return self.runtime_dir / "fd.sock"
+
+    @property
+    def token_file(self) -> Path:
+        return self.runtime_dir / "token"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.runtime_dir / "lock"
+
+    @property
+    def state_file(self) -> Path:
+        return self.runtime_dir / "sidecar.json"
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"ipc://{self.control_socket}"
+
+    @property
+    def client_endpoint(self) -> str:
+        return f"ipc://{self.client_socket}"

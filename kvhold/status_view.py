@@ -1,0 +1,25 @@
+"""Human-readable rendering of a sidecar's status (kvhold status)."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_status(status: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    w = status.get("weights", {})
+    console.print(f"[bold]kvhold[/] instance [cyan]{status['instance']}[/] pid {status['pid']} "
+                  f"generation {status['generation']} up {status['uptime_s']:.0f}s; "
+                  f"weights {w.get('state')}")
+    table = Table("lease", "pid", "role", "epoch", "heartbeat age", "steps")
+    for ex in status.get("executors", []):
+        table.add_row(str(ex["slot"]), str(ex["pid"]), ex["role"], str(ex["epoch"]),
+                      f"{ex['heartbeat_age_ms']:.0f} ms", str(ex["steps"]))
+    console.print(table)
+    pages = status.get("pages", {})
+    console.print("pages: " + ", ".join(f"{k} {v}" for k, v in pages.items()))
+    req = status.get("requests", {})
+    console.print(f"requests: {req.get('in_flight', 0)} in flight, "
+                  f"{req.get('admitted_total', 0)} admitted, finished {req.get('finished', {})}")
+    for rec in status.get("recoveries", [])[-5:]:
+        console.print("recovery: " + ", ".join(f"{k}={v}" for k, v in rec.items() if not k.endswith("_ns")))

@@ -1,0 +1,1 @@
+"""The long-lived sidecar daemon: owns memory and tables, supervises executors."""

@@ -1,0 +1,121 @@
+"""SidecarConfig: every knob of a sidecar and of the executors it supervises.
+
+Built once (kvhold.cli parses flags and environment), validated here, passed down
+and never mutated. Executors receive their share as `executor_settings()` in the
+attach reply, so one place configures the whole instance.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ipc.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
+from ipc.naming import InstancePaths, validate_instance
+
+WORKLOADS = ("engine", "idle", "churn")
+BACKENDS = ("host", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    instance: str = "default"
+    runtime_root: Path | None = None
+    model: Path | None = None
+    backend: str = "host"
+    device: str = "cpu"
+    workload: str = "engine"          # what executors run: the model, nothing, or a KV churn
+    # KV pool
+    kv_pages: int | None = None
+    kv_memory_bytes: int | None = None
+    page_tokens: int = 16
+    max_seq_len: int | None = None
+    max_requests: int = 256
+    # executors
+    standbys: int = 1
+    lease_ms: int = 1000
+    startup_lease_ms: int = 120_000
+    kill_fenced: bool = True
+    spawn_executors: bool = True
+    executor_args: tuple[str, ...] = ()
+    max_batch: int = 64
+    max_batch_tokens: int = 512
+    compute_dtype: str | None = None
+    # geometry used when there is no model (workload idle/churn)
+    synthetic_layers: int = 2
+    synthetic_kv_heads: int = 2
+    synthetic_head_dim: int = 32
+    synthetic_dtype: str = "float32"
+    token_file: Path | None = None
+    restart_backoff_ms: tuple[int, int] = (50, 5000)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        validate_instance(self.instance)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.workload == "engine" and self.model is None:
+            raise ValueError("the engine workload needs --model (a Hugging Face checkpoint directory)")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model}: not a directory")
+        if self.kv_pages is not None and self.kv_pages <= 0:
+            raise ValueError(f"--kv-pages must be positive, got {self.kv_pages}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError("--kv-memory must be positive")
+        if not 1 <= self.page_tokens <= 1024:
+            raise ValueError(f"--page-tokens must be in 1..1024, got {self.page_tokens}")
+        if not 0 <= self.standbys <= 8:
+            raise ValueError(f"--standbys must be in 0..8, got {self.standbys}")
+        if self.lease_ms < 20:
+            raise ValueError(f"--lease-ms must be at least 20, got {self.lease_ms}")
+        if not 1 <= self.max_requests <= 65536:
+            raise ValueError(f"--max-requests must be in 1..65536, got {self.max_requests}")
+        if self.synthetic_dtype not in KV_DTYPE_CODES:
+            raise ValueError(f"unknown dtype {self.synthetic_dtype!r}")
+
+    @property
+    def paths(self) -> InstancePaths:
+        return InstancePaths.for_instance(self.instance, self.runtime_root)
+
+    @property
+    def heartbeat_ms(self) -> int:
+        """Executors beat this often: a few beats per lease so one late beat is no death."""
+        return max(5, self.lease_ms // 5)
+
+    @property
+    def num_leases(self) -> int:
+        return min(64, 2 * (1 + self.standbys) + 2)
+
+    def kv_geometry(self, spec=None) -> KvGeometry:
+        if spec is None:
+            return KvGeometry(self.synthetic_layers, self.synthetic_kv_heads, self.synthetic_head_dim,
+                              self.synthetic_dtype, self.page_tokens)
+        dtype = spec.dtype if self.device.startswith("cuda") else "float32"
+        return KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, self.page_tokens)
+
+    def table_geometry(self, spec=None) -> TableGeometry:
+        kv = self.kv_geometry(spec)
+        max_seq = self.max_seq_len or (min(spec.max_position, 4096) if spec else 2048)
+        if spec is not None and max_seq > spec.max_position:
+            raise ValueError(f"--max-seq-len {max_seq} exceeds the model's "
+                             f"max_position_embeddings ({spec.max_position})")
+        if self.kv_pages is not None:
+            pages = self.kv_pages
+        elif self.kv_memory_bytes is not None:
+            pages = self.kv_memory_bytes // kv.page_bytes
+        else:  # enough for a handful of full-length sequences
+            pages = max(64, 4 * math.ceil(max_seq / kv.page_tokens))
+        if pages < math.ceil(max_seq / kv.page_tokens):
+            raise ValueError(f"the KV pool ({pages} pages of {kv.page_tokens} tokens) cannot hold "
+                             f"one sequence of --max-seq-len {max_seq}")
+        return TableGeometry(kv=kv, num_pages=pages, num_slots=self.max_requests,
+                             max_seq_len=max_seq, num_leases=self.num_leases)
+
+    def executor_settings(self) -> dict:
+        return {"workload": self.workload, "device": self.device,
+                "heartbeat_ms": self.heartbeat_ms, "lease_ms": self.lease_ms,
+                "model": str(self.model) if self.model else "", "max_batch": self.max_batch,
+                "max_batch_tokens": self.max_batch_tokens,
+                "compute_dtype": self.compute_dtype or "", "extra": dict(self.extra)}

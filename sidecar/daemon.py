@@ -1,0 +1,360 @@
+"""The sidecar process: owns memory and tables, supervises executors, serves clients.
+
+One thread, one poll loop over: the executor control socket (ZeroMQ ROUTER), the
+client socket (ROUTER), the descriptor socket (SOCK_SEQPACKET listener), every
+executor's pidfd, and a signal wake-up pipe. Deadlines (heartbeat leases,
+keepalives, re-spawn backoff) set the poll timeout. No handler blocks: a bad
+message gets an error reply and the loop goes on; only a broken invariant of the
+sidecar itself ends it, loudly. SIGTERM/SIGINT stop executors and unlink every
+shm object, socket and file the sidecar created.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import time
+
+import zmq
+
+from ipc import fdpass, messages as m, wire
+from ipc.checkpoint import build_manifest
+from ipc.errors import ErrorCode
+from ipc.leases import now_ns
+from ipc.memory import HostRegion
+from ipc.model_spec import ModelSpec
+from ipc.tables import Tables
+from sidecar.config import SidecarConfig
+from sidecar.frontend import Frontend
+from sidecar.instance_lock import InstanceLock
+from sidecar.supervisor import Supervisor
+from sidecar.weights_keeper import WeightsKeeper
+
+log = logging.getLogger(__name__)
+SHM_PARTS = ("tables", "kv", "weights")
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig):
+        self.config = config
+        self.paths = config.paths
+        self.spec: ModelSpec | None = None
+        self.manifest = None
+        self._fd_callbacks: dict[int, callable] = {}
+        self._identities: dict[bytes, object] = {}
+        self._stop = False
+        self._created_token = False
+        self.started_ns = now_ns()
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> "Sidecar":
+        os.umask(0o077)
+        cfg = self.config
+        if cfg.model is not None:
+            self.spec = ModelSpec.from_dir(cfg.model)
+            self.manifest = build_manifest(cfg.model, self.spec)
+        geometry = cfg.table_geometry(self.spec)
+        self.lock = InstanceLock(self.paths)
+        self.lock.remove_stale(SHM_PARTS)
+        generation = self._next_generation()
+        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
+        self.regions = {"kv": HostRegion(self.paths.shm_name("kv"), "kv", geometry.kv_pool_bytes)}
+        if self.manifest is not None:
+            self.regions["weights"] = HostRegion(self.paths.shm_name("weights"), "weights",
+                                                 self.manifest.region_bytes)
+        self.token, self.token_path = self._load_token()
+        self.weights = WeightsKeeper(self.tables, self.manifest)
+        self.supervisor = Supervisor(self)
+        self.frontend = Frontend(self)
+        self._open_sockets()
+        self._write_state_file()
+        log.info("sidecar %r generation %d ready: %d KV pages of %d tokens (%.1f MiB), tables %.2f MiB "
+                 "(%.3f%% of the pool)", self.paths.instance, generation, geometry.num_pages,
+                 geometry.kv.page_tokens, geometry.kv_pool_bytes / 2**20, geometry.total_bytes / 2**20,
+                 100 * geometry.metadata_fraction)
+        self.supervisor.rearm(now_ns())
+        return self
+
+    def _next_generation(self) -> int:
+        path = self.paths.runtime_dir / "generation"
+        try:
+            gen = int(path.read_text().strip()) + 1
+        except (FileNotFoundError, ValueError):
+            gen = 1
+        path.write_text(f"{gen}\n")
+        return gen
+
+    def _load_token(self) -> tuple[str, os.PathLike]:
+        path = self.config.token_file or self.paths.token_file
+        if self.config.token_file is not None:
+            st = os.stat(path)
+            if st.st_mode & 0o077:
+                raise PermissionError(f"token file {path} is readable by others; chmod 600 it")
+            return path.read_text().strip(), path
+        token = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        self._created_token = True
+        return token, path
+
+    def _open_sockets(self) -> None:
+        self.zctx = zmq.Context()
+        self.control = self._router(self.paths.control_endpoint, self.paths.control_socket)
+        self.client = self._router(self.paths.client_endpoint, self.paths.client_socket)
+        self.fd_listener = fdpass.listen(str(self.paths.fd_socket))
+        self.fd_listener.setblocking(False)
+        self._sig_r, self._sig_w = socket.socketpair()
+        self._sig_r.setblocking(False)
+        self._sig_w.setblocking(False)
+        signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.client, zmq.POLLIN)
+        self.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
+        self.watch_fd(self._sig_r.fileno(), self._drain_signals)
+        self._posted: queue.SimpleQueue = queue.SimpleQueue()
+        self._post_r, self._post_w = socket.socketpair()
+        self._post_r.setblocking(False)
+        self.watch_fd(self._post_r.fileno(), self._run_posted)
+
+    def _router(self, endpoint: str, path) -> zmq.Socket:
+        sock = self.zctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.bind(endpoint)
+        os.chmod(path, 0o600)
+        return sock
+
+    def _write_state_file(self) -> None:
+        state = {"pid": os.getpid(), "generation": self.tables.generation,
+                 "client_endpoint": self.paths.client_endpoint,
+                 "tables": self.paths.shm_name("tables"),
+                 "model": str(self.config.model) if self.config.model else None}
+        self.paths.state_file.write_text(json.dumps(state) + "\n")
+
+    # ------------------------------------------------------------------ fd plumbing
+    def watch_fd(self, fd: int, callback) -> None:
+        self._fd_callbacks[fd] = callback
+        self.poller.register(fd, zmq.POLLIN)
+
+    def unwatch_fd(self, fd: int) -> None:
+        if self._fd_callbacks.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
+    def region_infos(self) -> list[dict]:
+        infos = [{"name": "tables", "size": self.tables.geometry.total_bytes, "backend": "host",
+                  "readonly": False}]
+        for name, region in self.regions.items():
+            infos.append(region.info(readonly=name == "weights").to_wire())
+        return infos
+
+    def export_region_fds(self, writable_weights: bool) -> tuple[list[str], list[int]]:
+        names, fds = ["tables"], [os.dup(self.tables.fd)]
+        for name, region in self.regions.items():
+            names.append(name)
+            fds.append(region.export_fd(readonly=name == "weights" and not writable_weights))
+        return names, fds
+
+    def _accept_fd_request(self) -> None:
+        try:
+            conn, _ = self.fd_listener.accept()
+        except BlockingIOError:
+            return
+        conn.settimeout(0.5)
+        self.supervisor.on_fd_request(conn)
+
+    def post(self, callback) -> None:
+        """Run `callback` on the loop thread soon; safe to call from any thread."""
+        self._posted.put(callback)
+        try:
+            self._post_w.send(b"!")
+        except (BlockingIOError, OSError):
+            pass  # the loop is already due to wake
+
+    def _run_posted(self) -> None:
+        try:
+            while self._post_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                callback = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            callback()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop = True
+
+    def _drain_signals(self) -> None:
+        try:
+            while self._sig_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------------ executor channel
+    def register_executor_identity(self, identity: bytes, handle) -> None:
+        self._identities[identity] = handle
+
+    def forget_executor_identity(self, identity: bytes | None) -> None:
+        self._identities.pop(identity, None)
+
+    def send_executor(self, handle, msg) -> None:
+        if handle.identity is None:
+            return
+        try:
+            self.control.send_multipart([handle.identity, wire.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not send %s to executor pid %d: %s", msg.TYPE, handle.pid, exc)
+
+    def _reply(self, sock: zmq.Socket, identity: bytes, msg) -> None:
+        try:
+            sock.send_multipart([identity, wire.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("dropped %s reply: %s", msg.TYPE, exc)
+
+    def _on_control(self, identity: bytes, frame: bytes) -> None:
+        try:
+            msg = wire.decode(frame, m.CONTROL_IN)
+        except wire.WireError as exc:
+            log.warning("bad control message: %s (%s)", exc, exc.code.name)
+            self._reply(self.control, identity, m.Error(code=exc.code, message=str(exc)))
+            return
+        if isinstance(msg, m.Attach):
+            self._reply(self.control, identity, self.supervisor.on_attach(identity, msg))
+            return
+        h = self.supervisor.handle_for(identity, msg.slot, msg.epoch)
+        if h is None or h.fenced or msg.epoch != h.epoch:
+            log.warning("refused %s from a stale or unknown executor (lease %d epoch %d)",
+                        msg.TYPE, msg.slot, msg.epoch)
+            self._reply(self.control, identity, m.Error(code=ErrorCode.FENCED,
+                                                        message="stale or unknown lease"))
+            return
+        reply = self._control_handlers[type(msg)](self, h, msg)
+        if reply is not None:
+            self._reply(self.control, identity, reply)
+
+    _control_handlers = {
+        m.Ready: lambda self, h, msg: self.supervisor.on_ready(h, msg),
+        m.Bye: lambda self, h, msg: self.supervisor.on_bye(h, msg),
+        m.WeightsLoading: lambda self, h, msg: None,
+        m.WeightsSealed: lambda self, h, msg: self.weights.on_sealed(h, msg),
+        m.StepDone: lambda self, h, msg: self.frontend.on_step(h, msg),
+        m.Recovered: lambda self, h, msg: self.frontend.on_recovered(h, msg),
+    }
+
+    def _on_client(self, identity: bytes, frame: bytes) -> None:
+        try:
+            msg = wire.decode(frame, m.CLIENT_IN)
+        except wire.WireError as exc:
+            log.warning("bad client message: %s (%s)", exc, exc.code.name)
+            self._reply(self.client, identity, m.Error(code=exc.code, message=str(exc)))
+            return
+        try:
+            reply = self.frontend.handle(identity, msg)
+        except Exception as exc:  # a bug on one request must not stop the service
+            log.exception("internal error handling %s", msg.TYPE)
+            reply = m.Error(code=ErrorCode.INTERNAL, message=f"internal error: {type(exc).__name__}",
+                            tag=getattr(msg, "tag", 0))
+        if reply is not None:
+            self._reply(self.client, identity, reply)
+
+    def send_client(self, identity: bytes, msg) -> None:
+        self._reply(self.client, identity, msg)
+
+    # ------------------------------------------------------------------ loop
+    def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
+        for _ in range(budget):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a %d-frame message (expected identity + body)", len(frames))
+                continue
+            handler(frames[0], frames[1])
+
+    def serve_forever(self) -> None:
+        while not self._stop:
+            self.run_once()
+        log.info("stopping on request")
+
+    def run_once(self) -> None:
+        now = now_ns()
+        deadline = min(self.supervisor.next_deadline_ns(), self.frontend.next_deadline_ns())
+        timeout_ms = max(0, -(-(deadline - now) // 1_000_000))
+        events = dict(self.poller.poll(min(timeout_ms, 1000)))
+        for fd in [fd for fd in events if isinstance(fd, int)]:
+            callback = self._fd_callbacks.get(fd)
+            if callback is not None:
+                callback()
+        if self.control in events:
+            self._drain(self.control, self._on_control)
+        if self.client in events:
+            self._drain(self.client, self._on_client)
+        now = now_ns()
+        self.supervisor.check_heartbeats(now)
+        self.supervisor.rearm(now)
+        self.frontend.tick(now)
+
+    def status(self) -> dict:
+        from ipc.page_table import PageTable
+
+        return {"instance": self.paths.instance, "pid": os.getpid(),
+                "generation": self.tables.generation,
+                "uptime_s": (now_ns() - self.started_ns) / 1e9,
+                "weights": {"state": self.weights.state.name.lower(),
+                            "fingerprint": self.weights.fingerprint, "load_ms": self.weights.load_ms},
+                "executors": self.supervisor.status(),
+                "pages": PageTable(self.tables).counts(),
+                "events": list(self.supervisor.events)[-64:],
+                **self.frontend.status()}
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop executors, then remove everything this sidecar created."""
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.stop_all()
+        for sock in ("control", "client"):
+            if hasattr(self, sock):
+                getattr(self, sock).close(0)
+        if hasattr(self, "zctx"):
+            self.zctx.term()
+        if hasattr(self, "fd_listener"):
+            self.fd_listener.close()
+            signal.set_wakeup_fd(-1)
+        for region in getattr(self, "regions", {}).values():
+            region.unlink()
+        if getattr(self, "tables", None) is not None:
+            self.tables.unlink()
+        for path in (self.paths.control_socket, self.paths.client_socket, self.paths.fd_socket,
+                     self.paths.state_file):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        if self._created_token:
+            self.paths.token_file.unlink(missing_ok=True)
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
+        log.info("sidecar %r stopped and cleaned up", self.paths.instance)
+
+
+def run_sidecar(config: SidecarConfig) -> int:
+    sidecar = Sidecar(config)
+    try:
+        sidecar.start()
+        sidecar.serve_forever()
+    finally:
+        sidecar.close()
+    return 0

@@ -1,0 +1,365 @@
+"""Executor supervision: spawn, attach, lease, detect death, fence, promote, re-arm.
+
+Death is detected two ways. An exit or kill makes the executor's pidfd readable,
+which wakes the sidecar's poll loop at once. A hang (SIGSTOP, a spin) stops the
+heartbeat the executor writes into its lease; the sidecar checks lease ages at the
+nearest deadline on CLOCK_MONOTONIC. Either way the executor is fenced (its epoch
+replaced, so its writes are refused and it exits if it ever runs again), killed if
+it is hung and ours to kill, and, if it was active, the best standby is promoted
+at once. The promotion names the fenced epochs whose process has not exited yet:
+the new active must not reuse pages those writers could still touch until a later
+`reaped` message says they are gone. Executors are then re-spawned, with capped
+exponential backoff when they keep dying.
+"""
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from ipc import fdpass, messages as m
+from ipc.errors import ErrorCode
+from ipc.layout import Role, WeightsState
+from ipc.leases import LeaseTable, now_ns
+from ipc.liveness import DeathWatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ExecutorHandle:
+    slot: int
+    pid: int
+    epoch: int
+    pidfd: int
+    popen: subprocess.Popen | None
+    spawned_ns: int
+    identity: bytes | None = None
+    nonce: str = ""
+    ready: bool = False
+    fenced: bool = False
+    stopping: bool = False
+    watcher: DeathWatcher | None = None
+    info: dict = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, sidecar):
+        self.sidecar = sidecar
+        self.config = sidecar.config
+        self.tables = sidecar.tables
+        self.leases = LeaseTable(sidecar.tables)
+        self.handles: dict[int, ExecutorHandle] = {}      # by lease slot
+        self.pending_epochs: set[int] = set()              # fenced, process not exited yet
+        self.events: collections.deque = collections.deque(maxlen=512)
+        self.active_slot: int | None = None
+        self.want_active = True
+        self._failures: collections.deque = collections.deque(maxlen=32)
+        self._next_spawn_ns = 0
+        self._stopping = False
+
+    # ------------------------------------------------------------------ events
+    def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
+        ev = {"kind": kind, "ns": now_ns()}
+        if h is not None:
+            ev.update(slot=h.slot, pid=h.pid, epoch=h.epoch)
+        ev.update(extra)
+        self.events.append(ev)
+        return ev
+
+    # ------------------------------------------------------------------ spawning
+    def target_executors(self) -> int:
+        return 1 + self.config.standbys if self.config.spawn_executors else 0
+
+    def live_handles(self) -> list[ExecutorHandle]:
+        return [h for h in self.handles.values() if not h.fenced and not h.stopping]
+
+    def spawn(self) -> ExecutorHandle | None:
+        slot = self.leases.free_slot()
+        if slot is None:
+            log.error("no free lease slot to spawn an executor (%d in use)", len(self.handles))
+            return None
+        paths = self.sidecar.paths
+        cmd = [sys.executable, "-m", "executor", "--instance", paths.instance,
+               "--runtime-root", str(paths.runtime_dir.parent),
+               "--token-file", str(self.sidecar.token_path), *self.config.executor_args]
+        env = dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()))
+        popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        pidfd = os.pidfd_open(popen.pid)
+        epoch = self.leases.grant(slot, popen.pid)
+        h = ExecutorHandle(slot=slot, pid=popen.pid, epoch=epoch, pidfd=pidfd, popen=popen,
+                           spawned_ns=now_ns())
+        self.handles[slot] = h
+        self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+        self._event("spawn", h)
+        log.info("spawned executor pid %d (lease %d, epoch %d)", h.pid, slot, epoch)
+        return h
+
+    def rearm(self, now: int) -> None:
+        """Keep 1 active + N standbys alive, backing off when executors keep dying."""
+        if self._stopping or now < self._next_spawn_ns:
+            return
+        missing = self.target_executors() - len(self.live_handles())
+        for _ in range(max(0, missing)):
+            if self.spawn() is None:
+                break
+        recent = [t for t in self._failures if now - t < 60e9]
+        if len(recent) >= 3:
+            lo, hi = self.config.restart_backoff_ms
+            delay_ms = min(hi, lo * 2 ** (len(recent) - 3))
+            self._next_spawn_ns = now + int(delay_ms * 1e6)
+
+    # ------------------------------------------------------------------ attach
+    def on_attach(self, identity: bytes, msg: m.Attach):
+        if not hmac.compare_digest(msg.token.encode(), self.sidecar.token.encode()):
+            log.warning("refused attach from pid %d: wrong executor token", msg.pid)
+            self._event("refused", pid=msg.pid, reason="bad token")
+            return m.Error(code=ErrorCode.UNAUTHORIZED, message="bad executor token")
+        h = next((x for x in self.handles.values() if x.pid == msg.pid and not x.fenced), None)
+        if h is None:
+            h = self._adopt(msg.pid)
+            if h is None:
+                return m.Error(code=ErrorCode.OVERLOADED, message="no free lease slot")
+        if h.identity is not None and h.identity != identity:
+            return m.Error(code=ErrorCode.UNAUTHORIZED, message="pid already attached")
+        h.identity = identity
+        h.nonce = secrets.token_hex(16)
+        self.sidecar.register_executor_identity(identity, h)
+        self._event("attach", h)
+        return m.Attached(slot=h.slot, epoch=h.epoch, generation=self.tables.generation,
+                          nonce=h.nonce, regions=self.sidecar.region_infos(),
+                          settings=self.config.executor_settings(),
+                          weights=self.sidecar.weights.attach_info(h))
+
+    def _adopt(self, pid: int) -> ExecutorHandle | None:
+        """An executor we did not spawn (systemd, a test): lease it and watch its pidfd."""
+        slot = self.leases.free_slot()
+        if slot is None:
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            log.warning("refused attach from pid %d: %s", pid, exc)
+            return None
+        epoch = self.leases.grant(slot, pid)
+        h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=None,
+                           spawned_ns=now_ns())
+        self.handles[slot] = h
+        self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+        log.info("adopted external executor pid %d (lease %d, epoch %d)", pid, slot, epoch)
+        return h
+
+    def on_fd_request(self, conn: socket.socket) -> None:
+        """Hand region descriptors to the process that holds a lease (checked by SO_PEERCRED)."""
+        try:
+            req, stray = fdpass.recv(conn)
+            for fd in stray:
+                os.close(fd)
+            pid, uid, _ = fdpass.peer_credentials(conn)
+            h = self.handles.get(req.get("slot")) if isinstance(req.get("slot"), int) else None
+            if (h is None or h.fenced or h.pid != pid or uid != os.getuid()
+                    or not hmac.compare_digest(str(req.get("nonce", "")), h.nonce)
+                    or req.get("epoch") != h.epoch):
+                log.warning("refused region descriptors to pid %d (no matching lease)", pid)
+                fdpass.send(conn, {"ok": False, "error": "no matching lease"})
+                return
+            writable_weights = self.sidecar.weights.may_write(h)
+            names, fds = self.sidecar.export_region_fds(writable_weights)
+            try:
+                fdpass.send(conn, {"ok": True, "regions": names}, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self._watch_liveness(h)
+        except (OSError, fdpass.FdPassError) as exc:
+            log.warning("region descriptor request failed: %s", exc)
+        finally:
+            conn.close()
+
+    def _watch_liveness(self, h: ExecutorHandle) -> None:
+        """Fast death signal: wakes when h's main thread dies (see ipc.liveness)."""
+        if h.watcher is not None:
+            return
+
+        def died(h=h, epoch=h.epoch):
+            ns = now_ns()
+            self.sidecar.post(lambda: self.on_liveness_lost(h, epoch, ns))
+
+        h.watcher = DeathWatcher(self.tables.liveness_mutex(h.slot), died, name=f"liveness-{h.slot}")
+        h.watcher.start()
+
+    def on_liveness_lost(self, h: ExecutorHandle, epoch: int, detect_ns: int) -> None:
+        if self.handles.get(h.slot) is h and h.epoch == epoch and not h.fenced:
+            reason = "exited" if h.stopping else "died"
+            self.fence(h, reason, detect_ns)
+
+    # ------------------------------------------------------------------ lifecycle messages
+    def handle_for(self, identity: bytes, slot: int, epoch: int) -> ExecutorHandle | None:
+        h = self.handles.get(slot)
+        if h is None or h.identity != identity:
+            return None
+        return h
+
+    def on_ready(self, h: ExecutorHandle, msg: m.Ready) -> None:
+        h.ready = True
+        h.info["warm_ms"] = msg.warm_ms
+        if self.leases.role(h.slot) == Role.STARTING:
+            self.leases.set_role(h.slot, Role.STANDBY)
+        self._event("ready", h, warm_ms=msg.warm_ms)
+        log.info("executor pid %d ready as standby (warm-up %.0f ms)", h.pid, msg.warm_ms)
+        if self.active_slot is None and self.want_active:
+            self.promote(h, fenced_epoch=0, detect_ns=0)
+
+    def on_bye(self, h: ExecutorHandle, msg: m.Bye) -> None:
+        h.stopping = True
+        self._event("bye", h, reason=msg.reason)
+
+    def promote(self, h: ExecutorHandle, fenced_epoch: int, detect_ns: int) -> None:
+        self.leases.set_role(h.slot, Role.ACTIVE)
+        self.active_slot = h.slot
+        self._event("promote", h, fenced_epoch=fenced_epoch)
+        self.sidecar.send_executor(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
+                                                fenced_epoch=fenced_epoch, detect_ns=detect_ns))
+        log.info("promoted executor pid %d (lease %d, epoch %d) to active", h.pid, h.slot, h.epoch)
+
+    @property
+    def active(self) -> ExecutorHandle | None:
+        return self.handles.get(self.active_slot) if self.active_slot is not None else None
+
+    # ------------------------------------------------------------------ failure handling
+    def fence(self, h: ExecutorHandle, reason: str, detect_ns: int) -> None:
+        """Revoke h's epoch; if it was active, promote a standby right away."""
+        if h.fenced:
+            return
+        was_active = self.active_slot == h.slot
+        role = self.leases.role(h.slot)
+        old_epoch = self.leases.fence(h.slot)
+        h.fenced = True
+        self.pending_epochs.add(old_epoch)
+        fenced_ns = int(self.tables.leases["fenced_ns"][h.slot])
+        self._event("fence", h, reason=reason, role=role.name, detect_ns=detect_ns,
+                    fenced_ns=fenced_ns, fenced_epoch=old_epoch)
+        self.sidecar.weights.on_fenced(h, [x for x in self.live_handles() if x.identity is not None])
+        if reason == "hang" and self.config.kill_fenced:
+            try:
+                signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not h.stopping and not self._stopping:
+            self._failures.append(detect_ns)
+        log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s",
+                    h.pid, h.slot, role.name, old_epoch, reason)
+        if was_active:
+            self.active_slot = None
+            self.failover(old_epoch, detect_ns)
+
+    def failover(self, fenced_epoch: int, detect_ns: int) -> None:
+        standby = next((x for x in self.live_handles()
+                        if x.ready and self.leases.role(x.slot) == Role.STANDBY), None)
+        if standby is not None:
+            self.promote(standby, fenced_epoch, detect_ns)
+        else:
+            self.want_active = True
+            log.warning("no warm standby: the next executor to become ready takes over")
+        self.rearm(now_ns())
+
+    def on_exit(self, h: ExecutorHandle) -> None:
+        detect_ns = now_ns()
+        self.sidecar.unwatch_fd(h.pidfd)
+        if h.watcher is not None:
+            h.watcher.cancel()
+        exit_code = self._reap(h)
+        if not h.fenced:
+            reason = "exited" if h.stopping else f"died (exit code {exit_code})"
+            self.fence(h, reason, detect_ns)
+        released = [h.epoch] if h.epoch in self.pending_epochs else []
+        self.pending_epochs.discard(h.epoch)
+        self.leases.release(h.slot, exit_code)
+        os.close(h.pidfd)
+        del self.handles[h.slot]
+        self.sidecar.forget_executor_identity(h.identity)
+        self._event("exit", h, exit_code=exit_code)
+        log.info("executor pid %d exited with code %d", h.pid, exit_code)
+        if released and self.active is not None:
+            self.sidecar.send_executor(self.active, m.Reaped(epochs=released))
+        self.rearm(now_ns())
+
+    @staticmethod
+    def _reap(h: ExecutorHandle) -> int:
+        if h.popen is not None:
+            code = h.popen.wait()
+            return code if code >= 0 else 128 - code
+        return -1  # not our child: the exit status belongs to its parent
+
+    def check_heartbeats(self, now: int) -> None:
+        for h in list(self.handles.values()):
+            if h.fenced:
+                continue
+            role = self.leases.role(h.slot)
+            limit_ms = self.config.startup_lease_ms if role == Role.STARTING else self.config.lease_ms
+            if self.leases.heartbeat_age_ns(h.slot, now) > limit_ms * 1e6:
+                self.fence(h, "hang", now)
+
+    def next_deadline_ns(self) -> int:
+        deadline = now_ns() + 1_000_000_000
+        for h in self.handles.values():
+            if h.fenced:
+                continue
+            role = self.leases.role(h.slot)
+            limit_ms = self.config.startup_lease_ms if role == Role.STARTING else self.config.lease_ms
+            deadline = min(deadline, int(self.tables.leases["heartbeat_ns"][h.slot]) + int(limit_ms * 1e6))
+        if self._next_spawn_ns:
+            deadline = min(deadline, self._next_spawn_ns)
+        return deadline
+
+    # ------------------------------------------------------------------ shutdown
+    def stop_all(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        for h in self.handles.values():
+            h.stopping = True
+            if h.identity is not None:
+                self.sidecar.send_executor(h, m.Shutdown(reason="sidecar stopping"))
+        deadline = now_ns() + int(timeout_s * 1e9)
+        for h in list(self.handles.values()):
+            self._wait_or_kill(h, deadline)
+
+    def _wait_or_kill(self, h: ExecutorHandle, deadline: int) -> None:
+        import select
+
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                try:
+                    signal.pidfd_send_signal(h.pidfd, sig)
+                except ProcessLookupError:
+                    pass
+            wait_s = max(0.0, (deadline - now_ns()) / 1e9) if sig is None else 1.0
+            if select.select([h.pidfd], [], [], wait_s)[0]:
+                break
+        self._reap(h)
+        os.close(h.pidfd)
+
+    def status(self) -> list[dict]:
+        now = now_ns()
+        out = []
+        for slot in range(len(self.tables.leases)):
+            role = self.leases.role(slot)
+            if role == Role.FREE:
+                continue
+            h = self.handles.get(slot)
+            out.append({"slot": slot, "pid": self.leases.pid(slot), "role": role.name.lower(),
+                        "epoch": self.leases.epoch(slot),
+                        "heartbeat_age_ms": self.leases.heartbeat_age_ns(slot, now) / 1e6,
+                        "steps": int(self.tables.leases["steps"][slot]),
+                        "ready": bool(h and h.ready)})
+        return out
+
+
+def weights_state_name(state: int) -> str:
+    return WeightsState(state).name.lower()

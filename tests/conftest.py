@@ -1,0 +1,40 @@
+"""Shared fixtures: short private runtime roots and real sidecar processes."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tools.sidecar_process import SidecarProcess
+
+
+@pytest.fixture
+def runtime_root():
+    # Unix socket paths are limited to ~107 bytes: keep the root short.
+    root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
+    os.chmod(root, 0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def start_sidecar(runtime_root, tmp_path):
+    """Factory: start_sidecar(flags, instance=None, env=None) -> running SidecarProcess."""
+    started: list[SidecarProcess] = []
+
+    def start(flags, instance=None, env=None, wait=True):
+        sc = SidecarProcess(list(flags), instance=instance, runtime_root=runtime_root, env=env,
+                            log_path=tmp_path / f"sidecar-{len(started)}.log")
+        started.append(sc)
+        return sc.start() if wait else sc
+
+    yield start
+    for sc in started:
+        sc.stop()
+
+
+def sidecar_log(sc: SidecarProcess) -> str:
+    return sc.log_path.read_text() if sc.log_path and sc.log_path.exists() else ""

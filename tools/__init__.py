@@ -1,0 +1,1 @@
+"""Benchmarks, fault injection and inspectors (run as python -m tools.<name>)."""

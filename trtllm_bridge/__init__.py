@@ -1,0 +1,1 @@
+"""TensorRT-LLM adapter (issue 7): not implemented yet."""
