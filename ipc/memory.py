@@ -134,6 +134,18 @@ class Mapping:
             flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
         return flat.view(dtype).view(shape)
 
+    def seal_readonly(self) -> None:
+        """mprotect the whole mapping PROT_READ (a loader, once the weights are written)."""
+        import ctypes
+
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.mprotect(ctypes.addressof(anchor), self.size, mmap.PROT_READ) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mprotect: {os.strerror(err)}")
+        self._anchor = anchor  # keep the buffer exported: the mapping must not move or close
+
     def close(self) -> None:
         try:
             self._mm.close()

@@ -86,6 +86,18 @@ class PageTable:
         p["flags"][idx] = PageFlag.NONE
         self._end(idx, v)
 
+    def quarantine(self, idx) -> None:
+        """Take pages out of use without reusing them: a fenced writer (epoch kept in the
+        record) may still be writing them. Freed by `release` once its exit is confirmed."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        p = self.pages
+        p["owner"][idx] = 0
+        p["num_tokens"][idx] = 0
+        p["checksum"][idx] = 0
+        p["flags"][idx] = PageFlag.QUARANTINED
+        self._end(idx, v)
+
     def repair_versions(self, idx) -> None:
         """Make interrupted (odd) versions even again; only after the writer is fenced."""
         idx = np.asarray(idx, dtype=np.int64)

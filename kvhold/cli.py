@@ -63,6 +63,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-batch-tokens", type=int, default=512,
                    help="most tokens in one step; prefill is chunked to fit (default 512)")
+    p.add_argument("--compute-dtype", default=None, choices=("float64", "float32", "bfloat16", "float16"),
+                   help="engine arithmetic and KV dtype (default: float64 on CPU, the checkpoint's on CUDA)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per executor on CPU")
     p.add_argument("--standbys", type=int, default=1, help="hot standby executors (default 1)")
     p.add_argument("--lease-ms", type=int, default=1000,
                    help="heartbeat lease: an executor silent this long is fenced (default 1000)")
@@ -85,7 +88,8 @@ def sidecar_config_from_args(args):
         backend=args.backend, device=args.device, workload=workload,
         kv_pages=args.kv_pages, kv_memory_bytes=args.kv_memory, page_tokens=args.page_tokens,
         max_seq_len=args.max_seq_len, max_requests=args.max_requests, max_batch=args.max_batch,
-        max_batch_tokens=args.max_batch_tokens, standbys=args.standbys, lease_ms=args.lease_ms,
+        max_batch_tokens=args.max_batch_tokens, compute_dtype=args.compute_dtype,
+        cpu_threads=args.cpu_threads, standbys=args.standbys, lease_ms=args.lease_ms,
         startup_lease_ms=args.startup_lease_ms, kill_fenced=args.kill_fenced,
         spawn_executors=args.spawn_executors, token_file=args.token_file)
 

@@ -41,6 +41,7 @@ class SidecarConfig:
     max_batch: int = 64
     max_batch_tokens: int = 512
     compute_dtype: str | None = None
+    cpu_threads: int | None = None
     # geometry used when there is no model (workload idle/churn)
     synthetic_layers: int = 2
     synthetic_kv_heads: int = 2
@@ -74,6 +75,13 @@ class SidecarConfig:
             raise ValueError(f"--max-requests must be in 1..65536, got {self.max_requests}")
         if self.synthetic_dtype not in KV_DTYPE_CODES:
             raise ValueError(f"unknown dtype {self.synthetic_dtype!r}")
+        if self.compute_dtype is not None and self.compute_dtype not in KV_DTYPE_CODES:
+            raise ValueError(f"--compute-dtype must be one of {sorted(KV_DTYPE_CODES)}")
+        if not self.device == "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.device.startswith("cuda") != (self.backend == "cuda"):
+            raise ValueError("--device cuda needs --backend cuda (and cpu needs host): weights and "
+                             "KV must live where the engine computes")
 
     @property
     def paths(self) -> InstancePaths:
@@ -88,12 +96,19 @@ class SidecarConfig:
     def num_leases(self) -> int:
         return min(64, 2 * (1 + self.standbys) + 2)
 
+    def compute_dtype_for(self, spec) -> str:
+        """Engine arithmetic and KV dtype: float64 on CPU (the exact reference: outputs do not
+        depend on batch composition), the checkpoint's dtype on CUDA, unless overridden."""
+        if self.compute_dtype:
+            return self.compute_dtype
+        return spec.dtype if self.device.startswith("cuda") else "float64"
+
     def kv_geometry(self, spec=None) -> KvGeometry:
         if spec is None:
             return KvGeometry(self.synthetic_layers, self.synthetic_kv_heads, self.synthetic_head_dim,
                               self.synthetic_dtype, self.page_tokens)
-        dtype = spec.dtype if self.device.startswith("cuda") else "float32"
-        return KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, self.page_tokens)
+        return KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                          self.compute_dtype_for(spec), self.page_tokens)
 
     def table_geometry(self, spec=None) -> TableGeometry:
         kv = self.kv_geometry(spec)
@@ -113,9 +128,11 @@ class SidecarConfig:
         return TableGeometry(kv=kv, num_pages=pages, num_slots=self.max_requests,
                              max_seq_len=max_seq, num_leases=self.num_leases)
 
-    def executor_settings(self) -> dict:
+    def executor_settings(self, spec=None) -> dict:
         return {"workload": self.workload, "device": self.device,
                 "heartbeat_ms": self.heartbeat_ms, "lease_ms": self.lease_ms,
                 "model": str(self.model) if self.model else "", "max_batch": self.max_batch,
                 "max_batch_tokens": self.max_batch_tokens,
-                "compute_dtype": self.compute_dtype or "", "extra": dict(self.extra)}
+                "compute_dtype": self.compute_dtype_for(spec) if spec else "",
+                "cpu_threads": self.cpu_threads or 0,
+                "extra": dict(self.extra)}

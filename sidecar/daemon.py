@@ -67,6 +67,7 @@ class Sidecar:
             self.regions["weights"] = HostRegion(self.paths.shm_name("weights"), "weights",
                                                  self.manifest.region_bytes)
         self.token, self.token_path = self._load_token()
+        self.executor_settings = cfg.executor_settings(self.spec)
         self.weights = WeightsKeeper(self.tables, self.manifest)
         self.supervisor = Supervisor(self)
         self.frontend = Frontend(self)
@@ -149,11 +150,11 @@ class Sidecar:
         if self._fd_callbacks.pop(fd, None) is not None:
             self.poller.unregister(fd)
 
-    def region_infos(self) -> list[dict]:
+    def region_infos(self, writable_weights: bool = False) -> list[dict]:
         infos = [{"name": "tables", "size": self.tables.geometry.total_bytes, "backend": "host",
                   "readonly": False}]
         for name, region in self.regions.items():
-            infos.append(region.info(readonly=name == "weights").to_wire())
+            infos.append(region.info(readonly=name == "weights" and not writable_weights).to_wire())
         return infos
 
     def export_region_fds(self, writable_weights: bool) -> tuple[list[str], list[int]]:
@@ -250,8 +251,12 @@ class Sidecar:
         m.WeightsLoading: lambda self, h, msg: None,
         m.WeightsSealed: lambda self, h, msg: self.weights.on_sealed(h, msg),
         m.StepDone: lambda self, h, msg: self.frontend.on_step(h, msg),
-        m.Recovered: lambda self, h, msg: self.frontend.on_recovered(h, msg),
+        m.Recovered: lambda self, h, msg: self._on_recovered(h, msg),
     }
+
+    def _on_recovered(self, h, msg) -> None:
+        self.frontend.on_recovered(h, msg)
+        self.supervisor.takeover_done()
 
     def _on_client(self, identity: bytes, frame: bytes) -> None:
         try:

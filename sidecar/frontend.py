@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ipc import messages as m
 from ipc.errors import ErrorCode, InvalidParams, InvalidTokenId, KvholdError, PromptTooLong
 from ipc.journal import Journal
-from ipc.layout import ExecState, FinishReason
+from ipc.layout import ExecState
 from ipc.leases import now_ns
 from ipc.sampling import SamplingParams
 from sidecar.detokenizer import IncrementalDetokenizer
@@ -165,12 +165,14 @@ class Frontend:
                      (rec["first_token_ns"] - rec.get("detect_ns", rec["first_token_ns"])) / 1e6)
 
     def on_recovered(self, h, msg: m.Recovered):
+        if not msg.report.get("fenced_epoch"):
+            return None  # a first activation, not a failover: nothing was recovered
         rec = dict(msg.report, pid=h.pid, epoch=h.epoch, received_ns=now_ns())
         self.recoveries.append(rec)
-        if rec.get("requests_resumed", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
+        if rec.get("requests_resumable", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
             self._awaiting_first_token[h.epoch] = rec
-        log.info("executor pid %d recovered: %s", h.pid,
-                 ", ".join(f"{k}={v}" for k, v in msg.report.items() if not k.endswith("_ns")))
+        log.info("executor pid %d took over: %s", h.pid, ", ".join(
+            f"{k}={v}" for k, v in msg.report.items() if not k.endswith("_ns") and k != "requests"))
         return None
 
     def _pump(self, st: Stream) -> None:
@@ -217,6 +219,3 @@ class Frontend:
                              "finished": dict(self.num_finished)},
                 "recoveries": list(self.recoveries)[-16:]}
 
-
-def finish_reason_name(reason: FinishReason) -> str:
-    return reason.name.lower()

@@ -31,6 +31,7 @@ from ipc.leases import LeaseTable, now_ns
 from ipc.liveness import DeathWatcher
 
 log = logging.getLogger(__name__)
+TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class Supervisor:
         self.want_active = True
         self._failures: collections.deque = collections.deque(maxlen=32)
         self._next_spawn_ns = 0
+        self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
         self._stopping = False
 
     # ------------------------------------------------------------------ events
@@ -89,8 +91,11 @@ class Supervisor:
         paths = self.sidecar.paths
         cmd = [sys.executable, "-m", "executor", "--instance", paths.instance,
                "--runtime-root", str(paths.runtime_dir.parent),
-               "--token-file", str(self.sidecar.token_path), *self.config.executor_args]
+               "--token-file", str(self.sidecar.token_path),
+               "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+               *self.config.executor_args]
         env = dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle math threads must not spin
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
         pidfd = os.pidfd_open(popen.pid)
         epoch = self.leases.grant(slot, popen.pid)
@@ -104,7 +109,7 @@ class Supervisor:
 
     def rearm(self, now: int) -> None:
         """Keep 1 active + N standbys alive, backing off when executors keep dying."""
-        if self._stopping or now < self._next_spawn_ns:
+        if self._stopping or now < max(self._next_spawn_ns, self._takeover_until_ns):
             return
         missing = self.target_executors() - len(self.live_handles())
         for _ in range(max(0, missing)):
@@ -133,10 +138,10 @@ class Supervisor:
         h.nonce = secrets.token_hex(16)
         self.sidecar.register_executor_identity(identity, h)
         self._event("attach", h)
+        weights = self.sidecar.weights.attach_info(h)
         return m.Attached(slot=h.slot, epoch=h.epoch, generation=self.tables.generation,
-                          nonce=h.nonce, regions=self.sidecar.region_infos(),
-                          settings=self.config.executor_settings(),
-                          weights=self.sidecar.weights.attach_info(h))
+                          nonce=h.nonce, regions=self.sidecar.region_infos(weights["loader"]),
+                          settings=self.sidecar.executor_settings, weights=weights)
 
     def _adopt(self, pid: int) -> ExecutorHandle | None:
         """An executor we did not spawn (systemd, a test): lease it and watch its pidfd."""
@@ -217,11 +222,17 @@ class Supervisor:
         if self.active_slot is None and self.want_active:
             self.promote(h, fenced_epoch=0, detect_ns=0)
 
+    def takeover_done(self) -> None:
+        """The promoted executor reported its takeover: re-arm standbys now."""
+        self._takeover_until_ns = 0
+
     def on_bye(self, h: ExecutorHandle, msg: m.Bye) -> None:
         h.stopping = True
         self._event("bye", h, reason=msg.reason)
 
     def promote(self, h: ExecutorHandle, fenced_epoch: int, detect_ns: int) -> None:
+        if fenced_epoch:  # a failover: give the takeover the CPU before starting a new standby
+            self._takeover_until_ns = now_ns() + TAKEOVER_GRACE_NS
         self.leases.set_role(h.slot, Role.ACTIVE)
         self.active_slot = h.slot
         self._event("promote", h, fenced_epoch=fenced_epoch)
@@ -315,8 +326,9 @@ class Supervisor:
             role = self.leases.role(h.slot)
             limit_ms = self.config.startup_lease_ms if role == Role.STARTING else self.config.lease_ms
             deadline = min(deadline, int(self.tables.leases["heartbeat_ns"][h.slot]) + int(limit_ms * 1e6))
-        if self._next_spawn_ns:
-            deadline = min(deadline, self._next_spawn_ns)
+        for t in (self._next_spawn_ns, self._takeover_until_ns):
+            if t:
+                deadline = min(deadline, t)
         return deadline
 
     # ------------------------------------------------------------------ shutdown

@@ -1,0 +1,205 @@
+"""Engine: one step of continuous batching, and the commit protocol of DESIGN.md s3.
+
+step(): take newly admitted requests from the journal, schedule, run the model,
+sample, then commit in this order, each stage published before the next begins:
+  1. KV pages: for every page written this step, (count, checksum) under the seqlock;
+     the checksum grows by the hash of the newly written token slots only;
+  2. journal: each sampled token stored, then its request's generated count bumped;
+  3. finished requests marked finished, then their pages freed.
+The device work of the step is complete before stage 1 (tensors are read back to
+the host to compute the checksums). A token reaches a client only through the
+journal, i.e. after stage 2. Fault points mark the stage boundaries for crash tests.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from executor import faults
+from executor.block_manager import BlockManager
+from executor.kv_cache import KvCache
+from executor.llama import LlamaModel, SeqSlice, StepInput
+from executor.page_allocator import PageAllocator
+from executor.sampler import sample
+from executor.scheduler import Scheduled, Scheduler
+from executor.sequence import Sequence
+from ipc.checksum import TorchChecksum
+from ipc.journal import Journal
+from ipc.layout import AdmitState, FinishReason
+from ipc.leases import Lease
+from ipc.page_table import PageTable
+from ipc.tables import Tables
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, kv: KvCache, tables: Tables, lease: Lease,
+                 max_batch: int, max_batch_tokens: int):
+        self.model = model
+        self.kv = kv
+        self.tables = tables
+        self.lease = lease
+        self.device = model.device
+        self.journal = Journal(tables)
+        self.page_table = PageTable(tables)
+        self.checksum = TorchChecksum(kv.pool)
+        self.page_tokens = kv.page_tokens
+        self.max_seq_len = tables.geometry.max_seq_len
+        self.eos = frozenset(model.spec.eos_token_ids)
+        self.blocks = BlockManager(PageAllocator([]), self.page_table, self.journal,
+                                   self.page_tokens, lease.epoch)
+        self.scheduler = Scheduler(self.blocks, max_batch, max_batch_tokens)
+        self.seqs: dict[int, Sequence] = {}          # by journal slot
+        self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
+        self.num_steps = 0
+        self.tokens_generated = 0
+
+    # ------------------------------------------------------------------ admission
+    def pending_admissions(self) -> np.ndarray:
+        r = self.tables.requests
+        untaken = (r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])
+        return untaken.nonzero()[0]
+
+    def admit(self) -> None:
+        for slot in self.pending_admissions():
+            slot = int(slot)
+            entry = self.journal.entry(slot)
+            self.lease.check()
+            self.journal.take(slot, entry.request_id, self.lease.epoch)
+            if entry.admit_state == AdmitState.CANCELLED:
+                self.journal.finish(slot, FinishReason.CANCELLED)
+                continue
+            seq = Sequence.from_journal(entry, self.journal.all_tokens(slot, entry.prompt_len).tolist())
+            self.add(seq)
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.slot] = seq
+        self.scheduler.add(seq)
+
+    def cancel_requested(self) -> list[int]:
+        cancelled = []
+        states = self.tables.requests["admit_state"]
+        for slot, seq in list(self.seqs.items()):
+            if states[slot] == AdmitState.CANCELLED:
+                self._finish(seq, FinishReason.CANCELLED)
+                cancelled.append(slot)
+        return cancelled
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or len(self.pending_admissions()) > 0
+
+    # ------------------------------------------------------------------ takeover
+    def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
+        from executor.recovery import take_over
+
+        return take_over(self, pending_epochs, detect_ns)
+
+    def release_quarantined(self, epochs) -> int:
+        """The writers of these epochs have exited: their quarantined pages are free again."""
+        epochs = set(epochs)
+        pages = [p for p, e in self.quarantined.items() if e in epochs]
+        if pages:
+            self.page_table.release(pages)
+            self.blocks.allocator.free(pages)
+            for p in pages:
+                del self.quarantined[p]
+        return len(pages)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[int]:
+        """Run one step; returns the journal slots whose progress changed."""
+        self.admit()
+        changed = self.cancel_requested()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return changed
+        step = self._build_input(plan)
+        logits = self.model.forward(step, self.kv)
+        sampling = [p.seq for p in plan if p.samples]
+        tokens = sample(logits, sampling) if sampling else []
+        self.num_steps += 1
+        return changed + self._commit(plan, step, sampling, tokens)
+
+    def _build_input(self, plan: list[Scheduled]) -> StepInput:
+        pt = self.page_tokens
+        ids, positions, pages, slots, seqs, rows = [], [], [], [], [], []
+        for p in plan:
+            s = p.seq
+            start = len(ids)
+            pos = range(s.num_computed, s.num_computed + p.n)
+            ids.extend(s.tokens[s.num_computed:s.num_computed + p.n])
+            positions.extend(pos)
+            pages.extend(s.pages[i // pt] for i in pos)
+            slots.extend(i % pt for i in pos)
+            seqs.append(SeqSlice(start=start, n=p.n, context=s.num_computed + p.n,
+                                 pages=torch.tensor(s.pages, device=self.device)))
+            if p.samples:
+                rows.append(len(ids) - 1)
+        dev = self.device
+        return StepInput(token_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+                         write_pages=torch.tensor(pages, device=dev), write_slots=torch.tensor(slots, device=dev),
+                         seqs=seqs, logits_rows=torch.tensor(rows, device=dev, dtype=torch.long))
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, plan: list[Scheduled], step: StepInput, sampling: list[Sequence],
+                tokens: list[int]) -> list[int]:
+        faults.point("commit_begin")
+        self._publish_pages(step)
+        faults.point("commit_pages")
+        for p in plan:
+            p.seq.num_computed += p.n
+        if sampling:
+            self.lease.check()
+            slots = np.array([s.slot for s in sampling], dtype=np.int64)
+            positions = np.array([s.num_tokens for s in sampling], dtype=np.int64)
+            counts = np.array([s.num_generated + 1 for s in sampling], dtype=np.uint32)
+            self.journal.commit_tokens(slots, positions, np.array(tokens, dtype=np.int32), counts)
+            faults.point("commit_journal")
+            for seq, token in zip(sampling, tokens):
+                seq.tokens.append(token)
+            self.tokens_generated += len(sampling)
+        for seq, token in zip(sampling, tokens):
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+        faults.point("commit_finish")
+        return [s.slot for s in sampling]
+
+    def _publish_pages(self, step: StepInput) -> None:
+        hashes = self.checksum.slots(step.write_pages, step.write_slots).cpu().numpy().view(np.uint64)
+        pages = step.write_pages.cpu().numpy()
+        slots = step.write_slots.cpu().numpy()
+        unique, inverse = np.unique(pages, return_inverse=True)
+        sums = np.zeros(len(unique), dtype=np.uint64)
+        np.add.at(sums, inverse, hashes)
+        counts = np.zeros(len(unique), dtype=np.int64)
+        np.maximum.at(counts, inverse, slots + 1)
+        new_checksums = np.empty(len(unique), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for i, page in enumerate(unique.tolist()):
+                new_checksums[i] = np.uint64(self.blocks.checksums[page]) + sums[i]
+        self.lease.check()
+        self.page_table.publish(unique, counts.astype(np.uint32), new_checksums, self.lease.epoch)
+        for page, count, checksum in zip(unique.tolist(), counts.tolist(), new_checksums.tolist()):
+            self.blocks.checksums[page] = checksum
+            self.blocks.counts[page] = count
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.stop_ids or (token in self.eos and not seq.ignore_eos):
+            return FinishReason.STOP
+        if seq.num_generated >= seq.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_seq_len:
+            return FinishReason.CONTEXT
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.lease.check()
+        self.journal.finish(seq.slot, reason)
+        self.scheduler.remove(seq)
+        self.blocks.free(seq)
+        del self.seqs[seq.slot]

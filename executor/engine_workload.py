@@ -1,0 +1,118 @@
+"""The engine workload: the reference torch engine behind the executor lifecycle.
+
+prepare() (as a standby-to-be): load the weights if this executor is the designated
+loader, otherwise wait for them to be sealed and check the fingerprint; map the
+weights read-only and the KV pool, build the model, and warm it up on a private
+scratch pool (a standby must not write shared pages). promote(): take over the
+page table and journal (executor.recovery) and report the figures. step(): one
+engine step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from executor.engine import Engine
+from executor.kv_cache import TORCH_DTYPES, KvCache
+from executor.llama import LlamaModel, SeqSlice, StepInput
+from executor.weights import WeightsRegion, wait_until_sealed
+from ipc import messages as m
+from ipc.checkpoint import Manifest
+from ipc.memory import Mapping, RegionInfo
+from ipc.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorkload:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.engine: Engine | None = None
+
+    def prepare(self) -> None:
+        ctx, s = self.ctx, self.ctx.settings
+        device = torch.device(s["device"])
+        if device.type == "cpu":
+            torch.set_num_threads(int(s.get("cpu_threads") or max(1, (os.cpu_count() or 2) // 2)))
+        spec = ModelSpec.from_dir(s["model"])
+        weights = self._weights(spec)
+        geometry = ctx.tables.geometry
+        dtype = TORCH_DTYPES[s["compute_dtype"]]
+        model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
+        kv = KvCache.from_mapping(ctx.mappings["kv"], geometry.kv, geometry.num_pages)
+        self._warm_up(model, geometry.kv, device)
+        self.engine = Engine(model, kv, ctx.tables, ctx.lease, int(s["max_batch"]),
+                             int(s["max_batch_tokens"]))
+        zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
+        self.engine.checksum.pages(zero, zero)
+        self.engine.checksum.slots(zero, zero)
+
+    def _weights(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        ctx = self.ctx
+        info = ctx.attached.weights
+        manifest = Manifest.from_wire(info["manifest"])
+        if manifest.fingerprint != info["fingerprint"]:
+            raise RuntimeError("the manifest does not match the sidecar's fingerprint")
+        region = WeightsRegion(ctx.mappings["weights"], manifest, ctx.settings["model"])
+        designated = info["loader"] or not wait_until_sealed(ctx.tables, manifest.fingerprint,
+                                                              ctx.epoch, ctx.beat)
+        if designated:
+            if not info["loader"]:  # designated after attach: our mapping is read-only
+                region = WeightsRegion(self._writable_weights(), manifest, ctx.settings["model"])
+            ctx.channel.send(m.WeightsLoading(slot=ctx.attached.slot, epoch=ctx.epoch))
+            load_ms = region.load(beat=ctx.beat)
+            log.info("loaded %d tensors (%.1f MiB) in %.0f ms", len(manifest.entries),
+                     manifest.region_bytes / 2**20, load_ms)
+            ctx.channel.send(m.WeightsSealed(slot=ctx.attached.slot, epoch=ctx.epoch,
+                                             fingerprint=manifest.fingerprint, load_ms=load_ms))
+        else:
+            log.info("weights already sealed (fingerprint %s): mapped, not loaded", manifest.fingerprint[:12])
+        return region.tensors()
+
+    def _writable_weights(self) -> Mapping:
+        fds = self.ctx.channel.fetch_fds(self.ctx.attached)
+        try:
+            info = next(RegionInfo.from_wire(d) for d in self.ctx.attached.regions if d["name"] == "weights")
+            return Mapping.from_fd(fds["weights"], RegionInfo(info.name, info.size, info.backend, False))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    @staticmethod
+    def _warm_up(model: LlamaModel, kv_geometry, device) -> None:
+        """Exercise every kernel once on a private pool, so the first real step is not cold."""
+        scratch = KvCache.private(kv_geometry, 1, device)
+        n = min(4, kv_geometry.page_tokens)
+        pages = torch.zeros(n, dtype=torch.long, device=device)
+        step = StepInput(token_ids=torch.zeros(n, dtype=torch.long, device=device),
+                         positions=torch.arange(n, device=device), write_pages=pages,
+                         write_slots=torch.arange(n, device=device),
+                         seqs=[SeqSlice(0, n, n, pages[:1])],
+                         logits_rows=torch.tensor([n - 1], device=device))
+        model.forward(step, scratch)
+
+    # ------------------------------------------------------------------ workload interface
+    def promote(self, msg: m.Promote) -> dict:
+        report = self.engine.take_over(msg.pending_epochs, msg.detect_ns)
+        report["fenced_epoch"] = msg.fenced_epoch
+        log.info("took over: %d resumable, %d damaged, %d lost, %d pages checked (%d bad), "
+                 "%d tokens recomputed", report["requests_resumable"], report["requests_damaged"],
+                 report["requests_lost"], report["pages_checked"], report["pages_bad"],
+                 report["tokens_recomputed"])
+        return report
+
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
+    def step(self) -> list[int]:
+        return self.engine.step()
+
+    def on_wake(self) -> None:
+        pass  # has_work() looks at the journal itself
+
+    def on_reaped(self, epochs) -> None:
+        released = self.engine.release_quarantined(epochs)
+        if released:
+            log.info("released %d quarantined pages of exited epochs %s", released, list(epochs))

@@ -1,0 +1,64 @@
+"""Deterministic sampling: greedy, temperature, top-k, top-p, one batched pass.
+
+The random draw for request r at generated position i is u(seed_r, i), a
+counter-based hash (splitmix64) turned into a float in [0, 1): it depends only on
+the request's seed and the position, never on batch composition, step count or
+which executor runs the step. Given the same logits, a resumed request therefore
+picks exactly the token an uninterrupted run would have picked. The choice is an
+inverse-CDF lookup over tokens sorted by (probability desc, id asc) with a stable
+sort, so ties break the same way everywhere.
+"""
+from __future__ import annotations
+
+import torch
+
+_M64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """u in [0, 1) for (seed, position), with 53 random bits."""
+    return (splitmix64(splitmix64(seed) ^ position) >> 11) / float(1 << 53)
+
+
+def sample(logits: torch.Tensor, seqs) -> list[int]:
+    """One token per row of `logits` [B, V] for the matching sequences."""
+    if logits.device.type == "cpu":
+        logits = logits.to(torch.float64)
+    else:
+        logits = logits.float()
+    tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
+    rows = [i for i, s in enumerate(seqs) if s.temperature > 0]
+    if rows:
+        tokens[rows] = _sample_rows(logits[rows], [seqs[i] for i in rows])
+    return tokens.tolist()
+
+
+def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([s.temperature for s in seqs], dtype=logits.dtype, device=dev)
+    top_k = torch.tensor([s.top_k for s in seqs], device=dev)
+    top_p = torch.tensor([s.top_p for s in seqs], dtype=logits.dtype, device=dev)
+    u = torch.tensor([uniform(s.seed, s.num_generated) for s in seqs], dtype=logits.dtype, device=dev)
+
+    scaled = logits / temps[:, None]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=dev)
+    sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs          # mass of strictly more likely tokens
+    drop = before >= top_p[:, None]
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    cdf = torch.cumsum(probs, dim=-1)
+    kept = (probs > 0).sum(dim=-1)
+    choice = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
+    choice = torch.minimum(choice, kept - 1)              # rounding can leave cdf[-1] < u
+    return order.gather(1, choice[:, None]).squeeze(1)

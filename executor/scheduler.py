@@ -1,0 +1,97 @@
+"""Scheduler: continuous batching with chunked prefill and recompute preemption.
+
+Each step has a token budget (max_batch_tokens) and a sequence limit (max_batch).
+Running sequences go first, oldest first: a decoding sequence takes one token, a
+sequence still prefilling takes the next chunk that fits the budget. Waiting
+sequences join as budget and free pages allow, so requests enter and leave
+between any two steps. When a running sequence needs a page and none is free, the
+newest running sequence is preempted: its pages are freed and it goes back to the
+front of the queue with all its tokens (prompt and generated) to be recomputed
+later. No request is ever dropped for lack of memory.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from executor.block_manager import BlockManager
+from executor.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    n: int                 # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token: its logits give the next token."""
+        return self.seq.num_computed + self.n == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch: int, max_batch_tokens: int):
+        self.blocks = blocks
+        self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.pages:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self.blocks.journal.add_counter(seq.slot, "num_preempted", 1)
+
+    def schedule(self) -> list[Scheduled]:
+        plan: list[Scheduled] = []
+        budget = self.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0 and len(plan) < self.max_batch:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            need = self.blocks.pages_needed(seq, n)
+            while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
+                self.preempt(self.running[-1])
+            if not self.blocks.can_allocate(need):
+                self.preempt(seq)          # alone and still too big: wait for pages
+                break
+            self.blocks.allocate(seq, need)
+            plan.append(Scheduled(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(plan) < self.max_batch:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            need = self.blocks.pages_needed(seq, n)
+            if not self.blocks.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.allocate(seq, need)
+            plan.append(Scheduled(seq, n))
+            budget -= n
+        return plan
