@@ -4,8 +4,10 @@
 it reaches `point` (1-based), e.g. `commit_pages:3:kill` SIGKILLs itself between
 publishing KV page checksums and committing tokens on its third commit. Actions
 are real: `kill` (SIGKILL), `segv` (SIGSEGV, default handler), `stop` (SIGSTOP),
-`spin` (busy loop forever), `exit` (exit code 3). With no variable set, a fault
-point costs one dict lookup.
+`spin` (busy loop forever), `exit` (exit code 3). With `KVHOLD_FAULT_ONCE=<path>`
+only the first process to reach its fault fires it (it creates <path> with O_EXCL),
+so replacements spawned with the same environment run clean. With no variable
+set, a fault point costs one dict lookup.
 """
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ def point(name: str) -> None:
     n, action = _plan[name]
     if _hits[name] != n:
         return
+    once = os.environ.get("KVHOLD_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "segv":

@@ -86,15 +86,18 @@ class TorchChecksum:
         self.token_pos = torch.arange(tokens, device=pool.device).view(1, 1, 1, tokens, 1)
         self.chunk_pages = max(1, max_chunk_bytes // (self.page_words * 8 * 3))
 
-    def _mix(self, x):
-        t = self.torch
-        x = x ^ _signed(SEED)
-        x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * t.tensor(_signed(C1), dtype=t.int64, device=x.device)
-        x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * t.tensor(_signed(C2), dtype=t.int64, device=x.device)
-        return x ^ ((x >> 31) & ((1 << 33) - 1))
-
     def _hash_words(self, words, index_hi):
-        return self._mix((words.to(self.torch.int64) & 0xFFFFFFFF) | index_hi)
+        """mix(word | index << 32) for every word, in place on one int64 buffer."""
+        t = self.torch
+        x = words.to(t.int64)
+        x.bitwise_and_(0xFFFFFFFF).bitwise_or_(index_hi).bitwise_xor_(_signed(SEED))
+        tmp = t.empty_like(x)
+        for shift, mult in ((30, C1), (27, C2), (31, None)):
+            t.bitwise_right_shift(x, shift, out=tmp)
+            x.bitwise_xor_(tmp.bitwise_and_((1 << (64 - shift)) - 1))   # logical shift
+            if mult is not None:
+                x.mul_(_signed(mult))
+        return x
 
     def pages(self, page_ids, num_tokens):
         """Checksums of whole committed ranges: page_ids, num_tokens are 1-D int64 tensors."""
@@ -104,7 +107,7 @@ class TorchChecksum:
             ids = page_ids[start:start + self.chunk_pages]
             counts = num_tokens[start:start + self.chunk_pages].view(-1, 1, 1, 1, 1)
             h = self._hash_words(self.words[ids], self.index_hi)
-            h = h * (self.token_pos < counts)
+            h.masked_fill_(self.token_pos >= counts, 0)
             out[start:start + len(ids)] = h.flatten(1).sum(dim=1)
         return out
 

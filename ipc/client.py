@@ -45,6 +45,8 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    preemptions: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -92,7 +94,9 @@ class Stream:
         return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids),
                                 text=st.done.text, finish_reason=st.done.finish_reason,
                                 prompt_tokens=st.done.prompt_tokens,
-                                completion_tokens=st.done.completion_tokens)
+                                completion_tokens=st.done.completion_tokens,
+                                preemptions=st.done.preemptions,
+                                recomputed_tokens=st.done.recomputed_tokens)
 
     def cancel(self) -> None:
         self._client.cancel(self.request_id)

@@ -169,6 +169,8 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""
+    preemptions: int = 0          # times the request lost its KV to memory pressure
+    recomputed_tokens: int = 0    # tokens whose KV was recomputed after executor crashes
 
 
 @message("cancelled")

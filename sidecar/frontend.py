@@ -188,9 +188,11 @@ class Frontend:
         if state == ExecState.FINISHED:
             if st.detok:
                 st.text.append(st.detok.flush())
+            r = self.tables.requests[st.slot]
             self.sidecar.send_client(st.identity, m.Done(
                 request_id=st.request_id, finish_reason=reason.name.lower(),
-                prompt_tokens=st.prompt_len, completion_tokens=count, text="".join(st.text)))
+                prompt_tokens=st.prompt_len, completion_tokens=count, text="".join(st.text),
+                preemptions=int(r["num_preempted"]), recomputed_tokens=int(r["num_recomputed"])))
             self.journal.release(st.slot)
             del self.streams[st.request_id]
             self.num_finished[reason.name.lower()] += 1

@@ -62,6 +62,7 @@ class Supervisor:
         self.events: collections.deque = collections.deque(maxlen=512)
         self.active_slot: int | None = None
         self.want_active = True
+        self._unserved_failover = (0, 0)   # (fenced epoch, detect ns) waiting for an executor
         self._failures: collections.deque = collections.deque(maxlen=32)
         self._next_spawn_ns = 0
         self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
@@ -220,7 +221,9 @@ class Supervisor:
         self._event("ready", h, warm_ms=msg.warm_ms)
         log.info("executor pid %d ready as standby (warm-up %.0f ms)", h.pid, msg.warm_ms)
         if self.active_slot is None and self.want_active:
-            self.promote(h, fenced_epoch=0, detect_ns=0)
+            fenced_epoch, detect_ns = self._unserved_failover
+            self._unserved_failover = (0, 0)
+            self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
 
     def takeover_done(self) -> None:
         """The promoted executor reported its takeover: re-arm standbys now."""
@@ -278,6 +281,8 @@ class Supervisor:
             self.promote(standby, fenced_epoch, detect_ns)
         else:
             self.want_active = True
+            if not self._unserved_failover[0]:
+                self._unserved_failover = (fenced_epoch, detect_ns)
             log.warning("no warm standby: the next executor to become ready takes over")
         self.rearm(now_ns())
 

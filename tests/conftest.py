@@ -38,3 +38,12 @@ def start_sidecar(runtime_root, tmp_path):
 
 def sidecar_log(sc: SidecarProcess) -> str:
     return sc.log_path.read_text() if sc.log_path and sc.log_path.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The demo checkpoint, built once per test session (no download)."""
+    from tools.make_model import ensure_demo_model
+
+    path, _ = ensure_demo_model(tmp_path_factory.mktemp("models"))
+    return path
