@@ -20,12 +20,13 @@ import torch
 from executor import faults
 from executor.block_manager import BlockManager
 from executor.kv_cache import KvCache
-from executor.llama import LlamaModel, SeqSlice, StepInput
+from executor.llama import LlamaModel
 from executor.page_allocator import PageAllocator
 from executor.sampler import sample
+from executor.step_runner import CpuRunner
 from executor.scheduler import Scheduled, Scheduler
 from executor.sequence import Sequence
-from ipc.checksum import TorchChecksum
+from ipc.checksum import TorchChecksum, to_u64
 from ipc.journal import Journal
 from ipc.layout import AdmitState, FinishReason
 from ipc.leases import Lease
@@ -37,21 +38,23 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: LlamaModel, kv: KvCache, tables: Tables, lease: Lease,
-                 max_batch: int, max_batch_tokens: int):
+                 max_batch: int, max_batch_tokens: int, runner=None, checksum=None,
+                 prefill_chunk: int | None = None):
         self.model = model
         self.kv = kv
+        self.runner = runner or CpuRunner(model, kv)
         self.tables = tables
         self.lease = lease
         self.device = model.device
         self.journal = Journal(tables)
         self.page_table = PageTable(tables)
-        self.checksum = TorchChecksum(kv.pool)
+        self.checksum = checksum or TorchChecksum(kv.pool)
         self.page_tokens = kv.page_tokens
         self.max_seq_len = tables.geometry.max_seq_len
         self.eos = frozenset(model.spec.eos_token_ids)
         self.blocks = BlockManager(PageAllocator([]), self.page_table, self.journal,
                                    self.page_tokens, lease.epoch)
-        self.scheduler = Scheduler(self.blocks, max_batch, max_batch_tokens)
+        self.scheduler = Scheduler(self.blocks, max_batch, max_batch_tokens, prefill_chunk)
         self.seqs: dict[int, Sequence] = {}          # by journal slot
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
@@ -117,38 +120,16 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return changed
-        step = self._build_input(plan)
-        logits = self.model.forward(step, self.kv)
+        logits = self.runner.run(plan)
         sampling = [p.seq for p in plan if p.samples]
         tokens = sample(logits, sampling) if sampling else []
         self.num_steps += 1
-        return changed + self._commit(plan, step, sampling, tokens)
-
-    def _build_input(self, plan: list[Scheduled]) -> StepInput:
-        pt = self.page_tokens
-        ids, positions, pages, slots, seqs, rows = [], [], [], [], [], []
-        for p in plan:
-            s = p.seq
-            start = len(ids)
-            pos = range(s.num_computed, s.num_computed + p.n)
-            ids.extend(s.tokens[s.num_computed:s.num_computed + p.n])
-            positions.extend(pos)
-            pages.extend(s.pages[i // pt] for i in pos)
-            slots.extend(i % pt for i in pos)
-            seqs.append(SeqSlice(start=start, n=p.n, context=s.num_computed + p.n,
-                                 pages=torch.tensor(s.pages, device=self.device)))
-            if p.samples:
-                rows.append(len(ids) - 1)
-        dev = self.device
-        return StepInput(token_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
-                         write_pages=torch.tensor(pages, device=dev), write_slots=torch.tensor(slots, device=dev),
-                         seqs=seqs, logits_rows=torch.tensor(rows, device=dev, dtype=torch.long))
+        return changed + self._commit(plan, sampling, tokens)
 
     # ------------------------------------------------------------------ commit
-    def _commit(self, plan: list[Scheduled], step: StepInput, sampling: list[Sequence],
-                tokens: list[int]) -> list[int]:
+    def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> list[int]:
         faults.point("commit_begin")
-        self._publish_pages(step)
+        self._publish_pages(plan)
         faults.point("commit_pages")
         for p in plan:
             p.seq.num_computed += p.n
@@ -169,22 +150,26 @@ class Engine:
         faults.point("commit_finish")
         return [s.slot for s in sampling]
 
-    def _publish_pages(self, step: StepInput) -> None:
-        hashes = self.checksum.slots(step.write_pages, step.write_slots).cpu().numpy().view(np.uint64)
-        pages = step.write_pages.cpu().numpy()
-        slots = step.write_slots.cpu().numpy()
-        unique, inverse = np.unique(pages, return_inverse=True)
-        sums = np.zeros(len(unique), dtype=np.uint64)
-        np.add.at(sums, inverse, hashes)
-        counts = np.zeros(len(unique), dtype=np.int64)
-        np.maximum.at(counts, inverse, slots + 1)
-        new_checksums = np.empty(len(unique), dtype=np.uint64)
+    def _publish_pages(self, plan: list[Scheduled]) -> None:
+        """Extend each written page's committed range: count, and checksum += hash(new rows)."""
+        pt = self.page_tokens
+        ends: dict[int, int] = {}
+        for p in plan:
+            s = p.seq
+            for i in range(s.num_computed // pt, (s.num_computed + p.n - 1) // pt + 1):
+                ends[s.pages[i]] = min(pt, s.num_computed + p.n - i * pt)
+        pages = np.fromiter(ends, dtype=np.int64, count=len(ends))
+        counts = np.fromiter(ends.values(), dtype=np.int64, count=len(ends))
+        starts = np.array([self.blocks.counts[p] for p in ends], dtype=np.int64)
+        dev = self.device
+        added = to_u64(self.checksum.ranges(torch.from_numpy(pages).to(dev), torch.from_numpy(starts).to(dev),
+                                            torch.from_numpy(counts).to(dev)))
+        old = np.array([self.blocks.checksums[p] for p in ends], dtype=np.uint64)
         with np.errstate(over="ignore"):
-            for i, page in enumerate(unique.tolist()):
-                new_checksums[i] = np.uint64(self.blocks.checksums[page]) + sums[i]
+            new_checksums = old + added
         self.lease.check()
-        self.page_table.publish(unique, counts.astype(np.uint32), new_checksums, self.lease.epoch)
-        for page, count, checksum in zip(unique.tolist(), counts.tolist(), new_checksums.tolist()):
+        self.page_table.publish(pages, counts.astype(np.uint32), new_checksums, self.lease.epoch)
+        for page, count, checksum in zip(pages.tolist(), counts.tolist(), new_checksums.tolist()):
             self.blocks.checksums[page] = checksum
             self.blocks.counts[page] = count
 

@@ -20,7 +20,7 @@ from executor.llama import LlamaModel, SeqSlice, StepInput
 from executor.weights import WeightsRegion, wait_until_sealed
 from ipc import messages as m
 from ipc.checkpoint import Manifest
-from ipc.memory import Mapping, RegionInfo
+from ipc.memory import Mapping, RegionInfo, map_region
 from ipc.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class EngineWorkload:
         kv = KvCache.from_mapping(ctx.mappings["kv"], geometry.kv, geometry.num_pages)
         self._warm_up(model, geometry.kv, device)
         self.engine = Engine(model, kv, ctx.tables, ctx.lease, int(s["max_batch"]),
-                             int(s["max_batch_tokens"]))
+                             int(s["max_batch_tokens"]), prefill_chunk=int(s.get("prefill_chunk") or 0) or None)
         zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
         self.engine.checksum.pages(zero, zero)
         self.engine.checksum.slots(zero, zero)
@@ -75,7 +75,7 @@ class EngineWorkload:
         fds = self.ctx.channel.fetch_fds(self.ctx.attached)
         try:
             info = next(RegionInfo.from_wire(d) for d in self.ctx.attached.regions if d["name"] == "weights")
-            return Mapping.from_fd(fds["weights"], RegionInfo(info.name, info.size, info.backend, False))
+            return map_region(fds["weights"], info.with_access(False))
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -13,8 +13,8 @@ class IdleWorkload:
     def prepare(self) -> None:
         pass
 
-    def promote(self, msg) -> dict | None:
-        return None
+    def promote(self, msg) -> dict:
+        return {"fenced_epoch": msg.fenced_epoch}  # nothing to recover; tells the sidecar we are done
 
     def has_work(self) -> bool:
         return False

@@ -97,11 +97,18 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv: KvCache) -> torch.Tensor:
-        """Run one step; returns logits [len(logits_rows), vocab] in float32/float64."""
+        """Run one step; returns logits [len(logits_rows), vocab]."""
+        h = self.layers(step.token_ids, step.positions, step.write_pages, step.write_slots, kv,
+                        lambda layer, q: self._attention(layer, q, step, kv))
+        return self.logits(h[step.logits_rows])
+
+    def layers(self, token_ids, positions, write_pages, write_slots, kv: KvCache, attend) -> torch.Tensor:
+        """Every decoder layer over a flat token axis; `attend(layer, q)` does attention after the
+        step's keys/values were written to the pool. Returns the last hidden states."""
         spec = self.spec
-        t = step.token_ids.shape[0]
-        h = self.w["model.embed_tokens.weight"][step.token_ids].to(self.dtype)
-        cos, sin = self.cos[step.positions][:, None], self.sin[step.positions][:, None]
+        t = token_ids.shape[0]
+        h = self.w["model.embed_tokens.weight"][token_ids].to(self.dtype)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         bias = spec.attention_bias
         for layer in range(spec.num_layers):
             p = f"model.layers.{layer}."
@@ -111,14 +118,17 @@ class LlamaModel:
             v = self._linear(x, p + "self_attn.v_proj.weight", bias).view(t, spec.num_kv_heads, spec.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kv.write(layer, step.write_pages, step.write_slots, k, v)
-            attn = self._attention(layer, q, step, kv)
+            kv.write(layer, write_pages, write_slots, k, v)
+            attn = attend(layer, q)
             h = h + self._linear(attn.reshape(t, -1), p + "self_attn.o_proj.weight")
             x = self._rmsnorm(h, p + "post_attention_layernorm.weight")
             gate = self._linear(x, p + "mlp.gate_proj.weight")
             up = self._linear(x, p + "mlp.up_proj.weight")
             h = h + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
-        h = self._rmsnorm(h[step.logits_rows], "model.norm.weight")
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self._rmsnorm(h, "model.norm.weight")
         head = self.lm_head if self.lm_head.dtype == self.dtype else self.lm_head.to(self.dtype)
         return F.linear(h, head)
 

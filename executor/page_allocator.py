@@ -2,11 +2,15 @@
 
 The page table in shared memory is the truth; this free list is a private cache
 of it, rebuilt from the table whenever an executor takes over (`from_table`).
-Allocation pops from a stack, freeing pushes: O(1) per page.
+Allocation pops from a stack, freeing pushes: O(1) per page. Page 0 is the null
+page: never allocated, it absorbs the writes of padding rows (executor.cuda_runner).
 """
 from __future__ import annotations
 
 from typing import Iterable
+
+
+NULL_PAGE = 0
 
 
 class OutOfPages(RuntimeError):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.page_allocator import PageAllocator
+from executor.page_allocator import NULL_PAGE, PageAllocator
 from executor.sequence import Sequence
 from ipc.checksum import to_u64
 from ipc.journal import JournalEntry
@@ -94,7 +94,7 @@ def take_over(engine, pending_epochs, detect_ns: int = 0) -> dict:
     quarantined = _clear_unkept(engine, records, kept, pending)
     engine.quarantined.update(quarantined)
     engine.blocks.allocator = PageAllocator(
-        p for p in range(len(records)) if p not in kept and p not in quarantined)
+        p for p in range(NULL_PAGE + 1, len(records)) if p not in kept and p not in quarantined)
 
     copied = 0
     report_requests = []

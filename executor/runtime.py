@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ipc import messages as m
 from ipc.leases import Fenced, Lease
-from ipc.memory import Mapping, RegionInfo
+from ipc.memory import Mapping, RegionInfo, map_region
 from ipc.naming import InstancePaths
 from ipc.tables import Tables
 from executor.channel import Channel
@@ -109,7 +109,7 @@ class ExecutorRuntime:
         infos = {d["name"]: RegionInfo.from_wire(d) for d in attached.regions}
         try:
             tables = Tables.attach_fd(fds.pop("tables"))
-            mappings = {name: Mapping.from_fd(fd, infos[name]) for name, fd in fds.items()}
+            mappings = {name: map_region(fd, infos[name]) for name, fd in fds.items()}
         finally:
             for fd in fds.values():
                 os.close(fd)

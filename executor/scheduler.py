@@ -2,7 +2,10 @@
 
 Each step has a token budget (max_batch_tokens) and a sequence limit (max_batch).
 Running sequences go first, oldest first: a decoding sequence takes one token, a
-sequence still prefilling takes the next chunk that fits the budget. Waiting
+sequence still prefilling takes its next chunk, cut at fixed positions (multiples
+of prefill_chunk) so that a prompt is split the same way in every run. Since
+prefill_chunk + max_batch <= max_batch_tokens, the first prefill chunk of a step
+always fits after the decodes: no prompt waits forever behind decoding sequences. Waiting
 sequences join as budget and free pages allow, so requests enter and leave
 between any two steps. When a running sequence needs a page and none is free, the
 newest running sequence is preempted: its pages are freed and it goes back to the
@@ -30,10 +33,16 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_batch_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_batch_tokens: int,
+                 prefill_chunk: int | None = None):
         self.blocks = blocks
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk or max(1, max_batch_tokens - max_batch)
+        if self.prefill_chunk + max_batch > max_batch_tokens:
+            # otherwise decodes could leave too little budget for any prefill chunk: starvation
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} + max_batch {max_batch} exceeds "
+                             f"max_batch_tokens {max_batch_tokens}")
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,13 +74,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.blocks.journal.add_counter(seq.slot, "num_preempted", 1)
 
+    def _chunk(self, seq: Sequence) -> int:
+        """Tokens to compute next. Prefill chunks end at multiples of prefill_chunk (counted from
+        position 0), so a prompt is always cut the same way whatever else is running."""
+        c = self.prefill_chunk
+        return min(seq.num_uncomputed, c - seq.num_computed % c)
+
     def schedule(self) -> list[Scheduled]:
         plan: list[Scheduled] = []
         budget = self.max_batch_tokens
         i = 0
         while i < len(self.running) and budget > 0 and len(plan) < self.max_batch:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq)
+            if n > budget:
+                break
             need = self.blocks.pages_needed(seq, n)
             while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])
@@ -84,7 +101,9 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(plan) < self.max_batch:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq)
+            if n > budget:
+                break
             need = self.blocks.pages_needed(seq, n)
             if not self.blocks.can_allocate(need):
                 break

@@ -111,6 +111,17 @@ class TorchChecksum:
             out[start:start + len(ids)] = h.flatten(1).sum(dim=1)
         return out
 
+    def ranges(self, page_ids, starts, ends):
+        """Hash of the token rows [starts[i], ends[i]) of pages page_ids[i]."""
+        t = self.torch
+        lens = (ends - starts).to(t.int64)
+        owner = t.arange(len(page_ids), device=lens.device).repeat_interleave(lens)
+        slot = starts.to(t.int64).repeat_interleave(lens)
+        slot = slot + t.arange(len(slot), device=lens.device) - (t.cumsum(lens, 0) - lens).repeat_interleave(lens)
+        hashes = self.slots(page_ids.to(t.int64).repeat_interleave(lens), slot)
+        out = t.zeros(len(page_ids), dtype=t.int64, device=lens.device)
+        return out.index_add_(0, owner, hashes)
+
     def slots(self, page_ids, slots):
         """Hash of single token slots (page_ids[i], slots[i]); adding them to a page's
         checksum extends its committed range by those slots."""

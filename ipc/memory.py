@@ -33,15 +33,21 @@ class RegionInfo:
     size: int
     backend: str
     readonly: bool
+    device: int = -1          # CUDA ordinal for the cuda backend
+    va_hint: int = 0          # where every executor asks to map it (cuda backend)
 
     def to_wire(self) -> dict:
         return {"name": self.name, "size": self.size, "backend": self.backend,
-                "readonly": self.readonly}
+                "readonly": self.readonly, "device": self.device, "va_hint": self.va_hint}
 
     @classmethod
     def from_wire(cls, d: dict) -> "RegionInfo":
         return cls(name=str(d["name"]), size=int(d["size"]), backend=str(d["backend"]),
-                   readonly=bool(d["readonly"]))
+                   readonly=bool(d["readonly"]), device=int(d.get("device", -1)),
+                   va_hint=int(d.get("va_hint", 0)))
+
+    def with_access(self, readonly: bool) -> "RegionInfo":
+        return RegionInfo(self.name, self.size, self.backend, readonly, self.device, self.va_hint)
 
 
 def round_up(n: int, align: int) -> int:
@@ -86,6 +92,84 @@ class HostRegion:
             self._shm.unlink()
         except posix_ipc.ExistentialError:
             pass
+
+
+class CudaRegion:
+    """Device memory owned by the sidecar through a VMM allocation handle (no context).
+
+    Access rights are the importer's to set (CUDA has no read-only export): executors
+    map weights read-only by construction, see CudaMapping.
+    """
+
+    backend = "cuda"
+
+    def __init__(self, name: str, size: int, device: int, index: int):
+        from ipc import cuda_vmm
+
+        if size <= 0:
+            raise ValueError(f"region {name}: size must be positive, got {size}")
+        self.name = name
+        self.device = device
+        self.allocation = cuda_vmm.VmmAllocation(size, device)
+        self.size = self.allocation.size
+        self.va_hint = cuda_vmm.va_hint(index)
+
+    def info(self, readonly: bool) -> RegionInfo:
+        return RegionInfo(self.name, self.size, self.backend, readonly, self.device, self.va_hint)
+
+    def export_fd(self, readonly: bool) -> int:
+        return self.allocation.export_fd()
+
+    def unlink(self) -> None:
+        self.allocation.release()
+
+
+class CudaMapping:
+    """A CUDA region imported and mapped by an executor; tensors alias device memory."""
+
+    def __init__(self, fd: int, info: RegionInfo):
+        import torch
+
+        from ipc import cuda_vmm
+
+        torch.cuda.init()
+        torch.cuda.set_device(info.device)
+        torch.zeros(1, device=f"cuda:{info.device}")   # make torch's primary context current
+        self.info = info
+        self.vmm = cuda_vmm.VmmMapping(fd, info.size, info.device, info.readonly, info.va_hint)
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    @property
+    def stable_address(self) -> bool:
+        return self.vmm.stable
+
+    def tensor(self, dtype, shape, offset: int = 0):
+        import torch
+
+        shape = tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"region {self.info.name}: [{offset}, {offset + nbytes}) outside "
+                             f"its {self.size} bytes")
+        return self.vmm.bytes_tensor()[offset:offset + nbytes].view(dtype).view(shape)
+
+    def numpy(self, dtype, shape, offset: int = 0):
+        raise TypeError(f"region {self.info.name} is device memory: use tensor()")
+
+    def seal_readonly(self) -> None:
+        self.vmm.set_access(readonly=True)
+        self.info = self.info.with_access(True)
+
+    def close(self) -> None:
+        pass  # unmapped with the process: views may still be alive
+
+
+def map_region(fd: int, info: RegionInfo):
+    """Map a received region with the backend it names."""
+    return CudaMapping(fd, info) if info.backend == "cuda" else Mapping.from_fd(fd, info)
 
 
 class Mapping:

@@ -30,6 +30,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
+def parse_pair(text: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} wants two integers LO,HI, got {text!r}") from None
+    return lo, hi
+
+
 def _env(name: str, default=None):
     return os.environ.get(f"KVHOLD_{name}", default)
 
@@ -63,6 +71,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-batch-tokens", type=int, default=512,
                    help="most tokens in one step; prefill is chunked to fit (default 512)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per sequence per step; chunks are cut at fixed positions "
+                        "(default: --max-batch-tokens minus --max-batch)")
     p.add_argument("--compute-dtype", default=None, choices=("float64", "float32", "bfloat16", "float16"),
                    help="engine arithmetic and KV dtype (default: float64 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per executor on CPU")
@@ -71,6 +82,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="heartbeat lease: an executor silent this long is fenced (default 1000)")
     p.add_argument("--startup-lease-ms", type=int, default=120_000,
                    help="lease while an executor starts and loads weights (default 120000)")
+    p.add_argument("--restart-backoff-ms", default="50,5000",
+                   help="after 3 executor deaths within a minute, wait LO*2^k ms (at most HI) before "
+                        "each re-spawn (default 50,5000; 0,0 disables)")
     p.add_argument("--no-kill-fenced", dest="kill_fenced", action="store_false",
                    help="fence hung executors without SIGKILLing them")
     p.add_argument("--no-spawn", dest="spawn_executors", action="store_false",
@@ -88,10 +102,12 @@ def sidecar_config_from_args(args):
         backend=args.backend, device=args.device, workload=workload,
         kv_pages=args.kv_pages, kv_memory_bytes=args.kv_memory, page_tokens=args.page_tokens,
         max_seq_len=args.max_seq_len, max_requests=args.max_requests, max_batch=args.max_batch,
-        max_batch_tokens=args.max_batch_tokens, compute_dtype=args.compute_dtype,
+        max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
+        compute_dtype=args.compute_dtype,
         cpu_threads=args.cpu_threads, standbys=args.standbys, lease_ms=args.lease_ms,
         startup_lease_ms=args.startup_lease_ms, kill_fenced=args.kill_fenced,
-        spawn_executors=args.spawn_executors, token_file=args.token_file)
+        spawn_executors=args.spawn_executors, token_file=args.token_file,
+        restart_backoff_ms=parse_pair(args.restart_backoff_ms, "--restart-backoff-ms"))
 
 
 def cmd_sidecar(args) -> int:

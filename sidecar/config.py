@@ -40,6 +40,7 @@ class SidecarConfig:
     executor_args: tuple[str, ...] = ()
     max_batch: int = 64
     max_batch_tokens: int = 512
+    prefill_chunk: int | None = None
     compute_dtype: str | None = None
     cpu_threads: int | None = None
     # geometry used when there is no model (workload idle/churn)
@@ -69,8 +70,15 @@ class SidecarConfig:
             raise ValueError(f"--page-tokens must be in 1..1024, got {self.page_tokens}")
         if not 0 <= self.standbys <= 8:
             raise ValueError(f"--standbys must be in 0..8, got {self.standbys}")
+        lo, hi = self.restart_backoff_ms
+        if not 0 <= lo <= hi:
+            raise ValueError(f"--restart-backoff-ms needs 0 <= LO <= HI, got {lo},{hi}")
         if self.lease_ms < 20:
             raise ValueError(f"--lease-ms must be at least 20, got {self.lease_ms}")
+        chunk = self.prefill_chunk or self.max_batch_tokens - self.max_batch
+        if self.max_batch < 1 or chunk < 1 or chunk + self.max_batch > self.max_batch_tokens:
+            raise ValueError(f"need --prefill-chunk ({chunk}) + --max-batch ({self.max_batch}) <= "
+                             f"--max-batch-tokens ({self.max_batch_tokens}), all positive")
         if not 1 <= self.max_requests <= 65536:
             raise ValueError(f"--max-requests must be in 1..65536, got {self.max_requests}")
         if self.synthetic_dtype not in KV_DTYPE_CODES:
@@ -121,10 +129,10 @@ class SidecarConfig:
         elif self.kv_memory_bytes is not None:
             pages = self.kv_memory_bytes // kv.page_bytes
         else:  # enough for a handful of full-length sequences
-            pages = max(64, 4 * math.ceil(max_seq / kv.page_tokens))
-        if pages < math.ceil(max_seq / kv.page_tokens):
-            raise ValueError(f"the KV pool ({pages} pages of {kv.page_tokens} tokens) cannot hold "
-                             f"one sequence of --max-seq-len {max_seq}")
+            pages = max(64, 4 * math.ceil(max_seq / kv.page_tokens) + 1)
+        if pages - 1 < math.ceil(max_seq / kv.page_tokens):  # page 0 is the reserved null page
+            raise ValueError(f"the KV pool ({pages} pages of {kv.page_tokens} tokens, one reserved) "
+                             f"cannot hold one sequence of --max-seq-len {max_seq}")
         return TableGeometry(kv=kv, num_pages=pages, num_slots=self.max_requests,
                              max_seq_len=max_seq, num_leases=self.num_leases)
 
@@ -132,7 +140,7 @@ class SidecarConfig:
         return {"workload": self.workload, "device": self.device,
                 "heartbeat_ms": self.heartbeat_ms, "lease_ms": self.lease_ms,
                 "model": str(self.model) if self.model else "", "max_batch": self.max_batch,
-                "max_batch_tokens": self.max_batch_tokens,
+                "max_batch_tokens": self.max_batch_tokens, "prefill_chunk": self.prefill_chunk or 0,
                 "compute_dtype": self.compute_dtype_for(spec) if spec else "",
                 "cpu_threads": self.cpu_threads or 0,
                 "extra": dict(self.extra)}

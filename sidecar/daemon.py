@@ -17,7 +17,7 @@ import queue
 import secrets
 import signal
 import socket
-import time
+import sys
 
 import zmq
 
@@ -25,7 +25,7 @@ from ipc import fdpass, messages as m, wire
 from ipc.checkpoint import build_manifest
 from ipc.errors import ErrorCode
 from ipc.leases import now_ns
-from ipc.memory import HostRegion
+from ipc.memory import CudaRegion, HostRegion
 from ipc.model_spec import ModelSpec
 from ipc.tables import Tables
 from sidecar.config import SidecarConfig
@@ -35,6 +35,7 @@ from sidecar.supervisor import Supervisor
 from sidecar.weights_keeper import WeightsKeeper
 
 log = logging.getLogger(__name__)
+GIL_SWITCH_S = 0.0002
 SHM_PARTS = ("tables", "kv", "weights")
 
 
@@ -53,6 +54,9 @@ class Sidecar:
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
         os.umask(0o077)
+        # The death watcher threads need the GIL the moment the kernel wakes them; the default
+        # 5 ms switch interval would let a busy loop iteration delay every failover by that much.
+        sys.setswitchinterval(GIL_SWITCH_S)
         cfg = self.config
         if cfg.model is not None:
             self.spec = ModelSpec.from_dir(cfg.model)
@@ -62,10 +66,7 @@ class Sidecar:
         self.lock.remove_stale(SHM_PARTS)
         generation = self._next_generation()
         self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
-        self.regions = {"kv": HostRegion(self.paths.shm_name("kv"), "kv", geometry.kv_pool_bytes)}
-        if self.manifest is not None:
-            self.regions["weights"] = HostRegion(self.paths.shm_name("weights"), "weights",
-                                                 self.manifest.region_bytes)
+        self.regions = self._create_regions(geometry)
         self.token, self.token_path = self._load_token()
         self.executor_settings = cfg.executor_settings(self.spec)
         self.weights = WeightsKeeper(self.tables, self.manifest)
@@ -79,6 +80,20 @@ class Sidecar:
                  100 * geometry.metadata_fraction)
         self.supervisor.rearm(now_ns())
         return self
+
+    def _create_regions(self, geometry) -> dict:
+        sizes = {"kv": geometry.kv_pool_bytes}
+        if self.manifest is not None:
+            sizes["weights"] = self.manifest.region_bytes
+        regions = {}
+        if self.config.backend == "cuda":
+            device = int(self.config.device.partition(":")[2] or 0)
+            for index, (name, size) in enumerate(sizes.items()):
+                regions[name] = CudaRegion(name, size, device, index)
+        else:
+            for name, size in sizes.items():
+                regions[name] = HostRegion(self.paths.shm_name(name), name, size)
+        return regions
 
     def _next_generation(self) -> int:
         path = self.paths.runtime_dir / "generation"

@@ -117,7 +117,7 @@ class Supervisor:
             if self.spawn() is None:
                 break
         recent = [t for t in self._failures if now - t < 60e9]
-        if len(recent) >= 3:
+        if len(recent) >= 3 and self.config.restart_backoff_ms[1] > 0:
             lo, hi = self.config.restart_backoff_ms
             delay_ms = min(hi, lo * 2 ** (len(recent) - 3))
             self._next_spawn_ns = now + int(delay_ms * 1e6)

@@ -13,7 +13,7 @@ from ipc.memory import Mapping, RegionInfo
 from ipc.tables import Tables
 from tools.sidecar_process import SidecarProcess
 
-FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64",
+FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
          "--log-level", "INFO"]
 LONG_PROMPT = list(range(2, 202))       # 200 tokens: a prefill of several 64-token chunks
 REQUESTS = [
@@ -162,7 +162,7 @@ def test_pool_too_small_preempts_and_resumes(tiny_model, start_sidecar):
     with big.new_client() as client:
         want = ids(wait_all(submit(client, requests)))
     big.stop()
-    small = start_sidecar(["--model", str(tiny_model), "--kv-pages", "12", "--max-seq-len", "192"])
+    small = start_sidecar(["--model", str(tiny_model), "--kv-pages", "13", "--max-seq-len", "192"])
     small.wait_steady()
     with small.new_client(timeout=60) as client:
         got = wait_all(submit(client, requests))

@@ -41,7 +41,7 @@ def trial(sc: SidecarProcess, sig: int, timeout: float) -> dict:
         promote = next((e for e in st["events"] if e["kind"] == "promote" and e["ns"] >= t0), None)
         return (fence, promote) if fence and promote else None
 
-    fence, promote = sc.wait_for(fenced, timeout=timeout, interval=0.01)
+    fence, promote = sc.wait_for(fenced, timeout=timeout, interval=0.05)
     return {"pid": pid, "detect_ms": (fence["detect_ns"] - t0) / 1e6,
             "fenced_ms": (fence["fenced_ns"] - t0) / 1e6,
             "promoted_ms": (promote["ns"] - t0) / 1e6, "reason": fence["reason"]}
@@ -56,7 +56,7 @@ def summarize(samples: list[dict], key: str) -> dict:
 
 def run(args) -> dict:
     flags = ["--workload", "idle", "--standbys", "1", "--lease-ms", str(args.lease_ms),
-             "--log-level", "WARNING"]
+             "--log-level", "WARNING", "--restart-backoff-ms", "0,0"]
     results: dict = {"command": " ".join([Path(sys.executable).name, "-m", "tools.bench_detect",
                                           *sys.argv[1:]]),
                      "lease_ms": args.lease_ms, "machine": {

@@ -111,7 +111,7 @@ def run_tier(args, tier: str, model: Path, requests) -> dict:
     standbys = 1 if tier == "standby" else 0
     flags = ["--model", str(model), "--device", args.device, "--standbys", str(standbys),
              "--max-seq-len", str(args.max_seq_len), "--max-batch", str(max(64, args.requests)),
-             "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "WARNING",
+             "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "WARNING", "--restart-backoff-ms", "0,0",
              "--startup-lease-ms", "600000"]
     if args.device.startswith("cuda"):
         flags += ["--backend", "cuda"]

@@ -1,0 +1,78 @@
+"""The KV-page checksum on CUDA: one fused Triton pass, bit-identical to ipc.checksum.
+
+Same definition (sum of splitmix64(word | index << 32 ^ SEED) mod 2**64 over the
+committed words of a page), computed for token ranges [start, end) of pages in
+one launch: whole committed ranges when validating after a crash, the few new
+slots of each touched page when committing a step. The grid is
+(range, layer x k/v, block of the range's words); each program reduces its block
+and writes a partial sum; partials are added with wrapping int64 arithmetic,
+which is order-free, so the result is the CPU's to the bit (tests/test_gpu.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ipc.checksum import C1, C2, SEED
+
+BLOCK = 1024
+
+
+@triton.jit
+def _range_hash_kernel(words_ptr, pages_ptr, starts_ptr, ends_ptr, out_ptr,
+                       page_words, row_words, page_tokens, n_lkv, n_blocks,
+                       SEED: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    lkv = tl.program_id(1)
+    b = tl.program_id(2)
+    page = tl.load(pages_ptr + i).to(tl.int64)
+    start = tl.load(starts_ptr + i)
+    end = tl.load(ends_ptr + i)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < (end - start) * row_words
+    widx = (lkv * page_tokens + start) * row_words + offs
+    w = tl.load(words_ptr + page * page_words + widx, mask=mask, other=0)
+    x = w.to(tl.uint32, bitcast=True).to(tl.uint64) | (widx.to(tl.uint64) << 32)
+    x = x ^ SEED
+    x = (x ^ (x >> 30)) * C1
+    x = (x ^ (x >> 27)) * C2
+    x = x ^ (x >> 31)
+    x = tl.where(mask, x, tl.zeros_like(x))
+    total = tl.sum(x, axis=0)
+    tl.store(out_ptr + (i * n_lkv + lkv) * n_blocks + b, total.to(tl.int64, bitcast=True))
+
+
+class TritonChecksum:
+    """Drop-in for ipc.checksum.TorchChecksum on CUDA pools."""
+
+    def __init__(self, pool: torch.Tensor):
+        if pool.element_size() * pool.shape[-1] % 4:
+            raise ValueError("a KV row must be a whole number of 32-bit words")
+        num_pages, layers, two, tokens = pool.shape[:4]
+        self.words = pool.reshape(num_pages, -1).view(torch.int32)
+        self.page_tokens = tokens
+        self.n_lkv = layers * two
+        self.row_words = self.words.shape[1] // (self.n_lkv * tokens)
+        self.page_words = self.words.shape[1]
+        self.n_blocks = triton.cdiv(tokens * self.row_words, BLOCK)
+
+    def ranges(self, page_ids, starts, ends) -> torch.Tensor:
+        n = len(page_ids)
+        dev = self.words.device
+        out = torch.empty((n, self.n_lkv, self.n_blocks), dtype=torch.int64, device=dev)
+        if n == 0:
+            return out.view(0)
+        page_ids = page_ids.to(device=dev, dtype=torch.int64)
+        starts = starts.to(device=dev, dtype=torch.int32)
+        ends = ends.to(device=dev, dtype=torch.int32)
+        _range_hash_kernel[(n, self.n_lkv, self.n_blocks)](
+            self.words, page_ids, starts, ends, out, self.page_words, self.row_words,
+            self.page_tokens, self.n_lkv, self.n_blocks, SEED=SEED, C1=C1, C2=C2, BLOCK=BLOCK)
+        return out.view(n, -1).sum(dim=1)
+
+    def pages(self, page_ids, num_tokens) -> torch.Tensor:
+        return self.ranges(page_ids, torch.zeros_like(num_tokens), num_tokens)
+
+    def slots(self, page_ids, slots) -> torch.Tensor:
+        return self.ranges(page_ids, slots, slots + 1)
