@@ -72,14 +72,14 @@ class CudaRunner:
         if not self.use_graph:
             return
         try:
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
                 self._decode_forward()
-                with torch.cuda.graph(graph, stream=stream):
-                    self.graph_logits = self._decode_forward()
-            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.graph_logits = self._decode_forward()
             torch.cuda.synchronize()
             self.graph = graph
         except Exception as exc:  # capture is an optimisation: eager decode is correct

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model: LlamaModel, kv: KvCache, tables: Tables, lease: Lease,
                  max_batch: int, max_batch_tokens: int, runner=None, checksum=None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, commit: bool = True):
         self.model = model
         self.kv = kv
         self.runner = runner or CpuRunner(model, kv)
@@ -59,6 +59,7 @@ class Engine:
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
         self.tokens_generated = 0
+        self.commit = commit      # False only in tools/bench_decode: measures what the protocol costs
 
     # ------------------------------------------------------------------ admission
     def pending_admissions(self) -> np.ndarray:
@@ -129,6 +130,17 @@ class Engine:
     # ------------------------------------------------------------------ commit
     def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> list[int]:
         faults.point("commit_begin")
+        if not self.commit:                     # benchmark baseline: nothing published
+            for p in plan:
+                p.seq.num_computed += p.n
+            for seq, token in zip(sampling, tokens):
+                seq.tokens.append(token)
+                if self._finish_reason(seq, token) is not None:
+                    self.scheduler.remove(seq)
+                    self.blocks.free(seq)
+                    del self.seqs[seq.slot]
+            self.tokens_generated += len(sampling)
+            return []
         self._publish_pages(plan)
         faults.point("commit_pages")
         for p in plan:

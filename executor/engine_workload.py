@@ -24,6 +24,7 @@ from ipc.memory import Mapping, RegionInfo, map_region
 from ipc.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
+DEFAULT_CUDA_PREFILL_CHUNK = 512
 
 
 class EngineWorkload:
@@ -34,6 +35,9 @@ class EngineWorkload:
     def prepare(self) -> None:
         ctx, s = self.ctx, self.ctx.settings
         device = torch.device(s["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         if device.type == "cpu":
             torch.set_num_threads(int(s.get("cpu_threads") or max(1, (os.cpu_count() or 2) // 2)))
         spec = ModelSpec.from_dir(s["model"])
@@ -42,12 +46,29 @@ class EngineWorkload:
         dtype = TORCH_DTYPES[s["compute_dtype"]]
         model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
         kv = KvCache.from_mapping(ctx.mappings["kv"], geometry.kv, geometry.num_pages)
-        self._warm_up(model, geometry.kv, device)
-        self.engine = Engine(model, kv, ctx.tables, ctx.lease, int(s["max_batch"]),
-                             int(s["max_batch_tokens"]), prefill_chunk=int(s.get("prefill_chunk") or 0) or None)
+        max_batch, max_tokens = int(s["max_batch"]), int(s["max_batch_tokens"])
+        chunk = int(s.get("prefill_chunk") or 0) or None
+        runner = checksum = None
+        if device.type == "cuda":
+            from executor.cuda_checksum import TritonChecksum
+            from executor.cuda_runner import CudaRunner
+
+            chunk = chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_tokens - max_batch)
+            runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
+                                use_graph=not s.get("extra", {}).get("no_cuda_graph"))
+            runner.prepare()                    # compiles kernels, captures the decode graph
+            checksum = TritonChecksum(kv.pool)
+        else:
+            self._warm_up(model, geometry.kv, device)
+        self.engine = Engine(model, kv, ctx.tables, ctx.lease, max_batch, max_tokens,
+                             runner=runner, checksum=checksum, prefill_chunk=chunk)
         zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
         self.engine.checksum.pages(zero, zero)
-        self.engine.checksum.slots(zero, zero)
+        self.engine.checksum.ranges(zero, zero, zero + 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
+                     torch.cuda.memory_reserved(device) / 2**20)
 
     def _weights(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         ctx = self.ctx

@@ -36,9 +36,18 @@ class WeightsRegion:
         self.model_dir = Path(model_dir)
 
     def load(self, beat=lambda: None) -> float:
-        """Copy every tensor from disk into the region; returns milliseconds."""
+        """Copy every tensor from disk into the region; returns milliseconds.
+
+        Host regions are filled by reading straight into the shared mapping; device
+        regions through a pinned staging buffer, chunk by chunk."""
         t0 = time.monotonic()
-        buf = self.mapping.numpy(np.uint8, (self.manifest.region_bytes,))
+        if self.mapping.info.backend == "cuda":
+            write = self._device_writer()
+        else:
+            buf = self.mapping.numpy(np.uint8, (self.manifest.region_bytes,))
+
+            def write(f, offset, nbytes):
+                return f.readinto(memoryview(buf[offset:offset + nbytes]))
         total = sum(e.nbytes for e in self.manifest.entries)
         files: dict[str, object] = {}
         try:
@@ -53,7 +62,7 @@ class WeightsRegion:
                         except OSError as exc:
                             raise CheckpointError(f"{path}: cannot open ({exc.strerror})") from None
                     f.seek(e.file_offset)
-                    got = f.readinto(memoryview(buf[e.offset:e.offset + e.nbytes]))
+                    got = write(f, e.offset, e.nbytes)
                     if got != e.nbytes:
                         raise CheckpointError(f"{e.file}: tensor {e.name!r} truncated "
                                               f"({got} of {e.nbytes} bytes)")
@@ -62,8 +71,27 @@ class WeightsRegion:
         finally:
             for f in files.values():
                 f.close()
+        if self.mapping.info.backend == "cuda":
+            torch.cuda.synchronize()
         self.mapping.seal_readonly()
         return (time.monotonic() - t0) * 1e3
+
+    def _device_writer(self, stage_bytes: int = 256 << 20):
+        dst = self.mapping.tensor(torch.uint8, (self.manifest.region_bytes,))
+        stage = torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True)
+        stage_np = stage.numpy()
+
+        def write(f, offset, nbytes):
+            done = 0
+            while done < nbytes:
+                k = min(stage_bytes, nbytes - done)
+                got = f.readinto(memoryview(stage_np[:k]))
+                if got != k:
+                    return done + got
+                dst[offset + done:offset + done + k].copy_(stage[:k])  # synchronous: stage reused next
+                done += k
+            return done
+        return write
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Zero-copy views of every tensor, keyed by its Hugging Face name."""

@@ -108,7 +108,7 @@ class _CudaArray:
     @property
     def __cuda_array_interface__(self):
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, self.readonly),
-                "version": 3, "strides": None, "stream": None}
+                "version": 3, "strides": None}
 
 
 class VmmMapping:
@@ -121,8 +121,11 @@ class VmmMapping:
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "cuMemImportFromShareableHandle")
         gran = granularity(device)
-        self.va = int(check(cu.cuMemAddressReserve(size, gran, va_hint, 0), "cuMemAddressReserve"))
-        self.stable = va_hint == 0 or self.va == va_hint
+        try:
+            self.va = int(check(cu.cuMemAddressReserve(size, gran, va_hint, 0), "cuMemAddressReserve"))
+        except CudaError:            # the hint is only a wish: any address works for correctness
+            self.va = int(check(cu.cuMemAddressReserve(size, gran, 0, 0), "cuMemAddressReserve"))
+        self.stable = va_hint != 0 and self.va == va_hint
         check(cu.cuMemMap(self.va, size, 0, self.handle, 0), "cuMemMap")
         self.set_access(readonly)
         self._tensor = None

@@ -34,6 +34,7 @@ PRESETS = {
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
+PRESETS["llama3-8b-4l"] = dict(PRESETS["llama3-8b"], num_hidden_layers=4)  # same shapes, fewer layers
 DEMO_VERSION = "tiny-v1"
 WORDS = ("the a an of to in and or but with for on at by from over under about after before "
          "sidecar executor memory page cache token request stream crash recover journal lease "

@@ -1,0 +1,77 @@
+"""An engine outside any sidecar, for benchmarks that measure the engine itself.
+
+Creates a private tables segment and lease, loads a checkpoint straight onto the
+device (no kvhold region), and returns an Engine with the device's runner and
+checksum. `admit` writes requests into the journal the way the sidecar does.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from executor.engine import Engine
+from executor.kv_cache import TORCH_DTYPES, KvCache
+from executor.llama import LlamaModel
+from ipc.journal import Journal
+from ipc.layout import KvGeometry, TableGeometry
+from ipc.leases import Lease, LeaseTable
+from ipc.model_spec import ModelSpec
+from ipc.tables import Tables
+
+
+def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
+    weights = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(str(f), device=device))
+    return weights
+
+
+def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,
+                 max_batch_tokens: int, prefill_chunk: int, commit: bool = True, weights=None,
+                 use_graph: bool = True, timeline: dict | None = None):
+    timeline = timeline if timeline is not None else {}
+    spec = ModelSpec.from_dir(model_dir)
+    dev = torch.device(device)
+    dtype = spec.dtype if dev.type == "cuda" else "float64"
+    weights = weights if weights is not None else load_weights(model_dir, device)
+    timeline["weights_loaded"] = time.monotonic()
+    geometry = TableGeometry(kv=KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, 16),
+                             num_pages=kv_pages, num_slots=256, max_seq_len=max_seq_len, num_leases=2)
+    tables = Tables.create(f"/kvhold-bench-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
+    leases = LeaseTable(tables)
+    epoch = leases.grant(0, os.getpid())
+    lease = Lease(tables, 0, epoch)
+    kv = KvCache.private(geometry.kv, kv_pages, dev)
+    timeline["kv_allocated"] = time.monotonic()
+    model = LlamaModel(spec, weights, TORCH_DTYPES[dtype], dev, max_seq_len)
+    runner = checksum = None
+    if dev.type == "cuda":
+        from executor.cuda_checksum import TritonChecksum
+        from executor.cuda_runner import CudaRunner
+
+        runner = CudaRunner(model, kv, max_batch, prefill_chunk, geometry.max_pages_per_seq, use_graph)
+        runner.prepare()
+        checksum = TritonChecksum(kv.pool)
+    timeline["graphs_captured"] = time.monotonic()
+    engine = Engine(model, kv, tables, lease, max_batch, max_batch_tokens, runner=runner,
+                    checksum=checksum, prefill_chunk=prefill_chunk, commit=commit)
+    engine.take_over([], 0)              # empty journal: builds the free list
+    return engine, tables
+
+
+def admit(tables: Tables, requests: list[dict]) -> list[int]:
+    journal = Journal(tables)
+    ids = []
+    for r in requests:
+        slot = journal.free_slot()
+        tables.header["request_counter"] += 1
+        rid = (1 << 40) | int(tables.header["request_counter"])
+        journal.admit(slot, rid, r["prompt_ids"], max_tokens=r["max_tokens"], seed=r.get("seed", 0),
+                      temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0),
+                      top_k=r.get("top_k", 0), ignore_eos=True)
+        ids.append(rid)
+    return ids

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What the H200 runs (through the device tool), in phases; results land in $OUT.
+#   bash tools/h200_run.sh smoke   GPU tests, VMM probe, a small recovery run
+#   bash tools/h200_run.sh bench   Llama-3-8B shapes: decode, cold-restart baseline, recovery
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVHOLD_CACHE=/tmp/kvcache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+case "${1:-smoke}" in
+smoke)
+  python3 -m tools.gpu_probe_vmm --size-mb 4096 > "$OUT/vmm_probe.json" 2> "$OUT/vmm_probe.err"; echo "probe rc=$?"
+  cat "$OUT/vmm_probe.json"
+  timeout 900 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt"
+  python3 -m tools.make_model --preset llama3-8b-4l --out /tmp/l4 --device cuda 2>&1 | tail -2
+  timeout 400 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l4 --requests 16 --prompt-len 256,1024 \
+      --max-tokens 32 --max-seq-len 2048 --max-batch-tokens 4096 --kv-memory 8GiB --kills 4 --tiers standby \
+      --out "$OUT/recovery_smoke.json" 2>&1 | tail -16
+  tail -40 "$OUT"/recovery_smoke.standby.log > "$OUT/recovery_smoke_tail.log" 2>/dev/null
+  rm -f "$OUT"/recovery_smoke.standby.log
+  ;;
+bench)
+  python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 200 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -8
+  timeout 200 python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
+  ;;
+recovery)
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 560 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
+      --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-20} \
+      --tiers ${TIERS:-standby,cold} --out "$OUT/recovery_cuda.json" 2>&1 | tail -24
+  for f in "$OUT"/recovery_cuda.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
+  ;;
+esac
