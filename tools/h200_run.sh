@@ -12,9 +12,9 @@ case "${1:-smoke}" in
 smoke)
   python3 -m tools.gpu_probe_vmm --size-mb 4096 > "$OUT/vmm_probe.json" 2> "$OUT/vmm_probe.err"; echo "probe rc=$?"
   cat "$OUT/vmm_probe.json"
-  timeout 900 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt"
+  timeout 300 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt"
   python3 -m tools.make_model --preset llama3-8b-4l --out /tmp/l4 --device cuda 2>&1 | tail -2
-  timeout 400 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l4 --requests 16 --prompt-len 256,1024 \
+  timeout 200 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l4 --requests 16 --prompt-len 256,1024 \
       --max-tokens 32 --max-seq-len 2048 --max-batch-tokens 4096 --kv-memory 8GiB --kills 4 --tiers standby \
       --out "$OUT/recovery_smoke.json" 2>&1 | tail -16
   tail -40 "$OUT"/recovery_smoke.standby.log > "$OUT/recovery_smoke_tail.log" 2>/dev/null
