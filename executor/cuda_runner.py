@@ -63,11 +63,12 @@ class CudaRunner:
         self.ctx.fill_(1)
 
     def prepare(self) -> None:
-        """Compile the kernels (all rows are padding: only the null page is touched) and
-        capture the decode graph."""
+        """Compile and load every kernel a step uses, size the allocator, and capture the
+        decode graph. All rows are padding: only the reserved null page is written."""
         self._reset_padding()
         for _ in range(2):
             self._decode_forward()
+        self._prefill(self._padding_chunk())
         torch.cuda.synchronize()
         if not self.use_graph:
             return
@@ -105,6 +106,16 @@ class CudaRunner:
             return self.graph_logits[:n]
         return self._decode_forward()[:n]
 
+    def _padding_chunk(self):
+        from executor.scheduler import Scheduled
+        from executor.sequence import Sequence
+
+        n, pt = self.prefill_chunk, self.kv.page_tokens
+        seq = Sequence(slot=-1, request_id=0, prompt_len=n, tokens=[0] * n, max_tokens=1, seed=0,
+                       temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True,
+                       pages=[NULL_PAGE] * -(-n // pt))
+        return Scheduled(seq, n)
+
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def _prefill(self, item) -> torch.Tensor:
@@ -138,7 +149,7 @@ class CudaRunner:
         return self.model.logits(h[n - 1:n])
 
     # ------------------------------------------------------------------ step
-    def run(self, plan) -> torch.Tensor:
+    def run(self, plan, beat=None) -> torch.Tensor:
         decode = [p for p in plan if p.n == 1]
         prefill = [p for p in plan if p.n > 1]
         if len(decode) > self.max_batch:
@@ -153,5 +164,7 @@ class CudaRunner:
                 raise RuntimeError(f"a prefill chunk of {p.n} exceeds {self.prefill_chunk}")
             out = self._prefill(p)
             logits[id(p)] = out[0]
+            if beat is not None:
+                beat()             # a step of many chunks is progress, not a hang
         rows = [logits[id(p)] for p in plan if p.samples]
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)

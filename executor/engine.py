@@ -121,7 +121,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return changed
-        logits = self.runner.run(plan)
+        logits = self.runner.run(plan, beat=self._beat)
         sampling = [p.seq for p in plan if p.samples]
         tokens = sample(logits, sampling) if sampling else []
         self.num_steps += 1
@@ -184,6 +184,18 @@ class Engine:
         for page, count, checksum in zip(pages.tolist(), counts.tolist(), new_checksums.tolist()):
             self.blocks.checksums[page] = checksum
             self.blocks.counts[page] = count
+
+    def _beat(self) -> None:
+        self.lease.beat(self.num_steps)
+
+    def warm_up_sampler(self) -> None:
+        """Load the sampling kernels before the first real step (a takeover must not pay it)."""
+        vocab = self.model.lm_head.shape[0]
+        logits = torch.randn(2, vocab, device=self.device)
+        probe = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=1,
+                          temperature=t, top_p=0.9, top_k=40, stop_ids=frozenset(), ignore_eos=True)
+                 for t in (0.0, 0.8)]
+        sample(logits, probe)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in seq.stop_ids or (token in self.eos and not seq.ignore_eos):

@@ -31,6 +31,7 @@ class EngineWorkload:
     def __init__(self, ctx):
         self.ctx = ctx
         self.engine: Engine | None = None
+        self.private_mib = 0.0
 
     def prepare(self) -> None:
         ctx, s = self.ctx, self.ctx.settings
@@ -62,13 +63,15 @@ class EngineWorkload:
             self._warm_up(model, geometry.kv, device)
         self.engine = Engine(model, kv, ctx.tables, ctx.lease, max_batch, max_tokens,
                              runner=runner, checksum=checksum, prefill_chunk=chunk)
+        self.engine.warm_up_sampler()
         zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
         self.engine.checksum.pages(zero, zero)
         self.engine.checksum.ranges(zero, zero, zero + 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            self.private_mib = torch.cuda.memory_reserved(device) / 2**20
             log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
-                     torch.cuda.memory_reserved(device) / 2**20)
+                     self.private_mib)
 
     def _weights(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         ctx = self.ctx

@@ -125,7 +125,8 @@ class ExecutorRuntime:
         workload.prepare()
         ctx.beat()
         channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
-                             warm_ms=(time.monotonic() - t0) * 1e3))
+                             warm_ms=(time.monotonic() - t0) * 1e3,
+                             private_mib=float(getattr(workload, "private_mib", 0.0))))
         return self._loop(ctx, workload)
 
     def _watch_sidecar(self, pid: int) -> None:

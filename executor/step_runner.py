@@ -34,7 +34,7 @@ class CpuRunner:
     def prepare(self) -> None:
         pass
 
-    def run(self, plan) -> torch.Tensor:
+    def run(self, plan, beat=None) -> torch.Tensor:
         pages, slots, positions, ids = positions_of(plan, self.kv.page_tokens)
         seqs, rows, start = [], [], 0
         for p in plan:

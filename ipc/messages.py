@@ -40,6 +40,7 @@ class Ready:
     slot: int
     epoch: int
     warm_ms: float = 0.0
+    private_mib: float = 0.0     # device memory this executor holds beyond the shared regions
 
 
 @message("weights_loading")

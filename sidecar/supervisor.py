@@ -216,9 +216,10 @@ class Supervisor:
     def on_ready(self, h: ExecutorHandle, msg: m.Ready) -> None:
         h.ready = True
         h.info["warm_ms"] = msg.warm_ms
+        h.info["private_mib"] = msg.private_mib
         if self.leases.role(h.slot) == Role.STARTING:
             self.leases.set_role(h.slot, Role.STANDBY)
-        self._event("ready", h, warm_ms=msg.warm_ms)
+        self._event("ready", h, warm_ms=msg.warm_ms, private_mib=msg.private_mib)
         log.info("executor pid %d ready as standby (warm-up %.0f ms)", h.pid, msg.warm_ms)
         if self.active_slot is None and self.want_active:
             fenced_epoch, detect_ns = self._unserved_failover
@@ -374,7 +375,7 @@ class Supervisor:
                         "epoch": self.leases.epoch(slot),
                         "heartbeat_age_ms": self.leases.heartbeat_age_ns(slot, now) / 1e6,
                         "steps": int(self.tables.leases["steps"][slot]),
-                        "ready": bool(h and h.ready)})
+                        "ready": bool(h and h.ready), **(h.info if h else {})})
         return out
 
 

@@ -131,7 +131,9 @@ def run_tier(args, tier: str, model: Path, requests) -> dict:
                 print(f"\r{tier} kill {i + 1}/{args.kills}: first token {s['first_token_ms']:8.1f} ms, "
                       f"recomputed {s['tokens_recomputed']:5d}, identical {s['outputs_identical']}",
                       end="" if i + 1 < args.kills else "\n", file=sys.stderr, flush=True)
-    return {"reference_run_s": ref_s, "summary": summarize(samples), "samples": samples}
+        executors = sc.status()["executors"]
+    return {"reference_run_s": ref_s, "summary": summarize(samples), "samples": samples,
+            "executors_at_end": executors}
 
 
 def plot(results: dict, path: Path) -> bool:
