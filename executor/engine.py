@@ -60,6 +60,7 @@ class Engine:
         self.num_steps = 0
         self.tokens_generated = 0
         self.commit = commit      # False only in tools/bench_decode: measures what the protocol costs
+        self._just_took_over = False
 
     # ------------------------------------------------------------------ admission
     def pending_admissions(self) -> np.ndarray:
@@ -100,6 +101,7 @@ class Engine:
     def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
         from executor.recovery import take_over
 
+        self._just_took_over = True
         return take_over(self, pending_epochs, detect_ns)
 
     def release_quarantined(self, epochs) -> int:
@@ -118,7 +120,8 @@ class Engine:
         """Run one step; returns the journal slots whose progress changed."""
         self.admit()
         changed = self.cancel_requested()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(decode_only=self._just_took_over)
+        self._just_took_over = False
         if not plan:
             return changed
         logits = self.runner.run(plan, beat=self._beat)

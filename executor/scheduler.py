@@ -80,7 +80,16 @@ class Scheduler:
         c = self.prefill_chunk
         return min(seq.num_uncomputed, c - seq.num_computed % c)
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, decode_only: bool = False) -> list[Scheduled]:
+        """The next step's work. decode_only: just the sequences whose next token is one
+        decode away (used right after a takeover, to stream again as soon as possible)."""
+        if decode_only:
+            plan = [Scheduled(s, 1) for s in self.running[:self.max_batch]
+                    if s.num_uncomputed == 1 and self.blocks.pages_needed(s, 1) <= self.blocks.allocator.num_free]
+            for p in plan:
+                self.blocks.allocate(p.seq, self.blocks.pages_needed(p.seq, 1))
+            if plan:
+                return plan
         plan: list[Scheduled] = []
         budget = self.max_batch_tokens
         i = 0

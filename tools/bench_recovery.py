@@ -107,7 +107,7 @@ def summarize(samples: list[dict]) -> dict:
     return out
 
 
-def run_tier(args, tier: str, model: Path, requests) -> dict:
+def run_tier(args, tier: str, model: Path, requests, kills: int) -> dict:
     standbys = 1 if tier == "standby" else 0
     flags = ["--model", str(model), "--device", args.device, "--standbys", str(standbys),
              "--max-seq-len", str(args.max_seq_len), "--max-batch", str(max(64, args.requests)),
@@ -125,12 +125,12 @@ def run_tier(args, tier: str, model: Path, requests) -> dict:
             reference = [r.token_ids for r in run_set(client, requests)]
             ref_s = time.monotonic() - t0
             samples = []
-            for i in range(args.kills):
+            for i in range(kills):
                 samples.append(one_kill(sc, client, requests, reference, rng, standbys))
                 s = samples[-1]
-                print(f"\r{tier} kill {i + 1}/{args.kills}: first token {s['first_token_ms']:8.1f} ms, "
-                      f"recomputed {s['tokens_recomputed']:5d}, identical {s['outputs_identical']}",
-                      end="" if i + 1 < args.kills else "\n", file=sys.stderr, flush=True)
+                print(f"{tier} kill {i + 1}/{kills}: first token {s['first_token_ms']:8.1f} ms "
+                      f"(resumed {s['resumed_ms']:.1f}), recomputed {s['tokens_recomputed']}, "
+                      f"identical {s['outputs_identical']}", file=sys.stderr, flush=True)
         executors = sc.status()["executors"]
     return {"reference_run_s": ref_s, "summary": summarize(samples), "samples": samples,
             "executors_at_end": executors}
@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the tiny demo model)")
     p.add_argument("--kills", type=int, default=50)
     p.add_argument("--tiers", default="standby", help="comma list of standby,cold")
+    p.add_argument("--cold-kills", type=int, default=0, help="kills for the cold tier (default: --kills)")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-len", default="32,128", help="min,max prompt tokens")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -191,8 +192,9 @@ def main(argv=None) -> int:
                "model": str(args.model), "requests": args.requests, "max_tokens": args.max_tokens,
                "prompt_len": [lo, hi], "tiers": {}}
     for tier in args.tiers.split(","):
-        results["tiers"][tier] = run_tier(args, tier, args.model, requests)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+        kills = args.cold_kills if tier == "cold" and args.cold_kills else args.kills
+        results["tiers"][tier] = run_tier(args, tier, args.model, requests, kills)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")   # after each tier: keep what we have
     png = args.out.with_suffix(".png")
     plotted = plot(results, png)
     for tier, r in results["tiers"].items():

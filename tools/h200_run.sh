@@ -3,7 +3,7 @@
 #   bash tools/h200_run.sh smoke   GPU tests, VMM probe, a small recovery run
 #   bash tools/h200_run.sh bench   Llama-3-8B shapes: decode, cold-restart baseline, recovery
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVHOLD_CACHE=/tmp/kvcache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -29,7 +29,7 @@ recovery)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 560 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
       --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-20} \
-      --tiers ${TIERS:-standby,cold} --out "$OUT/recovery_cuda.json" 2>&1 | tail -24
+      --tiers ${TIERS:-standby,cold} --cold-kills ${COLD_KILLS:-3} --out "$OUT/recovery_cuda.json" 2>&1 | tail -40
   for f in "$OUT"/recovery_cuda.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
 esac
