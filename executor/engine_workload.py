@@ -28,6 +28,8 @@ DEFAULT_CUDA_PREFILL_CHUNK = 512
 
 
 class EngineWorkload:
+    cold_first_step = True     # the first step may load kernels: longer lease until it is done
+
     def __init__(self, ctx):
         self.ctx = ctx
         self.engine: Engine | None = None

@@ -47,6 +47,7 @@ class RequestPlan:
     valid_tokens: int            # KV tokens covered by the valid prefix of pages
     recorded_tokens: int         # KV tokens the dead executor had committed
     first_bad: int | None        # logical index of the first invalid page
+    tail_checksum: int = 0       # of the continued last page, once placed
 
     @property
     def kv_valid(self) -> int:
@@ -96,12 +97,14 @@ def take_over(engine, pending_epochs, detect_ns: int = 0) -> dict:
     engine.blocks.allocator = PageAllocator(
         p for p in range(NULL_PAGE + 1, len(records)) if p not in kept and p not in quarantined)
 
-    copied = 0
     report_requests = []
     classes = {"resumable": 0, "damaged": 0, "lost": 0}
+    tails = [_place_tail(engine, plan, records, pending) for plan in plans]
+    copied = sum(1 for t in tails if t and t[2])
+    _publish_tails(engine, plans, tails)
     recomputed = 0
-    for plan in plans:
-        copied += _resume(engine, plan, records, pending)
+    for plan, tail in zip(plans, tails):
+        _resume(engine, plan, records, tail)
         classes[plan.klass] += 1
         recomputed += plan.tokens_recomputed
         if len(report_requests) < MAX_REPORTED_REQUESTS:
@@ -174,32 +177,54 @@ def _clear_unkept(engine, records, kept: set[int], pending: set[int]) -> dict[in
     return {p: int(records["epoch"][p]) for p in hold}
 
 
-def _resume(engine, plan: RequestPlan, records, pending: set[int]) -> int:
-    """Rebuild the sequence from the journal and its kept pages; returns pages copied."""
-    e, pt, journal = plan.entry, engine.page_table, engine.journal
+def _place_tail(engine, plan: RequestPlan, records, pending: set[int]):
+    """Where a partially filled last page continues: (page, tokens, copied?) or None.
+
+    If its writer may still be running, the committed rows go to a fresh page and the
+    old one is quarantined; otherwise it is claimed in place."""
+    full, rest = divmod(plan.kv_valid, engine.page_tokens)
+    if not rest:
+        return None
+    src = plan.pages[full]
+    if int(records["epoch"][src]) not in pending:
+        return src, rest, False
+    dst = engine.blocks.allocator.allocate(1)[0]
+    engine.kv.copy_tokens(src, dst, rest)
+    engine.page_table.quarantine([src])
+    engine.quarantined[src] = int(records["epoch"][src])
+    return dst, rest, True
+
+
+def _publish_tails(engine, plans, tails) -> None:
+    """Checksum every tail in one device pass, then publish them under the new epoch."""
+    placed = [(plan, t) for plan, t in zip(plans, tails) if t is not None]
+    if not placed:
+        return
+    pages = np.array([t[0] for _, t in placed], dtype=np.int64)
+    counts = np.array([t[1] for _, t in placed], dtype=np.int64)
+    dev = engine.device
+    sums = to_u64(engine.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(counts).to(dev)))
+    epoch = engine.lease.epoch
+    owners = np.array([plan.entry.request_id for plan, _ in placed], dtype=np.uint64)
+    logical = np.array([plan.kv_valid // engine.page_tokens for plan, _ in placed], dtype=np.uint32)
+    engine.page_table.assign(pages, owners, logical, epoch)
+    engine.page_table.publish(pages, counts.astype(np.uint32), sums, epoch)
+    for (plan, t), checksum in zip(placed, sums.tolist()):
+        plan.tail_checksum = int(checksum)
+
+
+def _resume(engine, plan: RequestPlan, records, tail) -> None:
+    """Rebuild the sequence from the journal and its kept pages."""
+    e, journal = plan.entry, engine.journal
     page_tokens = engine.page_tokens
-    kv_valid = plan.kv_valid
-    full, rest = divmod(kv_valid, page_tokens)
+    full = plan.kv_valid // page_tokens
     pages = plan.pages[:full]
     counts = [page_tokens] * full
     checksums = [int(records["checksum"][p]) for p in pages]
-    copied = 0
-    if rest:
-        src = plan.pages[full]
-        dst = src
-        if int(records["epoch"][src]) in pending:       # its writer may still be running: copy
-            dst = engine.blocks.allocator.allocate(1)[0]
-            engine.kv.copy_tokens(src, dst, rest)
-            pt.quarantine([src])
-            engine.quarantined[src] = int(records["epoch"][src])
-            copied = 1
-        pt.assign([dst], e.request_id, [full], engine.lease.epoch)
-        checksum = int(to_u64(engine.checksum.pages(torch.tensor([dst], device=engine.device),
-                                                    torch.tensor([rest], device=engine.device)))[0])
-        pt.publish([dst], rest, checksum, engine.lease.epoch)
-        pages.append(dst)
-        counts.append(rest)
-        checksums.append(checksum)
+    if tail is not None:
+        pages.append(tail[0])
+        counts.append(tail[1])
+        checksums.append(plan.tail_checksum)
     journal.page_lists[e.slot, :len(pages)] = pages
     journal.set_num_pages(e.slot, len(pages))
     if plan.tokens_recomputed:
@@ -207,14 +232,13 @@ def _resume(engine, plan: RequestPlan, records, pending: set[int]) -> int:
     tokens = journal.all_tokens(e.slot, e.num_tokens).tolist()
     seq = Sequence.from_journal(e, tokens)
     engine.blocks.adopt(seq, pages, counts, checksums)
-    seq.num_computed = kv_valid
+    seq.num_computed = plan.kv_valid
     reason = _already_done(engine, seq)
     if reason is not None or journal.req["admit_state"][e.slot] == AdmitState.CANCELLED:
         journal.finish(e.slot, reason or FinishReason.CANCELLED)
         engine.blocks.free(seq)
     else:
         engine.add(seq)
-    return copied
 
 
 def _already_done(engine, seq: Sequence) -> FinishReason | None:

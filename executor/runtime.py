@@ -170,6 +170,8 @@ class ExecutorRuntime:
             if self.active and workload.has_work():
                 slots = workload.step()
                 ctx.steps += 1
+                if ctx.steps == 1:
+                    ctx.lease.mark_warm()
                 if slots:
                     ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots))
 
@@ -181,6 +183,8 @@ class ExecutorRuntime:
         self.active = True
         set_log_context(role="active")
         report = workload.promote(msg)
+        if not getattr(workload, "cold_first_step", False):
+            ctx.lease.mark_warm()
         log.info("active (lease %d, epoch %d)", ctx.attached.slot, ctx.epoch)
         if report is not None:
             ctx.channel.send(m.Recovered(slot=ctx.attached.slot, epoch=ctx.epoch, report=report))

@@ -70,7 +70,7 @@ _CRC_END = HEADER_DTYPE.fields["geometry_crc"][1]
 LEASE_DTYPE = np.dtype([
     ("pid", "<i4"), ("role", "<u4"), ("epoch", "<u8"),
     ("heartbeat_ns", "<u8"), ("attached_ns", "<u8"), ("fenced_ns", "<u8"),
-    ("steps", "<u8"),  # executor-written progress counter
+    ("steps", "<u8"),  # executor-written progress counter (flags, below, too)
     ("exit_code", "<i4"), ("flags", "<u4"), ("_pad", "<u8"),
 ])
 
@@ -112,6 +112,11 @@ class Role(enum.IntEnum):
     STANDBY = 2    # mapped and warm, idle
     ACTIVE = 3     # owns the batch and the page table
     FENCED = 4     # epoch revoked; waiting for the process to exit
+
+
+class LeaseFlag(enum.IntFlag):
+    NONE = 0
+    WARM = 1      # executor-written: its first active step is done; the normal lease applies
 
 
 class PageFlag(enum.IntFlag):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ipc.layout import Role
+from ipc.layout import LeaseFlag, Role
 from ipc.tables import Tables
 
 
@@ -79,6 +79,7 @@ class LeaseTable:
         lease["attached_ns"][slot] = now
         lease["fenced_ns"][slot] = 0
         lease["steps"][slot] = 0
+        lease["flags"][slot] = 0
         lease["exit_code"][slot] = 0
         return epoch
 
@@ -119,6 +120,11 @@ class Lease:
         if not self.valid:
             raise Fenced(f"lease {self.slot} epoch {self.epoch} was fenced "
                          f"(now {int(self._leases['epoch'][self.slot])})")
+
+    def mark_warm(self) -> None:
+        """Tell the sidecar this executor's steps now come at their steady rate."""
+        self.check()
+        self._leases["flags"][self.slot] |= LeaseFlag.WARM
 
     def beat(self, steps: int | None = None) -> None:
         """Record liveness; raises Fenced rather than beating under a revoked epoch."""

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 from ipc import fdpass, messages as m
 from ipc.errors import ErrorCode
-from ipc.layout import Role, WeightsState
+from ipc.layout import LeaseFlag, Role, WeightsState
 from ipc.leases import LeaseTable, now_ns
 from ipc.liveness import DeathWatcher
 
 log = logging.getLogger(__name__)
 TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
+FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
 
 
 @dataclass(slots=True)
@@ -315,23 +316,27 @@ class Supervisor:
             return code if code >= 0 else 128 - code
         return -1  # not our child: the exit status belongs to its parent
 
+    def _lease_ms(self, h: ExecutorHandle) -> float:
+        """Starting executors get the start-up lease; an active one gets FIRST_STEP_GRACE leases
+        until it says it is warm (its first step loads kernels lazily: on a GPU, seconds)."""
+        role = self.leases.role(h.slot)
+        if role == Role.STARTING:
+            return self.config.startup_lease_ms
+        if role == Role.ACTIVE and not int(self.tables.leases["flags"][h.slot]) & LeaseFlag.WARM:
+            return self.config.lease_ms * FIRST_STEP_GRACE
+        return self.config.lease_ms
+
     def check_heartbeats(self, now: int) -> None:
         for h in list(self.handles.values()):
-            if h.fenced:
-                continue
-            role = self.leases.role(h.slot)
-            limit_ms = self.config.startup_lease_ms if role == Role.STARTING else self.config.lease_ms
-            if self.leases.heartbeat_age_ns(h.slot, now) > limit_ms * 1e6:
+            if not h.fenced and self.leases.heartbeat_age_ns(h.slot, now) > self._lease_ms(h) * 1e6:
                 self.fence(h, "hang", now)
 
     def next_deadline_ns(self) -> int:
         deadline = now_ns() + 1_000_000_000
         for h in self.handles.values():
-            if h.fenced:
-                continue
-            role = self.leases.role(h.slot)
-            limit_ms = self.config.startup_lease_ms if role == Role.STARTING else self.config.lease_ms
-            deadline = min(deadline, int(self.tables.leases["heartbeat_ns"][h.slot]) + int(limit_ms * 1e6))
+            if not h.fenced:
+                last = int(self.tables.leases["heartbeat_ns"][h.slot])
+                deadline = min(deadline, last + int(self._lease_ms(h) * 1e6))
         for t in (self._next_spawn_ns, self._takeover_until_ns):
             if t:
                 deadline = min(deadline, t)
