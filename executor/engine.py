@@ -17,7 +17,7 @@ import logging
 import numpy as np
 import torch
 
-from executor import faults
+from executor import faults, recovery
 from executor.block_manager import BlockManager
 from executor.kv_cache import KvCache
 from executor.llama import LlamaModel
@@ -99,10 +99,8 @@ class Engine:
 
     # ------------------------------------------------------------------ takeover
     def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
-        from executor.recovery import take_over
-
         self._just_took_over = True
-        return take_over(self, pending_epochs, detect_ns)
+        return recovery.take_over(self, pending_epochs, detect_ns)
 
     def release_quarantined(self, epochs) -> int:
         """The writers of these epochs have exited: their quarantined pages are free again."""
