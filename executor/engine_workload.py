@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from executor import faults
 from executor.engine import Engine
 from executor.kv_cache import TORCH_DTYPES, KvCache
 from executor.llama import LlamaModel, SeqSlice, StepInput
@@ -89,6 +90,7 @@ class EngineWorkload:
                 region = WeightsRegion(self._writable_weights(), manifest, ctx.settings["model"])
             ctx.channel.send(m.WeightsLoading(slot=ctx.attached.slot, epoch=ctx.epoch))
             load_ms = region.load(beat=ctx.beat)
+            faults.point("weights_loaded")     # crash tests: a loader dying before it seals
             log.info("loaded %d tensors (%.1f MiB) in %.0f ms", len(manifest.entries),
                      manifest.region_bytes / 2**20, load_ms)
             ctx.channel.send(m.WeightsSealed(slot=ctx.attached.slot, epoch=ctx.epoch,

@@ -76,27 +76,23 @@ class PageTable:
         self.pages["epoch"][idx] = epoch
         self._end(idx, v)
 
-    def release(self, idx) -> None:
+    def _clear(self, idx, flags: PageFlag) -> None:
         idx = np.asarray(idx, dtype=np.int64)
         v = self._begin(idx)
         p = self.pages
         p["owner"][idx] = 0
         p["num_tokens"][idx] = 0
         p["checksum"][idx] = 0
-        p["flags"][idx] = PageFlag.NONE
+        p["flags"][idx] = flags
         self._end(idx, v)
+
+    def release(self, idx) -> None:
+        self._clear(idx, PageFlag.NONE)
 
     def quarantine(self, idx) -> None:
         """Take pages out of use without reusing them: a fenced writer (epoch kept in the
         record) may still be writing them. Freed by `release` once its exit is confirmed."""
-        idx = np.asarray(idx, dtype=np.int64)
-        v = self._begin(idx)
-        p = self.pages
-        p["owner"][idx] = 0
-        p["num_tokens"][idx] = 0
-        p["checksum"][idx] = 0
-        p["flags"][idx] = PageFlag.QUARANTINED
-        self._end(idx, v)
+        self._clear(idx, PageFlag.QUARANTINED)
 
     def repair_versions(self, idx) -> None:
         """Make interrupted (odd) versions even again; only after the writer is fenced."""

@@ -127,7 +127,7 @@ def _report(console, kill, status, reference, outputs, elapsed_s) -> int:
         console.print(f"  request {i}: {len(out.token_ids):3d} tokens ({out.finish_reason}) {mark}  [{ids} ...]")
     n = len(outputs)
     verdict = "[bold green]" if same == n else "[bold red]"
-    console.print(f"  (random weights: the text itself is meaningless; the token ids are what must match)")
+    console.print("  (random weights: the text itself is meaningless; the token ids are what must match)")
     console.print(f"\n{verdict}{same}/{n} outputs identical to the uninterrupted run[/]")
     console.print(f"kill -> first resumed token {(rec['first_token_ns'] - t0) / 1e6:.1f} ms; "
                   f"demo took {elapsed_s:.1f} s")

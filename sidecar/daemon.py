@@ -239,12 +239,18 @@ class Sidecar:
         except zmq.ZMQError as exc:
             log.warning("dropped %s reply: %s", msg.TYPE, exc)
 
-    def _on_control(self, identity: bytes, frame: bytes) -> None:
+    def _decode(self, sock: zmq.Socket, identity: bytes, frame: bytes, allowed, what: str):
+        """The message, or None after an error reply: a bad frame never reaches a handler."""
         try:
-            msg = wire.decode(frame, m.CONTROL_IN)
+            return wire.decode(frame, allowed)
         except wire.WireError as exc:
-            log.warning("bad control message: %s (%s)", exc, exc.code.name)
-            self._reply(self.control, identity, m.Error(code=exc.code, message=str(exc)))
+            log.warning("bad %s message: %s (%s)", what, exc, exc.code.name)
+            self._reply(sock, identity, m.Error(code=exc.code, message=str(exc)))
+            return None
+
+    def _on_control(self, identity: bytes, frame: bytes) -> None:
+        msg = self._decode(self.control, identity, frame, m.CONTROL_IN, "control")
+        if msg is None:
             return
         if isinstance(msg, m.Attach):
             self._reply(self.control, identity, self.supervisor.on_attach(identity, msg))
@@ -274,11 +280,8 @@ class Sidecar:
         self.supervisor.takeover_done()
 
     def _on_client(self, identity: bytes, frame: bytes) -> None:
-        try:
-            msg = wire.decode(frame, m.CLIENT_IN)
-        except wire.WireError as exc:
-            log.warning("bad client message: %s (%s)", exc, exc.code.name)
-            self._reply(self.client, identity, m.Error(code=exc.code, message=str(exc)))
+        msg = self._decode(self.client, identity, frame, m.CLIENT_IN, "client")
+        if msg is None:
             return
         try:
             reply = self.frontend.handle(identity, msg)

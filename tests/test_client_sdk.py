@@ -1,5 +1,4 @@
 """The client SDK against a real sidecar: streams, typed errors, cancel, ownership, liveness."""
-import os
 import signal
 import time
 
@@ -9,7 +8,6 @@ import zmq
 from ipc import messages as m, wire
 from ipc.errors import (ErrorCode, InvalidParams, InvalidTokenId, NotFound, PromptTooLong,
                         SidecarUnavailable)
-from ipc.client import Client
 
 
 @pytest.fixture(scope="module")

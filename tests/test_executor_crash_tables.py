@@ -14,7 +14,6 @@ import pytest
 from ipc.memory import Mapping, RegionInfo
 from ipc.tables import Tables
 from ipc.validation import PageClass, classify_host
-from tools.sidecar_process import SidecarProcess
 
 CHURN = ["--workload", "churn", "--no-spawn", "--lease-ms", "400", "--kv-pages", "48",
          "--page-tokens", "8", "--max-seq-len", "64", "--log-level", "WARNING"]

@@ -1,7 +1,6 @@
 """Sampling: deterministic per (seed, position), correct filtering, batch-independent."""
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from executor.sampler import sample, uniform
