@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ipc import fdpass, messages as m
 from ipc.errors import ErrorCode
-from ipc.layout import LeaseFlag, Role, WeightsState
+from ipc.layout import LeaseFlag, Role
 from ipc.leases import LeaseTable, now_ns
 from ipc.liveness import DeathWatcher
 
@@ -383,6 +383,3 @@ class Supervisor:
                         "ready": bool(h and h.ready), **(h.info if h else {})})
         return out
 
-
-def weights_state_name(state: int) -> str:
-    return WeightsState(state).name.lower()
