@@ -118,7 +118,9 @@ def run_tier(args, tier: str, model: Path, requests, kills: int) -> dict:
     if args.kv_memory:
         flags += ["--kv-memory", args.kv_memory]
     rng = random.Random(args.seed)
-    with SidecarProcess(flags, log_path=args.out.with_suffix(f".{tier}.log")) as sc:
+    log_path = args.out.with_suffix(f".{tier}.log")
+    log_path.unlink(missing_ok=True)          # one run per log: SidecarProcess appends
+    with SidecarProcess(flags, log_path=log_path) as sc:
         sc.wait_steady(standbys=standbys, timeout=1200)
         with sc.new_client(timeout=600) as client:
             t0 = time.monotonic()
