@@ -1,0 +1,261 @@
+"""KV mirror: engine blocks -> kvhold pages (versioned, checksummed) -> a fresh engine pool.
+
+Real shared-memory tables and KV region; the engine pools are private tensors in two
+layouts (per-layer NHD, TensorRT-LLM-style pooled HND). The crash test SIGKILLs a real
+writer process at an arbitrary instruction and restores in the parent.
+"""
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from executor.kv_cache import KvCache
+from ipc.layout import KvGeometry, TableGeometry
+from ipc.leases import Fenced, Lease
+from ipc.memory import HostRegion
+from ipc.tables import Tables
+from trtllm_bridge.kv_mirror import Committed, KvMirror, PerLayerBlocks, PooledBlocks
+
+KV = KvGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_tokens=4)
+GEOM = TableGeometry(kv=KV, num_pages=256, num_slots=4, max_seq_len=64, num_leases=2)
+ENGINE_BLOCKS = 300
+
+
+class Pool:
+    """kvhold side: tables + KV region, named per test, created here as the sidecar would."""
+
+    def __init__(self):
+        tag = f"{os.getpid()}-{random.getrandbits(30)}"
+        self.tables_name = f"/kvhold-test-mirror-{tag}"
+        self.kv_name = f"/kvhold-test-mirrorkv-{tag}"
+        self.tables = Tables.create(self.tables_name, GEOM, 1)
+        self.region = HostRegion(self.kv_name, "kv", GEOM.kv_pool_bytes)
+        self.kv = KvCache.from_mapping(self.region.map_local(), KV, GEOM.num_pages).pool
+
+    def lease(self, slot: int) -> Lease:
+        """Grant `slot` a fresh epoch (what the sidecar does on attach / promote)."""
+        self.tables.leases["epoch"][slot] = self.tables.next_epoch()
+        return Lease(self.tables, slot, int(self.tables.leases["epoch"][slot]))
+
+    def close(self):
+        self.tables.unlink()
+        self.region.unlink()
+
+
+@pytest.fixture
+def pool():
+    p = Pool()
+    yield p
+    p.close()
+
+
+def per_layer(fill=None):
+    shape = (ENGINE_BLOCKS, 2, KV.page_tokens, KV.num_kv_heads, KV.head_dim)
+    caches = [torch.zeros(shape) if fill is None else fill(shape) for _ in range(KV.num_layers)]
+    return PerLayerBlocks(caches, KV.num_kv_heads, KV.head_dim, KV.page_tokens)
+
+
+def pooled():
+    size = KV.page_tokens * KV.num_kv_heads * KV.head_dim
+    return PooledBlocks(torch.zeros(ENGINE_BLOCKS, KV.num_layers, 2, size), KV.num_kv_heads,
+                        KV.head_dim, KV.page_tokens, head_major=True)
+
+
+def token_kv(rid: int, pos: int) -> torch.Tensor:
+    """Deterministic K/V of one token of one request, [L, 2, H, D]."""
+    gen = torch.Generator().manual_seed(rid * 100_003 + pos)
+    return torch.randn(KV.num_layers, 2, KV.num_kv_heads, KV.head_dim, generator=gen)
+
+
+class FakeEngine:
+    """Decodes token by token into its own pool; blocks come from a shuffled private free list."""
+
+    def __init__(self, layout, seed=0):
+        self.layout = layout
+        self.free = list(range(ENGINE_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[int, list[int]] = {}
+        self.length: dict[int, int] = {}
+
+    def step(self, rids) -> list[Committed]:
+        out, T = [], KV.page_tokens
+        for rid in rids:
+            pos = self.length.get(rid, 0)
+            blocks = self.blocks.setdefault(rid, [])
+            if pos % T == 0:
+                blocks.append(self.free.pop())
+            block = torch.tensor([blocks[pos // T]])
+            data = self.layout.read(block)
+            data[0, :, :, pos % T] = token_kv(rid, pos)
+            self.layout.write(block, data)
+            self.length[rid] = pos + 1
+            out.append(Committed(rid, pos // T, blocks[pos // T], pos % T + 1))
+        return out
+
+
+def expected(rid: int, tokens: int) -> torch.Tensor:
+    return torch.stack([token_kv(rid, p) for p in range(tokens)])         # [N, L, 2, H, D]
+
+
+def restored_tokens(layout, blocks, tokens: int) -> torch.Tensor:
+    data = layout.read(torch.tensor(blocks, dtype=torch.long))            # [B, L, 2, T, H, D]
+    return data.permute(0, 3, 1, 2, 4, 5).reshape(-1, *data.shape[1:3], *data.shape[4:])[:tokens]
+
+
+def fresh_blocks(counts: dict[int, int], start=7) -> dict[int, list[int]]:
+    out, nxt = {}, start
+    for rid, n in counts.items():
+        out[rid] = list(range(nxt, nxt + n))
+        nxt += n
+    return out
+
+
+@pytest.mark.parametrize("make_source,make_target", [(per_layer, pooled), (pooled, per_layer)])
+def test_mirror_then_restore_is_exact(pool, make_source, make_target):
+    engine = FakeEngine(make_source())
+    mirror = KvMirror(pool.tables, pool.kv, engine.layout, pool.lease(0))
+    lengths = {11: 10, 12: 8, 13: 3}
+    for step in range(max(lengths.values())):
+        assert mirror.mirror_committed(engine.step([r for r, n in lengths.items() if step < n]))
+    assert mirror.mirror_committed(engine.step([])) == 0
+    rec = pool.tables.pages[mirror.page_of(11, 1)]
+    assert rec["owner"] == 11 and rec["logical"] == 1 and rec["num_tokens"] == 4 and rec["version"] % 2 == 0
+
+    target = make_target()
+    fresh = KvMirror(pool.tables, pool.kv, target, pool.lease(1))
+    blocks = fresh_blocks({11: 3, 12: 2, 13: 1})
+    result = fresh.restore(blocks, target)
+    for rid, n in lengths.items():
+        r = result[rid]
+        assert (r.blocks_restored, r.tokens_restored) == (len(blocks[rid]), n)
+        assert r.first_bad is None and r.recompute == ()
+        assert torch.equal(restored_tokens(target, blocks[rid], n), expected(rid, n))
+
+
+def test_restored_mirror_continues_and_releases(pool):
+    engine = FakeEngine(per_layer())
+    old = KvMirror(pool.tables, pool.kv, engine.layout, pool.lease(0))
+    for _ in range(6):
+        old.mirror_committed(engine.step([5, 6]))
+    pool.lease(0)                                        # the sidecar fences the old writer
+    target = per_layer()
+    fresh = KvMirror(pool.tables, pool.kv, target, pool.lease(1))
+    blocks = fresh_blocks({5: 2})                       # request 6 finished meanwhile: released
+    assert fresh.restore(blocks, target)[5].tokens_restored == 6
+    assert set(pool.tables.pages["owner"][pool.tables.pages["owner"] != 0].tolist()) == {5}
+    with pytest.raises(Fenced):
+        old.mirror_committed(engine.step([5]))
+    data = target.read(torch.tensor([blocks[5][1]]))
+    data[0, :, :, 2] = token_kv(5, 6)                    # the new engine decodes token 6 ...
+    target.write(torch.tensor([blocks[5][1]]), data)
+    assert fresh.mirror_committed([Committed(5, 1, blocks[5][1], 3)]) == 1   # ... into the tail page
+    again = per_layer()
+    third = KvMirror(pool.tables, pool.kv, again, pool.lease(0))
+    assert third.restore(blocks, again)[5].tokens_restored == 7
+    assert torch.equal(restored_tokens(again, blocks[5], 7), expected(5, 7))
+    assert third.release(5) == 2 and (pool.tables.pages["owner"] == 0).all()
+    assert third.allocator.num_free == GEOM.num_pages - 1          # all but the null page
+
+
+def test_bit_flip_marks_that_block_and_later_ones(pool):
+    engine = FakeEngine(per_layer())
+    mirror = KvMirror(pool.tables, pool.kv, engine.layout, pool.lease(0))
+    for _ in range(14):                                   # 4 blocks: 4 + 4 + 4 + 2 tokens
+        mirror.mirror_committed(engine.step([21, 22]))
+    words = pool.kv.view(torch.int32)
+    words[mirror.page_of(21, 1), 2, 1, 3, 1, 5] ^= 1 << 9    # layer 2, values, token 3
+    words[mirror.page_of(22, 3), 0, 0, 3, 0, 0] ^= 1         # token 3 >= 2 committed: harmless
+    target = per_layer()
+    blocks = fresh_blocks({21: 4, 22: 4})
+    result = KvMirror(pool.tables, pool.kv, target, pool.lease(1)).restore(blocks, target)
+    assert result[21].first_bad == 1 and result[21].recompute == (1, 2, 3)
+    assert result[21].blocks_restored == 1 and result[21].tokens_restored == 4
+    assert torch.equal(restored_tokens(target, blocks[21], 4), expected(21, 4))
+    assert result[22].first_bad is None and result[22].tokens_restored == 14
+
+
+def test_interrupted_publish_is_kept_only_if_consistent(pool):
+    engine = FakeEngine(per_layer())
+    mirror = KvMirror(pool.tables, pool.kv, engine.layout, pool.lease(0))
+    for _ in range(6):                                    # blocks 0 (full) and 1 (2 tokens)
+        mirror.mirror_committed(engine.step([41, 42]))
+    pages = pool.tables.pages
+    pages["version"][mirror.page_of(41, 1)] += 1          # killed inside publish, fields intact
+    torn = mirror.page_of(42, 1)
+    pages["version"][torn] += 1                           # killed after the count, before the sum
+    pages["num_tokens"][torn] = 3
+    target = per_layer()
+    blocks = fresh_blocks({41: 2, 42: 2})
+    result = KvMirror(pool.tables, pool.kv, target, pool.lease(1)).restore(blocks, target)
+    assert result[41].tokens_restored == 6 and result[41].first_bad is None
+    assert result[42].tokens_restored == 4 and result[42].first_bad == 1 and result[42].recompute == (1,)
+    assert (pages["version"] % 2 == 0).all()              # settled once the writer is gone
+    assert pages["owner"][torn] == 0                      # the torn page went back to the pool
+
+
+def _writer(tables_name: str, kv_name: str, slot: int, epoch: int, wfd: int) -> None:
+    """Child: decode and mirror forever, reporting each mirrored step's lengths on the pipe."""
+    import posix_ipc
+
+    from ipc.memory import Mapping, RegionInfo
+
+    torch.set_num_threads(1)                              # no OpenMP pool after fork
+    tables = Tables.attach_name(tables_name)
+    shm = posix_ipc.SharedMemory(kv_name)
+    kv = KvCache.from_mapping(Mapping.from_fd(shm.fd, RegionInfo("kv", GEOM.kv_pool_bytes, "host", False)),
+                              KV, GEOM.num_pages).pool
+    engine = FakeEngine(per_layer(), seed=slot)
+    mirror = KvMirror(tables, kv, engine.layout, Lease(tables, slot, epoch))
+    rids = [31, 32, 33]
+    for step in range(1, 10**6):
+        if mirror.allocator.num_free < len(rids):
+            signal.pause()
+        mirror.mirror_committed(engine.step(rids))
+        os.write(wfd, f"{step}\n".encode())
+
+
+@pytest.mark.parametrize("kill_after", [3, 9, 17, 40])
+def test_sigkilled_writer_loses_no_committed_block(pool, kill_after):
+    lease = pool.lease(0)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                           # pragma: no cover - child
+        os.close(rfd)
+        try:
+            _writer(pool.tables_name, pool.kv_name, 0, lease.epoch, wfd)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    os.close(wfd)
+    reported, buf = 0, b""
+    with os.fdopen(rfd, "rb", buffering=0) as r:
+        while reported < kill_after:
+            chunk = r.read(4096)
+            assert chunk, "the writer died on its own"
+            *lines, buf = (buf + chunk).split(b"\n")
+            reported = int(lines[-1]) if lines else reported
+        time.sleep(random.Random(kill_after).uniform(0, 0.002))
+        os.kill(pid, signal.SIGKILL)                       # somewhere inside a later step
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    target = pooled()
+    blocks = fresh_blocks({rid: GEOM.num_pages // 3 for rid in (31, 32, 33)}, start=0)
+    result = KvMirror(pool.tables, pool.kv, target, pool.lease(1)).restore(blocks, target)
+    for rid in (31, 32, 33):
+        n = result[rid].tokens_restored
+        assert n >= reported and result[rid].first_bad is None
+        assert torch.equal(restored_tokens(target, blocks[rid], n), expected(rid, n))
+
+
+def test_layout_must_match_geometry(pool):
+    wrong = PerLayerBlocks([torch.zeros(4, 2, 8, 2, 8)] * 3, 2, 8, 8)      # 8-token blocks
+    with pytest.raises(ValueError, match="do not match"):
+        KvMirror(pool.tables, pool.kv, wrong, pool.lease(0))
+    mirror = KvMirror(pool.tables, pool.kv, per_layer(), pool.lease(0))
+    with pytest.raises(ValueError, match="bad committed block"):
+        mirror.mirror_committed([Committed(0, 0, 1, 1)])                     # request id 0
