@@ -9,11 +9,14 @@ what else is in the batch.
 * Prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
   rows, chunk boundaries at fixed positions (the scheduler keeps them aligned).
 Padding rows write their keys/values into the reserved null page 0 and are ignored.
-The graph is captured by a standby during warm-up; capture runs no kernel.
+The graph is captured by a standby during warm-up; capture runs no kernel. An
+executor forked to take over at once (no standby was ready) defers the capture
+to a later step and decodes eagerly until then: the same kernels, bit-identical.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,7 @@ class CudaRunner:
         self.ctx = torch.ones(b, dtype=torch.int32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None
+        self._capture_failed = False
         self.scale = model.spec.head_dim ** -0.5
 
     # ------------------------------------------------------------------ decode
@@ -62,16 +66,41 @@ class CudaRunner:
         self.table.fill_(NULL_PAGE)
         self.ctx.fill_(1)
 
-    def prepare(self) -> None:
-        """Compile and load every kernel a step uses, size the allocator, and capture the
-        decode graph. All rows are padding: only the reserved null page is written."""
+    def prepare(self, urgent: bool = False) -> dict[str, float]:
+        """Load every kernel a step uses, size the allocator and capture the decode graph;
+        returns the parts' times in ms. All rows are padding: only the reserved null page is
+        written. An urgent executor (it takes over as soon as it is ready, and its first step
+        is decode-only) warms the decode path only: prefill kernels load on its first prefill
+        and the graph is captured a few steps later (see `capture`)."""
+        times, t0 = {}, time.monotonic()
+
+        def lap(name):
+            nonlocal t0
+            torch.cuda.synchronize()
+            times[name] = round((time.monotonic() - t0) * 1e3, 2)
+            t0 = time.monotonic()
+
         self._reset_padding()
-        for _ in range(2):
+        for _ in range(1 if urgent else 2):
             self._decode_forward()
-        self._prefill(self._padding_chunk())
-        torch.cuda.synchronize()
-        if not self.use_graph:
+        lap("decode_warm_up")
+        if not urgent:
+            self._prefill(self._padding_chunk())
+            lap("prefill_warm_up")
+            self.capture()
+            lap("graph_capture")
+        return times
+
+    @property
+    def capture_pending(self) -> bool:
+        return self.use_graph and self.graph is None and not self._capture_failed
+
+    def capture(self) -> None:
+        """Capture the decode forward as a graph. Safe between steps of an active executor:
+        the warm-up pass writes only the null page and capture itself runs no kernel."""
+        if not self.capture_pending:
             return
+        self._reset_padding()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -85,6 +114,7 @@ class CudaRunner:
             self.graph = graph
         except Exception as exc:  # capture is an optimisation: eager decode is correct
             log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            self._capture_failed = True
             self.graph = None
 
     def _decode(self, items) -> torch.Tensor:

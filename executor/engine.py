@@ -29,7 +29,7 @@ from executor.sequence import Sequence
 from ipc.checksum import TorchChecksum, to_u64
 from ipc.journal import Journal
 from ipc.layout import AdmitState, FinishReason
-from ipc.leases import Lease
+from ipc.leases import Lease, now_ns
 from ipc.page_table import PageTable
 from ipc.tables import Tables
 
@@ -61,6 +61,7 @@ class Engine:
         self.tokens_generated = 0
         self.commit = commit      # False only in tools/bench_decode: measures what the protocol costs
         self._just_took_over = False
+        self.first_step_marks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ admission
     def pending_admissions(self) -> np.ndarray:
@@ -77,7 +78,12 @@ class Engine:
             if entry.admit_state == AdmitState.CANCELLED:
                 self.journal.finish(slot, FinishReason.CANCELLED)
                 continue
-            seq = Sequence.from_journal(entry, self.journal.all_tokens(slot, entry.prompt_len).tolist())
+            tokens = self.journal.all_tokens(slot, entry.prompt_len + entry.num_prefix).tolist()
+            seq = Sequence.from_journal(entry, tokens)
+            done = self._finish_reason(seq, tokens[-1]) if entry.num_prefix else None
+            if done is not None:     # a moved request whose last token already ended it
+                self.journal.finish(slot, done)
+                continue
             self.add(seq)
 
     def add(self, seq: Sequence) -> None:
@@ -100,6 +106,7 @@ class Engine:
     # ------------------------------------------------------------------ takeover
     def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
         self._just_took_over = True
+        self.first_step_marks = {}
         return recovery.take_over(self, pending_epochs, detect_ns)
 
     def release_quarantined(self, epochs) -> int:
@@ -118,15 +125,23 @@ class Engine:
         """Run one step; returns the journal slots whose progress changed."""
         self.admit()
         changed = self.cancel_requested()
-        plan = self.scheduler.schedule(decode_only=self._just_took_over)
+        first = self._just_took_over
+        t0 = now_ns()
+        plan = self.scheduler.schedule(decode_only=first)
         self._just_took_over = False
         if not plan:
             return changed
         logits = self.runner.run(plan, beat=self._beat)
         sampling = [p.seq for p in plan if p.samples]
+        t1 = now_ns()
         tokens = sample(logits, sampling) if sampling else []
+        t2 = now_ns()
         self.num_steps += 1
-        return changed + self._commit(plan, sampling, tokens)
+        changed += self._commit(plan, sampling, tokens)
+        if first:   # where the first step after a takeover spends its time (recovery figures)
+            self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
+                                     "committed_ns": now_ns()}
+        return changed
 
     # ------------------------------------------------------------------ commit
     def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> list[int]:

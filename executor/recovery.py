@@ -96,12 +96,14 @@ def take_over(engine, pending_epochs, detect_ns: int = 0) -> dict:
     engine.quarantined.update(quarantined)
     engine.blocks.allocator = PageAllocator(
         p for p in range(NULL_PAGE + 1, len(records)) if p not in kept and p not in quarantined)
+    t_cleared = now_ns()
 
     report_requests = []
     classes = {"resumable": 0, "damaged": 0, "lost": 0}
     tails = [_place_tail(engine, plan, records, pending) for plan in plans]
     copied = sum(1 for t in tails if t and t[2])
     _publish_tails(engine, plans, tails)
+    t_tails = now_ns()
     recomputed = 0
     for plan, tail in zip(plans, tails):
         _resume(engine, plan, records, tail)
@@ -113,6 +115,7 @@ def take_over(engine, pending_epochs, detect_ns: int = 0) -> dict:
                                     "tokens_recomputed": plan.tokens_recomputed})
     report = {
         "detect_ns": detect_ns, "promoted_ns": t_start, "validated_ns": t_validated,
+        "cleared_ns": t_cleared, "tails_ns": t_tails,
         "resumed_ns": now_ns(), "pages_checked": checked, "pages_bad": bad,
         "pages_interrupted": int(len(odd)), "pages_copied": copied,
         "pages_quarantined": len(engine.quarantined), "requests_finished": len(finished),

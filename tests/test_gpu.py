@@ -12,6 +12,17 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def test_zygote_preload_leaves_cuda_uninitialised_and_children_can_use_it():
+    code = ("import os, torch; from executor.zygote import preload; preload('cuda:0');"
+            "assert not torch.cuda.is_initialized();"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    x = torch.ones(1024, device='cuda'); os._exit(0 if float(x.sum()) == 1024 else 3)\n"
+            "_, status = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(status))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_sidecar_keeps_memory_alive_without_a_context():
     out = subprocess.run([sys.executable, "-m", "tools.gpu_probe_vmm", "--size-mb", "256"],
                          capture_output=True, text=True, timeout=300)
@@ -123,21 +134,27 @@ def test_cuda_runner_matches_the_cpu_reference_and_graphs_match_eager(tiny_on_gp
     torch.testing.assert_close(results[True], want, atol=2e-3, rtol=2e-3)
 
 
-def test_recovery_on_the_gpu_is_token_exact(tiny_model, tmp_path):
+@pytest.mark.parametrize("tier", ["standby", "zygote"])
+def test_recovery_on_the_gpu_is_token_exact(tiny_model, tmp_path, tier):
     from ipc.client import wait_all
     from tools.sidecar_process import SidecarProcess
 
     flags = ["--model", str(tiny_model), "--device", "cuda:0", "--backend", "cuda",
              "--max-seq-len", "512", "--max-batch", "16", "--max-batch-tokens", "256",
              "--prefill-chunk", "64", "--log-level", "INFO", "--restart-backoff-ms", "0,0"]
+    if tier == "zygote":     # no standby: a child forked from the zygote takes over, graph capture deferred
+        flags += ["--standbys", "0", "--zygote"]
+    standbys = 1 if tier == "standby" else 0
     requests = [dict(prompt_ids=list(range(2, 2 + 20 * (i + 1))), max_tokens=48, temperature=0.8 if i % 2 else 0.0,
                      seed=i, ignore_eos=True) for i in range(6)]
     with SidecarProcess(flags, log_path=tmp_path / "sidecar.log") as sc:
-        sc.wait_steady(timeout=600)
+        sc.wait_steady(standbys=standbys, timeout=600)
         with sc.new_client(timeout=120) as client:
             reference = [r.token_ids for r in wait_all([client.generate(**r) for r in requests])]
             for trial in range(3):
-                sc.wait_steady(timeout=600)
+                sc.wait_steady(standbys=standbys, timeout=600)
+                if tier == "zygote":
+                    sc.wait_for(lambda st: (st.get("zygote") or {}).get("ready"), timeout=600)
                 seen = [0]
                 threshold = 30 + 40 * trial
 
@@ -148,5 +165,8 @@ def test_recovery_on_the_gpu_is_token_exact(tiny_model, tmp_path):
 
                 got = [r.token_ids for r in wait_all([client.generate(**r) for r in requests], on_event)]
                 assert got == reference, f"trial {trial}"
-        recs = sc.status()["recoveries"]
+        st = sc.status()
+        recs = st["recoveries"]
         assert len(recs) == 3 and all(r["requests_lost"] == 0 for r in recs)
+        if tier == "zygote":
+            assert sc.executors(st, "active")[0]["via"] == "zygote"

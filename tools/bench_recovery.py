@@ -10,8 +10,11 @@ the kill, on CLOCK_MONOTONIC, from the sidecar's and the executor's own records:
 detect, fence, promote, validate done, resume done, first resumed token, and the
 dead process's exit confirmation. Also: tokens recomputed, requests per recovery
 class, requests lost, and whether every output equals the reference.
-Tiers: `standby` (a warm standby is promoted), `cold` (no standby: a new process
-starts, maps, warms up and takes over). Writes JSON (and a PNG if matplotlib is
+Tiers: `standby` (a warm standby is promoted at once), `standby-wait` (the same,
+but the promotion waits until the dead process has fully exited: `--takeover
+wait-exit`), `zygote` (no standby: an executor forked from the torch-imported
+zygote maps, warms up and takes over), `cold` (no standby, no zygote: a new
+process starts from nothing). Writes JSON (and a PNG if matplotlib is
 available) under bench/results/.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tools.sidecar_process import SidecarProcess
 
 PARTS = ("detect", "fenced", "promoted", "takeover_start", "validated", "resumed", "first_token",
          "exit_confirmed")
+TIERS = ("standby", "standby-wait", "zygote", "cold")
 
 
 def make_requests(n: int, prompt_range: tuple[int, int], max_tokens: int, vocab: int, seed: int) -> list[dict]:
@@ -51,8 +55,11 @@ def run_set(client, requests, on_event=None):
     return wait_all([client.generate(**r) for r in requests], on_event)
 
 
-def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int) -> dict:
+def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int,
+             zygote: bool = False) -> dict:
     sc.wait_steady(standbys=standbys, timeout=600)
+    if zygote:   # measure the zygote path, not the cold fallback used while it starts
+        sc.wait_for(lambda st: (st.get("zygote") or {}).get("ready"), timeout=600)
     total = sum(len(r) for r in reference)
     threshold = rng.randrange(len(requests), max(len(requests) + 1, total * 3 // 4))
     kill: dict = {}
@@ -84,6 +91,9 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
         "promoted_ms": ms(promote["ns"]), "takeover_start_ms": ms(rec["promoted_ns"]),
         "validated_ms": ms(rec["validated_ns"]), "resumed_ms": ms(rec["resumed_ns"]),
         "first_token_ms": ms(rec["first_token_ns"]), "exit_confirmed_ms": ms(exit_ev["ns"]),
+        **{f"{k[:-3]}_ms": ms(rec[k]) for k in ("cleared_ns", "tails_ns", "step_start_ns",
+                                                 "forward_queued_ns", "sampled_ns", "committed_ns",
+                                                 "step_received_ns") if k in rec},
         "pages_checked": rec["pages_checked"], "pages_bad": rec["pages_bad"],
         "pages_copied": rec["pages_copied"], "tokens_recomputed": rec["tokens_recomputed"],
         "tokens_kept": rec["tokens_kept"], "requests_resumable": rec["requests_resumable"],
@@ -108,11 +118,17 @@ def summarize(samples: list[dict]) -> dict:
 
 
 def run_tier(args, tier: str, model: Path, requests, kills: int) -> dict:
-    standbys = 1 if tier == "standby" else 0
+    if tier not in TIERS:
+        raise SystemExit(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
+    standbys = 1 if tier.startswith("standby") else 0
     flags = ["--model", str(model), "--device", args.device, "--standbys", str(standbys),
              "--max-seq-len", str(args.max_seq_len), "--max-batch", str(max(64, args.requests)),
              "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "WARNING", "--restart-backoff-ms", "0,0",
              "--startup-lease-ms", "600000"]
+    if tier == "standby-wait":
+        flags += ["--takeover", "wait-exit"]
+    if tier == "zygote":
+        flags += ["--zygote"]
     if args.device.startswith("cuda"):
         flags += ["--backend", "cuda"]
     if args.kv_memory:
@@ -128,7 +144,7 @@ def run_tier(args, tier: str, model: Path, requests, kills: int) -> dict:
             ref_s = time.monotonic() - t0
             samples = []
             for i in range(kills):
-                samples.append(one_kill(sc, client, requests, reference, rng, standbys))
+                samples.append(one_kill(sc, client, requests, reference, rng, standbys, tier == "zygote"))
                 s = samples[-1]
                 print(f"{tier} kill {i + 1}/{kills}: first token {s['first_token_ms']:8.1f} ms "
                       f"(resumed {s['resumed_ms']:.1f}), recomputed {s['tokens_recomputed']}, "
@@ -169,8 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the tiny demo model)")
     p.add_argument("--kills", type=int, default=50)
-    p.add_argument("--tiers", default="standby", help="comma list of standby,cold")
+    p.add_argument("--tiers", default="standby", help=f"comma list of {','.join(TIERS)}")
     p.add_argument("--cold-kills", type=int, default=0, help="kills for the cold tier (default: --kills)")
+    p.add_argument("--zygote-kills", type=int, default=0, help="kills for the zygote tier (default: --kills)")
+    p.add_argument("--wait-kills", type=int, default=0, help="kills for the standby-wait tier (default: --kills)")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-len", default="32,128", help="min,max prompt tokens")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -194,7 +212,8 @@ def main(argv=None) -> int:
                "model": str(args.model), "requests": args.requests, "max_tokens": args.max_tokens,
                "prompt_len": [lo, hi], "tiers": {}}
     for tier in args.tiers.split(","):
-        kills = args.cold_kills if tier == "cold" and args.cold_kills else args.kills
+        kills = {"cold": args.cold_kills, "zygote": args.zygote_kills,
+                 "standby-wait": args.wait_kills}.get(tier) or args.kills
         results["tiers"][tier] = run_tier(args, tier, args.model, requests, kills)
         args.out.write_text(json.dumps(results, indent=1) + "\n")   # after each tier: keep what we have
     png = args.out.with_suffix(".png")

@@ -2,6 +2,9 @@
 # What the H200 runs (through the device tool), in phases; results land in $OUT.
 #   bash tools/h200_run.sh smoke   GPU tests, VMM probe, a small recovery run
 #   bash tools/h200_run.sh bench   Llama-3-8B shapes: decode, cold-restart baseline, recovery
+#   bash tools/h200_run.sh verify  the GPU tests (CUDA engine, zygote, NVML health) on the final code
+#   bash tools/h200_run.sh tiers   GPU tests, then Llama-3-8B recovery through the zygote and cold tiers
+#   bash tools/h200_run.sh recovery  Llama-3-8B recovery, TIERS (default standby,cold)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVHOLD_CACHE=/tmp/kvcache
@@ -25,11 +28,27 @@ bench)
   timeout 200 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -8
   timeout 200 python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
   ;;
+verify)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sidecar_health.py \
+      -k "recovery or zygote or nvml or context" 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  timeout 90 python3 -m tools.probe_first_kernels --out "$OUT/first_kernels_cuda.json" 2>&1 | tail -40
+  timeout $((${BUDGET_S:-400} - SECONDS)) python3 -m tools.bench_pool_restart --device cuda:0 --restarts 3 \
+      --out "$OUT/pool_restart_cuda.json" 2>&1 | tail -30
+  ;;
+tiers)
+  timeout 240 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout ${TIERS_TIMEOUT:-300} python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
+      --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-8} \
+      --tiers zygote,cold --cold-kills ${COLD_KILLS:-2} --out "$OUT/recovery_cuda_zygote.json" 2>&1 | tail -30
+  for f in "$OUT"/recovery_cuda_zygote.*.log; do tail -80 "$f" > "$f.tail"; rm -f "$f"; done
+  ;;
 recovery)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
-  timeout 560 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
+  timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
       --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-20} \
-      --tiers ${TIERS:-standby,cold} --cold-kills ${COLD_KILLS:-3} --out "$OUT/recovery_cuda.json" 2>&1 | tail -40
+      --tiers ${TIERS:-standby,cold} --cold-kills ${COLD_KILLS:-3} --wait-kills ${WAIT_KILLS:-0} \
+      --zygote-kills ${ZYGOTE_KILLS:-0} --out "$OUT/recovery_cuda.json" 2>&1 | tail -40
   for f in "$OUT"/recovery_cuda.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
 esac
