@@ -8,6 +8,9 @@ Engine-agnostic layer, tested on CPU against real third-party model code:
   into a versioned, checksummed kvhold page, and restore the intact ones into a
   fresh engine's pool after a crash.
 
-The TensorRT-LLM glue (weights loader hook, KV cache connector, launcher) builds on
-these two and is not part of this package yet.
+The TensorRT-LLM 1.2 glue builds on these two: `trtllm_connector` (KV Cache Connector
+classes over the mirror), `trtllm_weights` (checkpoint loader + rebind of parameters to
+the weights region) and `launcher` (`python -m trtllm_bridge.launcher`, an executor running
+a TensorRT-LLM LLM). Its TensorRT-LLM-facing parts import `tensorrt_llm` lazily and have not
+run against it (README.md).
 """

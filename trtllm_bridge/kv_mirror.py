@@ -9,10 +9,14 @@ the checksum growing by the hash of the new token rows only. The page table is
 therefore the durable record of which page holds which (request, block): it
 outlives the engine process, and a replacement rebuilds everything from it.
 
-`restore` (in the replacement, after the dead writer is fenced and has exited)
-validates the mirrored pages with ipc.validation, copies the intact prefix of each
-request into the fresh engine's blocks, releases every page no request keeps, and
-reports per request how many blocks were restored and which must be recomputed.
+`restore` (in the replacement, after the dead writer is fenced) validates the
+mirrored pages with ipc.validation, copies the intact prefix of each request into
+the fresh engine's blocks, releases every page no request keeps, and reports per
+request how many blocks were restored and which must be recomputed. If the dead
+writer's exit is not confirmed yet (its epoch in `pending_epochs`), pages it may
+still write are quarantined instead of reused: unkept pages, and partially filled
+tails (their rows are restored, but the mirror continues them in a fresh page);
+`release_quarantined(epochs)` frees them once the sidecar reports the exit.
 
 Contract with the engine:
 * a block's committed tokens never change and never shrink; `mirror_committed` is
@@ -38,82 +42,9 @@ from ipc.layout import PageFlag
 from ipc.page_table import PageTable
 from ipc.tables import Tables
 from ipc.validation import trusted
+from trtllm_bridge.block_layout import BlockLayout, PerLayerBlocks, PooledBlocks  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------- layouts
-class BlockLayout:
-    """An engine's KV blocks seen as kvhold's canonical [B, layer, k/v, token, kv_head, head_dim].
-
-    `head_major` engines store each (layer, k/v) block as [kv_head][token][head_dim]
-    ("HND") instead of [token][kv_head][head_dim] ("NHD").
-    """
-
-    def __init__(self, num_blocks: int, block_tokens: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, head_major: bool):
-        self.num_blocks, self.block_tokens, self.num_layers = num_blocks, block_tokens, num_layers
-        self.num_kv_heads, self.head_dim, self.head_major = num_kv_heads, head_dim, head_major
-        self.dtype, self.device = dtype, device
-
-    def _inner(self) -> tuple[int, int, int]:
-        t, h, d = self.block_tokens, self.num_kv_heads, self.head_dim
-        return (h, t, d) if self.head_major else (t, h, d)
-
-    def _canonical(self, x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(-3, -2) if self.head_major else x
-
-    def read(self, blocks: torch.Tensor) -> torch.Tensor:
-        """A copy of `blocks` (1-D long tensor), canonical shape [B, L, 2, T, H, D]."""
-        raise NotImplementedError
-
-    def write(self, blocks: torch.Tensor, data: torch.Tensor) -> None:
-        """Store canonical `data` [B, L, 2, T, H, D] into `blocks`."""
-        raise NotImplementedError
-
-
-class PerLayerBlocks(BlockLayout):
-    """One tensor per layer, [num_blocks, 2, T, H, D] (NHD) or [num_blocks, 2, H, T, D] (HND):
-    vLLM-style caches and TensorRT-LLM's `KVCacheManager.get_buffers(layer)`."""
-
-    def __init__(self, caches: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int,
-                 block_tokens: int, head_major: bool = False):
-        first = caches[0]
-        super().__init__(first.shape[0], block_tokens, len(caches), num_kv_heads, head_dim,
-                         first.dtype, first.device, head_major)
-        want = (first.shape[0], 2, *self._inner())
-        for layer, c in enumerate(caches):
-            if tuple(c.shape) != want or c.dtype != first.dtype:
-                raise ValueError(f"layer {layer} cache is {tuple(c.shape)} {c.dtype}, expected {want}")
-        self.caches = list(caches)
-
-    def read(self, blocks):
-        return self._canonical(torch.stack([c[blocks] for c in self.caches], dim=1))
-
-    def write(self, blocks, data):
-        for layer, c in enumerate(self.caches):
-            c[blocks] = self._canonical(data[:, layer]).to(c.dtype)
-
-
-class PooledBlocks(BlockLayout):
-    """One tensor for all layers, [num_blocks, num_layers, 2, T*H*D]: TensorRT-LLM's primary
-    pool (`KVCacheManager.get_unique_primary_pool()`), NHD or HND inside a block."""
-
-    def __init__(self, pool: torch.Tensor, num_kv_heads: int, head_dim: int, block_tokens: int,
-                 head_major: bool = False):
-        n, layers, two, size = pool.shape
-        super().__init__(n, block_tokens, layers, num_kv_heads, head_dim, pool.dtype, pool.device,
-                         head_major)
-        if two != 2 or size != block_tokens * num_kv_heads * head_dim:
-            raise ValueError(f"pool {tuple(pool.shape)} does not hold blocks of {block_tokens} tokens "
-                             f"x {num_kv_heads} heads x {head_dim}")
-        self.view = pool.view(n, layers, 2, *self._inner())
-
-    def read(self, blocks):
-        return self._canonical(self.view[blocks])
-
-    def write(self, blocks, data):
-        self.view[blocks] = self._canonical(data).to(self.view.dtype)
 
 
 # ------------------------------------------------------------------------- mirror
@@ -144,6 +75,12 @@ class Restored:
     recompute: tuple[int, ...]       # logical blocks the engine must recompute
 
 
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    restored: Restored
+    pages: tuple[int, ...]           # kvhold pages of logical blocks 0..restored.blocks_restored-1
+
+
 class KvMirror:
     """Mirrors committed engine blocks into kvhold pages; restores them after a takeover.
 
@@ -163,6 +100,8 @@ class KvMirror:
         self.page_tokens = kv.page_tokens
         self.checksum = TorchChecksum(kv_pool)
         self.held: dict[tuple[int, int], _Held] = {}
+        self.quarantined: dict[int, int] = {}      # page -> epoch of a writer not yet reaped
+        self.last_restore = {"pages_checked": 0, "pages_bad": 0, "pages_quarantined": 0}
         records = self.page_table.snapshot()
         busy = (records["owner"] != 0) | ((records["flags"] & PageFlag.QUARANTINED) != 0)
         self.allocator = PageAllocator(p for p in (~busy).nonzero()[0].tolist() if p != NULL_PAGE)
@@ -237,37 +176,78 @@ class KvMirror:
         return len(pages)
 
     # ------------------------------------------------------------------ takeover
-    def restore(self, requests: Mapping[int, Sequence[int]], target: BlockLayout) -> dict[int, Restored]:
+    def restore(self, requests: Mapping[int, Sequence[int]], target: BlockLayout,
+                pending_epochs: Iterable[int] = ()) -> dict[int, Restored]:
         """Validate the mirrored pages and copy each request's intact prefix into `target`.
 
         `requests` maps request id -> the fresh engine's block ids for logical blocks 0, 1, ...
-        Call only once the previous writer is fenced and gone. Afterwards this mirror holds
-        the restored pages and continues them; every other page is released.
+        Call only once the previous writer is fenced. `pending_epochs`: fenced writers whose
+        exit is not confirmed; their pages are quarantined, never reused (module docstring).
+        Afterwards this mirror holds the restored pages and continues them; every other page
+        is released or quarantined. `last_restore` counts pages checked, bad and quarantined.
         """
+        plans = self.plan_restore({rid: len(b) for rid, b in requests.items()}, pending_epochs)
+        pairs = [(int(requests[rid][i]), page) for rid, p in plans.items() for i, page in enumerate(p.pages)]
+        self.load([page for _, page in pairs], [block for block, _ in pairs], target)
+        return {rid: p.restored for rid, p in plans.items()}
+
+    def plan_restore(self, requests: Mapping[int, int], pending_epochs: Iterable[int] = (),
+                     full_blocks_only: bool = False) -> dict[int, "RestorePlan"]:
+        """The validating half of `restore`, for engines that allocate blocks later.
+
+        `requests` maps request id -> how many logical blocks it may use. Returns per request
+        the kvhold pages of its intact prefix (copy them with `load` once the engine has
+        blocks). `full_blocks_only`: a partial tail is not restored but released, for engines
+        whose recomputation of a block may not reproduce its bytes exactly (TensorRT-LLM)."""
         self.lease.check()
         self.held = {}
+        pending = {int(e) for e in pending_epochs}
         records = self.page_table.snapshot()
         odd = ((records["version"] & 1) == 1).nonzero()[0]
-        self.page_table.repair_versions(odd)                 # the writer is gone: settle its records
+        self.page_table.repair_versions(odd)                 # the writer is fenced: settle its records
         plan = self._candidates(records, requests)
         ok = self._validate(records, [page for _, _, page in plan])
-        results, keep = self._prefixes(requests, plan, ok, records)
-        if keep:
-            src = torch.tensor([page for _, page in keep], dtype=torch.long, device=self.pool.device)
-            dst = torch.tensor([block for block, _ in keep], dtype=torch.long, device=target.device)
-            target.write(dst, self.pool[src].to(target.device))
-        self._settle(records, {page for _, page in keep})
-        return results
+        plans = self._prefixes(requests, plan, ok, records, full_blocks_only)
+        self._unhold_live_tails(records, pending)
+        self._settle(records, {h.page for h in self.held.values()}, pending)
+        self.last_restore = {"pages_checked": len(plan), "pages_bad": int((~ok).sum()),
+                             "pages_quarantined": len(self.quarantined)}
+        return plans
 
-    def _candidates(self, records, requests) -> list[tuple[int, int, int]]:
+    def load(self, pages: Sequence[int], blocks: Sequence[int], target: BlockLayout) -> None:
+        """Copy kvhold `pages` into the engine's `blocks` (same order), in one gather + scatter."""
+        if not pages:
+            return
+        src = torch.tensor(list(pages), dtype=torch.long, device=self.pool.device)
+        dst = torch.tensor(list(blocks), dtype=torch.long, device=target.device)
+        target.write(dst, self.pool[src].to(target.device))
+
+    def _unhold_live_tails(self, records, pending: set[int]) -> None:
+        """A partial tail whose writer may still run is restored but not continued in place."""
+        for key, h in list(self.held.items()):
+            if h.num_tokens < self.page_tokens and int(records["epoch"][h.page]) in pending:
+                del self.held[key]
+
+    def release_quarantined(self, epochs: Iterable[int]) -> int:
+        """The writers of these epochs have exited: their quarantined pages are free again."""
+        epochs = {int(e) for e in epochs}
+        pages = [p for p, e in self.quarantined.items() if e in epochs]
+        if pages:
+            self.page_table.release(pages)
+            self.allocator.free(pages)
+            for p in pages:
+                del self.quarantined[p]
+        return len(pages)
+
+    def _candidates(self, records, requests: Mapping[int, int]) -> list[tuple[int, int, int]]:
         """(request, logical index, page) of each mirrored block, in order, up to the first gap
         (a block with no page, or with a page assigned but holding no committed token)."""
         where = {}
         for page in ((records["owner"] != 0) & ((records["flags"] & PageFlag.QUARANTINED) == 0)).nonzero()[0]:
             where.setdefault((int(records["owner"][page]), int(records["logical"][page])), int(page))
         plan = []
-        for rid, blocks in requests.items():
-            for index in range(len(blocks)):
+        for rid, num_blocks in requests.items():
+            for index in range(int(num_blocks)):
                 page = where.get((int(rid), index))
                 if page is None or records["num_tokens"][page] == 0:
                     break                   # never mirrored, or assigned but nothing published yet
@@ -285,34 +265,44 @@ class KvMirror:
         sums = to_u64(self.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
         return trusted(sub, self.page_tokens, sums == sub["checksum"]) & ((sub["flags"] & PageFlag.BAD) == 0)
 
-    def _prefixes(self, requests, plan, ok, records):
-        """Per request: the longest valid prefix of full blocks (plus one partial tail)."""
+    def _prefixes(self, requests, plan, ok, records, full_only: bool) -> dict[int, "RestorePlan"]:
+        """Per request: the longest valid prefix of full blocks (plus one partial tail unless
+        `full_only`); the mirror holds its pages from now on."""
         by_request: dict[int, list[tuple[int, int, bool]]] = {int(r): [] for r in requests}
         for (rid, index, page), good in zip(plan, ok.tolist()):
             by_request[rid].append((index, page, good))
-        results, keep = {}, []
-        for rid, blocks in requests.items():
-            rid, tokens, restored, first_bad = int(rid), 0, 0, None
+        plans = {}
+        for rid, num_blocks in requests.items():
+            rid, tokens, pages, first_bad = int(rid), 0, [], None
             for index, page, good in by_request[rid]:
                 if not good:
                     first_bad = index
                     break
                 count = int(records["num_tokens"][page])
-                keep.append((int(blocks[index]), page))
+                if full_only and count < self.page_tokens:
+                    break
+                pages.append(page)
                 self.held[rid, index] = _Held(page, count, int(records["checksum"][page]))
-                tokens, restored = tokens + count, restored + 1
+                tokens += count
                 if count < self.page_tokens:
                     break                                      # a partial tail ends the prefix
-            results[rid] = Restored(rid, restored, tokens, first_bad, tuple(range(restored, len(blocks))))
-        return results, keep
+            restored = Restored(rid, len(pages), tokens, first_bad, tuple(range(len(pages), int(num_blocks))))
+            plans[rid] = RestorePlan(restored, tuple(pages))
+        return plans
 
-    def _settle(self, records, kept: set[int]) -> None:
-        """Release every page nobody keeps and rebuild the free list from the table."""
-        used = (records["owner"] != 0).nonzero()[0].tolist()
-        drop = [p for p in used if p not in kept]
+    def _settle(self, records, kept: set[int], pending: set[int]) -> None:
+        """Release (or, for a live writer's pages, quarantine) every page nobody keeps, and
+        rebuild the free list from the table."""
+        flagged = (records["flags"] & PageFlag.QUARANTINED) != 0
+        used = ((records["owner"] != 0) | flagged).nonzero()[0].tolist()
+        unkept = [p for p in used if p not in kept]
+        hold = [p for p in unkept if int(records["epoch"][p]) in pending]
+        drop = [p for p in unkept if int(records["epoch"][p]) not in pending]
+        if hold:
+            self.page_table.quarantine(hold)
         if drop:
             self.page_table.release(drop)
-        quarantined = (records["flags"] & PageFlag.QUARANTINED) != 0
+        self.quarantined = {p: int(records["epoch"][p]) for p in hold}
         self.allocator = PageAllocator(p for p in range(len(records))
-                                       if p != NULL_PAGE and p not in kept and not quarantined[p])
-        log.info("restored %d mirrored pages, released %d", len(kept), len(drop))
+                                       if p != NULL_PAGE and p not in kept and p not in self.quarantined)
+        log.info("restored %d mirrored pages, released %d, quarantined %d", len(kept), len(drop), len(hold))

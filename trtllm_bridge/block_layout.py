@@ -1,0 +1,85 @@
+"""Engine KV block layouts, seen as kvhold's canonical [B, layer, k/v, token, kv_head, head_dim].
+
+An engine that owns its KV pool stores blocks its own way; a `BlockLayout` adapter reads
+blocks out of it and writes blocks into it in the canonical shape the KV mirror
+(trtllm_bridge.kv_mirror) copies to and from kvhold pages. Reads return copies; writes
+cast to the engine's dtype only where the dtypes already agree (the mirror checks).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class BlockLayout:
+    """An engine's KV blocks seen as kvhold's canonical [B, layer, k/v, token, kv_head, head_dim].
+
+    `head_major` engines store each (layer, k/v) block as [kv_head][token][head_dim]
+    ("HND") instead of [token][kv_head][head_dim] ("NHD").
+    """
+
+    def __init__(self, num_blocks: int, block_tokens: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, head_major: bool):
+        self.num_blocks, self.block_tokens, self.num_layers = num_blocks, block_tokens, num_layers
+        self.num_kv_heads, self.head_dim, self.head_major = num_kv_heads, head_dim, head_major
+        self.dtype, self.device = dtype, device
+
+    def _inner(self) -> tuple[int, int, int]:
+        t, h, d = self.block_tokens, self.num_kv_heads, self.head_dim
+        return (h, t, d) if self.head_major else (t, h, d)
+
+    def _canonical(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(-3, -2) if self.head_major else x
+
+    def read(self, blocks: torch.Tensor) -> torch.Tensor:
+        """A copy of `blocks` (1-D long tensor), canonical shape [B, L, 2, T, H, D]."""
+        raise NotImplementedError
+
+    def write(self, blocks: torch.Tensor, data: torch.Tensor) -> None:
+        """Store canonical `data` [B, L, 2, T, H, D] into `blocks`."""
+        raise NotImplementedError
+
+
+class PerLayerBlocks(BlockLayout):
+    """One tensor per layer, [num_blocks, 2, T, H, D] (NHD) or [num_blocks, 2, H, T, D] (HND):
+    vLLM-style caches and TensorRT-LLM's `KVCacheManager.get_buffers(layer)`."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int,
+                 block_tokens: int, head_major: bool = False):
+        first = caches[0]
+        super().__init__(first.shape[0], block_tokens, len(caches), num_kv_heads, head_dim,
+                         first.dtype, first.device, head_major)
+        want = (first.shape[0], 2, *self._inner())
+        for layer, c in enumerate(caches):
+            if tuple(c.shape) != want or c.dtype != first.dtype:
+                raise ValueError(f"layer {layer} cache is {tuple(c.shape)} {c.dtype}, expected {want}")
+        self.caches = list(caches)
+
+    def read(self, blocks):
+        return self._canonical(torch.stack([c[blocks] for c in self.caches], dim=1))
+
+    def write(self, blocks, data):
+        for layer, c in enumerate(self.caches):
+            c[blocks] = self._canonical(data[:, layer]).to(c.dtype)
+
+
+class PooledBlocks(BlockLayout):
+    """One tensor for all layers, [num_blocks, num_layers, 2, T*H*D]: TensorRT-LLM's primary
+    pool (`KVCacheManager.get_unique_primary_pool()`), NHD or HND inside a block."""
+
+    def __init__(self, pool: torch.Tensor, num_kv_heads: int, head_dim: int, block_tokens: int,
+                 head_major: bool = False):
+        n, layers, two, size = pool.shape
+        super().__init__(n, block_tokens, layers, num_kv_heads, head_dim, pool.dtype, pool.device,
+                         head_major)
+        if two != 2 or size != block_tokens * num_kv_heads * head_dim:
+            raise ValueError(f"pool {tuple(pool.shape)} does not hold blocks of {block_tokens} tokens "
+                             f"x {num_kv_heads} heads x {head_dim}")
+        self.view = pool.view(n, layers, 2, *self._inner())
+
+    def read(self, blocks):
+        return self._canonical(self.view[blocks])
+
+    def write(self, blocks, data):
+        self.view[blocks] = self._canonical(data).to(self.view.dtype)
