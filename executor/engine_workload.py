@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -26,6 +27,7 @@ from ipc.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 DEFAULT_CUDA_PREFILL_CHUNK = 512
+DEFERRED_CAPTURE_STEPS = 8    # an urgent executor captures its decode graph after this many steps
 
 
 class EngineWorkload:
@@ -34,22 +36,35 @@ class EngineWorkload:
     def __init__(self, ctx):
         self.ctx = ctx
         self.engine: Engine | None = None
+        self.runner = None
         self.private_mib = 0.0
+        self.phases: dict[str, float] = {}      # warm-up parts in ms, reported in Ready
+        self._t = time.monotonic()
+        self._active_steps = 0
+
+    def _phase(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = round((now - self._t) * 1e3, 2)
+        self._t = now
 
     def prepare(self) -> None:
         ctx, s = self.ctx, self.ctx.settings
+        self._t = time.monotonic()
         device = torch.device(s["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            torch.cuda.init()
+            self._phase("cuda_context")
         if device.type == "cpu":
             torch.set_num_threads(int(s.get("cpu_threads") or max(1, (os.cpu_count() or 2) // 2)))
         spec = ModelSpec.from_dir(s["model"])
         weights = self._weights(spec)
+        self._phase("weights")
         geometry = ctx.tables.geometry
         dtype = TORCH_DTYPES[s["compute_dtype"]]
         model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
-        kv = KvCache.from_mapping(ctx.mappings["kv"], geometry.kv, geometry.num_pages)
+        kv = self._kv_cache(geometry, device)
         max_batch, max_tokens = int(s["max_batch"]), int(s["max_batch_tokens"])
         chunk = int(s.get("prefill_chunk") or 0) or None
         runner = checksum = None
@@ -60,21 +75,36 @@ class EngineWorkload:
             chunk = chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_tokens - max_batch)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
                                 use_graph=not s.get("extra", {}).get("no_cuda_graph"))
-            runner.prepare()                    # compiles kernels, captures the decode graph
+            self._phase("model")
+            # loads kernels and captures the decode graph; an urgent executor (taking over with
+            # no standby ready) warms only the decode path and captures later, between steps
+            self.phases.update(runner.prepare(urgent=ctx.urgent))
+            self._t = time.monotonic()
             checksum = TritonChecksum(kv.pool)
         else:
             self._warm_up(model, geometry.kv, device)
-        self.engine = Engine(model, kv, ctx.tables, ctx.lease, max_batch, max_tokens,
-                             runner=runner, checksum=checksum, prefill_chunk=chunk)
+            self._phase("model_warm_up")
+        self.runner = runner
+        self.engine = self._make_engine(model, kv, max_batch, max_tokens, runner, checksum, chunk)
+        self._phase("engine")
         self.engine.warm_up_sampler()
         zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
         self.engine.checksum.pages(zero, zero)
         self.engine.checksum.ranges(zero, zero, zero + 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            self._phase("sampler_and_checksum_warm_up")
             self.private_mib = torch.cuda.memory_reserved(device) / 2**20
             log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
                      self.private_mib)
+
+    def _kv_cache(self, geometry, device) -> KvCache:
+        """The pool the engine computes into: kvhold's shared pages (executor.foreign_pool overrides)."""
+        return KvCache.from_mapping(self.ctx.mappings["kv"], geometry.kv, geometry.num_pages)
+
+    def _make_engine(self, model, kv, max_batch, max_tokens, runner, checksum, chunk) -> Engine:
+        return Engine(model, kv, self.ctx.tables, self.ctx.lease, max_batch, max_tokens,
+                      runner=runner, checksum=checksum, prefill_chunk=chunk)
 
     def _weights(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         ctx = self.ctx
@@ -135,7 +165,19 @@ class EngineWorkload:
         return self.engine.has_work
 
     def step(self) -> list[int]:
-        return self.engine.step()
+        slots = self.engine.step()
+        self._active_steps += 1
+        if (self.runner is not None and self.runner.capture_pending
+                and self._active_steps >= DEFERRED_CAPTURE_STEPS):
+            t0 = time.monotonic()
+            self.runner.capture()
+            log.info("captured the deferred decode graph in %.0f ms", (time.monotonic() - t0) * 1e3)
+        return slots
+
+    def take_marks(self) -> dict:
+        """The first step after a takeover: its parts (ns), once."""
+        marks, self.engine.first_step_marks = self.engine.first_step_marks, {}
+        return marks
 
     def on_wake(self) -> None:
         pass  # has_work() looks at the journal itself

@@ -19,6 +19,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ipc import messages as m
 from ipc.leases import Fenced, Lease
@@ -41,6 +42,8 @@ class ExecutorConfig:
     instance: str
     runtime_root: Path | None = None
     token_file: Path | None = None
+    urgent: bool = False          # spawned to take over at once: defer what can wait (graph capture)
+    workload_factory: Callable | None = None   # (name, ctx) -> workload; an engine bridge's own (launcher)
 
     @property
     def paths(self) -> InstancePaths:
@@ -51,8 +54,9 @@ class ExecutorContext:
     """What a workload may use: the lease, tables, mapped regions, settings, channel."""
 
     def __init__(self, attached: m.Attached, tables: Tables, mappings: dict[str, Mapping],
-                 channel: Channel, lease: Lease):
+                 channel: Channel, lease: Lease, urgent: bool = False):
         self.attached = attached
+        self.urgent = urgent
         self.settings = attached.settings
         self.tables = tables
         self.mappings = mappings
@@ -104,6 +108,7 @@ class ExecutorRuntime:
             channel.close()
 
     def _run(self, channel: Channel, token: str) -> int:
+        t_attach = time.monotonic()
         attached = channel.attach(token)
         fds = channel.fetch_fds(attached)
         infos = {d["name"]: RegionInfo.from_wire(d) for d in attached.regions}
@@ -117,16 +122,18 @@ class ExecutorRuntime:
         lease = Lease(tables, attached.slot, attached.epoch)
         set_log_context(role="standby", epoch=attached.epoch)
         self._watch_sidecar(int(tables.header["sidecar_pid"]))
-        ctx = ExecutorContext(attached, tables, mappings, channel, lease)
+        ctx = ExecutorContext(attached, tables, mappings, channel, lease, urgent=self.config.urgent)
         log.info("attached: lease %d epoch %d generation %d", attached.slot, attached.epoch,
                  attached.generation)
         t0 = time.monotonic()
-        workload = make_workload(attached.settings["workload"], ctx)
+        mapped_ms = round((t0 - t_attach) * 1e3, 2)
+        workload = (self.config.workload_factory or make_workload)(attached.settings["workload"], ctx)
         workload.prepare()
         ctx.beat()
         channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
                              warm_ms=(time.monotonic() - t0) * 1e3,
-                             private_mib=float(getattr(workload, "private_mib", 0.0))))
+                             private_mib=float(getattr(workload, "private_mib", 0.0)),
+                             phases={"attach_and_map": mapped_ms, **getattr(workload, "phases", {})}))
         return self._loop(ctx, workload)
 
     def _watch_sidecar(self, pid: int) -> None:
@@ -173,7 +180,9 @@ class ExecutorRuntime:
                 if ctx.steps == 1:
                     ctx.lease.mark_warm()
                 if slots:
-                    ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots))
+                    marks = workload.take_marks() if hasattr(workload, "take_marks") else {}
+                    ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots,
+                                                marks=marks))
 
     def _promote(self, ctx: ExecutorContext, workload, msg: m.Promote) -> None:
         if msg.epoch != ctx.epoch:
@@ -197,6 +206,9 @@ def make_workload(name: str, ctx: ExecutorContext):
     if name == "churn":
         from executor.churn import ChurnWorkload
         return ChurnWorkload(ctx)
+    if name == "engine" and ctx.settings.get("kv_mode", "native") == "foreign":
+        from executor.foreign_pool import ForeignEngineWorkload
+        return ForeignEngineWorkload(ctx)
     if name == "engine":
         from executor.engine_workload import EngineWorkload
         return EngineWorkload(ctx)
@@ -212,11 +224,13 @@ def main(argv=None) -> int:
     parser.add_argument("--runtime-root", type=Path, default=None)
     parser.add_argument("--token-file", type=Path, default=None)
     parser.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
+    parser.add_argument("--urgent", action="store_true",
+                        help="take over at once: defer the CUDA graph capture to a later step")
     args = parser.parse_args(argv)
     from ipc.logs import setup_logging
     setup_logging(args.log_level, role="executor")
     cfg = ExecutorConfig(instance=args.instance, runtime_root=args.runtime_root,
-                         token_file=args.token_file)
+                         token_file=args.token_file, urgent=args.urgent)
     try:
         return ExecutorRuntime(cfg).run()
     except KeyboardInterrupt:

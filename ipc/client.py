@@ -9,7 +9,10 @@
 
 A stream survives executor crashes with no action by the caller: the sidecar
 keeps it open, sends keepalives during the pause and continues from the next
-token, with no duplicate and no gap (the SDK checks the indices). Errors are
+token, with no duplicate and no gap (the SDK checks the indices). A pool restart
+(`kvhold pool-restart`) is a longer pause: the sidecar announces it (`Restarting`), the
+SDK waits that long, then re-attaches its streams to the new sidecar (`Resume`, sent
+after each second of silence) and continues from the index it has. Errors are
 typed (ipc.errors): bad parameters raise `InvalidParams` and its subclasses
 before or after a round trip; a sidecar that stays silent for `timeout` seconds
 raises `SidecarUnavailable`, never a hang. One Client is one socket: use it from
@@ -20,14 +23,18 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 
 import zmq
 
 from ipc import messages as m, wire
+from ipc.curve import apply_client_curve
 from ipc.errors import ProtocolError, SidecarUnavailable, error_from_code
 from ipc.naming import InstancePaths
 from ipc.sampling import SamplingParams
+
+RESUME_AFTER_S = 1.0   # silence (two missed keepalives) after which open streams are re-attached
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,7 @@ class _StreamState:
     pending: collections.deque = field(default_factory=collections.deque)
     done: m.Done | None = None
     error: Exception | None = None
+    heard: float = field(default_factory=time.monotonic)   # last tokens or keepalive for it
 
 
 class Stream:
@@ -103,8 +111,15 @@ class Stream:
 
 
 class Client:
+    """`endpoint` is ipc://PATH (local, owner-only) or tcp://HOST:PORT. Over TCP give the
+    server's public key (z85 or its .key file) and this client's .key_secret file to speak
+    CurveZMQ; a CURVE sidecar serves nobody else (see ipc.curve, `kvhold keygen`)."""
+
     def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, curve_server_key=None,
+                 curve_secret_key_file: os.PathLike | None = None):
+        if (curve_server_key is None) != (curve_secret_key_file is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
         self.timeout = timeout
         self._own_ctx = context is None
@@ -113,10 +128,18 @@ class Client:
         self._sock.setsockopt(zmq.LINGER, 0)
         # A stable identity keeps ownership of our requests across reconnects.
         self._sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+        if curve_server_key is not None:
+            try:
+                apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)
+            except BaseException:
+                self.close()
+                raise
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, object] = {}
         self._streams: dict[int, _StreamState] = {}
+        self._last_rx = self._last_resume = time.monotonic()
+        self._pause_until = 0.0    # a pool restart announced a pause until then (monotonic)
 
     @classmethod
     def for_instance(cls, instance: str = "default", runtime_root=None, **kwargs) -> "Client":
@@ -125,13 +148,16 @@ class Client:
 
     # ------------------------------------------------------------------ API
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                 **params) -> Stream:
+                 prefix_generated: list[int] | None = None, **params) -> Stream:
+        """`prefix_generated` continues a request moved from another sidecar (see ipc.router):
+        the stream then yields only the tokens after it, indexed from 0."""
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
         sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
         tag = next(self._tags)
         self._send(m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
-                              prompt_ids=list(prompt_ids) if prompt_ids is not None else None))
+                              prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
+                              prefix_generated=list(prefix_generated) if prefix_generated else None))
         reply = self._wait_reply(tag)
         state = _StreamState(request_id=reply.request_id, prompt_tokens=reply.prompt_tokens)
         self._streams[reply.request_id] = state
@@ -152,6 +178,12 @@ class Client:
         tag = next(self._tags)
         self._send(m.Ping(tag=tag))
         return self._wait_reply(tag).generation
+
+    def pool_restart(self, hold: bool = False, client_grace_s: float = 300.0) -> m.PoolRestartReply:
+        """Ask the sidecar to restart its pool (see kvhold.pool_restart); returns once it drains."""
+        tag = next(self._tags)
+        self._send(m.PoolRestart(tag=tag, hold=hold, client_grace_s=client_grace_s))
+        return self._wait_reply(tag)
 
     def close(self) -> None:
         self._sock.close(0)
@@ -180,11 +212,44 @@ class Client:
         return reply
 
     def _receive_one(self) -> None:
-        """Receive and dispatch one message; SidecarUnavailable after `timeout` of silence."""
-        if not self._sock.poll(int(self.timeout * 1000), zmq.POLLIN):
-            raise SidecarUnavailable(f"no message from the sidecar at {self.endpoint} for "
-                                     f"{self.timeout:.1f} s")
-        self._dispatch(self._sock.recv())
+        """Receive and dispatch one message; SidecarUnavailable after `timeout` of silence (or
+        after the pause a pool restart announced, if longer). Open streams are re-attached with
+        `Resume` after each RESUME_AFTER_S of silence: a restarted sidecar re-sends from there."""
+        started = time.monotonic()
+        while True:
+            now = time.monotonic()
+            deadline = max(max(self._last_rx, started) + self.timeout, self._pause_until)
+            if now >= deadline:
+                raise SidecarUnavailable(f"no message from the sidecar at {self.endpoint} for "
+                                         f"{self.timeout:.1f} s")
+            if now - self._last_resume >= RESUME_AFTER_S:
+                self._send_resume()
+            if self._sock.poll(max(1, int(min(deadline - now, RESUME_AFTER_S) * 1000)), zmq.POLLIN):
+                self._last_rx = time.monotonic()
+                self._dispatch(self._sock.recv())
+                return
+
+    def _send_resume(self) -> None:
+        """Re-attach the streams that went silent (other traffic on the socket does not count)."""
+        now = self._last_resume = time.monotonic()
+        ids = [r for r, st in self._streams.items() if now - st.heard >= RESUME_AFTER_S]
+        if not ids:
+            return
+        msg = m.Resume(request_ids=ids, next_indices=[len(self._streams[r].token_ids) for r in ids])
+        try:
+            self._sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # queue full while the sidecar is away: the next silence retries
+
+    def _on_restarting(self, msg: m.Restarting) -> None:
+        self._pause_until = max(self._pause_until, time.monotonic() + msg.resume_within_s)
+
+    def _on_keepalive(self, msg: m.Keepalive) -> None:
+        now = time.monotonic()
+        for rid in msg.request_ids:
+            if rid in self._streams:
+                self._streams[rid].heard = now
+        self._pause_until = 0.0    # a sidecar is serving our streams (again): normal timeout
 
     def _dispatch(self, frame: bytes) -> None:
         try:
@@ -199,6 +264,7 @@ class Client:
         st = self._streams.get(msg.request_id)
         if st is None:
             return
+        st.heard = time.monotonic()
         have = len(st.token_ids)
         if msg.start > have:
             st.error = ProtocolError(f"request {msg.request_id}: gap in the stream "
@@ -226,7 +292,8 @@ class Client:
 
     _HANDLERS = {m.Tokens: _on_tokens, m.Done: _on_done, m.Error: _on_error,
                  m.Accepted: _on_reply, m.Cancelled: _on_reply, m.StatusReply: _on_reply,
-                 m.Pong: _on_reply, m.Keepalive: lambda self, msg: None}
+                 m.Pong: _on_reply, m.Keepalive: _on_keepalive, m.Restarting: _on_restarting,
+                 m.PoolRestartReply: _on_reply}
 
 
 def wait_all(streams: list[Stream], on_event=None) -> list[GenerationResult]:

@@ -39,6 +39,7 @@ class JournalEntry:
     exec_state: ExecState
     num_generated: int
     num_pages: int
+    num_prefix: int = 0      # generated tokens brought by a resumed request (see admit)
 
     @property
     def num_tokens(self) -> int:
@@ -60,16 +61,24 @@ class Journal:
 
     def admit(self, slot: int, request_id: int, prompt_ids, *, max_tokens: int, seed: int,
               temperature: float, top_p: float, top_k: int, stop_ids=(), ignore_eos=False,
-              owner_tag: int = 0) -> None:
+              owner_tag: int = 0, prefix_ids=()) -> None:
+        """`prefix_ids`: tokens already generated elsewhere (a request moved from another
+        sidecar). They are stored after the prompt and count as generated from the start, so
+        sampling positions and the max_tokens budget continue where the first run stopped."""
         prompt = np.asarray(prompt_ids, dtype=np.int32)
+        prefix = np.asarray(prefix_ids, dtype=np.int32)
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
+        if len(prompt) + len(prefix) >= self.max_seq_len or len(prefix) >= max_tokens:
+            raise ValueError(f"{len(prefix)} resumed tokens leave nothing to generate")
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids")
         r = self.req
         if r["admit_state"][slot] != AdmitState.FREE:
             raise RuntimeError(f"journal slot {slot} is not free")
         self.tokens[slot, :len(prompt)] = prompt
+        self.tokens[slot, len(prompt):len(prompt) + len(prefix)] = prefix
+        r["num_prefix"][slot] = len(prefix)
         r["request_id"][slot] = request_id
         r["owner_tag"][slot] = owner_tag
         r["seed"][slot] = seed
@@ -105,7 +114,7 @@ class Journal:
             ignore_eos=bool(int(r["flags"]) & RequestFlag.IGNORE_EOS),
             taken=taken, exec_state=ExecState(int(r["exec_state"])) if taken else ExecState.NONE,
             num_generated=int(r["num_generated"]) if taken else 0,
-            num_pages=int(r["num_pages"]) if taken else 0)
+            num_pages=int(r["num_pages"]) if taken else 0, num_prefix=int(r["num_prefix"]))
 
     def live_slots(self) -> np.ndarray:
         """Slots admitted (or cancelled) but not yet released."""
@@ -131,7 +140,7 @@ class Journal:
     # ------------------------------------------------------------------ executor
     def take(self, slot: int, request_id: int, epoch: int) -> None:
         r = self.req
-        r["num_generated"][slot] = 0
+        r["num_generated"][slot] = r["num_prefix"][slot]    # a resumed request's tokens count
         r["num_pages"][slot] = 0
         r["finish_reason"][slot] = FinishReason.NONE
         r["num_preempted"][slot] = 0
@@ -142,11 +151,24 @@ class Journal:
         r["exec_state"][slot] = ExecState.RUNNING
         r["exec_request_id"][slot] = request_id              # publication
 
+    def restore_progress(self, slot: int, request_id: int, generated) -> None:
+        """Pool restart: an admitted request continues with `generated` tokens already committed
+        and no KV. The one exception to the single-writer rule: the sidecar writes this execution
+        half into a fresh segment before any executor has attached. The first active executor's
+        takeover then finds a taken request with no pages and recomputes its KV by prefill."""
+        gen = np.asarray(generated, dtype=np.int32)
+        p = int(self.req["prompt_len"][slot])
+        if p + len(gen) > self.max_seq_len:
+            raise ValueError(f"{p} + {len(gen)} tokens do not fit slot rows of {self.max_seq_len}")
+        self.tokens[slot, p:p + len(gen)] = gen
+        self.take(slot, request_id, epoch=0)
+        self.req["num_generated"][slot] = len(gen)
+
     def commit_tokens(self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
                       new_counts: np.ndarray) -> None:
         """Store tokens at absolute positions, then publish the new generated counts."""
         self.tokens[slots, positions] = token_ids
-        first = self.req["num_generated"][slots] == 0
+        first = self.req["first_token_ns"][slots] == 0     # reset by take()
         if first.any():
             self.req["first_token_ns"][slots[first]] = now_ns()
         self.req["num_generated"][slots] = new_counts

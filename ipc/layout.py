@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"KVHOLDT1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 4096
 LIVENESS_BYTES = 64
 ALIGN = 64
@@ -86,13 +86,16 @@ REQUEST_DTYPE = np.dtype([
     ("admit_state", "<u4"), ("prompt_len", "<u4"), ("max_tokens", "<u4"), ("top_k", "<i4"),
     ("temperature", "<f4"), ("top_p", "<f4"), ("num_stop", "<u4"), ("flags", "<u4"),
     ("stop_ids", "<i4", (MAX_STOP_IDS,)),
+    # generated tokens a resumed request brings (moved from another sidecar): they follow the
+    # prompt in the token row and count as generated, so sampling positions stay absolute
+    ("num_prefix", "<u4"), ("_pad_admit", "<u4"),
     # execution half: executor-written, valid only while exec_request_id == request_id;
     # num_generated is written after the token it counts (publication)
     ("exec_request_id", "<u8"), ("exec_epoch", "<u8"),
     ("first_token_ns", "<u8"), ("finished_ns", "<u8"),
     ("num_generated", "<u4"), ("exec_state", "<u4"), ("num_pages", "<u4"), ("finish_reason", "<u4"),
     ("num_preempted", "<u4"), ("num_recomputed", "<u4"),
-    ("_pad", "<u8", (13,)),
+    ("_pad", "<u8", (12,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48

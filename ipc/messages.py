@@ -4,7 +4,8 @@ Two sockets, two vocabularies:
 * control (executor <-> sidecar): attach/attached, ready, weights_*, step, recovered,
   bye; and from the sidecar: promote, wake, reaped, shutdown.
 * client (SDK <-> sidecar): generate/accepted, tokens, done, cancel/cancelled,
-  status/status_reply, ping/pong, keepalive.
+  status/status_reply, ping/pong, keepalive; for pool restarts pool_restart/
+  pool_restart_reply, restarting and resume.
 Both use `error` (code from ipc.errors.ErrorCode). Client requests carry a `tag`
 chosen by the client and echoed in the reply, so replies can be matched.
 """
@@ -41,6 +42,7 @@ class Ready:
     epoch: int
     warm_ms: float = 0.0
     private_mib: float = 0.0     # device memory this executor holds beyond the shared regions
+    phases: dict = dataclasses.field(default_factory=dict)   # warm-up parts, ms
 
 
 @message("weights_loading")
@@ -63,6 +65,7 @@ class StepDone:
     slot: int
     epoch: int
     slots: list[int]
+    marks: dict = dataclasses.field(default_factory=dict)   # first step after a takeover: its parts (ns)
 
 
 @message("recovered")
@@ -123,10 +126,14 @@ class Shutdown:
 
 @message("generate")
 class Generate:
+    """`prefix_generated`: tokens an earlier run of this request already produced (it is being
+    moved from a sidecar that died). Generation continues after them with the same seed and
+    absolute positions; the stream, `Accepted` and `Done` count only the new tokens."""
     tag: int
     params: dict
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    prefix_generated: list[int] | None = None
 
 
 @message("cancel")
@@ -197,6 +204,43 @@ class Keepalive:
     request_ids: list[int] = dataclasses.field(default_factory=list)
 
 
+
+# ------------------------------------------------------------------ pool restart (sidecar.pool_restart)
+
+
+@message("pool_restart")
+class PoolRestart:
+    """Operator (local socket only): drain, journal every in-flight request to disk, stop the
+    executors and restart the sidecar in place with a new pool generation. `hold`: the new
+    sidecar waits for `kvhold pool-restart --resume` before it creates any memory."""
+    tag: int
+    hold: bool = False
+    client_grace_s: float = 300.0   # the pause SDK clients are told to wait through
+
+
+@message("pool_restart_reply")
+class PoolRestartReply:
+    tag: int
+    generation: int                 # the generation being drained
+    in_flight: int
+    journal_dir: str
+
+
+@message("restarting")
+class Restarting:
+    """Sidecar -> client: the pool restarts; these streams pause for up to `resume_within_s`."""
+    request_ids: list[int]
+    resume_within_s: float
+    generation: int
+
+
+@message("resume")
+class Resume:
+    """Client -> sidecar, after a silence: continue each stream from the index the client has
+    reached (`next_indices[i]` for `request_ids[i]`); the sidecar re-sends from there."""
+    request_ids: list[int]
+    next_indices: list[int]
+
 CONTROL_IN = frozenset({"attach", "ready", "weights_loading", "weights_sealed", "step",
                         "recovered", "bye"})
-CLIENT_IN = frozenset({"generate", "cancel", "status", "ping"})
+CLIENT_IN = frozenset({"generate", "cancel", "status", "ping", "pool_restart", "resume"})

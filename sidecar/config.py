@@ -15,6 +15,17 @@ from ipc.naming import InstancePaths, validate_instance
 
 WORKLOADS = ("engine", "idle", "churn")
 BACKENDS = ("host", "cuda")
+TAKEOVER_MODES = ("fast", "wait-exit")
+KV_MODES = ("native", "foreign")
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """("HOST", PORT) from "HOST:PORT" or "[V6]:PORT"; port 0 lets the kernel pick."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--client-tcp wants HOST:PORT (e.g. 127.0.0.1:5555), got {text!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +60,21 @@ class SidecarConfig:
     synthetic_head_dim: int = 32
     synthetic_dtype: str = "float32"
     token_file: Path | None = None
+    # optional TCP client endpoint ("HOST:PORT"); CurveZMQ unless insecure_tcp
+    client_tcp: str | None = None
+    curve_secret_key: Path | None = None
+    curve_authorized_keys: Path | None = None
+    insecure_tcp: bool = False
     restart_backoff_ms: tuple[int, int] = (50, 5000)
+    health: str = "auto"              # auto (NVML on CUDA, off on CPU), off, nvml[:N], replay:PATH
+    health_interval_s: float = 1.0
+    zygote: bool = False              # keep a torch-imported zygote to fork executors from
+    takeover: str = "fast"            # fast: promote at once; wait-exit: after the dead process exits
+    kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
+    registry: str | None = None       # etcd://HOST:PORT[,HOST:PORT]: register in etcd (sidecar.registry)
+    service: str = "default"          # registry key prefix /kvhold/<service>/sidecars/
+    registry_ttl_s: int = 5           # etcd lease: a dead sidecar's entry vanishes after this
+    journal_dir: Path | None = None   # durable request journal (sidecar.durable_journal)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -73,6 +98,18 @@ class SidecarConfig:
         lo, hi = self.restart_backoff_ms
         if not 0 <= lo <= hi:
             raise ValueError(f"--restart-backoff-ms needs 0 <= LO <= HI, got {lo},{hi}")
+        kind, _, arg = self.health.partition(":")
+        if not (self.health in ("auto", "off", "nvml") or (kind == "nvml" and arg.isdigit())
+                or (kind == "replay" and arg)):
+            raise ValueError(f"--health must be auto, off, nvml, nvml:N or replay:PATH, got {self.health!r}")
+        if kind == "replay" and not Path(arg).is_file():
+            raise ValueError(f"--health replay:{arg}: no such file")
+        if not 0.05 <= self.health_interval_s <= 60:
+            raise ValueError(f"--health-interval must be in 0.05..60 s, got {self.health_interval_s}")
+        if self.takeover not in TAKEOVER_MODES:
+            raise ValueError(f"--takeover must be one of {TAKEOVER_MODES}, got {self.takeover!r}")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"--kv-mode must be one of {KV_MODES}, got {self.kv_mode!r}")
         if self.lease_ms < 20:
             raise ValueError(f"--lease-ms must be at least 20, got {self.lease_ms}")
         chunk = self.prefill_chunk or self.max_batch_tokens - self.max_batch
@@ -90,10 +127,51 @@ class SidecarConfig:
         if self.device.startswith("cuda") != (self.backend == "cuda"):
             raise ValueError("--device cuda needs --backend cuda (and cpu needs host): weights and "
                              "KV must live where the engine computes")
+        self._validate_tcp()
+        self._validate_registry()
+
+    def _validate_registry(self) -> None:
+        if self.registry is not None:     # imported only then: the etcd client is not free to load
+            from ipc.registry_client import parse_registry_url, validate_service
+
+            parse_registry_url(self.registry)
+            validate_service(self.service)
+        if not 2 <= self.registry_ttl_s <= 3600:
+            raise ValueError(f"--registry-ttl must be 2..3600 seconds, got {self.registry_ttl_s}")
+
+    def _validate_tcp(self) -> None:
+        if self.client_tcp is None:
+            if self.curve_secret_key or self.curve_authorized_keys or self.insecure_tcp:
+                raise ValueError("--curve-secret-key, --curve-authorized-keys and --insecure-tcp "
+                                 "apply to --client-tcp, which is not given")
+            return
+        parse_host_port(self.client_tcp)
+        if self.curve_secret_key is None and not self.insecure_tcp:
+            raise ValueError("--client-tcp needs --curve-secret-key FILE (make one with kvhold "
+                             "keygen): without CURVE anyone who reaches the port can read and send "
+                             "requests; give --insecure-tcp to accept that")
+        if self.curve_secret_key is not None and self.insecure_tcp:
+            raise ValueError("--insecure-tcp contradicts --curve-secret-key: pick one")
+        if self.curve_secret_key is not None and not Path(self.curve_secret_key).is_file():
+            raise ValueError(f"--curve-secret-key {self.curve_secret_key}: no such file")
+        if self.curve_authorized_keys is not None and self.curve_secret_key is None:
+            raise ValueError("--curve-authorized-keys needs --curve-secret-key")
+        if self.curve_authorized_keys is not None and not Path(self.curve_authorized_keys).is_dir():
+            raise ValueError(f"--curve-authorized-keys {self.curve_authorized_keys}: not a directory")
 
     @property
     def paths(self) -> InstancePaths:
         return InstancePaths.for_instance(self.instance, self.runtime_root)
+
+    @property
+    def journal_path(self) -> Path:
+        """Where the durable journal lives: --journal-dir, else a persistent per-instance default."""
+        from sidecar.durable_journal import default_journal_root
+        return Path(self.journal_dir) if self.journal_dir else default_journal_root() / self.instance
+
+    @property
+    def client_tcp_address(self) -> tuple[str, int] | None:
+        return parse_host_port(self.client_tcp) if self.client_tcp else None
 
     @property
     def heartbeat_ms(self) -> int:
@@ -143,4 +221,4 @@ class SidecarConfig:
                 "max_batch_tokens": self.max_batch_tokens, "prefill_chunk": self.prefill_chunk or 0,
                 "compute_dtype": self.compute_dtype_for(spec) if spec else "",
                 "cpu_threads": self.cpu_threads or 0,
-                "extra": dict(self.extra)}
+                "kv_mode": self.kv_mode, "extra": dict(self.extra)}

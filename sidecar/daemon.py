@@ -5,8 +5,10 @@ client socket (ROUTER), the descriptor socket (SOCK_SEQPACKET listener), every
 executor's pidfd, and a signal wake-up pipe. Deadlines (heartbeat leases,
 keepalives, re-spawn backoff) set the poll timeout. No handler blocks: a bad
 message gets an error reply and the loop goes on; only a broken invariant of the
-sidecar itself ends it, loudly. SIGTERM/SIGINT stop executors and unlink every
-shm object, socket and file the sidecar created.
+sidecar itself ends it, loudly. SIGTERM/SIGINT stop executors, write the requests
+still in flight to the durable journal (sidecar.durable_journal: the next start brings
+them back) and unlink every shm object, socket and file the sidecar created. A pool
+restart (sidecar.pool_restart, sidecar.restore) does the same, then re-execs in place.
 """
 from __future__ import annotations
 
@@ -27,11 +29,17 @@ from ipc.errors import ErrorCode
 from ipc.leases import now_ns
 from ipc.memory import CudaRegion, HostRegion
 from ipc.model_spec import ModelSpec
+from ipc.page_map import page_map
 from ipc.tables import Tables
 from sidecar.config import SidecarConfig
 from sidecar.frontend import Frontend
+from sidecar.health_responder import HealthResponder
+from sidecar.durable_journal import DurableJournal
 from sidecar.instance_lock import InstanceLock
+from sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
+from sidecar.restore import Restore
 from sidecar.supervisor import Supervisor
+from sidecar.tcp_endpoint import TcpClientEndpoint
 from sidecar.weights_keeper import WeightsKeeper
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class Sidecar:
         self._identities: dict[bytes, object] = {}
         self._stop = False
         self._created_token = False
+        self.tcp: TcpClientEndpoint | None = None
+        self.registrar = None             # sidecar.registry.Registrar with --registry
         self.started_ns = now_ns()
 
     # ------------------------------------------------------------------ start-up
@@ -64,6 +74,7 @@ class Sidecar:
         geometry = cfg.table_geometry(self.spec)
         self.lock = InstanceLock(self.paths)
         self.lock.remove_stale(SHM_PARTS)
+        self.durable = DurableJournal(cfg.journal_path)
         generation = self._next_generation()
         self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
         self.regions = self._create_regions(geometry)
@@ -72,13 +83,20 @@ class Sidecar:
         self.weights = WeightsKeeper(self.tables, self.manifest)
         self.supervisor = Supervisor(self)
         self.frontend = Frontend(self)
+        self.pool_restart = PoolRestart(self)
+        self.restore = Restore(self)
+        self.restore.restore()          # the previous pool's journaled requests, before any executor
         self._open_sockets()
+        self.health = HealthResponder(self).start()
         self._write_state_file()
         log.info("sidecar %r generation %d ready: %d KV pages of %d tokens (%.1f MiB), tables %.2f MiB "
                  "(%.3f%% of the pool)", self.paths.instance, generation, geometry.num_pages,
                  geometry.kv.page_tokens, geometry.kv_pool_bytes / 2**20, geometry.total_bytes / 2**20,
                  100 * geometry.metadata_fraction)
         self.supervisor.rearm(now_ns())
+        if self.config.registry:        # its thread only reads a status snapshot
+            from sidecar.registry import start_registrar
+            self.registrar = start_registrar(self)
         return self
 
     def _create_regions(self, geometry) -> dict:
@@ -101,7 +119,10 @@ class Sidecar:
             gen = int(path.read_text().strip()) + 1
         except (FileNotFoundError, ValueError):
             gen = 1
+        # the durable journal's generation survives a reboot: request ids never repeat
+        gen = max(gen, self.durable.last_generation + 1)
         path.write_text(f"{gen}\n")
+        self.durable.set_generation(gen)
         return gen
 
     def _load_token(self) -> tuple[str, os.PathLike]:
@@ -122,6 +143,13 @@ class Sidecar:
         self.zctx = zmq.Context()
         self.control = self._router(self.paths.control_endpoint, self.paths.control_socket)
         self.client = self._router(self.paths.client_endpoint, self.paths.client_socket)
+        if self.config.client_tcp:
+            self.tcp = TcpClientEndpoint(self.config)
+        # A client is known to the frontend by transport + routing id: no TCP peer can pose as
+        # a local one (or the reverse) by choosing the same routing id.
+        self._client_sockets = {b"u": self.client}
+        if self.tcp is not None:
+            self._client_sockets[b"t"] = self.tcp.socket
         self.fd_listener = fdpass.listen(str(self.paths.fd_socket))
         self.fd_listener.setblocking(False)
         self._sig_r, self._sig_w = socket.socketpair()
@@ -133,6 +161,8 @@ class Sidecar:
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.client, zmq.POLLIN)
+        if self.tcp is not None:
+            self.tcp.register(self.poller)
         self.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
         self.watch_fd(self._sig_r.fileno(), self._drain_signals)
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
@@ -152,6 +182,7 @@ class Sidecar:
     def _write_state_file(self) -> None:
         state = {"pid": os.getpid(), "generation": self.tables.generation,
                  "client_endpoint": self.paths.client_endpoint,
+                 "client_tcp": self.tcp.status() if self.tcp else None,
                  "tables": self.paths.shm_name("tables"),
                  "model": str(self.config.model) if self.config.model else None}
         self.paths.state_file.write_text(json.dumps(state) + "\n")
@@ -279,21 +310,23 @@ class Sidecar:
         self.frontend.on_recovered(h, msg)
         self.supervisor.takeover_done()
 
-    def _on_client(self, identity: bytes, frame: bytes) -> None:
-        msg = self._decode(self.client, identity, frame, m.CLIENT_IN, "client")
+    def _on_client(self, identity: bytes, frame: bytes, via: bytes = b"u") -> None:
+        sock = self._client_sockets[via]
+        msg = self._decode(sock, identity, frame, m.CLIENT_IN, "client")
         if msg is None:
             return
         try:
-            reply = self.frontend.handle(identity, msg)
+            reply = self.frontend.handle(via + identity, msg)
         except Exception as exc:  # a bug on one request must not stop the service
             log.exception("internal error handling %s", msg.TYPE)
             reply = m.Error(code=ErrorCode.INTERNAL, message=f"internal error: {type(exc).__name__}",
                             tag=getattr(msg, "tag", 0))
         if reply is not None:
-            self._reply(self.client, identity, reply)
+            self._reply(sock, identity, reply)
 
-    def send_client(self, identity: bytes, msg) -> None:
-        self._reply(self.client, identity, msg)
+    def send_client(self, client_key: bytes, msg) -> None:
+        """Send to a client as the frontend knows it: transport byte + routing id."""
+        self._reply(self._client_sockets[client_key[:1]], client_key[1:], msg)
 
     # ------------------------------------------------------------------ loop
     def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
@@ -308,8 +341,10 @@ class Sidecar:
             handler(frames[0], frames[1])
 
     def serve_forever(self) -> None:
-        while not self._stop:
+        while not self._stop and not self.pool_restart.draining:
             self.run_once()
+            if self.pool_restart.due:
+                self.pool_restart.start_drain()   # close() then stops executors and journals
         log.info("stopping on request")
 
     def run_once(self) -> None:
@@ -325,6 +360,10 @@ class Sidecar:
             self._drain(self.control, self._on_control)
         if self.client in events:
             self._drain(self.client, self._on_client)
+        if self.tcp is not None:
+            self.tcp.on_events(events)
+            if self.tcp.socket in events:
+                self._drain(self.tcp.socket, lambda ident, frame: self._on_client(ident, frame, b"t"))
         now = now_ns()
         self.supervisor.check_heartbeats(now)
         self.supervisor.rearm(now)
@@ -339,18 +378,32 @@ class Sidecar:
                 "weights": {"state": self.weights.state.name.lower(),
                             "fingerprint": self.weights.fingerprint, "load_ms": self.weights.load_ms},
                 "executors": self.supervisor.status(),
+                "zygote": self.supervisor.zygote.status() if self.supervisor.zygote else None,
+                "takeover": self.config.takeover,
+                "health": self.health.status(),
                 "pages": PageTable(self.tables).counts(),
+                "page_map": page_map(PageTable(self.tables).snapshot()),
+                "client_tcp": self.tcp.status() if self.tcp else None,
+                "registry": self.registrar.status() if self.registrar else None,
                 "events": list(self.supervisor.events)[-64:],
+                "pool_restart": self.restore.status(),
                 **self.frontend.status()}
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop executors, then remove everything this sidecar created."""
+        if self.registrar is not None:   # first: routers stop sending here at once
+            self.registrar.stop()
+        if getattr(self, "health", None) is not None:
+            self.health.stop()
         if getattr(self, "supervisor", None) is not None:
             self.supervisor.stop_all()
+        self._journal_on_stop()
         for sock in ("control", "client"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
+        if self.tcp is not None:
+            self.tcp.close()
         if hasattr(self, "zctx"):
             self.zctx.term()
         if hasattr(self, "fd_listener"):
@@ -373,11 +426,31 @@ class Sidecar:
         log.info("sidecar %r stopped and cleaned up", self.paths.instance)
 
 
+    def _journal_on_stop(self) -> None:
+        """A stop (SIGTERM) keeps in-flight requests too: the next start brings them back."""
+        pool_restart = getattr(self, "pool_restart", None)
+        if pool_restart is None:
+            return
+        try:
+            if pool_restart.draining:
+                pool_restart.finish_drain()
+                return
+            n = journal_in_flight(self.frontend, self.durable)
+            if n:
+                log.warning("%d in-flight requests journaled to %s for the next start", n, self.durable.dir)
+        except Exception:
+            log.exception("could not journal the in-flight requests")
+
+
 def run_sidecar(config: SidecarConfig) -> int:
+    if not wait_while_held(config.paths):   # `kvhold pool-restart --wait-for-operator`
+        return 0
     sidecar = Sidecar(config)
     try:
         sidecar.start()
         sidecar.serve_forever()
     finally:
         sidecar.close()
+    if getattr(sidecar, "pool_restart", None) is not None and sidecar.pool_restart.drained:
+        return reexec()                     # returns only if the exec failed
     return 0

@@ -8,8 +8,10 @@ replaced, so its writes are refused and it exits if it ever runs again), killed 
 it is hung and ours to kill, and, if it was active, the best standby is promoted
 at once. The promotion names the fenced epochs whose process has not exited yet:
 the new active must not reuse pages those writers could still touch until a later
-`reaped` message says they are gone. Executors are then re-spawned, with capped
-exponential backoff when they keep dying.
+`reaped` message says they are gone (`--takeover wait-exit` instead holds the
+promotion until the dead process has fully exited, for comparison). Executors are
+then re-spawned, forked from the zygote when one is ready (torch already
+imported) or started cold, with capped exponential backoff when they keep dying.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ipc.errors import ErrorCode
 from ipc.layout import LeaseFlag, Role
 from ipc.leases import LeaseTable, now_ns
 from ipc.liveness import DeathWatcher
+from sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
 TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
@@ -49,6 +52,8 @@ class ExecutorHandle:
     fenced: bool = False
     stopping: bool = False
     watcher: DeathWatcher | None = None
+    via: str = "cold"                    # how it was started: cold, zygote, adopted
+    deferred_failover: tuple[int, int] | None = None   # (fenced epoch, detect ns) for wait-exit
     info: dict = field(default_factory=dict)
 
 
@@ -68,6 +73,7 @@ class Supervisor:
         self._next_spawn_ns = 0
         self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
         self._stopping = False
+        self.zygote = ZygoteKeeper(sidecar) if self.config.zygote else None
 
     # ------------------------------------------------------------------ events
     def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
@@ -91,27 +97,38 @@ class Supervisor:
             log.error("no free lease slot to spawn an executor (%d in use)", len(self.handles))
             return None
         paths = self.sidecar.paths
-        cmd = [sys.executable, "-m", "executor", "--instance", paths.instance,
-               "--runtime-root", str(paths.runtime_dir.parent),
-               "--token-file", str(self.sidecar.token_path),
-               "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-               *self.config.executor_args]
-        env = dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()))
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle math threads must not spin
-        popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        pidfd = os.pidfd_open(popen.pid)
-        epoch = self.leases.grant(slot, popen.pid)
-        h = ExecutorHandle(slot=slot, pid=popen.pid, epoch=epoch, pidfd=pidfd, popen=popen,
-                           spawned_ns=now_ns())
+        argv = ["--instance", paths.instance, "--runtime-root", str(paths.runtime_dir.parent),
+                "--token-file", str(self.sidecar.token_path),
+                "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                *self.config.executor_args]
+        if self.active_slot is None and self._unserved_failover[0]:
+            argv.append("--urgent")      # it takes over as soon as it is ready
+        env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # idle threads must not spin
+        popen, via = None, "zygote"
+        pid = self.zygote.fork(argv, env) if self.zygote is not None else None
+        if pid is None:
+            via = "cold"
+            popen = subprocess.Popen([sys.executable, "-m", "executor", *argv],
+                                     env=dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()), **env),
+                                     stdin=subprocess.DEVNULL, close_fds=True)
+            pid = popen.pid
+        pidfd = os.pidfd_open(pid)
+        epoch = self.leases.grant(slot, pid)
+        h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=popen,
+                           spawned_ns=now_ns(), via=via)
         self.handles[slot] = h
         self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
-        self._event("spawn", h)
-        log.info("spawned executor pid %d (lease %d, epoch %d)", h.pid, slot, epoch)
+        self._event("spawn", h, via=via)
+        log.info("spawned executor pid %d (%s, lease %d, epoch %d)", h.pid, via, slot, epoch)
         return h
 
     def rearm(self, now: int) -> None:
         """Keep 1 active + N standbys alive, backing off when executors keep dying."""
-        if self._stopping or now < max(self._next_spawn_ns, self._takeover_until_ns):
+        if self._stopping:
+            return
+        if self.zygote is not None:
+            self.zygote.keep_alive(now)
+        if now < max(self._next_spawn_ns, self._takeover_until_ns):
             return
         missing = self.target_executors() - len(self.live_handles())
         for _ in range(max(0, missing)):
@@ -157,7 +174,7 @@ class Supervisor:
             return None
         epoch = self.leases.grant(slot, pid)
         h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=None,
-                           spawned_ns=now_ns())
+                           spawned_ns=now_ns(), via="adopted")
         self.handles[slot] = h
         self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
         log.info("adopted external executor pid %d (lease %d, epoch %d)", pid, slot, epoch)
@@ -218,6 +235,8 @@ class Supervisor:
         h.ready = True
         h.info["warm_ms"] = msg.warm_ms
         h.info["private_mib"] = msg.private_mib
+        h.info["warm_phases_ms"] = msg.phases
+        h.info["spawn_to_ready_ms"] = round((now_ns() - h.spawned_ns) / 1e6, 1)
         if self.leases.role(h.slot) == Role.STARTING:
             self.leases.set_role(h.slot, Role.STANDBY)
         self._event("ready", h, warm_ms=msg.warm_ms, private_mib=msg.private_mib)
@@ -250,7 +269,16 @@ class Supervisor:
         return self.handles.get(self.active_slot) if self.active_slot is not None else None
 
     # ------------------------------------------------------------------ failure handling
-    def fence(self, h: ExecutorHandle, reason: str, detect_ns: int) -> None:
+    def restart_active(self, reason: str) -> int | None:
+        """Fence and kill the active executor on purpose (a health event); the standby takes
+        over as after a crash. Returns the pid, or None when there was no active executor."""
+        h = self.active
+        if h is None:
+            return None
+        self.fence(h, reason, now_ns(), kill=True)
+        return h.pid
+
+    def fence(self, h: ExecutorHandle, reason: str, detect_ns: int, kill: bool = False) -> None:
         """Revoke h's epoch; if it was active, promote a standby right away."""
         if h.fenced:
             return
@@ -263,7 +291,7 @@ class Supervisor:
         self._event("fence", h, reason=reason, role=role.name, detect_ns=detect_ns,
                     fenced_ns=fenced_ns, fenced_epoch=old_epoch)
         self.sidecar.weights.on_fenced(h, [x for x in self.live_handles() if x.identity is not None])
-        if reason == "hang" and self.config.kill_fenced:
+        if (kill or reason == "hang") and self.config.kill_fenced:
             try:
                 signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
             except ProcessLookupError:
@@ -274,7 +302,11 @@ class Supervisor:
                     h.pid, h.slot, role.name, old_epoch, reason)
         if was_active:
             self.active_slot = None
-            self.failover(old_epoch, detect_ns)
+            if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
+                h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
+                self.want_active = True
+            else:
+                self.failover(old_epoch, detect_ns)
 
     def failover(self, fenced_epoch: int, detect_ns: int) -> None:
         standby = next((x for x in self.live_handles()
@@ -307,6 +339,8 @@ class Supervisor:
         log.info("executor pid %d exited with code %d", h.pid, exit_code)
         if released and self.active is not None:
             self.sidecar.send_executor(self.active, m.Reaped(epochs=released))
+        if h.deferred_failover is not None and not self._stopping:
+            self.failover(*h.deferred_failover)
         self.rearm(now_ns())
 
     @staticmethod
@@ -314,7 +348,7 @@ class Supervisor:
         if h.popen is not None:
             code = h.popen.wait()
             return code if code >= 0 else 128 - code
-        return -1  # not our child: the exit status belongs to its parent
+        return -1  # not our child (the zygote's, or adopted): its parent has the exit status
 
     def _lease_ms(self, h: ExecutorHandle) -> float:
         """Starting executors get the start-up lease; an active one gets FIRST_STEP_GRACE leases
@@ -345,6 +379,8 @@ class Supervisor:
     # ------------------------------------------------------------------ shutdown
     def stop_all(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
+        if self.zygote is not None:
+            self.zygote.stop()
         for h in self.handles.values():
             h.stopping = True
             if h.identity is not None:
@@ -356,7 +392,9 @@ class Supervisor:
     def _wait_or_kill(self, h: ExecutorHandle, deadline: int) -> None:
         import select
 
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        # An executor still starting reads no Shutdown until its warm-up ends: signal it now.
+        steps = (None, signal.SIGTERM, signal.SIGKILL) if h.ready else (signal.SIGTERM, signal.SIGKILL)
+        for sig in steps:
             if sig is not None:
                 try:
                     signal.pidfd_send_signal(h.pidfd, sig)
@@ -380,6 +418,7 @@ class Supervisor:
                         "epoch": self.leases.epoch(slot),
                         "heartbeat_age_ms": self.leases.heartbeat_age_ns(slot, now) / 1e6,
                         "steps": int(self.tables.leases["steps"][slot]),
-                        "ready": bool(h and h.ready), **(h.info if h else {})})
+                        "ready": bool(h and h.ready), "via": h.via if h else "",
+                        **(h.info if h else {})})
         return out
 

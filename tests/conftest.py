@@ -11,6 +11,20 @@ import pytest
 from tools.sidecar_process import SidecarProcess
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_state_dir(tmp_path_factory):
+    """Durable request journals (sidecar.durable_journal) of test sidecars go to a temporary
+    directory, never to /var/lib/kvhold or ~/.local/state."""
+    os.environ["KVHOLD_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path, monkeypatch):
+    """Per test: a sidecar killed with requests in flight keeps them for the next start of
+    its instance name; another test reusing the name must not inherit them."""
+    monkeypatch.setenv("KVHOLD_STATE_DIR", str(tmp_path / "state"))
+
+
 @pytest.fixture
 def runtime_root():
     # Unix socket paths are limited to ~107 bytes: keep the root short.
