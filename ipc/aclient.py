@@ -133,13 +133,16 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ API
     async def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                       **params) -> AsyncStream:
+                       prefix_generated: list[int] | None = None, **params) -> AsyncStream:
+        """`prefix_generated` continues a request moved from another sidecar (see ipc.arouter):
+        the stream then yields only the tokens after it, indexed from 0."""
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt or prompt_ids")
         sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
         ids = list(prompt_ids) if prompt_ids is not None else None
-        reply = await self._request(lambda tag: m.Generate(tag=tag, params=sampling.to_dict(),
-                                                           prompt=prompt, prompt_ids=ids))
+        prefix = list(prefix_generated) if prefix_generated else None
+        reply = await self._request(lambda tag: m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
+                                                           prompt_ids=ids, prefix_generated=prefix))
         return AsyncStream(self, self._streams[reply.request_id])
 
     async def cancel(self, request_id: int) -> None:

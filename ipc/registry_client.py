@@ -133,19 +133,20 @@ class SidecarEntry:
 
 
 def pick_sidecar(entries, *, exclude=(), fingerprint: str | None = None, local_node: str | None = None,
-                 pending: dict | None = None) -> SidecarEntry | None:
+                 pending: dict | None = None, used: dict | None = None) -> SidecarEntry | None:
     """The least loaded serving sidecar: health ok before recovering, then fewest requests in
-    flight (plus `pending`, the caller's own recent submissions), then most free pages. Skips
+    flight (plus `pending`, the caller's own recent submissions), then least `used` by the
+    caller so far (round robin among equals), then most free pages. Skips
     `exclude` keys, other weights when `fingerprint` is given, and sidecars this node can't
     reach (ipc:// only on `local_node`, else a TCP endpoint is needed)."""
-    pending = pending or {}
+    pending, used = pending or {}, used or {}
     ok = [e for e in entries if e.serving and e.key not in exclude
           and (fingerprint is None or e.fingerprint == fingerprint)
           and (e.node == local_node or e.tcp_endpoint)]
     if not ok:
         return None
     return min(ok, key=lambda e: (SERVING_RANK[e.health], e.in_flight + pending.get(e.key, 0),
-                                  -e.free_pages, e.key))
+                                  used.get(e.key, 0), -e.free_pages, e.key))
 
 
 def parse_entry(prefix: str, key: str, value: bytes | str) -> SidecarEntry:

@@ -22,26 +22,19 @@ from __future__ import annotations
 
 import collections
 import logging
-import secrets
 import time
-from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ipc import messages as m
-from ipc.client import Client, GenerationResult, Stream, TokenEvent, _StreamState
+from ipc.client import Client, Stream, TokenEvent, _StreamState
 from ipc.errors import Overloaded, ShuttingDown, SidecarUnavailable
-from ipc.registry_client import RegistryView, SidecarEntry, node_name, pick_sidecar
-from ipc.sampling import SamplingParams
+from ipc.registry_client import RegistryView, SidecarEntry
+from ipc.routing import Conn, RoutedResult, RouterCore, StreamLog, routed_params
 
+__all__ = ["RoutedClient", "RoutedStream", "RoutedResult", "wait_all"]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RoutedResult(GenerationResult):
-    moves: tuple = ()            # one dict per move: from, to, reason, tokens carried, times
-    sidecars: tuple = ()         # registry keys that served the request, in order
 
 
 class _TrackedClient(Client):
@@ -78,28 +71,10 @@ class _TrackedClient(Client):
         super().close()
 
 
-@dataclass(slots=True)
-class _Conn:
-    entry: SidecarEntry
-    client: _TrackedClient
-    streams: int = 0
-    lost: str = ""
-
-
-class RoutedClient:
-    def __init__(self, view: RegistryView, *, poll_s: float = 0.05, silence_s: float = 5.0,
-                 submit_timeout_s: float = 10.0, move_timeout_s: float = 30.0,
-                 curve_secret_key_file=None, local_node: str | None = None):
-        self.view = view
-        self.poll_s = poll_s
-        self.silence_s = silence_s
-        self.submit_timeout_s = submit_timeout_s
-        self.move_timeout_s = move_timeout_s
-        self.curve_secret_key_file = curve_secret_key_file
-        self.local_node = local_node or node_name()
+class RoutedClient(RouterCore):
+    def __init__(self, view: RegistryView, **kwargs):
+        super().__init__(view, **kwargs)
         self._ctx = zmq.Context()
-        self._conns: dict[str, _Conn] = {}
-        self._lost: dict[str, int] = {}     # key -> pid of a lost sidecar, avoided while listed
         self._own_view = False
 
     @classmethod
@@ -113,12 +88,7 @@ class RoutedClient:
 
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                  **params) -> "RoutedStream":
-        if (prompt is None) == (prompt_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_ids")
-        if params.get("seed") is None:       # a move must continue the same random stream
-            params["seed"] = secrets.randbits(63)
-        SamplingParams.from_dict(params)
-        stream = RoutedStream(self, prompt, prompt_ids, params)
+        stream = RoutedStream(self, prompt, prompt_ids, routed_params(prompt, prompt_ids, params))
         stream._place(reason="")
         return stream
 
@@ -137,53 +107,25 @@ class RoutedClient:
         self.close()
 
     # ------------------------------------------------------------------ sidecars
-    def pick(self, exclude=(), fingerprint: str | None = None) -> SidecarEntry | None:
-        entries = self.view.entries()
-        listed = {e.key: e.pid for e in entries}
-        for key, pid in list(self._lost.items()):
-            if listed.get(key) != pid:   # gone from the registry, or a new process: forget
-                del self._lost[key]
-        pending = {k: c.streams for k, c in self._conns.items()}
-        return pick_sidecar(entries, exclude=set(exclude) | set(self._lost), fingerprint=fingerprint,
-                            local_node=self.local_node, pending=pending)
-
-    def connection(self, entry: SidecarEntry) -> _Conn:
-        conn = self._conns.get(entry.key)
-        if conn is None or conn.entry.pid != entry.pid:
-            if conn is not None:
-                conn.client.close()
-            local = entry.node == self.local_node
-            curve = {} if local or not entry.curve_public_key else dict(
-                curve_server_key=entry.curve_public_key.encode(),
-                curve_secret_key_file=self.curve_secret_key_file)
-            client = _TrackedClient(entry.endpoint if local else entry.tcp_endpoint,
-                                    timeout=self.poll_s, context=self._ctx, **curve)
-            conn = self._conns[entry.key] = _Conn(entry, client)
+    def connection(self, entry: SidecarEntry) -> Conn:
+        conn, stale = self.cached(entry)
+        if stale is not None:
+            stale.client.close()
+        if conn is None:
+            endpoint, curve = self.address(entry)
+            conn = self.add(entry, _TrackedClient(endpoint, timeout=self.poll_s, context=self._ctx, **curve))
         return conn
 
-    def check(self, conn: _Conn) -> str:
+    def check(self, conn: Conn) -> str:
         """Why `conn`'s sidecar is lost, or "" while it may still be alive (see module doc)."""
         if conn.lost:
             return conn.lost
-        entry = self.view.get(conn.entry.key)
-        if conn.client.disconnected():
-            reason = "connection closed"
-        elif self.view.connected and (entry is None or entry.pid != conn.entry.pid):
-            reason = "registry entry gone (lease expired)"
-        elif time.monotonic() - conn.client.last_heard > self.silence_s:
-            reason = f"silent for {self.silence_s:.1f} s"
-        else:
-            return ""
-        log.warning("sidecar %s (pid %d) lost: %s; moving its %d stream(s)", conn.entry.key,
-                    conn.entry.pid, reason, conn.streams)
-        conn.lost = reason
-        self._lost[conn.entry.key] = conn.entry.pid
-        if self._conns.get(conn.entry.key) is conn:
-            del self._conns[conn.entry.key]
-        conn.client.close()
+        reason = self.loss_reason(conn, conn.client.disconnected())
+        if reason:
+            conn.client.close()
         return reason
 
-    def submit(self, conn: _Conn, prompt, prompt_ids, params: dict, prefix: list[int]) -> Stream:
+    def submit(self, conn: Conn, prompt, prompt_ids, params: dict, prefix: list[int]) -> Stream:
         """Generate on `conn`; raises SidecarUnavailable when it is lost meanwhile or silent."""
         client = conn.client
         tag = next(client._tags)
@@ -203,111 +145,79 @@ class RoutedClient:
         return Stream(client, state)
 
 
-class RoutedStream:
+class RoutedStream(StreamLog):
     """One request's tokens, whichever sidecars produce them; `result()` waits for the end."""
 
     def __init__(self, router: RoutedClient, prompt, prompt_ids, params: dict):
+        super().__init__(prompt, prompt_ids, params)
         self.router = router
-        self.prompt, self.prompt_ids, self.params = prompt, prompt_ids, params
-        self.token_ids: list[int] = []
-        self.texts: list[str] = []
         self.pending: collections.deque = collections.deque()
-        self.moves: list[dict] = []
-        self.sidecars: list[str] = []
-        self.fingerprint: str | None = None
-        self.prompt_tokens = 0
-        self._conn: _Conn | None = None
         self._inner: Stream | None = None
-        self._segment_start = 0
-        self._result: RoutedResult | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> TokenEvent:
         while not self.pending:
-            if self._result is not None:
+            if self.routed_result is not None:
                 raise StopIteration
             self.step()
         return self.pending.popleft()
 
     @property
     def finished(self) -> bool:
-        return self._result is not None
+        return self.routed_result is not None
 
     def result(self) -> RoutedResult:
         for _ in self:
             pass
-        return self._result
+        return self.routed_result
 
     def step(self) -> None:
         """Wait (at most about poll_s when the sidecar is silent) for progress: a token, the end,
         or a move to another sidecar."""
         st = self._inner._state
-        if self._conn.lost and not st.pending and st.done is None and st.error is None:
-            return self._place(self._conn.lost)     # lost while another stream was waiting
+        if self.conn.lost and not st.pending and st.done is None and st.error is None:
+            return self._place(self.conn.lost)     # lost while another stream was waiting
         try:
             event = next(self._inner)
         except StopIteration:
-            return self._finish(self._inner.result())
+            return self.finish(self._inner.result())
         except SidecarUnavailable:
-            reason = self.router.check(self._conn)
+            reason = self.router.check(self.conn)
             if reason:
                 self._place(reason)
             return
-        if self.moves and "first_token_s" not in self.moves[-1]:
-            self.moves[-1]["first_token_s"] = time.monotonic() - self.moves[-1]["lost_at"]
-        event = TokenEvent(index=len(self.token_ids), token_id=event.token_id, text=event.text)
-        self.token_ids.append(event.token_id)
-        self.texts.append(event.text)
-        self.pending.append(event)
+        self.pending.append(self.record(event.token_id, event.text))
 
     def _place(self, reason: str) -> None:
         """Start (or continue, after `reason`) on the best sidecar; retry until move_timeout_s."""
         r = self.router
-        old, lost_at = self._conn, time.monotonic()
+        old, lost_at = self.conn, time.monotonic()
         if old is not None:
             old.streams -= 1
-            if len(self.token_ids) >= self.params.get("max_tokens", 16):   # only the Done was lost
-                return self._finish(None, "length")
+            if self.all_sent:
+                return self.finish(None, "length")
         skip: set[str] = set()
         while True:
             entry = r.pick(exclude=skip, fingerprint=self.fingerprint)
             if entry is not None:
                 conn = r.connection(entry)
+                self.reserve(r, conn)
                 try:
                     self._inner = r.submit(conn, self.prompt, self.prompt_ids, self.params, self.token_ids)
                     break
                 except (ShuttingDown, Overloaded, SidecarUnavailable) as exc:
+                    self.reserve(r, conn, taken=False)
                     log.info("sidecar %s did not take the request: %s", entry.key, exc)
                     skip.add(entry.key)
                     continue
-            if time.monotonic() - lost_at > r.move_timeout_s:
-                raise SidecarUnavailable(f"no serving sidecar in the registry for {r.move_timeout_s:.0f} s"
-                                         + (f" (after: {reason})" if reason else ""))
+            error = r.move_deadline_passed(lost_at, reason)
+            if error:
+                raise SidecarUnavailable(error)
             skip.clear()
             time.sleep(0.05)
-        self._conn, self._segment_start = conn, len(self.token_ids)
-        conn.streams += 1
-        self.fingerprint = self.fingerprint or entry.fingerprint
-        self.prompt_tokens = self.prompt_tokens or self._inner._state.prompt_tokens
-        if old is not None:
-            self.moves.append({"from": old.entry.key, "to": entry.key, "reason": reason,
-                               "tokens_carried": len(self.token_ids), "lost_at": lost_at,
-                               "resubmitted_s": time.monotonic() - lost_at})
-        self.sidecars.append(entry.key)
-
-    def _finish(self, last: GenerationResult | None, reason: str = "") -> None:
-        if self._conn is not None and last is not None:
-            self._conn.streams -= 1
-        text = "".join(self.texts[:self._segment_start]) + (last.text if last else "".join(
-            self.texts[self._segment_start:]))
-        self._result = RoutedResult(
-            request_id=last.request_id if last else 0, token_ids=list(self.token_ids), text=text,
-            finish_reason=last.finish_reason if last else reason, prompt_tokens=self.prompt_tokens,
-            completion_tokens=len(self.token_ids), preemptions=last.preemptions if last else 0,
-            recomputed_tokens=last.recomputed_tokens if last else 0,
-            moves=tuple(self.moves), sidecars=tuple(self.sidecars))
+        self.placed(old, conn, reason, lost_at, self._inner._state.prompt_tokens)
 
 
 def wait_all(streams: list[RoutedStream], on_event=None) -> list[RoutedResult]:

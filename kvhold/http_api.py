@@ -6,8 +6,12 @@ Routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (SSE when
 stay open for probes and scrapers. Errors are OpenAI-shaped JSON
 ({"error": {"message", "type", "param", "code"}}) and never stop the server.
 
-/health is 200 only when a request can be served now: the weights are sealed and an
-active executor is ready with a live heartbeat lease. During a failover, or while
+The app is backed by one local sidecar (`SidecarBackend`, `kvhold serve`) or by the
+sidecars of a registry (`kvhold.router_http.RouterBackend`, `kvhold router`): a backend
+gives `generate`, `health` and `render_metrics`, and its `metrics` count HTTP requests.
+
+/health (one sidecar) is 200 only when a request can be served now: the weights are sealed
+and an active executor is ready with a live heartbeat lease. During a failover, or while
 draining after SIGTERM, it is 503 with the reason. Streams do not time out during a
 failover: the SDK waits as long as the sidecar sends keepalives.
 """
@@ -87,7 +91,7 @@ def serving_state(status: dict, lease_ms: int) -> tuple[bool, str]:
 class _ApiMiddleware:
     """Bearer-key check on /v1 routes and request counting, as plain ASGI (streams untouched)."""
 
-    def __init__(self, app, settings: AppSettings, metrics: SidecarMetrics):
+    def __init__(self, app, settings: AppSettings, metrics):
         self.app, self.metrics = app, metrics
         self.key = settings.api_key.encode() if settings.api_key else None
 
@@ -117,16 +121,25 @@ class _ApiMiddleware:
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 
 
-class _Service:
-    """What the routes share: the SDK client, tokenizer, template, metrics, gate."""
+class SidecarBackend:
+    """One local sidecar: its async client, the status polls that feed /metrics, /health."""
 
-    def __init__(self, settings: AppSettings, metrics: SidecarMetrics):
-        self.settings, self.metrics = settings, metrics
-        self.gate = Gate()
-        self.template = ChatTemplate.for_checkpoint(settings.model_dir)
-        self.tokenizer = _load_tokenizer(settings.model_dir)
+    def __init__(self, settings: AppSettings):
+        self.settings = settings
+        self.metrics = SidecarMetrics()
         self.client: AsyncClient | None = None
-        self.created = int(time.time())
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.client = AsyncClient(self.settings.endpoint, timeout=self.settings.client_timeout)
+        self._poller = asyncio.create_task(self.poll_forever())
+
+    async def close(self) -> None:
+        self._poller.cancel()
+        await self.client.close()
+
+    async def generate(self, **request):
+        return await self.client.generate(**request)
 
     async def poll_forever(self) -> None:
         while True:
@@ -141,6 +154,33 @@ class _Service:
             return None
         self.metrics.observe(status)
         return status
+
+    async def health(self) -> tuple[bool, dict]:
+        status = await self.poll()
+        if status is None:
+            return False, {"status": "unavailable", "reason": self.metrics.status_error}
+        ok, reason = serving_state(status, self.settings.lease_ms)
+        active = next((e for e in status["executors"] if e["role"] == "active"), None)
+        return ok, {"status": "ok" if ok else "unavailable", "reason": reason,
+                    "active_pid": active["pid"] if active else None,
+                    "standbys_ready": sum(1 for e in status["executors"]
+                                          if e["role"] == "standby" and e["ready"]),
+                    "in_flight": status.get("requests", {}).get("in_flight", 0)}
+
+    async def render_metrics(self) -> bytes:
+        await self.poll()
+        return self.metrics.render()
+
+
+class _Service:
+    """What the routes share: the backend, tokenizer, template, metrics, gate."""
+
+    def __init__(self, settings: AppSettings, backend):
+        self.settings, self.backend, self.metrics = settings, backend, backend.metrics
+        self.gate = Gate()
+        self.template = ChatTemplate.for_checkpoint(settings.model_dir)
+        self.tokenizer = _load_tokenizer(settings.model_dir)
+        self.created = int(time.time())
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
@@ -179,7 +219,7 @@ class _Service:
             raise ApiError(503, "the server is shutting down", type="service_unavailable",
                            code="shutting_down")
         t0 = time.monotonic()
-        stream = await self.client.generate(**prompt, **req.sampling(max_tokens))
+        stream = await self.backend.generate(**prompt, **req.sampling(max_tokens))
         gen = Generation(stream, req.stop)
         self.gate.active.add(gen)
         shape = ResponseShape(kind, stream.request_id, self.settings.served_model_name)
@@ -208,25 +248,24 @@ def _load_tokenizer(model_dir: Path | None):
     return Tokenizer.from_file(str(path))
 
 
-def create_app(settings: AppSettings) -> FastAPI:
-    metrics = SidecarMetrics()
-    svc = _Service(settings, metrics)
+def create_app(settings: AppSettings, backend=None) -> FastAPI:
+    """The app over `backend` (default: the one sidecar at settings.endpoint)."""
+    backend = backend or SidecarBackend(settings)
+    svc = _Service(settings, backend)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc.client = AsyncClient(settings.endpoint, timeout=settings.client_timeout)
-        poller = asyncio.create_task(svc.poll_forever())
+        await backend.start()
         try:
             yield
         finally:
-            poller.cancel()
-            await svc.client.close()
+            await backend.close()
 
     app = FastAPI(title="kvhold", lifespan=lifespan)
     app.state.service = svc
     _install_error_handlers(app)
     _install_routes(app, svc)
-    app.add_middleware(_ApiMiddleware, settings=settings, metrics=metrics)
+    app.add_middleware(_ApiMiddleware, settings=settings, metrics=backend.metrics)
     return app
 
 
@@ -288,18 +327,9 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
     async def health():
         if svc.gate.draining:
             return JSONResponse({"status": "draining", "reason": "shutting down (SIGTERM)"}, 503)
-        status = await svc.poll()
-        if status is None:
-            return JSONResponse({"status": "unavailable", "reason": svc.metrics.status_error}, 503)
-        ok, reason = serving_state(status, svc.settings.lease_ms)
-        active = next((e for e in status["executors"] if e["role"] == "active"), None)
-        body = {"status": "ok" if ok else "unavailable", "reason": reason,
-                "active_pid": active["pid"] if active else None,
-                "standbys_ready": sum(1 for e in status["executors"] if e["role"] == "standby" and e["ready"]),
-                "in_flight": status.get("requests", {}).get("in_flight", 0)}
+        ok, body = await svc.backend.health()
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        await svc.poll()
-        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await svc.backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)

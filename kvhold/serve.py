@@ -63,13 +63,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         args.model = ensure_demo_model()[0]
     if args.model is None:
         raise ValueError("--model is required (a checkpoint directory, or 'demo')")
-    api_key = args.api_key
-    if args.api_key_file is not None:
-        api_key = Path(args.api_key_file).read_text().strip()
-    if api_key is not None and not api_key:
-        raise ValueError("the API key is empty")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port {args.port} is not a TCP port")
+    api_key = http_flags_from_args(args)
     geometry = sidecar_config_from_args(args).table_geometry(ModelSpec.from_dir(args.model))
     return ServeConfig(model=Path(args.model), served_model_name=args.served_model_name or Path(args.model).name,
                        host=args.host, port=args.port, api_key=api_key, instance=args.instance,
@@ -77,6 +71,18 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        lease_ms=args.lease_ms, context_len=geometry.max_seq_len,
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
                        log_level=args.log_level)
+
+
+def http_flags_from_args(args: argparse.Namespace) -> str | None:
+    """Check --port; the API key from --api-key or --api-key-file (None: no key)."""
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        api_key = Path(args.api_key_file).read_text().strip()
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port {args.port} is not a TCP port")
+    return api_key
 
 
 def sidecar_argv(args: argparse.Namespace) -> list[str]:
@@ -150,9 +156,10 @@ class SidecarChild:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT drains instead of closing the listener at once."""
+    """uvicorn, but the first SIGTERM/SIGINT drains instead of closing the listener at once.
+    With a `child` (kvhold serve), the server also stops when that sidecar exits."""
 
-    def __init__(self, config: uvicorn.Config, gate, child: SidecarChild, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, gate, child: SidecarChild | None, drain_timeout_s: float):
         super().__init__(config)
         self.gate, self.child, self.drain_timeout_s = gate, child, drain_timeout_s
         self.drain_deadline: float | None = None
@@ -170,7 +177,7 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
             return True
-        if self.child.exited():
+        if self.child is not None and self.child.exited():
             log.critical("the sidecar exited with code %s: stopping", self.child.proc.returncode)
             self.exit_code = 1
             return True

@@ -134,7 +134,9 @@ class Frontend:
                            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                            stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                            prefix_ids=prefix)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids + prefix) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
+        for token in prefix if detok else ():   # the state of the uninterrupted run: a character
+            detok.push(token)                    # the prefix left unfinished completes here
         self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix))
