@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 from ipc import fdpass
-from ipc.leases import now_ns
 
 log = logging.getLogger(__name__)
 FORK_TIMEOUT_S = 1.0

@@ -11,6 +11,7 @@ import pytest
 from ipc.client import wait_all
 from ipc.memory import Mapping, RegionInfo
 from ipc.tables import Tables
+from tools.sidecar_process import submit_requests
 
 FLAGS = ["--kv-pages", "128", "--max-seq-len", "256", "--max-batch-tokens", "64", "--max-batch", "16",
          "--log-level", "INFO"]
@@ -24,12 +25,7 @@ REQUESTS = [
 
 
 def submit(client, requests=REQUESTS):
-    out = []
-    for r in requests:
-        r = dict(r)
-        prompt = r.pop("prompt", None)
-        out.append(client.generate(prompt, **r) if prompt else client.generate(**r))
-    return out
+    return submit_requests(client, requests)
 
 
 def ids(results):

@@ -15,7 +15,7 @@ import pytest
 from ipc.client import Client, wait_all
 from ipc.errors import NotFound
 from sidecar.durable_journal import DurableJournal, decode_record, encode_record
-from tools.sidecar_process import SidecarProcess
+from tools.sidecar_process import SidecarProcess, submit_requests
 
 FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
          "--standbys", "0", "--log-level", "INFO"]
@@ -30,12 +30,7 @@ HTTP_REQUEST = {"prompt": "Never lose a stream", "max_tokens": 400, "temperature
 
 
 def submit(client, requests=REQUESTS):
-    out = []
-    for r in requests:
-        r = dict(r)
-        prompt = r.pop("prompt", None)
-        out.append(client.generate(prompt, **r) if prompt else client.generate(**r))
-    return out
+    return submit_requests(client, requests)
 
 
 def pool_restart_cli(instance, runtime_root, *args, timeout=90):

@@ -17,7 +17,7 @@ from ipc.client import wait_all as client_wait_all
 from ipc.registry_client import EtcdGateway, RegistryView, SidecarEntry, service_prefix
 from ipc.router import RoutedClient, wait_all
 from tools.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
-from tools.sidecar_process import SidecarProcess
+from tools.sidecar_process import SidecarProcess, submit_requests
 
 pytestmark = [pytest.mark.etcd,
               pytest.mark.skipif(os.environ.get("KVHOLD_SKIP_ETCD") == "1", reason="KVHOLD_SKIP_ETCD=1")]
@@ -33,12 +33,7 @@ REQUESTS = [dict(prompt="The sidecar keeps the memory", max_tokens=60, temperatu
 
 
 def submit(client, requests=REQUESTS):
-    out = []
-    for r in requests:
-        r = dict(r)
-        prompt = r.pop("prompt", None)
-        out.append(client.generate(prompt, **r) if prompt else client.generate(**r))
-    return out
+    return submit_requests(client, requests)
 
 
 @pytest.fixture(scope="module")

@@ -114,3 +114,13 @@ class SidecarProcess:
         if self._own_root:
             import shutil
             shutil.rmtree(self.runtime_root, ignore_errors=True)
+
+
+def submit_requests(client, requests) -> list:
+    """Start every request (dicts of generate() arguments; "prompt" text or "prompt_ids")."""
+    out = []
+    for r in requests:
+        r = dict(r)
+        prompt = r.pop("prompt", None)
+        out.append(client.generate(prompt, **r) if prompt else client.generate(**r))
+    return out
