@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from ipc import messages as m, wire
 from ipc.client import RESUME_AFTER_S, GenerationResult, TokenEvent
+from ipc.curve import apply_client_curve
 from ipc.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from ipc.naming import InstancePaths
 from ipc.sampling import SamplingParams
@@ -108,7 +109,12 @@ class AsyncStream:
 
 class AsyncClient:
     def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
-                 context: zmq.asyncio.Context | None = None):
+                 context: zmq.asyncio.Context | None = None, curve_server_key=None,
+                 curve_secret_key_file: os.PathLike | None = None):
+        """`endpoint` and the CURVE arguments as for ipc.client.Client: over tcp://, give the
+        server's public key and this client's .key_secret file to speak CurveZMQ."""
+        if (curve_server_key is None) != (curve_secret_key_file is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
         self.timeout = timeout
         self._own_ctx = context is None
@@ -117,6 +123,14 @@ class AsyncClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         # A stable identity keeps ownership of our requests across reconnects.
         self._sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+        if curve_server_key is not None:
+            try:
+                apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)
+            except BaseException:
+                self._sock.close(0)
+                if self._own_ctx:
+                    self._ctx.term()
+                raise
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}

@@ -84,6 +84,25 @@ def test_an_authorized_key_generates_over_tcp(sidecar, keys):
     assert stat.S_IMODE(os.stat(rundir / "client.sock").st_mode) == 0o600
 
 
+def test_the_async_client_speaks_curve_too(sidecar, keys):
+    import asyncio
+
+    from ipc.aclient import AsyncClient
+
+    async def run(**kwargs):
+        async with AsyncClient(sidecar.status()["client_tcp"]["endpoint"], **kwargs) as client:
+            stream = await client.generate("Over the network", max_tokens=16, temperature=0.0)
+            return (await stream.result()).token_ids
+
+    good = asyncio.run(run(timeout=20, curve_server_key=keys["server"][0],
+                           curve_secret_key_file=keys["alice"][1]))
+    with _tcp_client(sidecar, keys) as client:
+        assert good == client.generate("Over the network", max_tokens=16, temperature=0.0).result().token_ids
+    with pytest.raises(SidecarUnavailable):
+        asyncio.run(run(timeout=REFUSED_TIMEOUT_S, curve_server_key=keys["server"][0],
+                        curve_secret_key_file=keys["mallory"][1]))
+
+
 @pytest.mark.parametrize("who,server_key", [("mallory", "server"), (None, None), ("alice", "alice")])
 def test_unknown_key_plaintext_or_wrong_server_get_no_service(sidecar, keys, who, server_key):
     refused = sidecar.status()["client_tcp"]["refused"]
