@@ -30,7 +30,8 @@ import zmq
 import zmq.asyncio
 
 from ipc import messages as m, wire
-from ipc.client import RESUME_AFTER_S, GenerationResult, TokenEvent
+from ipc.client import (RESUME_AFTER_S, GenerationResult, TokenEvent, hear_keepalive, resume_message,
+                        take_tokens)
 from ipc.curve import apply_client_curve
 from ipc.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from ipc.naming import InstancePaths
@@ -247,10 +248,9 @@ class AsyncClient:
         if now - self._last_resume < RESUME_AFTER_S:
             return
         self._last_resume = now
-        ids = [r for r, st in self._streams.items() if now - st.heard >= RESUME_AFTER_S]
-        if not ids:
-            return   # other traffic on the socket does not count: only silent streams
-        msg = m.Resume(request_ids=ids, next_indices=[len(self._streams[r].token_ids) for r in ids])
+        msg = resume_message(self._streams, now)
+        if msg is None:
+            return
         try:
             self._sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -260,10 +260,7 @@ class AsyncClient:
         self._pause_until = max(self._pause_until, time.monotonic() + msg.resume_within_s)
 
     def _on_keepalive(self, msg: m.Keepalive) -> None:
-        now = time.monotonic()
-        for rid in msg.request_ids:
-            if rid in self._streams:
-                self._streams[rid].heard = now
+        hear_keepalive(self._streams, msg)
         self._pause_until = 0.0    # a sidecar serves our streams (again): normal timeout
 
     def _fail_all(self, exc: Exception) -> None:
@@ -284,17 +281,8 @@ class AsyncClient:
         st = self._streams.get(msg.request_id)
         if st is None:
             return
-        st.heard = time.monotonic()
-        have = len(st.token_ids)
-        if msg.start > have:
-            st.error = ProtocolError(f"request {msg.request_id}: gap in the stream "
-                                     f"(have {have} tokens, got index {msg.start})")
+        if not take_tokens(st, msg):
             self._streams.pop(msg.request_id)
-        else:
-            skip = have - msg.start  # never deliver a token twice
-            for offset, (tid, text) in enumerate(zip(msg.ids[skip:], msg.texts[skip:])):
-                st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text))
-                st.token_ids.append(tid)
         st.changed.set()
 
     def _on_done(self, msg: m.Done) -> None:

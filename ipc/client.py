@@ -67,6 +67,39 @@ class _StreamState:
     heard: float = field(default_factory=time.monotonic)   # last tokens or keepalive for it
 
 
+
+# ------------------------------------------------------------------ shared by Client and AsyncClient
+def take_tokens(st, msg: m.Tokens) -> bool:
+    """Append `msg`'s tokens to stream state `st`, never one twice. False (and `st.error`
+    set) when the message skips ahead: tokens were lost."""
+    st.heard = time.monotonic()
+    have = len(st.token_ids)
+    if msg.start > have:
+        st.error = ProtocolError(f"request {msg.request_id}: gap in the stream "
+                                 f"(have {have} tokens, got index {msg.start})")
+        return False
+    skip = have - msg.start
+    for offset, (tid, text) in enumerate(zip(msg.ids[skip:], msg.texts[skip:])):
+        st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text))
+        st.token_ids.append(tid)
+    return True
+
+
+def resume_message(streams: dict, now: float) -> m.Resume | None:
+    """Re-attach the streams silent for RESUME_AFTER_S (other traffic does not count), or None."""
+    ids = [r for r, st in streams.items() if now - st.heard >= RESUME_AFTER_S]
+    if not ids:
+        return None
+    return m.Resume(request_ids=ids, next_indices=[len(streams[r].token_ids) for r in ids])
+
+
+def hear_keepalive(streams: dict, msg: m.Keepalive) -> None:
+    now = time.monotonic()
+    for rid in msg.request_ids:
+        if rid in streams:
+            streams[rid].heard = now
+
+
 class Stream:
     """Iterator over one request's tokens; `result()` waits for the end."""
 
@@ -230,12 +263,10 @@ class Client:
                 return
 
     def _send_resume(self) -> None:
-        """Re-attach the streams that went silent (other traffic on the socket does not count)."""
         now = self._last_resume = time.monotonic()
-        ids = [r for r, st in self._streams.items() if now - st.heard >= RESUME_AFTER_S]
-        if not ids:
+        msg = resume_message(self._streams, now)
+        if msg is None:
             return
-        msg = m.Resume(request_ids=ids, next_indices=[len(self._streams[r].token_ids) for r in ids])
         try:
             self._sock.send(wire.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
@@ -245,10 +276,7 @@ class Client:
         self._pause_until = max(self._pause_until, time.monotonic() + msg.resume_within_s)
 
     def _on_keepalive(self, msg: m.Keepalive) -> None:
-        now = time.monotonic()
-        for rid in msg.request_ids:
-            if rid in self._streams:
-                self._streams[rid].heard = now
+        hear_keepalive(self._streams, msg)
         self._pause_until = 0.0    # a sidecar is serving our streams (again): normal timeout
 
     def _dispatch(self, frame: bytes) -> None:
@@ -262,18 +290,8 @@ class Client:
 
     def _on_tokens(self, msg: m.Tokens) -> None:
         st = self._streams.get(msg.request_id)
-        if st is None:
-            return
-        st.heard = time.monotonic()
-        have = len(st.token_ids)
-        if msg.start > have:
-            st.error = ProtocolError(f"request {msg.request_id}: gap in the stream "
-                                     f"(have {have} tokens, got index {msg.start})")
-            return
-        skip = have - msg.start  # never deliver a token twice
-        for offset, (tid, text) in enumerate(zip(msg.ids[skip:], msg.texts[skip:])):
-            st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text))
-            st.token_ids.append(tid)
+        if st is not None:
+            take_tokens(st, msg)
 
     def _on_done(self, msg: m.Done) -> None:
         st = self._streams.pop(msg.request_id, None)

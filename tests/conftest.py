@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
 from tools.sidecar_process import SidecarProcess
 
 
@@ -23,6 +24,18 @@ def _state_dir(tmp_path, monkeypatch):
     """Per test: a sidecar killed with requests in flight keeps them for the next start of
     its instance name; another test reusing the name must not inherit them."""
     monkeypatch.setenv("KVHOLD_STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A throwaway etcd on loopback. Without the binary: skip with the install hint, or fail
+    when KVHOLD_REQUIRE_ETCD=1 (.ci/run, which installs it), so CI cannot skip the registry."""
+    if find_etcd() is None:
+        if os.environ.get("KVHOLD_REQUIRE_ETCD") == "1":
+            pytest.fail(INSTALL_HINT)
+        pytest.skip(INSTALL_HINT)
+    with EtcdProcess(tmp_path_factory.mktemp("etcd") / "data") as server:
+        yield server
 
 
 @pytest.fixture

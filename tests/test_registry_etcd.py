@@ -16,7 +16,6 @@ import pytest
 from ipc.client import wait_all as client_wait_all
 from ipc.registry_client import EtcdGateway, RegistryView, SidecarEntry, service_prefix
 from ipc.router import RoutedClient, wait_all
-from tools.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
 from tools.sidecar_process import SidecarProcess, submit_requests
 
 pytestmark = [pytest.mark.etcd,
@@ -34,16 +33,6 @@ REQUESTS = [dict(prompt="The sidecar keeps the memory", max_tokens=60, temperatu
 
 def submit(client, requests=REQUESTS):
     return submit_requests(client, requests)
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    if find_etcd() is None:
-        if os.environ.get("KVHOLD_REQUIRE_ETCD") == "1":
-            pytest.fail(INSTALL_HINT)
-        pytest.skip(INSTALL_HINT)
-    with EtcdProcess(tmp_path_factory.mktemp("etcd") / "data") as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

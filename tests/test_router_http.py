@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tools.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd, free_port
-from tools.sidecar_process import SidecarProcess
+from tools.etcd_process import free_port
+from tools.sidecar_process import SidecarProcess, submit_requests
 
 pytestmark = [pytest.mark.etcd,
               pytest.mark.skipif(os.environ.get("KVHOLD_SKIP_ETCD") == "1", reason="KVHOLD_SKIP_ETCD=1")]
@@ -30,21 +30,9 @@ REQUESTS = [dict(prompt="The sidecar keeps the memory", max_tokens=40, temperatu
 LONG = [dict(r, max_tokens=400) for r in REQUESTS]     # still streaming when the sidecar dies
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    if find_etcd() is None:
-        if os.environ.get("KVHOLD_REQUIRE_ETCD") == "1":
-            pytest.fail(INSTALL_HINT)
-        pytest.skip(INSTALL_HINT)
-    with EtcdProcess(tmp_path_factory.mktemp("etcd") / "data") as server:
-        yield server
-
-
 def reference_texts(sidecar, requests):
     with sidecar.new_client() as client:
-        streams = [client.generate(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"})
-                   for r in requests]
-        return [s.result().text for s in streams]
+        return [s.result().text for s in submit_requests(client, requests)]
 
 
 @pytest.fixture(scope="module")
