@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from executor.cuda_attention import paged_decode_attention
+from executor.cuda_checksum import TritonChecksum
 from executor.kv_cache import KvCache
 from executor.llama import LlamaModel
 from executor.page_allocator import NULL_PAGE
+from executor.sampler import sample
 from executor.step_runner import positions_of
 
 log = logging.getLogger(__name__)
@@ -32,39 +34,69 @@ log = logging.getLogger(__name__)
 
 class CudaRunner:
     def __init__(self, model: LlamaModel, kv: KvCache, max_batch: int, prefill_chunk: int,
-                 max_pages_per_seq: int, use_graph: bool = True):
+                 max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True):
         self.model, self.kv = model, kv
         self.device = model.device
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.use_graph = use_graph
         dev, b = self.device, max_batch
-        self.ids = torch.zeros(b, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
-        self.pages = torch.full((b,), NULL_PAGE, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(b, dtype=torch.long, device=dev)
-        self.table = torch.full((b, max_pages_per_seq), NULL_PAGE, dtype=torch.int32, device=dev)
-        self.ctx = torch.ones(b, dtype=torch.int32, device=dev)
+        # A decode step's inputs, staged in pinned host memory and sent in two copies:
+        # int64 rows ids | positions | pages | slots, and int32 ctx then the block table.
+        self._host64 = torch.empty((4, b), dtype=torch.long, pin_memory=True)
+        self._host32 = torch.empty(b * (1 + max_pages_per_seq), dtype=torch.int32, pin_memory=True)
+        self._np64 = self._host64.numpy()
+        self._np_ctx, self._np_table = self._host32[:b].numpy(), self._host32[b:].view(b, -1).numpy()
+        self._in64 = torch.empty_like(self._host64, device=dev)
+        self._in32 = torch.empty_like(self._host32, device=dev)
+        self.ids, self.positions, self.pages, self.slots = self._in64.unbind(0)
+        self.ctx = self._in32[:b]
+        self.table = self._in32[b:].view(b, max_pages_per_seq)
+        self._staged = torch.cuda.Event()      # the host buffers may be rewritten once it is reached
+        # The commit's checksums of the slots a decode step writes, computed inside the step
+        # (graph) right after the forward: the commit then reads them back with the tokens.
+        self.hasher = TritonChecksum(kv.pool) if slot_hashes else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None
+        self.graph_out: torch.Tensor | None = None
         self._capture_failed = False
         self.scale = model.spec.head_dim ** -0.5
+        self.queued_ns = 0
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def _decode_forward(self) -> torch.Tensor:
+    def _decode_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [b, vocab] and out [2, b] int64: each row's greedy token and the hash of
+        the KV slot it wrote (zeros without slot hashes)."""
         h = self.model.layers(self.ids, self.positions, self.pages, self.slots, self.kv,
                               lambda layer, q: paged_decode_attention(q, self.kv.pool, layer, self.table,
                                                                       self.ctx, self.scale))
-        return self.model.logits(h)
+        logits = self.model.logits(h)
+        greedy = torch.argmax(logits, dim=-1)       # the sampler's greedy rule: first maximum wins
+        hashes = (self.hasher.ranges(self.pages, self.slots, self.slots + 1) if self.hasher is not None
+                  else torch.zeros_like(greedy))
+        return logits, torch.stack([greedy, hashes])
+
+    def _stage(self, items) -> None:
+        """Write the decode inputs (real rows, then padding) to the device: two copies."""
+        n = len(items)
+        pages, slots, positions, ids = positions_of(items, self.kv.page_tokens)
+        self._staged.synchronize()             # the previous step's copies have left these buffers
+        h64, ctx, table = self._np64, self._np_ctx, self._np_table
+        h64[:, n:] = ((0,), (0,), (NULL_PAGE,), (0,))
+        h64[0, :n], h64[1, :n], h64[2, :n], h64[3, :n] = ids, positions, pages, slots
+        ctx[:] = 1
+        ctx[:n] = positions
+        ctx[:n] += 1
+        table[:] = NULL_PAGE
+        for i, p in enumerate(items):
+            table[i, :len(p.seq.pages)] = p.seq.pages
+        self._in64.copy_(self._host64, non_blocking=True)
+        self._in32.copy_(self._host32, non_blocking=True)
+        self._staged.record()
 
     def _reset_padding(self) -> None:
-        self.ids.zero_()
-        self.positions.zero_()
-        self.pages.fill_(NULL_PAGE)
-        self.slots.zero_()
-        self.table.fill_(NULL_PAGE)
-        self.ctx.fill_(1)
+        self._stage([])
 
     def prepare(self, urgent: bool = False) -> dict[str, float]:
         """Load every kernel a step uses, size the allocator and capture the decode graph;
@@ -109,7 +141,7 @@ class CudaRunner:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.graph_logits = self._decode_forward()
+                self.graph_logits, self.graph_out = self._decode_forward()
             torch.cuda.synchronize()
             self.graph = graph
         except Exception as exc:  # capture is an optimisation: eager decode is correct
@@ -117,24 +149,16 @@ class CudaRunner:
             self._capture_failed = True
             self.graph = None
 
-    def _decode(self, items) -> torch.Tensor:
+    def _decode(self, items) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(items)
-        pt = self.kv.page_tokens
-        pages, slots, positions, ids = positions_of(items, pt)
-        self._reset_padding()
-        dev = self.device
-        self.ids[:n] = torch.tensor(ids, device=dev)
-        self.positions[:n] = torch.tensor(positions, device=dev)
-        self.pages[:n] = torch.tensor(pages, device=dev)
-        self.slots[:n] = torch.tensor(slots, device=dev)
-        width = self.table.shape[1]
-        rows = [p.seq.pages + [NULL_PAGE] * (width - len(p.seq.pages)) for p in items]
-        self.table[:n] = torch.tensor(rows, dtype=torch.int32, device=dev)
-        self.ctx[:n] = torch.tensor([pos + 1 for pos in positions], dtype=torch.int32, device=dev)
+        self._stage(items)
         if self.graph is not None:
             self.graph.replay()
-            return self.graph_logits[:n]
-        return self._decode_forward()[:n]
+            logits, out = self.graph_logits, self.graph_out
+        else:
+            logits, out = self._decode_forward()
+        self.queued_ns = time.monotonic_ns()
+        return logits[:n], out[:, :n]
 
     def _padding_chunk(self):
         from executor.scheduler import Scheduled
@@ -180,13 +204,14 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ step
     def run(self, plan, beat=None) -> torch.Tensor:
+        """Logits of the rows that sample, in plan order."""
         decode = [p for p in plan if p.n == 1]
         prefill = [p for p in plan if p.n > 1]
         if len(decode) > self.max_batch:
             raise RuntimeError(f"{len(decode)} decode rows exceed the batch of {self.max_batch}")
         logits = {}
         if decode:
-            out = self._decode(decode)
+            out, _ = self._decode(decode)
             for i, p in enumerate(decode):
                 logits[id(p)] = out[i]
         for p in prefill:
@@ -196,5 +221,27 @@ class CudaRunner:
             logits[id(p)] = out[0]
             if beat is not None:
                 beat()             # a step of many chunks is progress, not a hang
+        self.queued_ns = time.monotonic_ns()
         rows = [logits[id(p)] for p in plan if p.samples]
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)
+
+    def run_and_sample(self, plan, sampling, beat=None) -> tuple[list[int], dict[int, int]]:
+        """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
+        one slot this step wrote there}) for the engine's commit. A decode-only step reads its
+        greedy tokens and slot hashes back in one copy; rows that sample with a temperature
+        go through the sampler on their logits; other steps take the general path."""
+        if not plan or any(p.n != 1 for p in plan) or len(plan) > self.max_batch:
+            logits = self.run(plan, beat)
+            return (sample(logits, sampling) if sampling else []), {}
+        logits, out = self._decode(plan)
+        host = out.cpu()
+        greedy, hashes = host[0].tolist(), host[1]
+        hot = [i for i, p in enumerate(plan) if p.samples and p.seq.temperature > 0]
+        if hot:
+            for i, token in zip(hot, sample(logits[hot], [plan[i].seq for i in hot])):
+                greedy[i] = token
+        tokens = [greedy[i] for i, p in enumerate(plan) if p.samples]
+        if self.hasher is None:
+            return tokens, {}
+        pt = self.kv.page_tokens
+        return tokens, {p.seq.pages[p.seq.num_computed // pt]: h for p, h in zip(plan, hashes.tolist())}

@@ -47,6 +47,8 @@ class EngineWorkload:
         self.phases[name] = round((now - self._t) * 1e3, 2)
         self._t = now
 
+    slot_hashes = True      # the runner hashes each decode step's slots for the commit
+
     def prepare(self) -> None:
         ctx, s = self.ctx, self.ctx.settings
         self._t = time.monotonic()
@@ -74,7 +76,8 @@ class EngineWorkload:
 
             chunk = chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_tokens - max_batch)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
-                                use_graph=not s.get("extra", {}).get("no_cuda_graph"))
+                                use_graph=not s.get("extra", {}).get("no_cuda_graph"),
+                                slot_hashes=self.slot_hashes)
             self._phase("model")
             # loads kernels and captures the decode graph; an urgent executor (taking over with
             # no standby ready) warms only the decode path and captures later, between steps

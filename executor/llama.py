@@ -7,7 +7,8 @@ prefill chunks and decode tokens of many sequences, concatenated along one token
 axis. Each layer first writes the step's keys/values into the pool, then every
 sequence attends over its pages read back from the pool. Conventions follow
 Hugging Face `transformers` (rotate-half RoPE, RMSNorm in float32 for half
-types) so that its checkpoints give its outputs.
+types) so that its checkpoints give its outputs. On CUDA the layers run through
+executor.cuda_layers (fused projections and elementwise kernels, same model).
 """
 from __future__ import annotations
 
@@ -78,6 +79,11 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
         self.group = spec.num_heads // spec.num_kv_heads
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.fused = None
+        if device.type == "cuda":
+            from executor.cuda_layers import FusedLayers, fused_enabled
+
+            self.fused = FusedLayers(self) if fused_enabled() else None
 
     def _weight(self, name: str) -> torch.Tensor:
         w = self.w[name]
@@ -105,6 +111,8 @@ class LlamaModel:
     def layers(self, token_ids, positions, write_pages, write_slots, kv: KvCache, attend) -> torch.Tensor:
         """Every decoder layer over a flat token axis; `attend(layer, q)` does attention after the
         step's keys/values were written to the pool. Returns the last hidden states."""
+        if self.fused is not None:
+            return self.fused.layers(token_ids, positions, write_pages, write_slots, kv, attend)
         spec = self.spec
         t = token_ids.shape[0]
         h = self.w["model.embed_tokens.weight"][token_ids].to(self.dtype)
@@ -128,7 +136,7 @@ class LlamaModel:
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self._rmsnorm(h, "model.norm.weight")
+        h = self.fused.final_norm(h) if self.fused is not None else self._rmsnorm(h, "model.norm.weight")
         head = self.lm_head if self.lm_head.dtype == self.dtype else self.lm_head.to(self.dtype)
         return F.linear(h, head)
 

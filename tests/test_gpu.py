@@ -85,8 +85,10 @@ def tiny_on_gpu(tiny_model):
     from executor.llama import LlamaModel
     from ipc.model_spec import ModelSpec
 
+    from tools.bench_engine_setup import load_weights
+
     spec = ModelSpec.from_dir(tiny_model)
-    w = {k: v.cuda() for k, v in load_file(str(tiny_model / "model.safetensors")).items()}
+    w = load_weights(tiny_model, "cuda")          # region layout: q|k|v and gate|up adjacent
     return spec, LlamaModel(spec, w, torch.float32, torch.device("cuda"), 512), \
         LlamaModel(spec, load_file(str(tiny_model / "model.safetensors")), torch.float64,
                    torch.device("cpu"), 512)
@@ -170,3 +172,63 @@ def test_recovery_on_the_gpu_is_token_exact(tiny_model, tmp_path, tier):
         assert len(recs) == 3 and all(r["requests_lost"] == 0 for r in recs)
         if tier == "zygote":
             assert sc.executors(st, "active")[0]["via"] == "zygote"
+
+
+def test_fused_layers_use_one_gemm_per_projection_group_and_match_the_eager_layers(tiny_on_gpu):
+    from executor.kv_cache import KvCache
+    from ipc.layout import KvGeometry
+
+    spec, gpu_model, _ = tiny_on_gpu
+    assert gpu_model.fused is not None and gpu_model.fused.fused_gemms
+    geom = KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
+    t = 20
+    ids = torch.arange(3, 3 + t, device="cuda")
+    pos = torch.arange(t, device="cuda")
+    pages, slots = (pos // 16 + 1), pos % 16
+    outs, pools = [], []
+    fused = gpu_model.fused
+    try:
+        for use in (True, False):
+            gpu_model.fused = fused if use else None
+            kv = KvCache.private(geom, 4, "cuda")
+
+            def attend(layer, q):
+                k, v = kv.gather(layer, torch.tensor([1, 2], device="cuda"), t, q.dtype)
+                group = spec.num_heads // spec.num_kv_heads
+                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                s = torch.einsum("qhd,khd->hqk", q, k) * spec.head_dim ** -0.5
+                mask = torch.arange(t, device="cuda")[None, :] <= torch.arange(t, device="cuda")[:, None]
+                return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+            outs.append(gpu_model.logits(gpu_model.layers(ids, pos, pages, slots, kv, attend)))
+            pools.append(kv.pool)
+    finally:
+        gpu_model.fused = fused
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pools[0], pools[1], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_step_reads_back_greedy_tokens_and_slot_hashes_equal_to_the_general_path(tiny_on_gpu):
+    from executor.cuda_checksum import TritonChecksum
+    from executor.cuda_runner import CudaRunner
+    from executor.kv_cache import KvCache
+    from executor.sampler import sample
+    from ipc.layout import KvGeometry
+
+    spec, gpu_model, _ = tiny_on_gpu
+    geom = KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
+    kv = KvCache.private(geom, 16, "cuda")
+    runner = CudaRunner(gpu_model, kv, max_batch=8, prefill_chunk=32, max_pages_per_seq=8)
+    runner.prepare()
+    a, b = list(range(3, 40)), list(range(100, 120))
+    runner.run(_plan([(a, 0, 32, [1, 2]), (b, 0, 20, [5, 6])]))
+    runner.run(_plan([(a, 32, 5, [1, 2, 3])]))
+    plan = _plan([(a + [7], 37, 1, [1, 2, 3]), (b + [9], 20, 1, [5, 6])])
+    plan[1].seq.temperature = 0.7                  # one row through the sampler
+    tokens, hashes = runner.run_and_sample(plan, [p.seq for p in plan])
+    want = sample(runner.run(plan), [p.seq for p in plan])
+    assert tokens == want
+    check = TritonChecksum(kv.pool)
+    expect = check.ranges(torch.tensor([3, 6], device="cuda"), torch.tensor([5, 4], device="cuda"),
+                          torch.tensor([6, 5], device="cuda")).tolist()
+    assert hashes == {3: expect[0], 6: expect[1]}

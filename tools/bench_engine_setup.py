@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from executor.engine import Engine
 from executor.kv_cache import TORCH_DTYPES, KvCache
 from executor.llama import LlamaModel
+from ipc.checkpoint import build_manifest
 from ipc.journal import Journal
 from ipc.layout import KvGeometry, TableGeometry
 from ipc.leases import Lease, LeaseTable
@@ -24,10 +25,21 @@ from ipc.tables import Tables
 
 
 def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors laid out as in the sidecar's weights region: one buffer,
+    tensors at their manifest offsets (config order), so fused projections are views."""
+    manifest = build_manifest(model_dir, ModelSpec.from_dir(model_dir))
+    region = torch.empty(manifest.region_bytes, dtype=torch.uint8, device=device)
     weights = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         weights.update(load_file(str(f), device=device))
-    return weights
+    packed = {}
+    for e in manifest.entries:
+        t = weights.pop(e.name)
+        view = region[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        packed[e.name] = view
+        del t
+    return packed
 
 
 def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,
@@ -53,7 +65,8 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
         from executor.cuda_checksum import TritonChecksum
         from executor.cuda_runner import CudaRunner
 
-        runner = CudaRunner(model, kv, max_batch, prefill_chunk, geometry.max_pages_per_seq, use_graph)
+        runner = CudaRunner(model, kv, max_batch, prefill_chunk, geometry.max_pages_per_seq, use_graph,
+                            slot_hashes=commit)
         runner.prepare()
         checksum = TritonChecksum(kv.pool)
     timeline["graphs_captured"] = time.monotonic()

@@ -5,6 +5,9 @@
 #   bash tools/h200_run.sh verify  the GPU tests (CUDA engine, zygote, NVML health) on the final code
 #   bash tools/h200_run.sh tiers   GPU tests, then Llama-3-8B recovery through the zygote and cold tiers
 #   bash tools/h200_run.sh recovery  Llama-3-8B recovery, TIERS (default standby,cold)
+#   bash tools/h200_run.sh mirror  Llama-3-8B in foreign-pool mode: the KV mirror's decode cost (batch 1, 8, 64),
+#                                  then recovery through the mirror (KILLS, default 10)
+#   bash tools/h200_run.sh decode  GPU tests, then Llama-3-8B decode cost (fused vs eager layers) and profile
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVHOLD_CACHE=/tmp/kvcache
@@ -43,6 +46,12 @@ tiers)
       --tiers zygote,cold --cold-kills ${COLD_KILLS:-2} --out "$OUT/recovery_cuda_zygote.json" 2>&1 | tail -30
   for f in "$OUT"/recovery_cuda_zygote.*.log; do tail -80 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
+decode)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -30
+  timeout 200 python3 -m tools.profile_decode --model /tmp/l8b --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -60
+  ;;
 recovery)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
@@ -50,5 +59,14 @@ recovery)
       --tiers ${TIERS:-standby,cold} --cold-kills ${COLD_KILLS:-3} --wait-kills ${WAIT_KILLS:-0} \
       --zygote-kills ${ZYGOTE_KILLS:-0} --out "$OUT/recovery_cuda.json" 2>&1 | tail -40
   for f in "$OUT"/recovery_cuda.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
+  ;;
+mirror)
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout ${MIRROR_TIMEOUT:-200} python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 1,8,64 \
+      --out "$OUT/mirror_cuda.json" 2>&1 | tail -8
+  timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --kv-mode foreign \
+      --requests 64 --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB \
+      --kills ${KILLS:-10} --tiers standby --out "$OUT/recovery_cuda_foreign.json" 2>&1 | tail -20
+  for f in "$OUT"/recovery_cuda_foreign.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
 esac

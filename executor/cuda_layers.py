@@ -1,0 +1,110 @@
+"""The decoder layers on CUDA with fused projections and fused elementwise kernels.
+
+Same model as executor.llama (which keeps the float64 reference on CPU), shaped for
+a GPU step that is bound by reading weights:
+
+* q|k|v and gate|up each run as ONE GEMM over a view that spans the adjacent
+  weight tensors: the sidecar's weights region stores a layer's tensors in config
+  order (ipc.checkpoint), so q_proj, k_proj, v_proj (and gate_proj, up_proj) lie
+  back to back and their concatenation is a view, not a copy. Where they are not
+  adjacent (weights loaded tensor by tensor), each projection runs on its own and
+  the outputs are concatenated (activations only; weights are never copied).
+* o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
+* RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
+  each (executor.cuda_kernels).
+
+Nine launches per layer instead of about forty. Enabled on every CUDA device unless
+KVHOLD_FUSED=0 (which tools/bench_decode uses to measure the unfused baseline).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from executor.cuda_kernels import rmsnorm, rope_and_store, silu_mul
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("KVHOLD_FUSED", "1") != "0"
+
+
+def adjacent_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor spanning `tensors` (same dtype, same trailing shape, contiguous, stored
+    back to back in one storage), as a view; None if they are not laid out that way."""
+    first = tensors[0]
+    tail = first.shape[1:]
+    if any(t.dtype != first.dtype or t.shape[1:] != tail or not t.is_contiguous() for t in tensors):
+        return None
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    storage = first.untyped_storage()
+    if end > storage.data_ptr() + storage.nbytes():
+        return None
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *tail), first.stride())
+
+
+class _Projection:
+    """x @ [w_1; w_2; ...].T (+ bias): one GEMM over an adjacent view, else one per part."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None):
+        self.fused = adjacent_view(weights)
+        self.parts = weights
+        self.bias = None if biases is None else (adjacent_view(biases) if adjacent_view(biases) is not None
+                                                 else torch.cat(biases))   # biases are tiny
+        self.bias_parts = biases
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return F.linear(x, self.fused, self.bias)
+        biases = self.bias_parts or [None] * len(self.parts)
+        return torch.cat([F.linear(x, w, b) for w, b in zip(self.parts, biases)], dim=-1)
+
+
+class FusedLayers:
+    def __init__(self, model):
+        spec = model.spec
+        self.spec = spec
+        self.model = model
+        self.eps = spec.rms_norm_eps
+        self.layers_w = []
+        for layer in range(spec.num_layers):
+            p = f"model.layers.{layer}."
+            w = model._weight
+            bias = [w(p + f"self_attn.{x}_proj.bias") for x in "qkv"] if spec.attention_bias else None
+            self.layers_w.append((
+                w(p + "input_layernorm.weight"),
+                _Projection([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"], bias),
+                w(p + "self_attn.o_proj.weight"),
+                w(p + "post_attention_layernorm.weight"),
+                _Projection([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], None),
+                w(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = w("model.norm.weight")
+
+    @property
+    def fused_gemms(self) -> bool:
+        return all(qkv.fused is not None and gu.fused is not None for _, qkv, _, _, gu, _ in self.layers_w)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(h, self.norm, self.eps)
+
+    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend) -> torch.Tensor:
+        spec, model = self.spec, self.model
+        t = token_ids.shape[0]
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = model.w["model.embed_tokens.weight"][token_ids].to(model.dtype)
+        for layer, (ln1, qkv_proj, o_w, ln2, gate_up, down_w) in enumerate(self.layers_w):
+            qkv = qkv_proj(rmsnorm(h, ln1, self.eps))
+            rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
+                           heads, kv_heads, dim)
+            q = qkv[:, :heads * dim].view(t, heads, dim)
+            attn = attend(layer, q)
+            h.addmm_(attn.reshape(t, -1), o_w.t())
+            h.addmm_(silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w.t())
+        return h
