@@ -89,15 +89,24 @@ class ForeignEngine(Engine):
 
     # ------------------------------------------------------------------ commit stage 1
     def _publish_pages(self, plan) -> None:
-        """Mirror every block this step wrote, then list the new kvhold pages in the journal."""
+        """Mirror every block this step wrote, then list the new kvhold pages in the journal.
+
+        A CUDA decode step hashes the one slot it wrote in each private block (Engine.step keeps
+        them in `_slot_hashes`, by block); the mirror reuses those for the copied rows."""
         pt, work = self.page_tokens, []
+        slot_hashes, self._slot_hashes = getattr(self, "_slot_hashes", None) or {}, {}
+        row_hashes = {}
         for p in plan:
             s = p.seq
             for i in range(s.num_computed // pt, (s.num_computed + p.n - 1) // pt + 1):
                 work.append(Committed(s.request_id, i, s.pages[i], min(pt, s.num_computed + p.n - i * pt)))
-        self.mirrored_blocks += self.mirror.mirror_committed(work)
-        for p in plan:
-            self._list_pages(p.seq)
+            if p.n == 1 and (block := s.pages[s.num_computed // pt]) in slot_hashes:
+                row_hashes[block, s.num_computed % pt] = slot_hashes[block]
+        fresh = {c.request_id for c in work if self.mirror.page_of(c.request_id, c.index) is None}
+        self.mirrored_blocks += self.mirror.mirror_committed(work, row_hashes)
+        for p in plan:                  # a journal list grows only when the mirror assigns a page
+            if p.seq.request_id in fresh:
+                self._list_pages(p.seq)
 
     def _list_pages(self, seq: Sequence) -> None:
         """Journal page list := the kvhold pages of the request's mirrored prefix."""
@@ -132,6 +141,10 @@ class ForeignEngineWorkload(EngineWorkload):
     written only by the mirror, and only by the active executor (a standby builds the
     mirror but writes nothing until `promote` restores)."""
 
+    def prepare(self) -> None:
+        super().prepare()
+        self.engine.mirror.warm_up()            # reads kvhold's pool, writes a scratch tensor only
+
     def _kv_cache(self, geometry, device) -> KvCache:
         self.shared_kv = KvCache.from_mapping(self.ctx.mappings["kv"], geometry.kv, geometry.num_pages)
         return KvCache.private(geometry.kv, geometry.num_pages, device)
@@ -142,6 +155,17 @@ class ForeignEngineWorkload(EngineWorkload):
                  kv.num_pages, self.shared_kv.num_pages)
         return ForeignEngine(model, kv, self.ctx.tables, self.ctx.lease, max_batch, max_tokens, mirror,
                              runner=runner, checksum=checksum, prefill_chunk=chunk)
+
+
+def foreign_engine_like(engine: Engine, shared_kv: KvCache) -> ForeignEngine:
+    """`engine`'s model, runner, private pool and tables, run in foreign mode with a mirror into
+    `shared_kv` (tools/bench_mirror: both modes measured on one loaded model). `engine` must
+    have no requests, and is not stepped again."""
+    sched = engine.scheduler
+    mirror = KvMirror(engine.tables, shared_kv.pool, engine_blocks(engine.kv), engine.lease)
+    return ForeignEngine(engine.model, engine.kv, engine.tables, engine.lease, sched.max_batch,
+                         sched.max_batch_tokens, mirror, runner=engine.runner, checksum=engine.checksum,
+                         prefill_chunk=sched.prefill_chunk)
 
 
 def _live_sequences(engine: ForeignEngine) -> tuple[list[Sequence], int]:

@@ -7,6 +7,7 @@ import signal
 import numpy as np
 import posix_ipc
 import pytest
+import torch
 
 from ipc.client import wait_all
 from ipc.memory import Mapping, RegionInfo
@@ -133,3 +134,90 @@ def test_native_mode_is_untouched(tiny_model):
     assert native["kv_mode"] == "native"
     with pytest.raises(ValueError, match="--kv-mode"):
         SidecarConfig(model=tiny_model, kv_mode="borrowed")
+
+
+ON_GPU = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", ["cpu", *ON_GPU])
+def test_mirror_of_a_bf16_engine_pool_on_its_device(device):
+    """The mirror as foreign mode runs it on CUDA: bf16 pools on the device, the device's checksum,
+    a prefill (hashed on kvhold's copy) then decode steps whose row hashes come from the engine's
+    own pool (as the CUDA runner computes them); published checksums equal the CPU definition,
+    and a restore gives back the engine's bytes."""
+    from executor.foreign_pool import engine_blocks
+    from executor.kv_cache import KvCache
+    from ipc.checksum import TorchChecksum, page_checksum_np, to_u64
+    from ipc.layout import KvGeometry, TableGeometry
+    from ipc.leases import Lease, LeaseTable
+    from trtllm_bridge.kv_mirror import Committed, KvMirror, device_checksum
+
+    geom = TableGeometry(kv=KvGeometry(4, 2, 64, "bfloat16", 16), num_pages=32, num_slots=4, max_seq_len=256,
+                         num_leases=2)
+    tables = Tables.create(f"/kvhold-test-fmirror-{os.getpid()}", geom, 1)
+    try:
+        lease = Lease(tables, 0, LeaseTable(tables).grant(0, os.getpid()))
+        shared = KvCache.private(geom.kv, geom.num_pages, device)
+        private = KvCache.private(geom.kv, 24, device)
+        private.pool.copy_(torch.randn(private.pool.shape, generator=torch.Generator().manual_seed(5)))
+        mirror = KvMirror(tables, shared.pool, engine_blocks(private), lease)
+        engine_sums = device_checksum(private.pool)
+        assert type(mirror.checksum).__name__ == ("TritonChecksum" if device == "cuda" else "TorchChecksum")
+        blocks = [7, 3, 11]                                        # the engine's blocks for request 9
+        mirror.mirror_committed([Committed(9, 0, 7, 16), Committed(9, 1, 3, 4)])       # a 20-token prefill
+        for pos in range(20, 40):                                  # decode
+            block, row = blocks[pos // 16], pos % 16
+            h = int(to_u64(engine_sums.slots(torch.tensor([block], device=device),
+                                             torch.tensor([row], device=device)))[0])
+            assert mirror.mirror_committed([Committed(9, pos // 16, block, row + 1)], {(block, row): h}) == 1
+        pages = [mirror.page_of(9, i) for i in range(3)]
+        words = shared.pool.cpu().view(torch.int32).reshape(geom.num_pages, 4, 2, 16, -1).numpy().view(np.uint32)
+        for page, count in zip(pages, (16, 16, 8)):
+            assert int(tables.pages["num_tokens"][page]) == count
+            assert int(tables.pages["checksum"][page]) == page_checksum_np(words[page], count)
+        cpu_sums = to_u64(TorchChecksum(shared.pool.cpu()).pages(torch.tensor(pages), torch.tensor([16, 16, 8])))
+        assert (cpu_sums == tables.pages["checksum"][pages]).all()
+        lease = Lease(tables, 1, LeaseTable(tables).grant(1, os.getpid()))
+        fresh = KvCache.private(geom.kv, 24, device)
+        restored = KvMirror(tables, shared.pool, engine_blocks(fresh), lease).restore(
+            {9: [20, 21, 22]}, engine_blocks(fresh))[9]
+        assert (restored.blocks_restored, restored.tokens_restored, restored.first_bad) == (3, 40, None)
+        assert torch.equal(fresh.pool[[20, 21]], private.pool[[7, 3]])
+        assert torch.equal(fresh.pool[22, :, :, :8], private.pool[11, :, :, :8])
+    finally:
+        tables.unlink()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_foreign_mode_on_the_gpu_is_token_exact(tiny_model, tmp_path):
+    """Foreign-pool mode on CUDA through a real sidecar: kills of the active executor, recovery
+    through the mirror, every stream identical to the uninterrupted run."""
+    from tools.sidecar_process import SidecarProcess
+
+    flags = ["--model", str(tiny_model), "--device", "cuda:0", "--backend", "cuda", "--kv-mode", "foreign",
+             "--max-seq-len", "512", "--max-batch", "16", "--max-batch-tokens", "256", "--prefill-chunk", "64",
+             "--log-level", "INFO", "--restart-backoff-ms", "0,0"]
+    requests = [dict(prompt_ids=list(range(2, 2 + 20 * (i + 1))), max_tokens=48, temperature=0.8 if i % 2 else 0.0,
+                     seed=i, ignore_eos=True) for i in range(6)]
+    with SidecarProcess(flags, log_path=tmp_path / "sidecar.log") as sc:
+        sc.wait_steady(timeout=600)
+        with sc.new_client(timeout=120) as client:
+            reference = ids(wait_all(submit_requests(client, requests)))
+            for threshold in (30, 110):
+                sc.wait_steady(timeout=600)
+                seen = [0]
+
+                def on_event(stream, event):
+                    seen[0] += 1
+                    if seen[0] == threshold:
+                        os.kill(sc.wait_steady(standbys=0)["pid"], signal.SIGKILL)
+
+                assert ids(wait_all(submit_requests(client, requests), on_event)) == reference, threshold
+        sc.wait_steady(timeout=600)
+        recs = sc.status()["recoveries"]
+    assert len(recs) == 2
+    for rec in recs:
+        assert rec["kv_mode"] == "foreign" and rec["requests_lost"] + rec["requests_damaged"] == 0
+        assert rec["tokens_recomputed"] == 0 and rec["tokens_kept"] > 0 and rec["pages_bad"] == 0

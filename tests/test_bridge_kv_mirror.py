@@ -17,6 +17,7 @@ from ipc.layout import KvGeometry, TableGeometry
 from ipc.leases import Fenced, Lease
 from ipc.memory import HostRegion
 from ipc.tables import Tables
+from trtllm_bridge.block_layout import BlockLayout
 from trtllm_bridge.kv_mirror import Committed, KvMirror, PerLayerBlocks, PooledBlocks
 
 KV = KvGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_tokens=4)
@@ -259,3 +260,71 @@ def test_layout_must_match_geometry(pool):
     mirror = KvMirror(pool.tables, pool.kv, per_layer(), pool.lease(0))
     with pytest.raises(ValueError, match="bad committed block"):
         mirror.mirror_committed([Committed(0, 0, 1, 1)])                     # request id 0
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize("kind", ["per_layer", "pooled"])
+def test_read_rows_picks_the_rows_of_read(kind, head_major):
+    """What the mirror copies each step: single token rows, in the canonical [N, L, 2, H, D]."""
+    gen = torch.Generator().manual_seed(1)
+    inner = (KV.num_kv_heads, KV.page_tokens, KV.head_dim) if head_major else \
+        (KV.page_tokens, KV.num_kv_heads, KV.head_dim)
+    if kind == "per_layer":
+        layout = PerLayerBlocks([torch.randn(9, 2, *inner, generator=gen) for _ in range(KV.num_layers)],
+                                KV.num_kv_heads, KV.head_dim, KV.page_tokens, head_major=head_major)
+    else:
+        layout = PooledBlocks(torch.randn(9, KV.num_layers, 2, KV.page_tokens * KV.num_kv_heads * KV.head_dim,
+                                          generator=gen), KV.num_kv_heads, KV.head_dim, KV.page_tokens,
+                              head_major=head_major)
+    blocks, rows = torch.tensor([4, 0, 8, 4]), torch.tensor([3, 1, 0, 2])
+    whole = layout.read(blocks)
+    want = torch.stack([whole[i, :, :, int(r)] for i, r in enumerate(rows)])
+    assert torch.equal(layout.read_rows(blocks, rows), want)
+    assert torch.equal(BlockLayout.read_rows(layout, blocks, rows), want)     # the generic fallback
+
+
+def test_engine_row_hashes_give_the_same_checksums(pool):
+    """Hashes the engine computed over its own blocks (a CUDA decode step) stand in for hashing
+    kvhold's copy: the published checksums are the same, and restore accepts them."""
+    from ipc.checksum import TorchChecksum, to_u64
+
+    size = KV.page_tokens * KV.num_kv_heads * KV.head_dim
+    layout = PooledBlocks(torch.zeros(ENGINE_BLOCKS, KV.num_layers, 2, size), KV.num_kv_heads,
+                          KV.head_dim, KV.page_tokens)
+    engine_sums = TorchChecksum(layout.view)                  # NHD blocks: kvhold's page layout
+    a = FakeEngine(layout)
+    hashed = KvMirror(pool.tables, pool.kv, a.layout, pool.lease(0))
+    hashed.checksum = None                                    # every new row's hash is given
+    for _ in range(7):
+        work = a.step([51, 52])
+        blocks = torch.tensor([c.block for c in work])
+        slots = torch.tensor([c.num_tokens - 1 for c in work])
+        sums = to_u64(engine_sums.slots(blocks, slots)).tolist()
+        hashed.mirror_committed(work, {(c.block, c.num_tokens - 1): s for c, s in zip(work, sums)})
+    pages = [hashed.page_of(51, 0), hashed.page_of(51, 1), hashed.page_of(52, 1)]
+    published = pool.tables.pages["checksum"][pages].copy()
+    recount = to_u64(TorchChecksum(pool.kv).pages(torch.tensor(pages), torch.tensor([4, 3, 3])))
+    assert (published == recount).all()
+    target = per_layer()
+    blocks = fresh_blocks({51: 2, 52: 2})
+    result = KvMirror(pool.tables, pool.kv, target, pool.lease(1)).restore(blocks, target)
+    assert result[51].tokens_restored == 7 and result[52].first_bad is None
+    assert torch.equal(restored_tokens(target, blocks[52], 7), expected(52, 7))
+
+
+def test_restore_in_small_chunks_is_exact(pool, monkeypatch):
+    """A takeover of many blocks copies them back a chunk at a time (bounded temporaries)."""
+    import trtllm_bridge.kv_mirror as kv_mirror
+
+    monkeypatch.setattr(kv_mirror, "LOAD_CHUNK_BYTES", 2 * pool.kv[0].numel() * pool.kv.element_size())
+    engine = FakeEngine(pooled())
+    mirror = KvMirror(pool.tables, pool.kv, engine.layout, pool.lease(0))
+    lengths = {61: 19, 62: 9, 63: 1}
+    for step in range(max(lengths.values())):
+        mirror.mirror_committed(engine.step([r for r, n in lengths.items() if step < n]))
+    target = per_layer()
+    blocks = fresh_blocks({61: 5, 62: 3, 63: 1})
+    result = KvMirror(pool.tables, pool.kv, target, pool.lease(1)).restore(blocks, target)
+    for rid, n in lengths.items():
+        assert result[rid].tokens_restored == n
+        assert torch.equal(restored_tokens(target, blocks[rid], n), expected(rid, n))

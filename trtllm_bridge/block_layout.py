@@ -36,6 +36,13 @@ class BlockLayout:
         """A copy of `blocks` (1-D long tensor), canonical shape [B, L, 2, T, H, D]."""
         raise NotImplementedError
 
+    def read_rows(self, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of token row `rows[i]` of block `blocks[i]` (1-D long tensors), [N, L, 2, H, D].
+
+        What the mirror copies each step: only the newly committed rows, not whole blocks."""
+        data = self.read(blocks)
+        return data[torch.arange(len(blocks), device=data.device), :, :, rows]
+
     def write(self, blocks: torch.Tensor, data: torch.Tensor) -> None:
         """Store canonical `data` [B, L, 2, T, H, D] into `blocks`."""
         raise NotImplementedError
@@ -59,6 +66,11 @@ class PerLayerBlocks(BlockLayout):
     def read(self, blocks):
         return self._canonical(torch.stack([c[blocks] for c in self.caches], dim=1))
 
+    def read_rows(self, blocks, rows):
+        if self.head_major:                                    # [n, 2, H, T, D]
+            return torch.stack([c[blocks, :, :, rows] for c in self.caches], dim=1)
+        return torch.stack([c[blocks, :, rows] for c in self.caches], dim=1)
+
     def write(self, blocks, data):
         for layer, c in enumerate(self.caches):
             c[blocks] = self._canonical(data[:, layer]).to(c.dtype)
@@ -80,6 +92,11 @@ class PooledBlocks(BlockLayout):
 
     def read(self, blocks):
         return self._canonical(self.view[blocks])
+
+    def read_rows(self, blocks, rows):
+        if self.head_major:                                    # [n, L, 2, H, T, D]
+            return self.view[blocks, :, :, :, rows]
+        return self.view[blocks, :, :, rows]
 
     def write(self, blocks, data):
         self.view[blocks] = self._canonical(data).to(self.view.dtype)

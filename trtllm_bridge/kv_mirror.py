@@ -4,8 +4,10 @@ An engine such as TensorRT-LLM allocates its own KV pool, so a crash loses it. T
 mirror copies every newly committed block of that pool into a kvhold page and
 commits the page exactly as the native engine does (ipc.page_table + ipc.checksum):
 the page is assigned to (request id, logical block index) under the writer's epoch,
-the bytes are copied, then (token count, checksum) is published under the seqlock,
-the checksum growing by the hash of the new token rows only. The page table is
+the new token rows are copied, then (token count, checksum) is published under the
+seqlock, the checksum growing by the hash of those rows only. Copy and checksum run on
+the pool's device (the fused Triton checksum on CUDA, as in the native engine); only
+the checksums come back to the host. The page table is
 therefore the durable record of which page holds which (request, block): it
 outlives the engine process, and a replacement rebuilds everything from it.
 
@@ -45,9 +47,21 @@ from ipc.validation import trusted
 from trtllm_bridge.block_layout import BlockLayout, PerLayerBlocks, PooledBlocks  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
+_M64 = (1 << 64) - 1
+LOAD_CHUNK_BYTES = 256 << 20          # bounds the temporaries of `load`
 
 
 # ------------------------------------------------------------------------- mirror
+def device_checksum(pool: torch.Tensor):
+    """The checksum over `pool` computed on its device: the fused Triton pass on CUDA (what the
+    native engine uses), torch elsewhere. Both give the same bits (ipc.checksum)."""
+    if pool.device.type == "cuda":
+        from executor.cuda_checksum import TritonChecksum
+
+        return TritonChecksum(pool)
+    return TorchChecksum(pool)
+
+
 @dataclass(frozen=True, slots=True)
 class Committed:
     """Engine block `block` holds the first `num_tokens` committed tokens of logical block
@@ -85,10 +99,11 @@ class KvMirror:
     """Mirrors committed engine blocks into kvhold pages; restores them after a takeover.
 
     `kv_pool` is kvhold's KV region as [pages, L, 2, T, H, D] (executor.kv_cache.KvCache.pool);
-    `lease` is the writer's lease (`epoch`, and `check()` raising once fenced).
+    `lease` is the writer's lease (`epoch`, and `check()` raising once fenced); `checksum`
+    defaults to `device_checksum(kv_pool)`.
     """
 
-    def __init__(self, tables: Tables, kv_pool: torch.Tensor, layout: BlockLayout, lease):
+    def __init__(self, tables: Tables, kv_pool: torch.Tensor, layout: BlockLayout, lease, checksum=None):
         kv = tables.geometry.kv
         got = (layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim, layout.dtype)
         want = (kv.num_layers, kv.page_tokens, kv.num_kv_heads, kv.head_dim, TORCH_DTYPES[kv.dtype])
@@ -98,7 +113,8 @@ class KvMirror:
         self.tables, self.pool, self.layout, self.lease = tables, kv_pool, layout, lease
         self.page_table = PageTable(tables)
         self.page_tokens = kv.page_tokens
-        self.checksum = TorchChecksum(kv_pool)
+        self.checksum = checksum or device_checksum(kv_pool)
+        self.pool_rows = kv_pool.view(-1, kv.num_kv_heads * kv.head_dim)     # [(page, l, k/v, token), H*D]
         self.held: dict[tuple[int, int], _Held] = {}
         self.quarantined: dict[int, int] = {}      # page -> epoch of a writer not yet reaped
         self.last_restore = {"pages_checked": 0, "pages_bad": 0, "pages_quarantined": 0}
@@ -111,45 +127,92 @@ class KvMirror:
         return None if held is None else held.page
 
     # ------------------------------------------------------------------ writer
-    def mirror_committed(self, committed: Iterable[Committed]) -> int:
+    def mirror_committed(self, committed: Iterable[Committed],
+                         row_hashes: Mapping[tuple[int, int], int] | None = None) -> int:
         """Copy the newly committed tokens of each block into its page and publish them.
 
-        Whole blocks move in one gather and one scatter (rows committed earlier are rewritten
-        with the same bytes); the checksum grows by the hash of the new rows only. Blocks with
-        nothing new are skipped. Returns the number of pages published."""
+        Only the new token rows move, in one gather from the engine's blocks and one scatter
+        into kvhold's pages, both on the device; the checksum grows by the hash of those rows.
+        `row_hashes` {(engine block, row): hash}: hashes of single new rows that the engine
+        already computed over its own block (the same bytes at the same in-page index hash
+        the same, ipc.checksum), e.g. inside a CUDA decode step; the rest are hashed here, on
+        kvhold's copy. Blocks with nothing new are skipped. Returns the number of pages published."""
         work = self._new_work(committed)
         if not work:
             return 0
         self.lease.check()                  # a fenced writer must not even copy bytes
         self._assign([c for c in work if (c.request_id, c.index) not in self.held])
         held = [self.held[c.request_id, c.index] for c in work]
-        dev = self.pool.device
-        pages = torch.tensor([h.page for h in held], dtype=torch.long, device=dev)
-        blocks = torch.tensor([c.block for c in work], dtype=torch.long, device=self.layout.device)
-        self.pool[pages] = self.layout.read(blocks).to(dev)
-        starts = torch.tensor([h.num_tokens for h in held], dtype=torch.long, device=dev)
-        ends = torch.tensor([c.num_tokens for c in work], dtype=torch.long, device=dev)
-        added = to_u64(self.checksum.ranges(pages, starts, ends))   # reads back: copy is done
+        self._copy_rows(held, work)
+        added = self._added_hashes(held, work, row_hashes or {})   # returns once the copy is done
         with np.errstate(over="ignore"):
             sums = np.array([h.checksum for h in held], dtype=np.uint64) + added
+        pages = np.array([h.page for h in held], dtype=np.int64)
         counts = np.array([c.num_tokens for c in work], dtype=np.uint32)
         self.lease.check()
-        self.page_table.publish(pages.cpu().numpy(), counts, sums, self.lease.epoch)
+        self.page_table.publish(pages, counts, sums, self.lease.epoch)
         for h, c, s in zip(held, work, sums.tolist()):
             h.num_tokens, h.checksum = c.num_tokens, int(s)
         return len(work)
 
+    def _copy_rows(self, held: list[_Held], work: list[Committed]) -> None:
+        """Rows [held num_tokens, committed num_tokens) of each block -> the same rows of its page:
+        one transfer of indices, one gather from the engine's blocks, one index_copy_ into
+        kvhold's pool seen as rows [(page, layer, k/v, token), H*D]."""
+        pages, blocks, rows = [], [], []
+        for h, c in zip(held, work):
+            n = c.num_tokens - h.num_tokens
+            pages += [h.page] * n
+            blocks += [c.block] * n
+            rows += range(h.num_tokens, c.num_tokens)
+        n, lkv = len(rows), self.pool.shape[1] * 2
+        dst = (np.array(pages)[:, None] * lkv + np.arange(lkv)) * self.page_tokens + np.array(rows)[:, None]
+        idx = torch.from_numpy(np.concatenate([blocks, rows, dst.ravel()])).to(self.layout.device)
+        data = self.layout.read_rows(idx[:n], idx[n:2 * n])         # [N, L, 2, H, D]
+        dev = self.pool.device
+        self.pool_rows.index_copy_(0, idx[2 * n:].to(dev), data.reshape(-1, self.pool_rows.shape[1]).to(dev))
+
+    def _added_hashes(self, held: list[_Held], work: list[Committed], row_hashes) -> np.ndarray:
+        """Hash of each item's new rows (uint64), once the copy has reached kvhold's pool."""
+        added = np.zeros(len(work), dtype=np.uint64)
+        rest = []
+        for i, (h, c) in enumerate(zip(held, work)):
+            known = row_hashes.get((c.block, h.num_tokens)) if c.num_tokens == h.num_tokens + 1 else None
+            if known is None:
+                rest.append(i)
+            else:
+                added[i] = int(known) & _M64
+        if rest:                            # reading the checksums back waits for the copy too
+            ranges = torch.tensor([[held[i].page for i in rest], [held[i].num_tokens for i in rest],
+                                   [work[i].num_tokens for i in rest]], dtype=torch.long, device=self.pool.device)
+            added[rest] = to_u64(self.checksum.ranges(ranges[0], ranges[1], ranges[2]))
+        elif self.pool.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.device).synchronize()
+        return added
+
+    def warm_up(self) -> None:
+        """Load the checksum and row-gather kernels without writing any page (a standby)."""
+        dev = self.pool.device
+        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        self.checksum.pages(zero, zero)
+        self.checksum.ranges(zero, zero, zero + 1)
+        rows = torch.zeros(1, dtype=torch.long, device=self.layout.device)
+        data = self.layout.read_rows(rows, rows).reshape(-1, self.pool_rows.shape[1]).to(dev)
+        scratch = torch.empty_like(self.pool_rows[:len(data)])
+        scratch.index_copy_(0, torch.arange(len(data), device=dev), data)
+
     def _new_work(self, committed: Iterable[Committed]) -> list[Committed]:
         latest: dict[tuple[int, int], Committed] = {}
+        page_tokens, num_blocks, held = self.page_tokens, self.layout.num_blocks, self.held
         for c in committed:
-            if c.request_id <= 0 or c.index < 0 or not 0 < c.num_tokens <= self.page_tokens:
+            if c.request_id <= 0 or c.index < 0 or not 0 < c.num_tokens <= page_tokens:
                 raise ValueError(f"bad committed block {c}")
-            if not 0 <= c.block < self.layout.num_blocks:
-                raise ValueError(f"{c}: engine block out of range 0..{self.layout.num_blocks - 1}")
+            if not 0 <= c.block < num_blocks:
+                raise ValueError(f"{c}: engine block out of range 0..{num_blocks - 1}")
             latest[c.request_id, c.index] = c
         work = []
         for key, c in latest.items():
-            done = self.held[key].num_tokens if key in self.held else 0
+            done = held[key].num_tokens if key in held else 0
             if c.num_tokens < done:
                 raise ValueError(f"{c}: {done} tokens were already committed (commits never shrink)")
             if c.num_tokens > done:
@@ -215,12 +278,15 @@ class KvMirror:
         return plans
 
     def load(self, pages: Sequence[int], blocks: Sequence[int], target: BlockLayout) -> None:
-        """Copy kvhold `pages` into the engine's `blocks` (same order), in one gather + scatter."""
-        if not pages:
+        """Copy kvhold `pages` into the engine's `blocks` (same order): a gather + scatter per
+        `LOAD_CHUNK_BYTES` of pages, so a takeover of many requests needs no pool-sized temporary."""
+        if not len(pages):
             return
         src = torch.tensor(list(pages), dtype=torch.long, device=self.pool.device)
         dst = torch.tensor(list(blocks), dtype=torch.long, device=target.device)
-        target.write(dst, self.pool[src].to(target.device))
+        step = max(1, LOAD_CHUNK_BYTES // (self.pool[0].numel() * self.pool.element_size()))
+        for i in range(0, len(src), step):
+            target.write(dst[i:i + step], self.pool[src[i:i + step]].to(target.device))
 
     def _unhold_live_tails(self, records, pending: set[int]) -> None:
         """A partial tail whose writer may still run is restored but not continued in place."""
