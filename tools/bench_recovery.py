@@ -2,6 +2,7 @@
 
     python -m tools.bench_recovery --device cpu --kills 50
     python -m tools.bench_recovery --device cuda --model DIR --requests 64 --kills 20 --tiers standby,cold
+    python -m tools.bench_recovery --device cuda --model DIR --kv-mode foreign --tiers standby
 
 Runs a real sidecar, measures an uninterrupted reference run of the request set,
 then repeats the set while SIGKILLing the active executor at a random point
@@ -14,7 +15,9 @@ Tiers: `standby` (a warm standby is promoted at once), `standby-wait` (the same,
 but the promotion waits until the dead process has fully exited: `--takeover
 wait-exit`), `zygote` (no standby: an executor forked from the torch-imported
 zygote maps, warms up and takes over), `cold` (no standby, no zygote: a new
-process starts from nothing). Writes JSON (and a PNG if matplotlib is
+process starts from nothing). `--kv-mode foreign` runs the sidecar's executors in
+foreign-pool mode (executor.foreign_pool): each computes in a private KV pool and
+recovery goes through the KV mirror. Writes JSON (and a PNG if matplotlib is
 available) under bench/results/.
 """
 from __future__ import annotations
@@ -94,8 +97,10 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
         **{f"{k[:-3]}_ms": ms(rec[k]) for k in ("cleared_ns", "tails_ns", "step_start_ns",
                                                  "forward_queued_ns", "sampled_ns", "committed_ns",
                                                  "step_received_ns") if k in rec},
+        "kv_mode": rec.get("kv_mode", "native"),
         "pages_checked": rec["pages_checked"], "pages_bad": rec["pages_bad"],
-        "pages_copied": rec["pages_copied"], "tokens_recomputed": rec["tokens_recomputed"],
+        "pages_copied": rec["pages_copied"], "pages_quarantined": rec.get("pages_quarantined", 0),
+        "tokens_recomputed": rec["tokens_recomputed"],
         "tokens_kept": rec["tokens_kept"], "requests_resumable": rec["requests_resumable"],
         "requests_damaged": rec["requests_damaged"], "requests_lost": rec["requests_lost"],
         "requests_failed": sum(1 for r in results if r.finish_reason not in ("length", "stop")),
@@ -113,18 +118,22 @@ def summarize(samples: list[dict]) -> dict:
                                          "max": int(max(s["tokens_recomputed"] for s in samples))}
     out["kills"] = len(samples)
     out["requests_failed"] = int(sum(s["requests_failed"] for s in samples))
+    for key in ("requests_lost", "requests_damaged", "pages_bad"):
+        out[key] = int(sum(s[key] for s in samples))
+    out["kv_modes"] = sorted({s["kv_mode"] for s in samples})      # what the executors reported
     out["all_outputs_identical"] = all(s["outputs_identical"] for s in samples)
     return out
 
 
-def run_tier(args, tier: str, model: Path, requests, kills: int) -> dict:
+def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> dict:
+    """`save(samples)` after each kill keeps what was measured if the run is cut short."""
     if tier not in TIERS:
         raise SystemExit(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
     standbys = 1 if tier.startswith("standby") else 0
     flags = ["--model", str(model), "--device", args.device, "--standbys", str(standbys),
              "--max-seq-len", str(args.max_seq_len), "--max-batch", str(max(64, args.requests)),
              "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "WARNING", "--restart-backoff-ms", "0,0",
-             "--startup-lease-ms", "600000"]
+             "--startup-lease-ms", "600000", "--kv-mode", args.kv_mode]
     if tier == "standby-wait":
         flags += ["--takeover", "wait-exit"]
     if tier == "zygote":
@@ -145,6 +154,8 @@ def run_tier(args, tier: str, model: Path, requests, kills: int) -> dict:
             samples = []
             for i in range(kills):
                 samples.append(one_kill(sc, client, requests, reference, rng, standbys, tier == "zygote"))
+                if save is not None:
+                    save(samples)
                 s = samples[-1]
                 print(f"{tier} kill {i + 1}/{kills}: first token {s['first_token_ms']:8.1f} ms "
                       f"(resumed {s['resumed_ms']:.1f}), recomputed {s['tokens_recomputed']}, "
@@ -195,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--kv-memory", default=None)
+    p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
+                   help="the sidecar's --kv-mode: foreign recovers through the KV mirror")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -210,22 +223,28 @@ def main(argv=None) -> int:
                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "host": platform.node()},
                "model": str(args.model), "requests": args.requests, "max_tokens": args.max_tokens,
-               "prompt_len": [lo, hi], "tiers": {}}
+               "prompt_len": [lo, hi], "kv_mode": args.kv_mode, "tiers": {}}
     for tier in args.tiers.split(","):
         kills = {"cold": args.cold_kills, "zygote": args.zygote_kills,
                  "standby-wait": args.wait_kills}.get(tier) or args.kills
-        results["tiers"][tier] = run_tier(args, tier, args.model, requests, kills)
+
+        def save(samples, tier=tier):
+            results["tiers"][tier] = {"partial": True, "summary": summarize(samples), "samples": samples}
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+        results["tiers"][tier] = run_tier(args, tier, args.model, requests, kills, save)
         args.out.write_text(json.dumps(results, indent=1) + "\n")   # after each tier: keep what we have
     png = args.out.with_suffix(".png")
     plotted = plot(results, png)
     for tier, r in results["tiers"].items():
         s = r["summary"]
-        print(f"[{tier}] {s['kills']} kills, all outputs identical: {s['all_outputs_identical']}, "
-              f"requests failed: {s['requests_failed']}")
+        print(f"[{tier}, kv mode {args.kv_mode}] {s['kills']} kills, all outputs identical: "
+              f"{s['all_outputs_identical']}, requests failed: {s['requests_failed']}")
         for part in PARTS:
             print(f"  kill -> {part:15s} P50 {s[part]['p50_ms']:9.2f} ms   P99 {s[part]['p99_ms']:9.2f} ms")
         print(f"  tokens recomputed per kill: mean {s['tokens_recomputed_per_kill']['mean']:.1f}, "
-              f"max {s['tokens_recomputed_per_kill']['max']}")
+              f"max {s['tokens_recomputed_per_kill']['max']}; requests lost {s['requests_lost']}, "
+              f"damaged {s['requests_damaged']}; executors' kv mode {s['kv_modes']}")
     print(f"wrote {args.out}" + (f" and {png}" if plotted else ""))
     return 0
 

@@ -5,8 +5,8 @@
 #   bash tools/h200_run.sh verify  the GPU tests (CUDA engine, zygote, NVML health) on the final code
 #   bash tools/h200_run.sh tiers   GPU tests, then Llama-3-8B recovery through the zygote and cold tiers
 #   bash tools/h200_run.sh recovery  Llama-3-8B recovery, TIERS (default standby,cold)
-#   bash tools/h200_run.sh mirror  Llama-3-8B in foreign-pool mode: the KV mirror's decode cost (batch 1, 8, 64),
-#                                  then recovery through the mirror (KILLS, default 10)
+#   bash tools/h200_run.sh mirror  foreign-pool mode: the mirror's GPU test, then Llama-3-8B: the KV mirror's
+#                                  decode cost (batch 1, 8, 64), recovery through the mirror (KILLS, default 10)
 #   bash tools/h200_run.sh decode  GPU tests, then Llama-3-8B decode cost (fused vs eager layers) and profile
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -60,7 +60,9 @@ recovery)
       --zygote-kills ${ZYGOTE_KILLS:-0} --out "$OUT/recovery_cuda.json" 2>&1 | tail -40
   for f in "$OUT"/recovery_cuda.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
-mirror)
+mirror)   # MIRROR_TESTS="bf16 or token_exact" also runs the tiny-model sidecar kill test (~1 min more)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bridge_foreign_pool.py -m gpu \
+      -k "${MIRROR_TESTS:-bf16}" 2>&1 | tail -20 | tee "$OUT/pytest_mirror_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout ${MIRROR_TIMEOUT:-200} python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 1,8,64 \
       --out "$OUT/mirror_cuda.json" 2>&1 | tail -8
