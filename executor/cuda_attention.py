@@ -14,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from executor import triton_aot
 
+
+@triton_aot.aot
 @triton.jit
 def _paged_decode_kernel(q_ptr, pool_ptr, table_ptr, ctx_ptr, out_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
@@ -73,3 +76,19 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layer: int, bloc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page_tokens, D=dim,
         PRECISION="ieee" if pool.dtype == torch.float32 else "tf32")
     return out
+
+
+@triton_aot.warm_up
+def _aot_shapes(shapes) -> None:
+    """Decode as executor.cuda_runner runs it, padded to max_batch rows, for every layer (the
+    layer offset's divisibility by 16 is part of the specialization). The runner stages ctx
+    and the block table in one int32 buffer, ctx first, so the table is 16-byte aligned only
+    when max_batch is a multiple of 4: both layouts are prepared (one, when they agree)."""
+    b, width = shapes.max_batch, shapes.max_pages_per_seq
+    q = triton_aot.meta((b, shapes.num_heads, shapes.head_dim), shapes.dtype)
+    pool = triton_aot.meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
+    staged = triton_aot.meta((b + b * width,), torch.int32)
+    for ctx, table in ((triton_aot.meta((b,), torch.int32), triton_aot.meta((b, width), torch.int32)),
+                       (staged[:b], staged[b:].view(b, width))):
+        for layer in range(shapes.num_layers):
+            paged_decode_attention(q, pool, layer, table, ctx, shapes.head_dim ** -0.5)

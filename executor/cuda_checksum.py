@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from executor import triton_aot
 from ipc.checksum import C1, C2, SEED
 
 BLOCK = 1024
 
 
+@triton_aot.aot
 @triton.jit
 def _range_hash_kernel(words_ptr, pages_ptr, starts_ptr, ends_ptr, out_ptr,
                        page_words, row_words, page_tokens, n_lkv, n_blocks,
@@ -76,3 +78,10 @@ class TritonChecksum:
 
     def slots(self, page_ids, slots) -> torch.Tensor:
         return self.ranges(page_ids, slots, slots + 1)
+
+
+@triton_aot.warm_up
+def _aot_shapes(shapes) -> None:
+    pool = triton_aot.meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
+    one = triton_aot.meta((1,), torch.int64)
+    TritonChecksum(pool).ranges(one, one, one)

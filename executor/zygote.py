@@ -5,7 +5,9 @@ An executor started cold spends most of its start-up importing Python and torch
 (seconds on a GPU host). The zygote pays that once, in the background, and then
 forks: a child starts with everything imported and creates its own CUDA context
 after the fork. CUDA does not survive a fork once initialised, so the zygote
-never initialises it (it checks, and refuses to serve if something did).
+never initialises it (it checks, and refuses to serve if something did). Given the
+executors' kernel shapes, it also compiles their Triton kernels for the GPU ahead of
+time (executor.triton_aot), so a child's first launches skip the JIT.
 
 Protocol: the sidecar (our parent) connects to a SOCK_SEQPACKET socket in its
 owner-only runtime directory and sends {"argv": [...], "env": {...}}; the zygote
@@ -33,8 +35,10 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 
 
-def preload(device: str) -> float:
-    """Import what an executor needs before it attaches; returns the time it took (ms)."""
+def preload(device: str, kernel_shapes=None) -> float:
+    """Import what an executor needs before it attaches and, given the shapes its kernels
+    will run at (executor.kernel_shapes), compile its Triton kernels ahead of time
+    (executor.triton_aot); returns the time it took (ms)."""
     t0 = time.monotonic()
     import torch  # noqa: F401
 
@@ -44,7 +48,10 @@ def preload(device: str) -> float:
         import executor.cuda_attention  # noqa: F401
         import executor.cuda_checksum  # noqa: F401
         import executor.cuda_runner  # noqa: F401
-        if torch.cuda.is_initialized():
+        from executor import triton_aot
+        if kernel_shapes is not None:
+            triton_aot.prepare(kernel_shapes)
+        if torch.cuda.is_initialized() or triton_aot.cuda_driver_initialised():
             raise RuntimeError("CUDA was initialised during preload: forked children would crash")
     return (time.monotonic() - t0) * 1e3
 
@@ -134,6 +141,19 @@ class Zygote:
                 log.info("executor pid %d exited with code %d", pid, os.waitstatus_to_exitcode(status))
 
 
+def _kernel_shapes(text: str):
+    """Bad or missing shapes cost the ahead-of-time kernels, never the zygote."""
+    if not text:
+        return None
+    from executor.kernel_shapes import KernelShapes
+    try:
+        return KernelShapes.from_json(text)
+    except Exception as exc:
+        log.warning("ignoring --kernel-shapes (%s: %s): Triton kernels will be JIT-compiled in executors",
+                    type(exc).__name__, exc)
+        return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m executor.zygote",
                                      description="Fork kvhold executors with torch already imported "
@@ -141,12 +161,15 @@ def main(argv=None) -> int:
     parser.add_argument("--socket", required=True, help="SOCK_SEQPACKET path to listen on")
     parser.add_argument("--sidecar-pid", type=int, required=True, help="the only pid served")
     parser.add_argument("--device", default="cpu", help="preload the CUDA kernels' modules for cuda:N")
+    parser.add_argument("--kernel-shapes", default="",
+                        help="JSON: the executors' settings plus page_tokens, num_pages and max_seq_len "
+                             "(see executor.kernel_shapes); their Triton kernels are then compiled here")
     parser.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     from ipc.logs import setup_logging
     setup_logging(args.log_level, role="zygote")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ms = preload(args.device)
+    ms = preload(args.device, _kernel_shapes(args.kernel_shapes))
     gc.freeze()     # children must not copy the preloaded heap on their first collection
     log.info("preloaded torch and the engine in %.0f ms", ms)
     return Zygote(args.socket, args.sidecar_pid).serve()
