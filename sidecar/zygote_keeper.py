@@ -7,6 +7,7 @@ no sooner than `RESTART_DELAY_NS` after the previous start.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -43,6 +44,7 @@ class ZygoteKeeper:
             pass
         cmd = [sys.executable, "-m", "executor.zygote", "--socket", self.socket_path,
                "--sidecar-pid", str(os.getpid()), "--device", self.sidecar.config.device,
+               "--kernel-shapes", self._kernel_shapes(),
                "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
         self.pidfd = os.pidfd_open(self.popen.pid)
@@ -50,6 +52,18 @@ class ZygoteKeeper:
         self.started_ns = now
         self.restarts += 1
         log.info("started zygote pid %d", self.popen.pid)
+
+    def _kernel_shapes(self) -> str:
+        """What executors will run their kernels at (executor.kernel_shapes.from_settings), so
+        the zygote can compile them before forking: their settings plus the table geometry."""
+        try:
+            g = self.sidecar.tables.geometry
+            return json.dumps({**self.sidecar.executor_settings, "page_tokens": g.kv.page_tokens,
+                               "num_pages": g.num_pages, "max_seq_len": g.max_seq_len,
+                               "kv_dtype": g.kv.dtype})
+        except (AttributeError, TypeError, ValueError) as exc:    # an optimisation: never fatal
+            log.warning("zygote gets no kernel shapes (%s): executors JIT-compile Triton kernels", exc)
+            return ""
 
     def _on_exit(self) -> None:
         self.sidecar.unwatch_fd(self.pidfd)
