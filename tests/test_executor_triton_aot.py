@@ -120,3 +120,25 @@ def test_a_forked_child_launches_the_prepared_kernel_through_the_driver_exactly_
     assert any("wrap the kernel" in e for e in out["second_prepare"]["warm_up_errors"])
     assert out["torch_cuda_initialised_at_end"] is False
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_zygote_child_launches_the_aot_kernels_bit_identical_to_the_jit(tmp_path):
+    out_path = tmp_path / "first_kernels.json"
+    proc = subprocess.run([sys.executable, "-m", "tools.probe_first_kernels", "--out", str(out_path)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out_path.read_text())
+    assert result["aot_prepare"]["enabled"], result["aot_prepare"]
+    assert result["cuda_initialised_after_aot_prepare"] is False
+    aot = result["aot"]
+    assert "error" not in aot, aot["error"]
+    for name in ("executor.cuda_attention._paged_decode_kernel", "executor.cuda_checksum._range_hash_kernel"):
+        stats = aot["triton_aot_stats"][name]        # the probe launches these two, twice each
+        assert stats["aot_launches"] >= 2 and stats["jit_fallbacks"] == 0 and stats["broken"] is None, (name, stats)
+    checks = aot["aot_checks"]
+    assert checks["bit_identical_to_jit"] and all(checks["bit_identical_to_jit"].values()), checks
+    assert len(checks["same_cubin_as_jit"]) >= 2
+    for name, same in checks["same_cubin_as_jit"].items():
+        assert isinstance(same, list) and all(same), (name, same)
+    assert checks.get("graph_captured_aot_launches") and checks.get("graph_replay_equal"), checks
