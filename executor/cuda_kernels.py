@@ -26,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from executor import triton_aot
 
+
+@triton_aot.aot
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -35,9 +38,8 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     ms = tl.sum(x * x, axis=0) / n
     y = (x * tl.rsqrt(ms + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,6 +52,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+@triton_aot.aot
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, page_ptr, slot_ptr, pool_ptr,
                        stride_t, stride_cos, stride_page, stride_kv, stride_tok, stride_head, layer_offset,
@@ -99,6 +102,7 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         HEADS=heads, KV_HEADS=kv_heads, D=head_dim, num_warps=1 if head_dim <= 128 else 2)
 
 
+@triton_aot.aot
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -120,3 +124,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
                                                      BLOCK=block, num_warps=4)
     return out
+
+
+@triton_aot.warm_up
+def _aot_shapes(shapes) -> None:
+    """A decode step (max_batch rows; CudaRunner stages positions, pages and slots as rows of
+    one int64 buffer) and a prefill chunk, as executor.cuda_layers runs them."""
+    meta, dt = triton_aot.meta, shapes.torch_dtype
+    heads, kv_heads, dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    pool = meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
+    cos = meta((shapes.max_seq_len, dim), dt)
+    for t in (shapes.max_batch, shapes.prefill_chunk):
+        rmsnorm(meta((t, shapes.hidden_size), dt), meta((shapes.hidden_size,), dt), 1e-5)
+        silu_mul(meta((t, 2 * shapes.intermediate_size), dt))
+        qkv = meta((t, (heads + 2 * kv_heads) * dim), dt)
+        staged = meta((4, t), torch.int64).unbind(0)        # ids, positions, pages, slots
+        for layer in range(shapes.num_layers):
+            rope_and_store(qkv, cos, cos, staged[1], staged[2], staged[3], pool, layer, heads, kv_heads, dim)

@@ -219,8 +219,9 @@ class CudaRunner:
                 raise RuntimeError(f"a prefill chunk of {p.n} exceeds {self.prefill_chunk}")
             out = self._prefill(p)
             logits[id(p)] = out[0]
-            if beat is not None:
-                beat()             # a step of many chunks is progress, not a hang
+            if beat is not None:   # a step of many chunks is progress, not a hang: beat once each
+                torch.cuda.current_stream().synchronize()    # chunk has run, not when it is queued
+                beat()
         self.queued_ns = time.monotonic_ns()
         rows = [logits[id(p)] for p in plan if p.samples]
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)

@@ -34,6 +34,7 @@ from ipc.page_table import PageTable
 from ipc.tables import Tables
 
 log = logging.getLogger(__name__)
+_M64 = (1 << 64) - 1
 
 
 class Engine:
@@ -92,12 +93,12 @@ class Engine:
         self.scheduler.add(seq)
 
     def cancel_requested(self) -> list[int]:
-        cancelled = []
-        states = self.tables.requests["admit_state"]
-        for slot, seq in list(self.seqs.items()):
-            if states[slot] == AdmitState.CANCELLED:
-                self._finish(seq, FinishReason.CANCELLED)
-                cancelled.append(slot)
+        if not self.seqs:
+            return []
+        slots = np.fromiter(self.seqs, dtype=np.int64, count=len(self.seqs))
+        cancelled = slots[self.tables.requests["admit_state"][slots] == AdmitState.CANCELLED].tolist()
+        for slot in cancelled:
+            self._finish(self.seqs[slot], FinishReason.CANCELLED)
         return cancelled
 
     @property
@@ -133,14 +134,8 @@ class Engine:
         if not plan:
             return changed
         sampling = [p.seq for p in plan if p.samples]
-        if hasattr(self.runner, "run_and_sample"):      # CUDA: tokens and slot hashes in one read-back
-            tokens, self._slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat)
-            t1, t2 = self.runner.queued_ns, now_ns()
-        else:
-            logits = self.runner.run(plan, beat=self._beat)
-            t1 = now_ns()
-            tokens = sample(logits, sampling) if sampling else []
-            t2 = now_ns()
+        tokens, self._slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat)
+        t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
         changed += self._commit(plan, sampling, tokens)
         if first:   # where the first step after a takeover spends its time (recovery figures)
@@ -185,6 +180,9 @@ class Engine:
 
     def _publish_pages(self, plan: list[Scheduled]) -> None:
         """Extend each written page's committed range: count, and checksum += hash(new rows)."""
+        hashes, self._slot_hashes = self._slot_hashes, {}
+        if len(hashes) == len(plan) and self._publish_slots(plan, hashes):
+            return
         pt = self.page_tokens
         ends: dict[int, int] = {}
         for p in plan:
@@ -194,7 +192,6 @@ class Engine:
         pages = np.fromiter(ends, dtype=np.int64, count=len(ends))
         counts = np.fromiter(ends.values(), dtype=np.int64, count=len(ends))
         starts = np.array([self.blocks.counts[p] for p in ends], dtype=np.int64)
-        hashes, self._slot_hashes = self._slot_hashes, {}
         known = np.array([counts[i] - starts[i] == 1 and p in hashes for i, p in enumerate(ends)], dtype=bool)
         added = np.zeros(len(ends), dtype=np.uint64)
         if known.any():                 # one new slot, hashed by the runner inside the step
@@ -212,6 +209,28 @@ class Engine:
         for page, count, checksum in zip(pages.tolist(), counts.tolist(), new_checksums.tolist()):
             self.blocks.checksums[page] = checksum
             self.blocks.counts[page] = count
+
+    def _publish_slots(self, plan: list[Scheduled], hashes: dict[int, int]) -> bool:
+        """The decode-step case of _publish_pages: each row wrote the next slot of one page and
+        the runner hashed it. Returns False (nothing published) if a row does not fit that."""
+        pt, counts, sums = self.page_tokens, self.blocks.counts, self.blocks.checksums
+        pages, new_counts, new_sums = [], [], []
+        for p in plan:
+            s = p.seq
+            page = s.pages[s.num_computed // pt] if p.n == 1 else -1
+            h = hashes.get(page)
+            if h is None or counts[page] != s.num_computed % pt:
+                return False
+            pages.append(page)
+            new_counts.append(counts[page] + 1)
+            new_sums.append((sums[page] + h) & _M64)
+        self.lease.check()
+        self.page_table.publish(np.array(pages, dtype=np.int64), np.array(new_counts, dtype=np.uint32),
+                                np.array(new_sums, dtype=np.uint64), self.lease.epoch)
+        for page, count, checksum in zip(pages, new_counts, new_sums):
+            sums[page] = checksum
+            counts[page] = count
+        return True
 
     def _beat(self) -> None:
         self.lease.beat(self.num_steps)

@@ -2,14 +2,19 @@
 
 The reference path (float64 on CPU): all scheduled tokens of all sequences go
 through each layer together; attention is computed per sequence over its pages.
-Returns the logits of the sequences that sample, in plan order.
+Returns the logits of the sequences that sample, in plan order; `run_and_sample`
+also picks the tokens and hashes the slots decode rows wrote, for the commit.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
 from executor.kv_cache import KvCache
 from executor.llama import LlamaModel, SeqSlice, StepInput
+from executor.sampler import sample
+from ipc.checksum import TorchChecksum
 
 
 def positions_of(plan, page_tokens: int):
@@ -30,6 +35,8 @@ class CpuRunner:
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.hasher = TorchChecksum(kv.pool)
+        self.queued_ns = 0
 
     def prepare(self) -> None:
         pass
@@ -48,3 +55,18 @@ class CpuRunner:
                          write_pages=torch.tensor(pages, device=dev), write_slots=torch.tensor(slots, device=dev),
                          seqs=seqs, logits_rows=torch.tensor(rows, device=dev, dtype=torch.long))
         return self.model.forward(step, self.kv)
+
+    def run_and_sample(self, plan, sampling, beat=None) -> tuple[list[int], dict[int, int]]:
+        """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
+        one slot a decode row wrote there}), as executor.cuda_runner does on a GPU."""
+        logits = self.run(plan, beat)
+        self.queued_ns = time.monotonic_ns()
+        tokens = sample(logits, sampling) if sampling else []
+        decode = [p for p in plan if p.n == 1]
+        if not decode:
+            return tokens, {}
+        pt = self.kv.page_tokens
+        pages = [p.seq.pages[p.seq.num_computed // pt] for p in decode]
+        slots = [p.seq.num_computed % pt for p in decode]
+        hashes = self.hasher.slots(torch.tensor(pages), torch.tensor(slots)).tolist()
+        return tokens, dict(zip(pages, hashes))

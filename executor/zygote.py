@@ -47,6 +47,7 @@ def preload(device: str, kernel_shapes=None) -> float:
     if device.startswith("cuda"):
         import executor.cuda_attention  # noqa: F401
         import executor.cuda_checksum  # noqa: F401
+        import executor.cuda_layers  # noqa: F401
         import executor.cuda_runner  # noqa: F401
         from executor import triton_aot
         if kernel_shapes is not None:

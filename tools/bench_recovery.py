@@ -77,6 +77,10 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
 
     results = run_set(client, requests, on_event)
     identical = [r.token_ids == ref for r, ref in zip(results, reference)]
+    mismatches = [{"request": i, "first_difference": next((j for j, (a, b) in enumerate(zip(r.token_ids, ref))
+                                                           if a != b), min(len(r.token_ids), len(ref))),
+                   "got_tokens": len(r.token_ids), "reference_tokens": len(ref), "finish_reason": r.finish_reason}
+                  for i, (r, ref) in enumerate(zip(results, reference)) if r.token_ids != ref]
     t0 = kill["ns"]
 
     def find(st):
@@ -104,7 +108,7 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
         "tokens_kept": rec["tokens_kept"], "requests_resumable": rec["requests_resumable"],
         "requests_damaged": rec["requests_damaged"], "requests_lost": rec["requests_lost"],
         "requests_failed": sum(1 for r in results if r.finish_reason not in ("length", "stop")),
-        "outputs_identical": all(identical), "requests": len(results),
+        "outputs_identical": all(identical), "requests": len(results), "mismatches": mismatches,
     }
 
 
@@ -132,7 +136,7 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
     standbys = 1 if tier.startswith("standby") else 0
     flags = ["--model", str(model), "--device", args.device, "--standbys", str(standbys),
              "--max-seq-len", str(args.max_seq_len), "--max-batch", str(max(64, args.requests)),
-             "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", "WARNING", "--restart-backoff-ms", "0,0",
+             "--max-batch-tokens", str(args.max_batch_tokens), "--log-level", args.log_level, "--restart-backoff-ms", "0,0",
              "--startup-lease-ms", "600000", "--kv-mode", args.kv_mode]
     if tier == "standby-wait":
         flags += ["--takeover", "wait-exit"]
@@ -206,6 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--kv-memory", default=None)
+    p.add_argument("--log-level", default="WARNING", help="the sidecar's and executors' log level (log per tier)")
     p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
                    help="the sidecar's --kv-mode: foreign recovers through the KV mirror")
     p.add_argument("--seed", type=int, default=0)

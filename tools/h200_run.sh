@@ -7,6 +7,7 @@
 #   bash tools/h200_run.sh recovery  Llama-3-8B recovery, TIERS (default standby,cold)
 #   bash tools/h200_run.sh mirror  foreign-pool mode: the mirror's GPU test, then Llama-3-8B: the KV mirror's
 #                                  decode cost (batch 1, 8, 64), recovery through the mirror (KILLS, default 10)
+#   bash tools/h200_run.sh check   GPU tests, first-kernel probe, 8B decode cost and profile, mirror cost
 #   bash tools/h200_run.sh decode  GPU tests, then Llama-3-8B decode cost (fused vs eager layers) and profile
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -51,6 +52,29 @@ decode)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -30
   timeout 200 python3 -m tools.profile_decode --model /tmp/l8b --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -60
+  ;;
+check)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_executor_triton_aot.py \
+      tests/test_bridge_foreign_pool.py tests/test_bridge_kv_mirror.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  timeout 150 python3 -m tools.probe_first_kernels --out "$OUT/first_kernels_cuda.json" 2>&1 | tail -30
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 100 python3 -m tools.bench_decode --model /tmp/l8b --layers fused --out "$OUT/decode_cuda.json" 2>&1 | tail -12
+  timeout 60 python3 -m tools.profile_decode --model /tmp/l8b --layers fused --batches 8,64 \
+      --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -30
+  timeout $((${BUDGET_S:-580} - SECONDS)) python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 \
+      --batches 1,8,64 --out "$OUT/mirror_cuda.json" 2>&1 | tail -8
+  ;;
+final)     # mirror cost, recovery through the mirror, and the native standby tier again with INFO logs
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 150 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 1,8,64 --rounds 2 \
+      --out "$OUT/mirror_cuda.json" 2>&1 | tail -4
+  R="--device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304
+     --max-batch-tokens 8192 --kv-memory 24GiB --tiers standby --log-level INFO"
+  timeout 190 python3 -m tools.bench_recovery $R --kv-mode foreign --kills ${KILLS:-8} \
+      --out "$OUT/recovery_cuda_foreign.json" 2>&1 | tail -12
+  timeout $((${BUDGET_S:-540} - SECONDS)) python3 -m tools.bench_recovery $R --kills ${KILLS:-8} \
+      --out "$OUT/recovery_cuda_standby_check.json" 2>&1 | tail -12
+  gzip -f "$OUT"/*.log 2>/dev/null
   ;;
 recovery)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1

@@ -90,8 +90,8 @@ def triton_ops(dev) -> dict:
     qkv, cos, sin = rand(B, (HEADS + 2 * KV_HEADS) * HEAD_DIM), rand(TABLE_WIDTH * PAGE_TOKENS, HEAD_DIM), \
         rand(TABLE_WIDTH * PAGE_TOKENS, HEAD_DIM)
     staged = torch.stack([torch.randint(0, TABLE_WIDTH * PAGE_TOKENS, (B,), device=dev, generator=g),
-                          torch.randint(1, PAGES, (B,), device=dev, generator=g),
-                          torch.randint(0, PAGE_TOKENS, (B,), device=dev, generator=g)])
+                          torch.arange(B, device=dev) % (PAGES - 1) + 1,      # distinct (page, slot) per
+                          torch.arange(B, device=dev) // (PAGES - 1)])        # row: no racing writes
     rope_pool = torch.zeros_like(pool)
 
     def rope():
