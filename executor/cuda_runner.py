@@ -128,8 +128,9 @@ class CudaRunner:
         return self.use_graph and self.graph is None and not self._capture_failed
 
     def capture(self) -> None:
-        """Capture the decode forward as a graph. Safe between steps of an active executor:
-        the warm-up pass writes only the null page and capture itself runs no kernel."""
+        """Capture the decode forward as a graph, and launch it once. Safe between steps of an
+        active executor: the warm-up pass and that launch see padding rows only (they write
+        only the null page), and capture itself runs no kernel."""
         if not self.capture_pending:
             return
         self._reset_padding()
@@ -142,6 +143,7 @@ class CudaRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.graph_logits, self.graph_out = self._decode_forward()
+            graph.replay()          # the first launch uploads the graph: not in a takeover's first step
             torch.cuda.synchronize()
             self.graph = graph
         except Exception as exc:  # capture is an optimisation: eager decode is correct
