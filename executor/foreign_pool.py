@@ -8,7 +8,9 @@ newly committed rows into kvhold pages, published with version and checksum. Ena
 
 Commit order of a step (DESIGN.md s3, with the mirror in place of stage 1):
   1. mirror: kvhold page records assigned (owner = request id, logical = block index),
-     bytes copied, then (count, checksum) published under the seqlock;
+     bytes copied, then, once the copy has landed, (count, checksum) published under the
+     seqlock (a decode step: KvMirror.queue_decode / publish_decode; the copy may be queued
+     by the runner's `after_forward` hook, before the step's read-back);
   2. the journal's page list names those kvhold pages (prefix, in block order), so the
      tables describe where each request's committed KV lives, as in native mode;
   3. journal tokens, finish, then pages released (journal list shortened first).
@@ -31,7 +33,7 @@ from executor.page_allocator import NULL_PAGE, PageAllocator
 from executor.sequence import Sequence
 from ipc.layout import AdmitState, ExecState, FinishReason, PageFlag
 from ipc.leases import now_ns
-from trtllm_bridge.kv_mirror import Committed, KvMirror, PooledBlocks
+from trtllm_bridge.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks
 
 log = logging.getLogger(__name__)
 KV_MODES = ("native", "foreign")
@@ -86,16 +88,54 @@ class ForeignEngine(Engine):
         self.blocks = PrivateBlocks(private_kv.num_pages, self.journal, self.page_tokens, self._drop)
         self.scheduler.blocks = self.blocks
         self.mirrored_blocks = 0
+        self._queued = None             # (plan, _queue_decode(plan)) queued by after_forward
 
     # ------------------------------------------------------------------ commit stage 1
+    def after_forward(self, plan) -> None:
+        """Runner hook: the step's forward is queued and its results not yet read back. Queue
+        the mirror's copy of a decode step now, behind the forward: the step's read-back then
+        waits for it too, and the commit only publishes (no wait of its own)."""
+        self._queued = (plan, self._queue_decode(plan))
+
+    def _queue_decode(self, plan) -> tuple[DecodeBatch, list[int]] | None:
+        """The decode fast path's copy (KvMirror.queue_decode) and the rows that start a block;
+        None if a row is not a decode row extending its block by one token (nothing was done)."""
+        pt, rids, indices, blocks, rows, started = self.page_tokens, [], [], [], [], []
+        for p in plan:
+            if p.n != 1:
+                return None
+            s = p.seq
+            i, row = divmod(s.num_computed, pt)
+            if not row:
+                started.append(len(rows))
+            rids.append(s.request_id)
+            indices.append(i)
+            blocks.append(s.pages[i])
+            rows.append(row)
+        batch = self.mirror.queue_decode(rids, indices, blocks, rows)
+        return None if batch is None else (batch, started)
+
     def _publish_pages(self, plan) -> None:
         """Mirror every block this step wrote, then list the new kvhold pages in the journal.
 
         A CUDA decode step hashes the one slot it wrote in each private block (Engine.step keeps
-        them in `_slot_hashes`, by block); the mirror reuses those for the copied rows."""
-        pt, work = self.page_tokens, []
-        slot_hashes, self._slot_hashes = getattr(self, "_slot_hashes", None) or {}, {}
-        row_hashes = {}
+        them in `_slot_hashes`, by block); the mirror reuses those for the copied rows. A decode
+        step takes the mirror's fast path (queued by `after_forward` if the runner calls it)."""
+        slot_hashes, self._slot_hashes = self._slot_hashes, {}
+        queued, self._queued = self._queued, None
+        fast = queued[1] if queued is not None and queued[0] is plan else self._queue_decode(plan)
+        if fast is None:
+            self._publish_blocks(plan, slot_hashes)
+            return
+        batch, started = fast
+        hashes = [slot_hashes.get(b) for b in batch.blocks.tolist()]
+        self.mirrored_blocks += self.mirror.publish_decode(batch, None if None in hashes else hashes)
+        for i in started:                   # a journal list grows when a page is assigned
+            self._list_pages(plan[i].seq)
+
+    def _publish_blocks(self, plan, slot_hashes) -> None:
+        """The general path (prefill chunks, mixed steps): one Committed per written block."""
+        pt, work, row_hashes = self.page_tokens, [], {}
         for p in plan:
             s = p.seq
             for i in range(s.num_computed // pt, (s.num_computed + p.n - 1) // pt + 1):

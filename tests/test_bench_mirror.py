@@ -24,3 +24,15 @@ def test_bench_mirror_rows(tiny_model, tmp_path):
         assert foreign["pages_published_per_step"] == batch          # one new row per request
         check = foreign["mirror_check"]
         assert check["pages"] >= batch and check["bytes_match"] and check["checksums_match"]
+
+
+def test_bench_mirror_host(tmp_path):
+    """--host: the mirror's host cost per decode step on each path, no model needed."""
+    out = tmp_path / "host.json"
+    argv = ["--host", "--batches", "1,4", "--steps", "40", "--out", str(out)]
+    assert bench_mirror.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["command"] == "python -m tools.bench_mirror " + " ".join(argv)
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    for r in result["rows"]:
+        assert 0 < r["publish_us"] and 0 < r["fast_us"] and 0 < r["general_us"]

@@ -144,8 +144,9 @@ ON_GPU = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not to
 def test_mirror_of_a_bf16_engine_pool_on_its_device(device):
     """The mirror as foreign mode runs it on CUDA: bf16 pools on the device, the device's checksum,
     a prefill (hashed on kvhold's copy) then decode steps whose row hashes come from the engine's
-    own pool (as the CUDA runner computes them); published checksums equal the CPU definition,
-    and a restore gives back the engine's bytes."""
+    own pool (as the CUDA runner computes them), first through mirror_committed, then through
+    the decode fast path (pinned staging, copy event); published checksums equal the CPU
+    definition, and a restore gives back the engine's bytes."""
     from executor.foreign_pool import engine_blocks
     from executor.kv_cache import KvCache
     from ipc.checksum import TorchChecksum, page_checksum_np, to_u64
@@ -164,27 +165,31 @@ def test_mirror_of_a_bf16_engine_pool_on_its_device(device):
         mirror = KvMirror(tables, shared.pool, engine_blocks(private), lease)
         engine_sums = device_checksum(private.pool)
         assert type(mirror.checksum).__name__ == ("TritonChecksum" if device == "cuda" else "TorchChecksum")
-        blocks = [7, 3, 11]                                        # the engine's blocks for request 9
+        blocks = [7, 3, 11, 5]                                     # the engine's blocks for request 9
         mirror.mirror_committed([Committed(9, 0, 7, 16), Committed(9, 1, 3, 4)])       # a 20-token prefill
-        for pos in range(20, 40):                                  # decode
+        for pos in range(20, 56):                                  # decode
             block, row = blocks[pos // 16], pos % 16
             h = int(to_u64(engine_sums.slots(torch.tensor([block], device=device),
                                              torch.tensor([row], device=device)))[0])
-            assert mirror.mirror_committed([Committed(9, pos // 16, block, row + 1)], {(block, row): h}) == 1
-        pages = [mirror.page_of(9, i) for i in range(3)]
+            if pos < 40:
+                assert mirror.mirror_committed([Committed(9, pos // 16, block, row + 1)], {(block, row): h}) == 1
+            else:                                                  # the decode fast path
+                queued = mirror.queue_decode([9], [pos // 16], [block], [row])
+                assert mirror.publish_decode(queued, [h] if pos % 2 else None) == 1
+        pages = [mirror.page_of(9, i) for i in range(4)]
         words = shared.pool.cpu().view(torch.int32).reshape(geom.num_pages, 4, 2, 16, -1).numpy().view(np.uint32)
-        for page, count in zip(pages, (16, 16, 8)):
+        for page, count in zip(pages, (16, 16, 16, 8)):
             assert int(tables.pages["num_tokens"][page]) == count
             assert int(tables.pages["checksum"][page]) == page_checksum_np(words[page], count)
-        cpu_sums = to_u64(TorchChecksum(shared.pool.cpu()).pages(torch.tensor(pages), torch.tensor([16, 16, 8])))
+        cpu_sums = to_u64(TorchChecksum(shared.pool.cpu()).pages(torch.tensor(pages), torch.tensor([16, 16, 16, 8])))
         assert (cpu_sums == tables.pages["checksum"][pages]).all()
         lease = Lease(tables, 1, LeaseTable(tables).grant(1, os.getpid()))
         fresh = KvCache.private(geom.kv, 24, device)
         restored = KvMirror(tables, shared.pool, engine_blocks(fresh), lease).restore(
-            {9: [20, 21, 22]}, engine_blocks(fresh))[9]
-        assert (restored.blocks_restored, restored.tokens_restored, restored.first_bad) == (3, 40, None)
-        assert torch.equal(fresh.pool[[20, 21]], private.pool[[7, 3]])
-        assert torch.equal(fresh.pool[22, :, :, :8], private.pool[11, :, :, :8])
+            {9: [20, 21, 22, 23]}, engine_blocks(fresh))[9]
+        assert (restored.blocks_restored, restored.tokens_restored, restored.first_bad) == (4, 56, None)
+        assert torch.equal(fresh.pool[[20, 21, 22]], private.pool[[7, 3, 11]])
+        assert torch.equal(fresh.pool[23, :, :, :8], private.pool[5, :, :, :8])
     finally:
         tables.unlink()
 
@@ -221,3 +226,67 @@ def test_foreign_mode_on_the_gpu_is_token_exact(tiny_model, tmp_path):
     for rec in recs:
         assert rec["kv_mode"] == "foreign" and rec["requests_lost"] + rec["requests_damaged"] == 0
         assert rec["tokens_recomputed"] == 0 and rec["tokens_kept"] > 0 and rec["pages_bad"] == 0
+
+
+def test_decode_fast_path_commits_what_the_general_path_does(tiny_model):
+    """Three foreign engines in lockstep on CPU: decode steps through the mirror's fast path,
+    through the general path (Committed blocks), and through the fast path with the copy queued
+    by the runner hook `after_forward` (before the step's read-back, as the CUDA runner would).
+    After every step their page tables, journal page lists, kvhold bytes and tokens agree."""
+    from executor.foreign_pool import foreign_engine_like
+    from executor.kv_cache import KvCache
+    from tools.bench_engine_setup import admit, build_engine
+    from tools.bench_mirror import check_mirror
+
+    engines, all_tables = {}, []
+    try:
+        for variant in ("fast", "general", "hook"):
+            native, tables = build_engine(tiny_model, "cpu", 64, 128, 8, 48, 16)
+            all_tables.append(tables)
+            g = native.kv.geometry
+            engine = foreign_engine_like(native, KvCache.private(g, native.kv.num_pages, native.kv.pool.device))
+            engines[variant] = (engine, tables)
+        fast_steps = {v: 0 for v in engines}
+        for variant, (engine, _) in engines.items():
+            publish = engine.mirror.publish_decode
+
+            def counted(*args, _publish=publish, _variant=variant):
+                fast_steps[_variant] += 1
+                return _publish(*args)
+
+            engine.mirror.publish_decode = counted
+        engines["general"][0]._queue_decode = lambda plan: None
+        hooked, run_and_sample = engines["hook"][0], engines["hook"][0].runner.run_and_sample
+
+        def with_hook(plan, sampling, beat=None):
+            out = run_and_sample(plan, sampling, beat=beat)
+            hooked.after_forward(plan)
+            return out
+
+        hooked.runner.run_and_sample = with_hook
+        first = [dict(prompt_ids=list(range(3, 3 + n)), max_tokens=m) for n, m in ((5, 30), (21, 12), (40, 25))]
+        late = [dict(prompt_ids=list(range(9, 9 + n)), max_tokens=m) for n, m in ((16, 20), (3, 9))]
+        for step in range(80):
+            if step in (0, 14):
+                for _, tables in engines.values():
+                    admit(tables, first if step == 0 else late)
+            for engine, _ in engines.values():
+                engine.step()
+            ref = engines["fast"][1]
+            for variant, (engine, tables) in engines.items():
+                assert (tables.pages == ref.pages).all(), (variant, step)
+                assert (tables.requests["num_pages"] == ref.requests["num_pages"]).all(), (variant, step)
+                assert (tables.page_lists == ref.page_lists).all(), (variant, step)
+                assert torch.equal(engine.mirror.pool, engines["fast"][0].mirror.pool), (variant, step)
+                assert engine.mirror.holdings() == engines["fast"][0].mirror.holdings()
+                assert {s: q.tokens for s, q in engine.seqs.items()} == \
+                    {s: q.tokens for s, q in engines["fast"][0].seqs.items()}
+            if step % 4 == 0:
+                check = check_mirror(engines["hook"][0])       # mirror == engine blocks, checksums right
+                assert check["bytes_match"] and check["checksums_match"], step
+        assert not any(e.has_work for e, _ in engines.values())
+        assert fast_steps["general"] == 0 and fast_steps["fast"] == fast_steps["hook"] >= 20
+        assert all(not e.mirror.held for e, _ in engines.values())          # every request released
+    finally:
+        for tables in all_tables:
+            tables.unlink()

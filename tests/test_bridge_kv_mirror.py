@@ -197,7 +197,19 @@ def test_interrupted_publish_is_kept_only_if_consistent(pool):
     assert pages["owner"][torn] == 0                      # the torn page went back to the pool
 
 
-def _writer(tables_name: str, kv_name: str, slot: int, epoch: int, wfd: int) -> None:
+def decode_args(work: list[Committed]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A decode step's Committed blocks as KvMirror.queue_decode's arguments."""
+    return ([c.request_id for c in work], [c.index for c in work], [c.block for c in work],
+            [c.num_tokens - 1 for c in work])
+
+
+def mirror_decode(mirror: KvMirror, work: list[Committed], hashes=None) -> int:
+    batch = mirror.queue_decode(*decode_args(work))
+    assert batch is not None
+    return mirror.publish_decode(batch, hashes)
+
+
+def _writer(tables_name: str, kv_name: str, slot: int, epoch: int, wfd: int, fast: bool) -> None:
     """Child: decode and mirror forever, reporting each mirrored step's lengths on the pipe."""
     import posix_ipc
 
@@ -214,19 +226,21 @@ def _writer(tables_name: str, kv_name: str, slot: int, epoch: int, wfd: int) -> 
     for step in range(1, 10**6):
         if mirror.allocator.num_free < len(rids):
             signal.pause()
-        mirror.mirror_committed(engine.step(rids))
+        work = engine.step(rids)
+        mirror_decode(mirror, work) if fast else mirror.mirror_committed(work)
         os.write(wfd, f"{step}\n".encode())
 
 
-@pytest.mark.parametrize("kill_after", [3, 9, 17, 40])
-def test_sigkilled_writer_loses_no_committed_block(pool, kill_after):
+@pytest.mark.parametrize("kill_after,fast", [(3, False), (9, False), (17, False), (40, False),
+                                             (5, True), (23, True)])
+def test_sigkilled_writer_loses_no_committed_block(pool, kill_after, fast):
     lease = pool.lease(0)
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:                                           # pragma: no cover - child
         os.close(rfd)
         try:
-            _writer(pool.tables_name, pool.kv_name, 0, lease.epoch, wfd)
+            _writer(pool.tables_name, pool.kv_name, 0, lease.epoch, wfd, fast)
         except BaseException:
             import traceback
             traceback.print_exc()
@@ -328,3 +342,95 @@ def test_restore_in_small_chunks_is_exact(pool, monkeypatch):
     for rid, n in lengths.items():
         assert result[rid].tokens_restored == n
         assert torch.equal(restored_tokens(target, blocks[rid], n), expected(rid, n))
+
+
+def _decode_schedule():
+    """Which requests decode at each step: staggered starts (rows start blocks at different
+    steps), a request that finishes and is released, one that joins late."""
+    for step in range(23):
+        rids = [rid for rid, (start, stop) in {71: (0, 23), 72: (2, 23), 73: (0, 9), 74: (11, 23)}.items()
+                if start <= step < stop]
+        yield step, rids
+
+
+@pytest.mark.parametrize("make_layout", [per_layer, pooled])
+@pytest.mark.parametrize("engine_hashes", [False, True])
+def test_decode_fast_path_publishes_what_the_general_path_does(make_layout, engine_hashes):
+    """queue_decode + publish_decode and mirror_committed, fed the same decode steps, leave the
+    same page table (pages, owners, counts, checksums, versions), the same bytes in kvhold's
+    pool, and the same holdings; restore reads the fast path's pages back exactly."""
+    from ipc.checksum import TorchChecksum, to_u64
+
+    a, b = Pool(), Pool()
+    try:
+        general = FakeEngine(make_layout(), seed=3)
+        fast = FakeEngine(make_layout(), seed=3)
+        slow_mirror = KvMirror(a.tables, a.kv, general.layout, a.lease(0))
+        fast_mirror = KvMirror(b.tables, b.kv, fast.layout, b.lease(0))
+        for step, rids in _decode_schedule():
+            if step == 9:
+                assert slow_mirror.release(73) == fast_mirror.release(73) == 3
+            work = general.step(rids)
+            assert fast.step(rids) == work
+            hashes = None
+            if engine_hashes:                             # the engine hashed its own rows
+                canonical = TorchChecksum(general.layout.read(torch.arange(ENGINE_BLOCKS)).contiguous())
+                hashes = to_u64(canonical.slots(torch.tensor([c.block for c in work]),
+                                                torch.tensor([c.num_tokens - 1 for c in work]))).tolist()
+            row_hashes = dict(zip([(c.block, c.num_tokens - 1) for c in work], hashes or []))
+            assert slow_mirror.mirror_committed(work, row_hashes) == mirror_decode(fast_mirror, work, hashes) \
+                == len(rids)
+            assert (a.tables.pages == b.tables.pages).all(), step
+            assert torch.equal(a.kv, b.kv), step
+            assert slow_mirror.holdings() == fast_mirror.holdings()
+        assert fast_mirror.allocator.num_free == slow_mirror.allocator.num_free
+    finally:
+        a.close()
+    try:
+        lengths = {71: 23, 72: 21, 74: 12}
+        target = per_layer()
+        blocks = fresh_blocks({rid: -(-n // KV.page_tokens) for rid, n in lengths.items()})
+        result = KvMirror(b.tables, b.kv, target, b.lease(1)).restore(blocks, target)
+        for rid, n in lengths.items():
+            assert result[rid].tokens_restored == n and result[rid].first_bad is None
+            assert torch.equal(restored_tokens(target, blocks[rid], n), expected(rid, n))
+    finally:
+        b.close()
+
+
+def test_decode_fast_path_declines_what_it_cannot_publish(pool):
+    """Anything but one new token per block, each request once: None, nothing changed (the
+    engine then takes mirror_committed, which handles or rejects it)."""
+    engine = FakeEngine(per_layer())
+    lease = pool.lease(0)
+    mirror = KvMirror(pool.tables, pool.kv, engine.layout, lease)
+    for _ in range(5):                                   # 81: 4 + 1 tokens, 82: likewise
+        mirror_decode(mirror, engine.step([81, 82]))
+    b81, b82 = engine.blocks[81][1], engine.blocks[82][1]
+    before = (pool.tables.pages.copy(), pool.kv.clone(), mirror.holdings(), mirror.allocator.num_free)
+    declined = [
+        ([81, 82], [1, 1], [b81, b82], [2, 1]),          # skips a row
+        ([81, 82], [1, 1], [b81, b82], [0, 1]),          # rewrites a committed row
+        ([81, 82], [1, 2], [b81, 7], [1, 1]),            # a block never mirrored, not from row 0
+        ([81, 82], [0, 1], [engine.blocks[81][0], b82], [4, 1]),     # past the end of a full page
+        ([81, 81], [1, 1], [b81, b81], [1, 1]),          # one request twice
+        ([83, 83], [0, 0], [5, 5], [0, 0]),              # ... even for new blocks
+        ([0, 82], [0, 1], [5, b82], [0, 1]),             # request id 0
+        ([81, 82], [1, 1], [b81, ENGINE_BLOCKS], [1, 1]),            # engine block out of range
+        ([], [], [], []),
+    ]
+    for args in declined:
+        assert mirror.queue_decode(*args) is None, args
+    after = (pool.tables.pages, pool.kv, mirror.holdings(), mirror.allocator.num_free)
+    assert (before[0] == after[0]).all() and torch.equal(before[1], after[1]) and before[2:] == after[2:]
+    with pytest.raises(ValueError, match="already committed"):
+        mirror.mirror_committed([Committed(81, 0, engine.blocks[81][0], 3)])
+    batch = mirror.queue_decode([81, 83], [1, 0], [b81, 5], [1, 0])       # a new request joins
+    assert batch is not None and batch.pages[1] == mirror.page_of(83, 0)
+    assert pool.tables.pages["owner"][batch.pages[1]] == 83                # assigned before the copy
+    assert pool.tables.pages["num_tokens"][batch.pages[1]] == 0            # ... published after it
+    assert mirror.publish_decode(batch) == 2
+    assert pool.tables.pages["num_tokens"][batch.pages].tolist() == [2, 1]
+    pool.lease(0)                                                          # fenced
+    with pytest.raises(Fenced):
+        mirror.queue_decode([81], [1], [b81], [2])

@@ -15,6 +15,14 @@ Afterwards the foreign engine's mirror is checked (every mirrored page equals it
 block and its published checksum) and the three engines' tokens are compared. Reports
 ms/step, tokens/s and the mirror's overhead against native and against no-commit; writes
 JSON (with the exact command) under bench/results/.
+
+    python -m tools.bench_mirror --host [--batches 1,8,64]
+
+The mirror's host cost alone, no model: microseconds per decode step of B rows through the
+general path (Committed blocks + mirror_committed), the decode fast path (queue_decode +
+publish_decode), and publish_decode alone (what stays after the step's read-back when the
+runner's `after_forward` hook queues the copy). CPU, rows of 128 bytes, so the copy's bytes
+cost nothing and what is left is Python, numpy and torch dispatch.
 """
 from __future__ import annotations
 
@@ -33,7 +41,11 @@ import torch
 from executor.foreign_pool import foreign_engine_like
 from executor.kv_cache import KvCache
 from ipc.checksum import to_u64
+from ipc.layout import KvGeometry, TableGeometry
+from ipc.leases import Lease, LeaseTable
+from ipc.tables import Tables
 from tools.bench_engine_setup import admit, build_engine, load_weights
+from trtllm_bridge.kv_mirror import Committed, KvMirror, PooledBlocks
 
 MODES = ("native", "no-commit", "foreign")
 WARM_STEPS = 5
@@ -87,7 +99,7 @@ def check_mirror(engine) -> dict:
     checksum published in the page table is the checksum of those rows."""
     m = engine.mirror
     blocks = {(s.request_id, i): b for s in engine.seqs.values() for i, b in enumerate(s.pages)}
-    items = [(h.page, blocks[key], h.num_tokens) for key, h in m.held.items()]
+    items = [(page, blocks[rid, index], count) for rid, index, page, count in m.holdings()]
     bytes_ok, sums_ok = True, True
     table = m.page_table.snapshot()
     dev = m.pool.device
@@ -138,13 +150,69 @@ def measure_batch(args, weights, batch: int, vocab: int) -> list[dict]:
     return rows
 
 
+HOST_KV = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_tokens=16)
+HOST_PAGES = 4096
+
+
+def host_step_us(batch: int, path: str, steps: int) -> float:
+    """Median over rounds of the host microseconds one decode step of `batch` rows spends in
+    the mirror (`path`: general, fast or publish), inputs built as ForeignEngine builds them."""
+    geometry = TableGeometry(kv=HOST_KV, num_pages=HOST_PAGES, num_slots=4, max_seq_len=64, num_leases=2)
+    tables = Tables.create(f"/kvhold-bench-host-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
+    try:
+        lease = Lease(tables, 0, LeaseTable(tables).grant(0, os.getpid()))
+        pt = HOST_KV.page_tokens
+        engine = torch.randn(HOST_PAGES, HOST_KV.num_layers, 2, pt * HOST_KV.head_dim)
+        layout = PooledBlocks(engine, HOST_KV.num_kv_heads, HOST_KV.head_dim, pt)
+        rids, hashes = list(range(1, batch + 1)), [(i * 0x9E3779B97F4A7C15) % (1 << 63) for i in range(batch)]
+        rounds = []
+        for _ in range(3):
+            mirror = KvMirror(tables, KvCache.private(HOST_KV, HOST_PAGES, "cpu").pool, layout, lease)
+            blocks, total = {}, 0
+            for pos in range(min(steps, (HOST_PAGES // batch - 1) * pt)):
+                i, row = divmod(pos, pt)
+                blocks.update({rid: i * batch + rid - 1 for rid in rids} if not row else {})
+                slot_hashes = {blocks[r]: h for r, h in zip(rids, hashes)}      # as the runner returns them
+                t = time.perf_counter_ns()
+                if path == "general":
+                    work = [Committed(r, i, blocks[r], row + 1) for r in rids]
+                    mirror.mirror_committed(work, {(blocks[r], row): slot_hashes[blocks[r]] for r in rids})
+                else:
+                    queued = mirror.queue_decode(rids, [i] * batch, [blocks[r] for r in rids], [row] * batch)
+                    if path == "publish":       # the copy was queued by the runner hook, off this path
+                        t = time.perf_counter_ns()
+                    mirror.publish_decode(queued, [slot_hashes.get(b) for b in queued.blocks.tolist()])
+                total += time.perf_counter_ns() - t
+            rounds.append(total / (pos + 1) / 1e3)
+            tables.pages[:] = 0
+        return statistics.median(rounds)
+    finally:
+        tables.unlink()
+
+
+def host_main(args) -> int:
+    result = {"command": "python -m tools.bench_mirror " + " ".join(args.argv),
+              "device": device_name(torch.device("cpu")), "torch": torch.__version__, "steps": args.steps, "rows": []}
+    for batch in (int(b) for b in args.batches.split(",")):
+        row = {"batch": batch, **{f"{path}_us": host_step_us(batch, path, args.steps)
+                                  for path in ("general", "fast", "publish")}}
+        result["rows"].append(row)
+        print(f"batch {batch:3d}: general {row['general_us']:7.1f} us/step, fast {row['fast_us']:7.1f}, "
+              f"publish only {row['publish_us']:7.1f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--model", type=Path, help="checkpoint directory (not with --host)")
+    p.add_argument("--host", action="store_true", help="the mirror's host cost per decode step, no model")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per round")
@@ -152,14 +220,23 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--kv-pages", type=int, default=4096)
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--out", type=Path, default=Path("bench/results/mirror_cuda.json"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON (default bench/results/mirror_cuda.json, with --host mirror_host.json)")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.host:
+        args.out = args.out or Path("bench/results/mirror_host.json")
+        torch.set_num_threads(1)
+        return host_main(args)
+    if args.model is None:
+        p.error("--model is required (unless --host)")
+    args.out = args.out or Path("bench/results/mirror_cuda.json")
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     weights = load_weights(args.model, args.device)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    result = {"command": "python -m tools.bench_mirror " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m tools.bench_mirror " + " ".join(args.argv),
               "device": device_name(device), "torch": torch.__version__,
               "kvhold_fused": os.environ.get("KVHOLD_FUSED"), "steps": args.steps, "rounds": args.rounds,
               "prompt_len": args.prompt_len, "rows": []}

@@ -4,11 +4,13 @@ An engine that owns its KV pool stores blocks its own way; a `BlockLayout` adapt
 blocks out of it and writes blocks into it in the canonical shape the KV mirror
 (trtllm_bridge.kv_mirror) copies to and from kvhold pages. Reads return copies; writes
 cast to the engine's dtype only where the dtypes already agree (the mirror checks).
+`RowCopy` is the mirror's per-step copy: token rows of engine blocks -> kvhold pages.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -100,3 +102,67 @@ class PooledBlocks(BlockLayout):
 
     def write(self, blocks, data):
         self.view[blocks] = self._canonical(data).to(self.view.dtype)
+
+
+class RowCopy:
+    """Copies row `rows[i]` of engine block `blocks[i]` into the same row of kvhold page
+    `pages[i]`, for all i at once: one transfer of the indices, one gather from the engine's
+    blocks, one scatter into kvhold's pool [pages, L, 2, T, H, D]. Nothing waits for the copy;
+    `wait()` returns once the last one has landed in kvhold's pool.
+
+    On CUDA the indices go through a pinned staging buffer (a non-blocking transfer, the buffer
+    reused once the previous transfer has left it, as executor.cuda_runner stages a step's
+    inputs) and an event marks the end of the copy. On the CPU everything is synchronous and the
+    indices are the caller's arrays, not copied."""
+
+    def __init__(self, layout: BlockLayout, pool: torch.Tensor):
+        if pool.device.type == "cuda" and pool.device != layout.device:
+            raise ValueError(f"engine blocks on {layout.device} cannot be mirrored into a pool on {pool.device}")
+        self.layout, self.pool = layout, pool
+        self.cuda = layout.device.type == "cuda"
+        self._host: torch.Tensor | None = None      # pinned int64 staging buffer (CUDA)
+        self._staged = self._copied = None          # events: buffer free again, copy landed (CUDA)
+
+    def __call__(self, indices: np.ndarray) -> None:
+        """Queue the copy; `indices` is int64 [3, N]: blocks, pages, rows."""
+        idx = self._indices(indices)
+        data = self.layout.read_rows(idx[0], idx[2])                    # [N, L, 2, H, D]
+        if self.pool.device != idx.device:                              # a host pool: synchronous
+            idx, data = idx.to(self.pool.device), data.to(self.pool.device)
+        self.pool[idx[1], :, :, idx[2]] = data
+        if self.pool.device.type == "cuda":
+            self._copied.record(torch.cuda.current_stream(self.pool.device))
+
+    def wait(self) -> None:
+        """Return once every queued copy is in kvhold's pool (the bytes a publish vouches for)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _indices(self, indices: np.ndarray) -> torch.Tensor:
+        """`indices` on the engine's device."""
+        n = indices.shape[1]
+        if not self.cuda:
+            return torch.from_numpy(indices)
+        if self._host is None or self._host.numel() < 3 * n:
+            if self._staged is not None:
+                self._staged.synchronize()           # the old buffer may still be read by a transfer
+            else:
+                self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()
+            self._host = torch.empty(3 * max(64, 1 << (n - 1).bit_length()), dtype=torch.long,
+                                     pin_memory=True)
+        self._staged.synchronize()                   # the previous transfer has left the buffer
+        host = self._host[:3 * n].view(3, n)
+        host.numpy()[:] = indices
+        idx = host.to(self.layout.device, non_blocking=True)
+        self._staged.record(torch.cuda.current_stream(self.layout.device))
+        return idx
+
+    def warm_up(self) -> None:
+        """Load the transfer, gather and scatter kernels, writing a scratch page only."""
+        idx = self._indices(np.zeros((3, 1), dtype=np.int64))
+        data = self.layout.read_rows(idx[0], idx[2]).to(self.pool.device)
+        scratch = torch.empty_like(self.pool[:1])
+        idx = idx.to(self.pool.device)
+        scratch[idx[1], :, :, idx[2]] = data
+        if self.cuda:
+            torch.cuda.current_stream(self.layout.device).synchronize()

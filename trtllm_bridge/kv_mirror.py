@@ -20,9 +20,16 @@ still write are quarantined instead of reused: unkept pages, and partially fille
 tails (their rows are restored, but the mirror continues them in a fresh page);
 `release_quarantined(epochs)` frees them once the sidecar reports the exit.
 
+A decode step (one new row in each of its blocks) has a cheaper path that publishes exactly
+what `mirror_committed` would: `queue_decode` validates with array operations, assigns the
+pages of rows that start a block and queues the copy; `publish_decode` waits for the copy
+(an event: free once the step's own read-back has waited for it) and publishes. Queued
+right after the engine's forward, the copy overlaps the step instead of adding a wait.
+
 Contract with the engine:
-* a block's committed tokens never change and never shrink; `mirror_committed` is
-  called after the engine's device work for those tokens is complete;
+* a block's committed tokens never change and never shrink; `mirror_committed` and
+  `queue_decode` are called once the engine's device work for those tokens is complete or
+  queued on the current stream of the engine's device (the copy is queued behind it);
 * request ids are non-zero integers (0 marks a free page); `release` when done;
 * engine blocks hold exactly `page_tokens` tokens with the kvhold geometry and dtype;
   how they are laid out in the engine's tensors is a `BlockLayout` adapter's job;
@@ -44,7 +51,7 @@ from ipc.layout import PageFlag
 from ipc.page_table import PageTable
 from ipc.tables import Tables
 from ipc.validation import trusted
-from trtllm_bridge.block_layout import BlockLayout, PerLayerBlocks, PooledBlocks  # noqa: F401 (re-exported)
+from trtllm_bridge.block_layout import BlockLayout, PerLayerBlocks, PooledBlocks, RowCopy  # noqa: F401
 
 log = logging.getLogger(__name__)
 _M64 = (1 << 64) - 1
@@ -73,11 +80,14 @@ class Committed:
     num_tokens: int
 
 
-@dataclass(slots=True)
-class _Held:
-    page: int
-    num_tokens: int
-    checksum: int
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """A decode step queued by `KvMirror.queue_decode`: row i of the step writes token slot
+    `rows[i]` of kvhold page `pages[i]` (int64 arrays), copied from engine block `blocks[i]`."""
+
+    pages: np.ndarray
+    rows: np.ndarray
+    blocks: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +124,10 @@ class KvMirror:
         self.page_table = PageTable(tables)
         self.page_tokens = kv.page_tokens
         self.checksum = checksum or device_checksum(kv_pool)
-        self.pool_rows = kv_pool.view(-1, kv.num_kv_heads * kv.head_dim)     # [(page, l, k/v, token), H*D]
-        self.held: dict[tuple[int, int], _Held] = {}
+        self.copy_rows = RowCopy(layout, kv_pool)
+        self.held: dict[tuple[int, int], int] = {}       # (request id, logical block) -> page
+        self.counts = np.zeros(tables.geometry.num_pages, dtype=np.int64)       # published, by page
+        self.checksums = np.zeros(tables.geometry.num_pages, dtype=np.uint64)   # (0 unless held)
         self.quarantined: dict[int, int] = {}      # page -> epoch of a writer not yet reaped
         self.last_restore = {"pages_checked": 0, "pages_bad": 0, "pages_quarantined": 0}
         records = self.page_table.snapshot()
@@ -123,8 +135,11 @@ class KvMirror:
         self.allocator = PageAllocator(p for p in (~busy).nonzero()[0].tolist() if p != NULL_PAGE)
 
     def page_of(self, request_id: int, index: int) -> int | None:
-        held = self.held.get((request_id, index))
-        return None if held is None else held.page
+        return self.held.get((request_id, index))
+
+    def holdings(self) -> list[tuple[int, int, int, int]]:
+        """(request id, logical block, page, published tokens) of every page this mirror holds."""
+        return [(rid, index, page, int(self.counts[page])) for (rid, index), page in self.held.items()]
 
     # ------------------------------------------------------------------ writer
     def mirror_committed(self, committed: Iterable[Committed],
@@ -141,65 +156,92 @@ class KvMirror:
         if not work:
             return 0
         self.lease.check()                  # a fenced writer must not even copy bytes
-        self._assign([c for c in work if (c.request_id, c.index) not in self.held])
-        held = [self.held[c.request_id, c.index] for c in work]
-        self._copy_rows(held, work)
-        added = self._added_hashes(held, work, row_hashes or {})   # returns once the copy is done
-        with np.errstate(over="ignore"):
-            sums = np.array([h.checksum for h in held], dtype=np.uint64) + added
-        pages = np.array([h.page for h in held], dtype=np.int64)
-        counts = np.array([c.num_tokens for c in work], dtype=np.uint32)
-        self.lease.check()
-        self.page_table.publish(pages, counts, sums, self.lease.epoch)
-        for h, c, s in zip(held, work, sums.tolist()):
-            h.num_tokens, h.checksum = c.num_tokens, int(s)
+        self._assign([(c.request_id, c.index) for c in work if (c.request_id, c.index) not in self.held])
+        pages = np.array([self.held[c.request_id, c.index] for c in work], dtype=np.int64)
+        blocks = np.array([c.block for c in work], dtype=np.int64)
+        ends = np.array([c.num_tokens for c in work], dtype=np.int64)
+        starts = self.counts[pages]
+        new = ends - starts                 # rows [start, end) of each block are new
+        first = np.repeat(np.cumsum(new) - new, new)
+        self.copy_rows(np.stack([np.repeat(blocks, new), np.repeat(pages, new),
+                                 np.arange(len(first), dtype=np.int64) - first + np.repeat(starts, new)]))
+        added = self._added_hashes(pages, blocks, starts, ends, row_hashes or {})
+        self._publish(pages, ends, added)
         return len(work)
 
-    def _copy_rows(self, held: list[_Held], work: list[Committed]) -> None:
-        """Rows [held num_tokens, committed num_tokens) of each block -> the same rows of its page:
-        one transfer of indices, one gather from the engine's blocks, one index_copy_ into
-        kvhold's pool seen as rows [(page, layer, k/v, token), H*D]."""
-        pages, blocks, rows = [], [], []
-        for h, c in zip(held, work):
-            n = c.num_tokens - h.num_tokens
-            pages += [h.page] * n
-            blocks += [c.block] * n
-            rows += range(h.num_tokens, c.num_tokens)
-        n, lkv = len(rows), self.pool.shape[1] * 2
-        dst = (np.array(pages)[:, None] * lkv + np.arange(lkv)) * self.page_tokens + np.array(rows)[:, None]
-        idx = torch.from_numpy(np.concatenate([blocks, rows, dst.ravel()])).to(self.layout.device)
-        data = self.layout.read_rows(idx[:n], idx[n:2 * n])         # [N, L, 2, H, D]
-        dev = self.pool.device
-        self.pool_rows.index_copy_(0, idx[2 * n:].to(dev), data.reshape(-1, self.pool_rows.shape[1]).to(dev))
-
-    def _added_hashes(self, held: list[_Held], work: list[Committed], row_hashes) -> np.ndarray:
+    def _added_hashes(self, pages, blocks, starts, ends, row_hashes) -> np.ndarray:
         """Hash of each item's new rows (uint64), once the copy has reached kvhold's pool."""
-        added = np.zeros(len(work), dtype=np.uint64)
+        added = np.zeros(len(pages), dtype=np.uint64)
         rest = []
-        for i, (h, c) in enumerate(zip(held, work)):
-            known = row_hashes.get((c.block, h.num_tokens)) if c.num_tokens == h.num_tokens + 1 else None
+        for i, (block, start, end) in enumerate(zip(blocks.tolist(), starts.tolist(), ends.tolist())):
+            known = row_hashes.get((block, start)) if end == start + 1 else None
             if known is None:
                 rest.append(i)
             else:
                 added[i] = int(known) & _M64
-        if rest:                            # reading the checksums back waits for the copy too
-            ranges = torch.tensor([[held[i].page for i in rest], [held[i].num_tokens for i in rest],
-                                   [work[i].num_tokens for i in rest]], dtype=torch.long, device=self.pool.device)
-            added[rest] = to_u64(self.checksum.ranges(ranges[0], ranges[1], ranges[2]))
-        elif self.pool.device.type == "cuda":
-            torch.cuda.current_stream(self.pool.device).synchronize()
+        if rest:
+            added[rest] = self._hash_on_copy(pages[rest], starts[rest], ends[rest])
         return added
 
+    def _hash_on_copy(self, pages, starts, ends) -> np.ndarray:
+        """Hashes of rows [starts, ends) of kvhold pages, computed on kvhold's copy (after it)."""
+        dev = self.pool.device
+        ranges = torch.from_numpy(np.stack([pages, starts, ends]).astype(np.int64)).to(dev)
+        return to_u64(self.checksum.ranges(ranges[0], ranges[1], ranges[2]))
+
+    def _publish(self, pages: np.ndarray, counts: np.ndarray, added: np.ndarray) -> None:
+        """Once the copy has landed: (count, checksum + added) of each page under the seqlock."""
+        sums = self.checksums[pages] + added       # uint64 arrays wrap around (mod 2**64)
+        self.copy_rows.wait()               # a page is never vouched for before its bytes are there
+        self.lease.check()
+        self.page_table.publish(pages, counts.astype(np.uint32), sums, self.lease.epoch)
+        self.counts[pages] = counts
+        self.checksums[pages] = sums
+
+    # ------------------------------------------------------------------ writer, decode steps
+    def queue_decode(self, request_ids: Sequence[int], indices: Sequence[int], blocks: Sequence[int],
+                     rows: Sequence[int]) -> DecodeBatch | None:
+        """Queue the copy of a decode step: row `rows[i]` of engine block `blocks[i]` is the next
+        token of logical block `indices[i]` of request `request_ids[i]` (every request once).
+
+        Returns None, having changed nothing, unless every row extends its block by exactly
+        that one token (the block's page holds `rows[i]` tokens, or none and `rows[i]` is 0):
+        the caller then uses `mirror_committed`, which handles (or rejects) everything else.
+        Pages of rows that start a block are assigned here; the copy is queued, not awaited."""
+        keys = list(zip(request_ids, indices))
+        found = [self.held.get(k) for k in keys]
+        new = [i for i, page in enumerate(found) if page is None] if None in found else []
+        for i in new:
+            found[i] = NULL_PAGE                 # holds nothing: the row must start the block
+        idx = np.array((blocks, found, rows), dtype=np.int64)
+        pages, rows = idx[1], idx[2]
+        if not (keys and (self.counts[pages] == rows).all() and rows.max() < self.page_tokens
+                and min(request_ids) > 0 and min(indices) >= 0 and min(blocks) >= 0
+                and max(blocks) < self.layout.num_blocks and len(set(keys)) == len(keys)):
+            return None
+        self.lease.check()                  # a fenced writer must not even copy bytes
+        if new:
+            pages[new] = self._assign([keys[i] for i in new])
+        self.copy_rows(idx)
+        return DecodeBatch(pages, rows, idx[0])
+
+    def publish_decode(self, batch: DecodeBatch, hashes: Sequence[int] | None = None) -> int:
+        """Publish a queued decode step once its copy has landed; returns the pages published.
+
+        `hashes[i]`: the hash of row i's slot, computed by the engine over its own block (as a
+        CUDA decode step does); None: hashed here, on kvhold's copy."""
+        pages, rows = batch.pages, batch.rows
+        added = (self._hash_on_copy(pages, rows, rows + 1) if hashes is None else _as_u64(hashes))
+        self._publish(pages, rows + 1, added)
+        return len(pages)
+
     def warm_up(self) -> None:
-        """Load the checksum and row-gather kernels without writing any page (a standby)."""
+        """Load the checksum and row-copy kernels without writing any page (a standby)."""
         dev = self.pool.device
         zero = torch.zeros(1, dtype=torch.long, device=dev)
         self.checksum.pages(zero, zero)
         self.checksum.ranges(zero, zero, zero + 1)
-        rows = torch.zeros(1, dtype=torch.long, device=self.layout.device)
-        data = self.layout.read_rows(rows, rows).reshape(-1, self.pool_rows.shape[1]).to(dev)
-        scratch = torch.empty_like(self.pool_rows[:len(data)])
-        scratch.index_copy_(0, torch.arange(len(data), device=dev), data)
+        self.copy_rows.warm_up()
 
     def _new_work(self, committed: Iterable[Committed]) -> list[Committed]:
         latest: dict[tuple[int, int], Committed] = {}
@@ -212,27 +254,31 @@ class KvMirror:
             latest[c.request_id, c.index] = c
         work = []
         for key, c in latest.items():
-            done = held[key].num_tokens if key in held else 0
+            done = int(self.counts[held[key]]) if key in held else 0
             if c.num_tokens < done:
                 raise ValueError(f"{c}: {done} tokens were already committed (commits never shrink)")
             if c.num_tokens > done:
                 work.append(c)
         return work
 
-    def _assign(self, new: list[Committed]) -> None:
-        if not new:
-            return
-        pages = self.allocator.allocate(len(new))
+    def _assign(self, keys: list[tuple[int, int]]) -> list[int]:
+        """Fresh pages for (request id, logical block) `keys`, recorded in the page table."""
+        if not keys:
+            return []
+        pages = self.allocator.allocate(len(keys))
         self.lease.check()
-        self.page_table.assign(pages, np.array([c.request_id for c in new], dtype=np.uint64),
-                               np.array([c.index for c in new], dtype=np.uint32), self.lease.epoch)
-        for page, c in zip(pages, new):
-            self.held[c.request_id, c.index] = _Held(page, 0, 0)
+        self.page_table.assign(pages, np.array([k[0] for k in keys], dtype=np.uint64),
+                               np.array([k[1] for k in keys], dtype=np.uint32), self.lease.epoch)
+        self.counts[pages] = 0
+        self.checksums[pages] = 0
+        for page, key in zip(pages, keys):
+            self.held[key] = page
+        return pages
 
     def release(self, request_id: int) -> int:
         """Free the pages of a finished request; returns how many."""
         keys = [k for k in self.held if k[0] == request_id]
-        pages = [self.held.pop(k).page for k in keys]
+        pages = [self.held.pop(k) for k in keys]
         if pages:
             self.page_table.release(pages)
             self.allocator.free(pages)
@@ -264,6 +310,8 @@ class KvMirror:
         whose recomputation of a block may not reproduce its bytes exactly (TensorRT-LLM)."""
         self.lease.check()
         self.held = {}
+        self.counts[:] = 0
+        self.checksums[:] = 0
         pending = {int(e) for e in pending_epochs}
         records = self.page_table.snapshot()
         odd = ((records["version"] & 1) == 1).nonzero()[0]
@@ -272,7 +320,7 @@ class KvMirror:
         ok = self._validate(records, [page for _, _, page in plan])
         plans = self._prefixes(requests, plan, ok, records, full_blocks_only)
         self._unhold_live_tails(records, pending)
-        self._settle(records, {h.page for h in self.held.values()}, pending)
+        self._settle(records, set(self.held.values()), pending)
         self.last_restore = {"pages_checked": len(plan), "pages_bad": int((~ok).sum()),
                              "pages_quarantined": len(self.quarantined)}
         return plans
@@ -290,8 +338,8 @@ class KvMirror:
 
     def _unhold_live_tails(self, records, pending: set[int]) -> None:
         """A partial tail whose writer may still run is restored but not continued in place."""
-        for key, h in list(self.held.items()):
-            if h.num_tokens < self.page_tokens and int(records["epoch"][h.page]) in pending:
+        for key, page in list(self.held.items()):
+            if self.counts[page] < self.page_tokens and int(records["epoch"][page]) in pending:
                 del self.held[key]
 
     def release_quarantined(self, epochs: Iterable[int]) -> int:
@@ -348,7 +396,8 @@ class KvMirror:
                 if full_only and count < self.page_tokens:
                     break
                 pages.append(page)
-                self.held[rid, index] = _Held(page, count, int(records["checksum"][page]))
+                self.held[rid, index] = page
+                self.counts[page], self.checksums[page] = count, records["checksum"][page]
                 tokens += count
                 if count < self.page_tokens:
                     break                                      # a partial tail ends the prefix
@@ -372,3 +421,13 @@ class KvMirror:
         self.allocator = PageAllocator(p for p in range(len(records))
                                        if p != NULL_PAGE and p not in kept and p not in self.quarantined)
         log.info("restored %d mirrored pages, released %d, quarantined %d", len(kept), len(drop), len(hold))
+
+
+def _as_u64(values: Sequence[int]) -> np.ndarray:
+    """Hashes as uint64 bits, whether given as int64 (torch's `tolist()`) or as unsigned ints."""
+    if isinstance(values, np.ndarray):
+        return values.view(np.uint64) if values.dtype == np.int64 else values.astype(np.uint64)
+    try:
+        return np.array(values, dtype=np.int64).view(np.uint64)
+    except OverflowError:
+        return np.array([int(v) & _M64 for v in values], dtype=np.uint64)
