@@ -228,15 +228,18 @@ class CudaRunner:
         rows = [logits[id(p)] for p in plan if p.samples]
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)
 
-    def run_and_sample(self, plan, sampling, beat=None) -> tuple[list[int], dict[int, int]]:
+    def run_and_sample(self, plan, sampling, beat=None, after_forward=None) -> tuple[list[int], dict[int, int]]:
         """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
         one slot this step wrote there}) for the engine's commit. A decode-only step reads its
         greedy tokens and slot hashes back in one copy; rows that sample with a temperature
-        go through the sampler on their logits; other steps take the general path."""
+        go through the sampler on their logits; other steps take the general path.
+        `after_forward(plan)` runs once a decode step's forward is queued, before the read-back."""
         if not plan or any(p.n != 1 for p in plan) or len(plan) > self.max_batch:
             logits = self.run(plan, beat)
             return (sample(logits, sampling) if sampling else []), {}
         logits, out = self._decode(plan)
+        if after_forward is not None:
+            after_forward(plan)          # queued behind the forward; the read-back waits for it too
         host = out.cpu()
         greedy, hashes = host[0].tolist(), host[1]
         hot = [i for i, p in enumerate(plan) if p.samples and p.seq.temperature > 0]

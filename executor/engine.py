@@ -134,7 +134,8 @@ class Engine:
         if not plan:
             return changed
         sampling = [p.seq for p in plan if p.samples]
-        tokens, self._slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat)
+        tokens, self._slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat,
+                                                               after_forward=self.after_forward)
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
         changed += self._commit(plan, sampling, tokens)
@@ -142,6 +143,10 @@ class Engine:
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
         return changed
+
+    def after_forward(self, plan: list[Scheduled]) -> None:
+        """Runner hook: the step's device work is queued, its results not yet read back (the
+        foreign-pool engine queues its KV mirror copy here, executor.foreign_pool)."""
 
     # ------------------------------------------------------------------ commit
     def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> list[int]:

@@ -56,11 +56,13 @@ class CpuRunner:
                          seqs=seqs, logits_rows=torch.tensor(rows, device=dev, dtype=torch.long))
         return self.model.forward(step, self.kv)
 
-    def run_and_sample(self, plan, sampling, beat=None) -> tuple[list[int], dict[int, int]]:
+    def run_and_sample(self, plan, sampling, beat=None, after_forward=None) -> tuple[list[int], dict[int, int]]:
         """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
         one slot a decode row wrote there}), as executor.cuda_runner does on a GPU."""
         logits = self.run(plan, beat)
         self.queued_ns = time.monotonic_ns()
+        if after_forward is not None:
+            after_forward(plan)
         tokens = sample(logits, sampling) if sampling else []
         decode = [p for p in plan if p.n == 1]
         if not decode:

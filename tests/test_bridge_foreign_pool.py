@@ -229,9 +229,9 @@ def test_foreign_mode_on_the_gpu_is_token_exact(tiny_model, tmp_path):
 
 
 def test_decode_fast_path_commits_what_the_general_path_does(tiny_model):
-    """Three foreign engines in lockstep on CPU: decode steps through the mirror's fast path,
-    through the general path (Committed blocks), and through the fast path with the copy queued
-    by the runner hook `after_forward` (before the step's read-back, as the CUDA runner would).
+    """Three foreign engines in lockstep on CPU: decode steps through the mirror's fast path with
+    the copy queued by the runner hook `after_forward` (before the step's read-back, as on CUDA),
+    the same with the hook dropped (the copy queued in the commit), and the general path.
     After every step their page tables, journal page lists, kvhold bytes and tokens agree."""
     from executor.foreign_pool import foreign_engine_like
     from executor.kv_cache import KvCache
@@ -256,14 +256,12 @@ def test_decode_fast_path_commits_what_the_general_path_does(tiny_model):
 
             engine.mirror.publish_decode = counted
         engines["general"][0]._queue_decode = lambda plan: None
-        hooked, run_and_sample = engines["hook"][0], engines["hook"][0].runner.run_and_sample
+        unhooked, run_and_sample = engines["fast"][0], engines["fast"][0].runner.run_and_sample
 
-        def with_hook(plan, sampling, beat=None):
-            out = run_and_sample(plan, sampling, beat=beat)
-            hooked.after_forward(plan)
-            return out
+        def without_hook(plan, sampling, beat=None, after_forward=None):   # the copy queued in the commit
+            return run_and_sample(plan, sampling, beat=beat)
 
-        hooked.runner.run_and_sample = with_hook
+        unhooked.runner.run_and_sample = without_hook
         first = [dict(prompt_ids=list(range(3, 3 + n)), max_tokens=m) for n, m in ((5, 30), (21, 12), (40, 25))]
         late = [dict(prompt_ids=list(range(9, 9 + n)), max_tokens=m) for n, m in ((16, 20), (3, 9))]
         for step in range(80):
