@@ -48,6 +48,8 @@ class RequestPlan:
     recorded_tokens: int         # KV tokens the dead executor had committed
     first_bad: int | None        # logical index of the first invalid page
     tail_checksum: int = 0       # of the continued last page, once placed
+    tail_dropped: bool = False   # no free page to copy the tail into: its rows are recomputed
+    realigned: bool = False      # prompt done, first token not committed: last chunk recomputed
 
     @property
     def kv_valid(self) -> int:
@@ -87,6 +89,8 @@ def take_over(engine, pending_epochs, detect_ns: int = 0) -> dict:
     odd = ((records["version"] & 1) == 1).nonzero()[0]
     pt.repair_versions(odd)                    # the writer is fenced: versions are stable now
     checked, bad = _validate(engine, records, plans, page_tokens)
+    for plan in plans:
+        _realign_unsampled_prompt(engine, plan)
     t_validated = now_ns()
     kept: set[int] = set()
     for plan in plans:
@@ -118,6 +122,8 @@ def take_over(engine, pending_epochs, detect_ns: int = 0) -> dict:
         "cleared_ns": t_cleared, "tails_ns": t_tails,
         "resumed_ns": now_ns(), "pages_checked": checked, "pages_bad": bad,
         "pages_interrupted": int(len(odd)), "pages_copied": copied,
+        "tails_dropped": sum(1 for p in plans if p.tail_dropped),
+        "prompts_realigned": sum(1 for p in plans if p.realigned),
         "pages_quarantined": len(engine.quarantined), "requests_finished": len(finished),
         "requests_resumable": classes["resumable"], "requests_damaged": classes["damaged"],
         "requests_lost": classes["lost"], "tokens_recomputed": recomputed,
@@ -166,6 +172,25 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int) -> tu
     return len(ids), bad
 
 
+def _realign_unsampled_prompt(engine, plan: RequestPlan) -> None:
+    """A death after the KV pages of a prompt's last chunk were published but before its first
+    token was: the pages cover the whole prompt, and `kv_valid` (never the last journal token)
+    would leave the prompt's last position alone to recompute, as a one-token row. A runner
+    computes such a row the decode way (on CUDA: the paged decode kernel and the decode
+    graph's GEMM shapes), not as the prefill chunk it was part of, so its KV and the first
+    token's logits could differ in the last bits from an uninterrupted run's, and with them
+    every sampled token after. Recompute the whole last chunk instead (at most one prefill
+    chunk): the same chunk, cut at the same position, through the same path."""
+    e = plan.entry
+    if plan.first_bad is not None or e.num_generated != e.num_prefix or e.num_tokens < 2:
+        return                                  # a token was sampled: the last one is a decode row
+    if plan.valid_tokens < e.num_tokens:
+        return                                  # the last chunk is not all there: recomputed anyway
+    chunk = engine.scheduler.prefill_chunk
+    plan.valid_tokens = (e.num_tokens - 1) // chunk * chunk
+    plan.realigned = True
+
+
 def _clear_unkept(engine, records, kept: set[int], pending: set[int]) -> dict[int, int]:
     """Release or quarantine every page no live request keeps. Returns {page: writer epoch}."""
     used = ((records["owner"] != 0) | ((records["flags"] & (PageFlag.QUARANTINED | PageFlag.BAD)) != 0))
@@ -184,13 +209,23 @@ def _place_tail(engine, plan: RequestPlan, records, pending: set[int]):
     """Where a partially filled last page continues: (page, tokens, copied?) or None.
 
     If its writer may still be running, the committed rows go to a fresh page and the
-    old one is quarantined; otherwise it is claimed in place."""
+    old one is quarantined; otherwise it is claimed in place. With no free page left for
+    the copy (a full pool: every other page is kept or quarantined), the tail is given
+    up instead: the old page is quarantined all the same and its rows are recomputed from
+    the journal (`tail_dropped`), like the rest of a damaged request. Failing the takeover
+    instead would cost the standby and leave half-repaired tables to the next executor."""
     full, rest = divmod(plan.kv_valid, engine.page_tokens)
     if not rest:
         return None
     src = plan.pages[full]
     if int(records["epoch"][src]) not in pending:
         return src, rest, False
+    if not engine.blocks.allocator.can_allocate(1):
+        engine.page_table.quarantine([src])
+        engine.quarantined[src] = int(records["epoch"][src])
+        plan.valid_tokens = full * engine.page_tokens
+        plan.tail_dropped = True
+        return None
     dst = engine.blocks.allocator.allocate(1)[0]
     engine.kv.copy_tokens(src, dst, rest)
     engine.page_table.quarantine([src])

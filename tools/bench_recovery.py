@@ -64,6 +64,7 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
     if zygote:   # measure the zygote path, not the cold fallback used while it starts
         sc.wait_for(lambda st: (st.get("zygote") or {}).get("ready"), timeout=600)
     total = sum(len(r) for r in reference)
+    started_ns = time.monotonic_ns()
     threshold = rng.randrange(len(requests), max(len(requests) + 1, total * 3 // 4))
     kill: dict = {}
     streamed = [0]
@@ -104,6 +105,9 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
         "kv_mode": rec.get("kv_mode", "native"),
         "pages_checked": rec["pages_checked"], "pages_bad": rec["pages_bad"],
         "pages_copied": rec["pages_copied"], "pages_quarantined": rec.get("pages_quarantined", 0),
+        "tails_dropped": rec.get("tails_dropped", 0), "requests_finished": rec.get("requests_finished", 0),
+        "fences": [{"pid": e["pid"], "reason": e.get("reason")} for e in st["events"]
+                   if e["kind"] == "fence" and e["ns"] >= started_ns],   # this run's: a hang shows here
         "tokens_recomputed": rec["tokens_recomputed"],
         "tokens_kept": rec["tokens_kept"], "requests_resumable": rec["requests_resumable"],
         "requests_damaged": rec["requests_damaged"], "requests_lost": rec["requests_lost"],
@@ -146,15 +150,23 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
         flags += ["--backend", "cuda"]
     if args.kv_memory:
         flags += ["--kv-memory", args.kv_memory]
+    if args.kv_pages:
+        flags += ["--kv-pages", str(args.kv_pages)]
+    for name in ("page_tokens", "prefill_chunk", "lease_ms"):
+        if getattr(args, name):
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     rng = random.Random(args.seed)
     log_path = args.out.with_suffix(f".{tier}.log")
     log_path.unlink(missing_ok=True)          # one run per log: SidecarProcess appends
     with SidecarProcess(flags, log_path=log_path) as sc:
         sc.wait_steady(standbys=standbys, timeout=1200)
         with sc.new_client(timeout=600) as client:
-            t0 = time.monotonic()
+            t0, t0_ns = time.monotonic(), time.monotonic_ns()
             reference = [r.token_ids for r in run_set(client, requests)]
             ref_s = time.monotonic() - t0
+            # a reference that went through a takeover (e.g. a hang fence) is worth knowing
+            ref_fences = [{"pid": e["pid"], "reason": e.get("reason")} for e in sc.status()["events"]
+                          if e["kind"] == "fence" and e["ns"] >= t0_ns]
             samples = []
             for i in range(kills):
                 samples.append(one_kill(sc, client, requests, reference, rng, standbys, tier == "zygote"))
@@ -165,7 +177,8 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
                       f"(resumed {s['resumed_ms']:.1f}), recomputed {s['tokens_recomputed']}, "
                       f"identical {s['outputs_identical']}", file=sys.stderr, flush=True)
         executors = sc.status()["executors"]
-    return {"reference_run_s": ref_s, "summary": summarize(samples), "samples": samples,
+    return {"reference_run_s": ref_s, "reference_fences": ref_fences, "summary": summarize(samples),
+            "samples": samples,
             "executors_at_end": executors}
 
 
@@ -210,6 +223,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--kv-memory", default=None)
+    p.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages (pressure: preemption)")
+    p.add_argument("--page-tokens", type=int, default=None, help="the sidecar's --page-tokens")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="the sidecar's --prefill-chunk")
+    p.add_argument("--lease-ms", type=int, default=None,
+                   help="the sidecar's heartbeat lease (short: slow steps get fenced for a hang)")
     p.add_argument("--log-level", default="WARNING", help="the sidecar's and executors' log level (log per tier)")
     p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
                    help="the sidecar's --kv-mode: foreign recovers through the KV mirror")
