@@ -236,7 +236,7 @@ class CudaRunner:
         `after_forward(plan)` runs once a decode step's forward is queued, before the read-back."""
         if not plan or any(p.n != 1 for p in plan) or len(plan) > self.max_batch:
             logits = self.run(plan, beat)
-            return (sample(logits, sampling) if sampling else []), {}
+            return (sample(logits, sampling, self.max_batch) if sampling else []), {}
         logits, out = self._decode(plan)
         if after_forward is not None:
             after_forward(plan)          # queued behind the forward; the read-back waits for it too
@@ -244,7 +244,7 @@ class CudaRunner:
         greedy, hashes = host[0].tolist(), host[1]
         hot = [i for i, p in enumerate(plan) if p.samples and p.seq.temperature > 0]
         if hot:
-            for i, token in zip(hot, sample(logits[hot], [plan[i].seq for i in hot])):
+            for i, token in zip(hot, sample(logits[hot], [plan[i].seq for i in hot], self.max_batch)):
                 greedy[i] = token
         tokens = [greedy[i] for i, p in enumerate(plan) if p.samples]
         if self.hasher is None:

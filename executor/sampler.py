@@ -27,17 +27,39 @@ def uniform(seed: int, position: int) -> float:
     return (splitmix64(splitmix64(seed) ^ position) >> 11) / float(1 << 53)
 
 
-def sample(logits: torch.Tensor, seqs) -> list[int]:
-    """One token per row of `logits` [B, V] for the matching sequences."""
+def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
+    """One token per row of `logits` [B, V] for the matching sequences.
+
+    `pad_rows`: on a GPU, how the reductions over the vocabulary (sums, prefix sums) split
+    their work, and so how they round, depends on how many rows are reduced together. Rows
+    that sample with a temperature are therefore sampled in groups of exactly `pad_rows` rows
+    (the runner's batch; the last group padded), so a row's token never depends on how many
+    others sample beside it."""
     if logits.device.type == "cpu":
         logits = logits.to(torch.float64)
     else:
         logits = logits.float()
     tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
     rows = [i for i, s in enumerate(seqs) if s.temperature > 0]
-    if rows:
+    if rows and (logits.device.type == "cpu" or pad_rows <= 0):
         tokens[rows] = _sample_rows(logits[rows], [seqs[i] for i in rows])
+    elif rows:                  # groups of exactly pad_rows rows, the last one padded
+        for start in range(0, len(rows), pad_rows):
+            group = rows[start:start + pad_rows]
+            hot = logits[group]
+            if len(group) < pad_rows:
+                hot = torch.cat([hot, hot.new_zeros(pad_rows - len(group), hot.shape[1])])
+            picked = _sample_rows(hot, [seqs[i] for i in group] + [_PAD] * (pad_rows - len(group)))
+            tokens[group] = picked[:len(group)]
     return tokens.tolist()
+
+
+class _Pad:
+    """A padding row's sampling parameters (its token is discarded)."""
+    temperature, top_k, top_p, seed, num_generated = 1.0, 0, 1.0, 0, 0
+
+
+_PAD = _Pad()
 
 
 def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
