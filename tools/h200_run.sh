@@ -76,6 +76,17 @@ final)     # mirror cost, recovery through the mirror, and the native standby ti
       --out "$OUT/recovery_cuda_standby_check.json" 2>&1 | tail -12
   gzip -f "$OUT"/*.log 2>/dev/null
   ;;
+last)      # GPU tests of the newest paths, mirror cost, a short native standby run on a cold machine
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_sampler.py tests/test_gpu.py \
+      tests/test_bridge_foreign_pool.py -k "sampled or runner or decode_step or bf16" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 75 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches ${MIRROR_BATCHES:-8,64} --rounds 2 \
+      --out "$OUT/mirror_cuda.json" 2>&1 | tail -4
+  timeout $((${BUDGET_S:-290} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 \
+      --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --tiers standby \
+      --log-level INFO --kills ${KILLS:-3} --out "$OUT/recovery_cuda_last.json" 2>&1 | tail -12
+  gzip -f "$OUT"/*.log 2>/dev/null
+  ;;
 recovery)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
