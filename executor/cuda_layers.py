@@ -55,9 +55,12 @@ class _Projection:
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None):
         self.fused = adjacent_view(weights)
         self.parts = weights
-        self.bias = None if biases is None else (adjacent_view(biases) if adjacent_view(biases) is not None
-                                                 else torch.cat(biases))   # biases are tiny
         self.bias_parts = biases
+        self.bias = None
+        if biases is not None:
+            self.bias = adjacent_view(biases)
+            if self.bias is None:
+                self.bias = torch.cat(biases)          # biases are tiny
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:

@@ -197,15 +197,9 @@ class Engine:
         pages = np.fromiter(ends, dtype=np.int64, count=len(ends))
         counts = np.fromiter(ends.values(), dtype=np.int64, count=len(ends))
         starts = np.array([self.blocks.counts[p] for p in ends], dtype=np.int64)
-        known = np.array([counts[i] - starts[i] == 1 and p in hashes for i, p in enumerate(ends)], dtype=bool)
-        added = np.zeros(len(ends), dtype=np.uint64)
-        if known.any():                 # one new slot, hashed by the runner inside the step
-            added[known] = np.array([hashes[p] for p in pages[known].tolist()], dtype=np.int64).view(np.uint64)
-        if not known.all():
-            rest, dev = ~known, self.device
-            added[rest] = to_u64(self.checksum.ranges(torch.from_numpy(pages[rest]).to(dev),
-                                                      torch.from_numpy(starts[rest]).to(dev),
-                                                      torch.from_numpy(counts[rest]).to(dev)))
+        dev = self.device
+        added = to_u64(self.checksum.ranges(torch.from_numpy(pages).to(dev), torch.from_numpy(starts).to(dev),
+                                            torch.from_numpy(counts).to(dev)))
         old = np.array([self.blocks.checksums[p] for p in ends], dtype=np.uint64)
         with np.errstate(over="ignore"):
             new_checksums = old + added

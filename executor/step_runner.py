@@ -57,18 +57,17 @@ class CpuRunner:
         return self.model.forward(step, self.kv)
 
     def run_and_sample(self, plan, sampling, beat=None, after_forward=None) -> tuple[list[int], dict[int, int]]:
-        """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
-        one slot a decode row wrote there}), as executor.cuda_runner does on a GPU."""
+        """Run the step and pick its tokens; returns (tokens of `sampling`, and for a decode-only
+        step {page: hash of the one slot each row wrote there}), as executor.cuda_runner does."""
         logits = self.run(plan, beat)
         self.queued_ns = time.monotonic_ns()
         if after_forward is not None:
             after_forward(plan)
         tokens = sample(logits, sampling) if sampling else []
-        decode = [p for p in plan if p.n == 1]
-        if not decode:
+        if not plan or any(p.n != 1 for p in plan):      # only decode steps, as on a GPU
             return tokens, {}
         pt = self.kv.page_tokens
-        pages = [p.seq.pages[p.seq.num_computed // pt] for p in decode]
-        slots = [p.seq.num_computed % pt for p in decode]
+        pages = [p.seq.pages[p.seq.num_computed // pt] for p in plan]
+        slots = [p.seq.num_computed % pt for p in plan]
         hashes = self.hasher.slots(torch.tensor(pages), torch.tensor(slots)).tolist()
         return tokens, dict(zip(pages, hashes))
