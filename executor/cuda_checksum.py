@@ -24,13 +24,17 @@ BLOCK = 1024
 @triton.jit
 def _range_hash_kernel(words_ptr, pages_ptr, starts_ptr, ends_ptr, out_ptr,
                        page_words, row_words, page_tokens, n_lkv, n_blocks,
-                       SEED: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, BLOCK: tl.constexpr):
+                       SEED: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, BLOCK: tl.constexpr,
+                       SINGLE: tl.constexpr):
     i = tl.program_id(0)
     lkv = tl.program_id(1)
     b = tl.program_id(2)
     page = tl.load(pages_ptr + i).to(tl.int64)
-    start = tl.load(starts_ptr + i)
-    end = tl.load(ends_ptr + i)
+    start = tl.load(starts_ptr + i).to(tl.int32)
+    if SINGLE:          # one slot per range: ends_ptr is not read
+        end = start + 1
+    else:
+        end = tl.load(ends_ptr + i).to(tl.int32)
     offs = b * BLOCK + tl.arange(0, BLOCK)
     mask = offs < (end - start) * row_words
     widx = (lkv * page_tokens + start) * row_words + offs
@@ -70,14 +74,27 @@ class TritonChecksum:
         ends = ends.to(device=dev, dtype=torch.int32)
         _range_hash_kernel[(n, self.n_lkv, self.n_blocks)](
             self.words, page_ids, starts, ends, out, self.page_words, self.row_words,
-            self.page_tokens, self.n_lkv, self.n_blocks, SEED=SEED, C1=C1, C2=C2, BLOCK=BLOCK)
+            self.page_tokens, self.n_lkv, self.n_blocks, SEED=SEED, C1=C1, C2=C2, BLOCK=BLOCK, SINGLE=False)
         return out.view(n, -1).sum(dim=1)
 
     def pages(self, page_ids, num_tokens) -> torch.Tensor:
         return self.ranges(page_ids, torch.zeros_like(num_tokens), num_tokens)
 
     def slots(self, page_ids, slots) -> torch.Tensor:
-        return self.ranges(page_ids, slots, slots + 1)
+        """One slot of each page: a decode step's commit, hashed inside its CUDA graph. Only
+        the blocks one slot spans are launched, and no index is converted first (int32 or
+        int64 indices are read as they are): one launch plus the sum."""
+        n = len(page_ids)
+        dev = self.words.device
+        n_blocks = triton.cdiv(self.row_words, BLOCK)
+        out = torch.empty((n, self.n_lkv, n_blocks), dtype=torch.int64, device=dev)
+        if n == 0:
+            return out.view(0)
+        page_ids, slots = page_ids.to(device=dev), slots.to(device=dev)
+        _range_hash_kernel[(n, self.n_lkv, n_blocks)](
+            self.words, page_ids, slots, slots, out, self.page_words, self.row_words,
+            self.page_tokens, self.n_lkv, n_blocks, SEED=SEED, C1=C1, C2=C2, BLOCK=BLOCK, SINGLE=True)
+        return out.view(n, -1).sum(dim=1)
 
 
 @triton_aot.warm_up
@@ -85,3 +102,5 @@ def _aot_shapes(shapes) -> None:
     pool = triton_aot.meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
     one = triton_aot.meta((1,), torch.int64)
     TritonChecksum(pool).ranges(one, one, one)
+    staged = triton_aot.meta((4, shapes.max_batch), torch.int64)     # CudaRunner's pages and slots rows
+    TritonChecksum(pool).slots(staged[2], staged[3])

@@ -10,10 +10,18 @@ a GPU step that is bound by reading weights:
   adjacent (weights loaded tensor by tensor), each projection runs on its own and
   the outputs are concatenated (activations only; weights are never copied).
 * o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
+* A decode batch of at most 64 rows runs its projections on executor.cuda_gemm's
+  kernel, which streams each weight once; prefill chunks run on cuBLAS.
 * RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
   each (executor.cuda_kernels).
+* A decode step's attention applies RoPE and stores the keys and values itself
+  (executor.cuda_attention.rope_decode_attention): 8 launches per layer instead of 9.
+  Folding RMSNorm into the next GEMM as well (row sums of squares left by the GEMM
+  that wrote the residual, the norm applied to each x tile in the K loop) was tried
+  and made the GEMMs 38% slower on the H200 (x no longer feeds the tensor cores
+  straight from the pipelined loads): bench/results/decode_cuda_norm_folded.json.
 
-Nine launches per layer instead of about forty. Enabled on every CUDA device unless
+Eight launches per decode layer (nine per prefill layer) instead of about forty. Enabled on every CUDA device unless
 KVHOLD_FUSED=0 (which tools/bench_decode uses to measure the unfused baseline).
 """
 from __future__ import annotations
@@ -23,6 +31,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from executor import cuda_gemm
+from executor.cuda_gemm import add_linear_, linear
 from executor.cuda_kernels import rmsnorm, rope_and_store, silu_mul
 
 
@@ -64,7 +74,7 @@ class _Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            return F.linear(x, self.fused, self.bias)
+            return linear(x, self.fused, self.bias)
         biases = self.bias_parts or [None] * len(self.parts)
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.parts, biases)], dim=-1)
 
@@ -94,20 +104,36 @@ class FusedLayers:
     def fused_gemms(self) -> bool:
         return all(qkv.fused is not None and gu.fused is not None for _, qkv, _, _, gu, _ in self.layers_w)
 
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(h, self.norm, self.eps)
+    def batch_invariant(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows runs every projection on executor.cuda_gemm's
+        kernel (whose rows come out the same at any row count)."""
+        spec = self.spec
+        hidden, q = spec.hidden_size, spec.num_heads * spec.head_dim
+        qkv = q + 2 * spec.num_kv_heads * spec.head_dim
+        shapes = ((qkv, hidden), (hidden, q), (2 * spec.intermediate_size, hidden),
+                  (hidden, spec.intermediate_size), (self.model.lm_head.shape[0], hidden))
+        return (cuda_gemm.enabled() and self.fused_gemms and not spec.attention_bias
+                and self.model.dtype in (torch.bfloat16, torch.float16)
+                and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
 
-    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend) -> torch.Tensor:
+    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None) -> torch.Tensor:
+        """As LlamaModel.layers; with `attend_qkv(layer, qkv)`, attention also applies RoPE and
+        stores the step's keys and values itself (executor.cuda_attention.rope_decode_attention)."""
         spec, model = self.spec, self.model
         t = token_ids.shape[0]
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = model.w["model.embed_tokens.weight"][token_ids].to(model.dtype)
         for layer, (ln1, qkv_proj, o_w, ln2, gate_up, down_w) in enumerate(self.layers_w):
             qkv = qkv_proj(rmsnorm(h, ln1, self.eps))
-            rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
-                           heads, kv_heads, dim)
-            q = qkv[:, :heads * dim].view(t, heads, dim)
-            attn = attend(layer, q)
-            h.addmm_(attn.reshape(t, -1), o_w.t())
-            h.addmm_(silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w.t())
+            if attend_qkv is not None:
+                attn = attend_qkv(layer, qkv)
+            else:
+                rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
+                               heads, kv_heads, dim)
+                attn = attend(layer, qkv[:, :heads * dim].view(t, heads, dim))
+            add_linear_(h, attn.reshape(t, -1), o_w)
+            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w)
         return h
+
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return linear(rmsnorm(h, self.norm, self.eps), head)

@@ -1,15 +1,26 @@
 """CudaRunner: one scheduled step on a GPU, shaped so that results do not depend on
 what else is in the batch.
 
-* Decode tokens (one new token per sequence) run as one batch padded to exactly
-  `max_batch` rows, every step: every GEMM sees the same shape, so each row's
-  arithmetic is the same whatever the other rows hold, and the whole decode
-  forward is captured once as a CUDA graph against the shared pool's stable
-  addresses and replayed. Attention reads pages in place (executor.cuda_attention).
+* Decode tokens (one new token per sequence) run as one batch padded to a bucket of
+  rows (16, 32, 64 up to `max_batch`; executor.cuda_gemm.decode_buckets), each bucket's
+  forward captured once as a CUDA graph against the shared pool's stable addresses and
+  replayed. Every kernel of the step computes a row the same way at every bucket (the
+  projections run on executor.cuda_gemm's kernel), so each row's arithmetic is the same
+  whatever the other rows hold. Where that kernel does not apply (no fused layers, fp32,
+  projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
+  holds because every GEMM always sees the same shape. Attention reads pages in place
+  (executor.cuda_attention).
 * Prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
-  rows, chunk boundaries at fixed positions (the scheduler keeps them aligned).
+  rows, chunk boundaries at fixed positions (the scheduler keeps them aligned). Their
+  attention's keys are padded (zeros, masked) to a multiple of the chunk, so there are
+  only max_seq_len / prefill_chunk attention shapes, and warm-up runs each once. The
+  attention runs on PyTorch's memory-efficient kernel, not cuDNN (torch's default on the
+  H200): cuDNN's first call took 1.6 s and each new key length 50-70 ms to build a plan
+  (tools/probe_prefill_attention, bench/results/prefill_attention_cuda.json), enough for
+  an executor's first prefills to miss heartbeats and be fenced for a hang; the
+  memory-efficient kernel took 38 ms once, then 0.2 ms at any new length.
 Padding rows write their keys/values into the reserved null page 0 and are ignored.
-The graph is captured by a standby during warm-up; capture runs no kernel. An
+The graphs are captured by a standby during warm-up; capture runs no kernel. An
 executor forked to take over at once (no standby was ready) defers the capture
 to a later step and decodes eagerly until then: the same kernels, bit-identical.
 """
@@ -20,9 +31,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from executor.cuda_attention import paged_decode_attention
+from executor.cuda_attention import paged_decode_attention, rope_decode_attention
 from executor.cuda_checksum import TritonChecksum
+from executor.cuda_gemm import decode_buckets
 from executor.kv_cache import KvCache
 from executor.llama import LlamaModel
 from executor.page_allocator import NULL_PAGE
@@ -30,6 +43,7 @@ from executor.sampler import sample
 from executor.step_runner import positions_of
 
 log = logging.getLogger(__name__)
+PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]     # not cuDNN: see the docstring
 
 
 class CudaRunner:
@@ -38,7 +52,11 @@ class CudaRunner:
         self.model, self.kv = model, kv
         self.device = model.device
         self.max_batch = max_batch
+        fused = model.fused
+        self.buckets = (decode_buckets(max_batch) if fused is not None and fused.batch_invariant(max_batch)
+                        else [max_batch])
         self.prefill_chunk = prefill_chunk
+        self.max_seq_len = min(max_pages_per_seq * kv.page_tokens, model.cos.shape[0])
         self.use_graph = use_graph
         dev, b = self.device, max_batch
         # A decode step's inputs, staged in pinned host memory and sent in two copies:
@@ -56,24 +74,31 @@ class CudaRunner:
         # The commit's checksums of the slots a decode step writes, computed inside the step
         # (graph) right after the forward: the commit then reads them back with the tokens.
         self.hasher = TritonChecksum(kv.pool) if slot_hashes else None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_logits: torch.Tensor | None = None
-        self.graph_out: torch.Tensor | None = None
+        # bucket -> (graph, its logits [bucket, vocab], its out [2, bucket])
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._capture_failed = False
         self.scale = model.spec.head_dim ** -0.5
         self.queued_ns = 0
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def _decode_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [b, vocab] and out [2, b] int64: each row's greedy token and the hash of
-        the KV slot it wrote (zeros without slot hashes)."""
-        h = self.model.layers(self.ids, self.positions, self.pages, self.slots, self.kv,
-                              lambda layer, q: paged_decode_attention(q, self.kv.pool, layer, self.table,
-                                                                      self.ctx, self.scale))
+    def _decode_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `rows` staged rows: logits [rows, vocab] and out [2, rows] int64, each
+        row's greedy token and the hash of the KV slot it wrote (zeros without slot hashes)."""
+        pages, slots, table, ctx = self.pages[:rows], self.slots[:rows], self.table[:rows], self.ctx[:rows]
+        model, pool, positions = self.model, self.kv.pool, self.positions[:rows]
+        if model.fused is not None:         # RoPE and the KV store inside the attention kernel
+            spec = model.spec
+            h = model.fused.layers(self.ids[:rows], positions, pages, slots, self.kv, None, lambda layer, qkv:
+                                   rope_decode_attention(qkv, model.cos, model.sin, positions, pages, slots, pool,
+                                                         layer, table, ctx, self.scale, spec.num_heads,
+                                                         spec.num_kv_heads))
+        else:
+            h = model.layers(self.ids[:rows], positions, pages, slots, self.kv,
+                             lambda layer, q: paged_decode_attention(q, pool, layer, table, ctx, self.scale))
         logits = self.model.logits(h)
         greedy = torch.argmax(logits, dim=-1)       # the sampler's greedy rule: first maximum wins
-        hashes = (self.hasher.ranges(self.pages, self.slots, self.slots + 1) if self.hasher is not None
+        hashes = (self.hasher.slots(pages, slots) if self.hasher is not None
                   else torch.zeros_like(greedy))
         return logits, torch.stack([greedy, hashes])
 
@@ -114,10 +139,12 @@ class CudaRunner:
 
         self._reset_padding()
         for _ in range(1 if urgent else 2):
-            self._decode_forward()
+            for rows in self.buckets:
+                self._decode_forward(rows)
         lap("decode_warm_up")
         if not urgent:
-            self._prefill(self._padding_chunk())
+            for keys in range(self.prefill_chunk, self.max_seq_len + self.prefill_chunk, self.prefill_chunk):
+                self._prefill(self._padding_chunk(max(self.prefill_chunk, min(keys, self.max_seq_len))))
             lap("prefill_warm_up")
             self.capture()
             lap("graph_capture")
@@ -125,51 +152,61 @@ class CudaRunner:
 
     @property
     def capture_pending(self) -> bool:
-        return self.use_graph and self.graph is None and not self._capture_failed
+        return self.use_graph and not self.graphs and not self._capture_failed
 
     def capture(self) -> None:
-        """Capture the decode forward as a graph, and launch it once. Safe between steps of an
-        active executor: the warm-up pass and that launch see padding rows only (they write
-        only the null page), and capture itself runs no kernel."""
+        """Capture each bucket's decode forward as a graph (largest first, one memory pool),
+        and launch each once. Safe between steps of an active executor: the warm-up passes
+        and those launches see padding rows only (they write only the null page), and
+        capture itself runs no kernel."""
         if not self.capture_pending:
             return
         self._reset_padding()
+        graphs = {}
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._decode_forward()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.graph_logits, self.graph_out = self._decode_forward()
-            graph.replay()          # the first launch uploads the graph: not in a takeover's first step
+            pool = torch.cuda.graph_pool_handle()
+            for rows in sorted(self.buckets, reverse=True):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._decode_forward(rows)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, out = self._decode_forward(rows)
+                graph.replay()      # the first launch uploads the graph: not in a takeover's first step
+                graphs[rows] = (graph, logits, out)
             torch.cuda.synchronize()
-            self.graph = graph
+            self.graphs = graphs
         except Exception as exc:  # capture is an optimisation: eager decode is correct
             log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             self._capture_failed = True
-            self.graph = None
+            self.graphs = {}
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
 
     def _decode(self, items) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(items)
         self._stage(items)
-        if self.graph is not None:
-            self.graph.replay()
-            logits, out = self.graph_logits, self.graph_out
+        rows = self.bucket(n)
+        if rows in self.graphs:
+            graph, logits, out = self.graphs[rows]
+            graph.replay()
         else:
-            logits, out = self._decode_forward()
+            logits, out = self._decode_forward(rows)
         self.queued_ns = time.monotonic_ns()
         return logits[:n], out[:, :n]
 
-    def _padding_chunk(self):
+    def _padding_chunk(self, context: int):
+        """The last chunk of a `context`-token prompt, all on the null page."""
         from executor.scheduler import Scheduled
         from executor.sequence import Sequence
 
         n, pt = self.prefill_chunk, self.kv.page_tokens
-        seq = Sequence(slot=-1, request_id=0, prompt_len=n, tokens=[0] * n, max_tokens=1, seed=0,
+        seq = Sequence(slot=-1, request_id=0, prompt_len=context, tokens=[0] * context, max_tokens=1, seed=0,
                        temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True,
-                       pages=[NULL_PAGE] * -(-n // pt))
+                       num_computed=context - n, pages=[NULL_PAGE] * -(-context // pt))
         return Scheduled(seq, n)
 
     # ------------------------------------------------------------------ prefill
@@ -185,15 +222,17 @@ class CudaRunner:
         pages_t = torch.tensor(pages + [NULL_PAGE] * pad, device=dev)
         slots_t = torch.tensor(slots + [0] * pad, device=dev)
         context = seq.num_computed + n
+        keys = -(-context // c) * c            # padded: one attention shape per chunk index
         seq_pages = torch.tensor(seq.pages, device=dev)
         first = seq.num_computed
-        key_pos = torch.arange(context, device=dev)
+        key_pos = torch.arange(keys, device=dev)
         query_pos = first + torch.arange(c, device=dev)
         mask = (key_pos[None, :] <= query_pos[:, None]) | (torch.arange(c, device=dev) >= n)[:, None]
         group = self.model.group
 
         def attend(layer, q):
             k, v = self.kv.gather(layer, seq_pages, context, q.dtype)
+            k, v = (F.pad(x, (0, 0, 0, 0, 0, keys - context)) for x in (k, v))
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
@@ -201,7 +240,8 @@ class CudaRunner:
                                                  v.transpose(0, 1)[None], attn_mask=mask[None, None])
             return out[0].transpose(0, 1)
 
-        h = self.model.layers(ids_t, pos_t, pages_t, slots_t, self.kv, attend)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            h = self.model.layers(ids_t, pos_t, pages_t, slots_t, self.kv, attend)
         return self.model.logits(h[n - 1:n])
 
     # ------------------------------------------------------------------ step

@@ -136,9 +136,10 @@ class LlamaModel:
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.fused.final_norm(h) if self.fused is not None else self._rmsnorm(h, "model.norm.weight")
         head = self.lm_head if self.lm_head.dtype == self.dtype else self.lm_head.to(self.dtype)
-        return F.linear(h, head)
+        if self.fused is not None:
+            return self.fused.logits(h, head)
+        return F.linear(self._rmsnorm(h, "model.norm.weight"), head)
 
     def _attention(self, layer: int, q: torch.Tensor, step: StepInput, kv: KvCache) -> torch.Tensor:
         out = torch.empty_like(q)

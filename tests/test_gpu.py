@@ -51,6 +51,10 @@ def test_triton_checksum_is_bit_identical_to_the_cpu_definition(dtype):
     a = to_u64(TritonChecksum(pool).ranges(ids, starts, ends))
     b = to_u64(TorchChecksum(pool_cpu).ranges(ids, starts, ends))
     assert list(a) == list(b)
+    slots = torch.tensor([2, 0, 4, 7, 15])          # one slot each: the decode commit's fast path
+    for index_dtype in (torch.int64, torch.int32):
+        fast = to_u64(TritonChecksum(pool).slots(ids.cuda(), slots.to(index_dtype).cuda()))
+        assert list(fast) == list(to_u64(TorchChecksum(pool_cpu).ranges(ids, slots, slots + 1)))
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
@@ -76,6 +80,35 @@ def test_paged_decode_attention_matches_a_dense_reference(dtype, atol):
         p = torch.softmax(torch.einsum("hd,khd->hk", q[b].float(), k) * d ** -0.5, -1)
         want = torch.einsum("hk,khd->hd", p, v)
         torch.testing.assert_close(out[b].float(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_rope_in_the_attention_kernel_stores_and_attends_as_the_two_kernels_do(dtype, atol):
+    from executor.cuda_attention import paged_decode_attention, rope_decode_attention
+    from executor.cuda_kernels import rope_and_store
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    pages, layers, pt, kvh, d, heads, batch = 40, 2, 16, 4, 64, 16, 4
+    pool = torch.randn(pages, layers, 2, pt, kvh, d, device="cuda", generator=g).to(dtype)
+    ctx = torch.tensor([1, 17, 64, 100], dtype=torch.int32, device="cuda")
+    table = torch.zeros(batch, 8, dtype=torch.int32, device="cuda")
+    perm = torch.randperm(39, device="cuda", generator=g) + 1
+    for b in range(batch):
+        n = (int(ctx[b]) + pt - 1) // pt
+        table[b, :n] = perm[b * 8:b * 8 + n]
+    positions = (ctx - 1).long()
+    wpages = table[torch.arange(batch, device="cuda"), (positions // pt)].long()
+    wslots = positions % pt
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    angles = torch.outer(torch.arange(128, device="cuda").float(), inv)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    qkv = torch.randn(batch, (heads + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
+    pool_two, qkv_two = pool.clone(), qkv.clone()
+    rope_and_store(qkv_two, cos, sin, positions, wpages, wslots, pool_two, 1, heads, kvh, d)
+    want = paged_decode_attention(qkv_two[:, :heads * d].view(batch, heads, d), pool_two, 1, table, ctx, d ** -0.5)
+    got = rope_decode_attention(qkv, cos, sin, positions, wpages, wslots, pool, 1, table, ctx, d ** -0.5, heads, kvh)
+    assert torch.equal(pool, pool_two)                 # the same k and v, to the bit, in the same slots
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,13 @@
 #                                  decode cost (batch 1, 8, 64), recovery through the mirror (KILLS, default 10)
 #   bash tools/h200_run.sh check   GPU tests, first-kernel probe, 8B decode cost and profile, mirror cost
 #   bash tools/h200_run.sh decode  GPU tests, then Llama-3-8B decode cost (fused vs eager layers) and profile
+#   bash tools/h200_run.sh gemm    prefill attention's first calls, the skinny GEMM's tile sweep, the GPU tests
+#   bash tools/h200_run.sh buckets GPU tests, Llama-3-8B decode cost (skinny GEMM vs cuBLAS) and profile
+#   bash tools/h200_run.sh final2  GPU tests, Llama-3-8B decode cost (skinny GEMM vs cuBLAS)
+#   bash tools/h200_run.sh recovery2  Llama-3-8B recovery, hot standby and zygote tiers, INFO logs kept
+#   bash tools/h200_run.sh mirror2 foreign-pool GPU tests, mirror cost at batch 8 and 64, recovery through the mirror
+#   bash tools/h200_run.sh final3  GPU tests, decode cost, a short hot-standby recovery run (pipelined commits)
+#   bash tools/h200_run.sh commitcost  decode at batch 8 and 64, commit on/off in ROUNDS alternating windows
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVHOLD_CACHE=/tmp/kvcache
@@ -86,6 +93,63 @@ last)      # GPU tests of the newest paths, mirror cost, a short native standby 
       --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --tiers standby \
       --log-level INFO --kills ${KILLS:-3} --out "$OUT/recovery_cuda_last.json" 2>&1 | tail -12
   gzip -f "$OUT"/*.log 2>/dev/null
+  ;;
+gemm)
+  timeout 100 python3 -m tools.probe_prefill_attention --out "$OUT/prefill_attention_cuda.json" 2>&1 | cut -c1-600
+  timeout 280 python3 -m tools.bench_gemm --sweep --out "$OUT/gemm_cuda.json" 2>&1 | tail -24
+  timeout $((${BUDGET_S:-580} - SECONDS)) python3 -m pytest -x -q -p no:cacheprovider tests/test_gpu.py 2>&1 \
+      | tail -15 | tee "$OUT/pytest_gpu.txt"
+  ;;
+buckets)  # decode buckets on the skinny GEMM: GPU tests, then Llama-3-8B decode cost and profile
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
+      2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --layers ${LAYERS:-fused,fused-cublas} --batches 1,8,64 \
+      --out "$OUT/decode_cuda.json" 2>&1 | tail -16
+  timeout $((${BUDGET_S:-580} - SECONDS)) python3 -m tools.profile_decode --model /tmp/l8b --layers fused \
+      --batches 8,64 --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -40
+  ;;
+final2)   # the final code: GPU tests, then Llama-3-8B decode cost (executor layers vs cuBLAS projections)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
+      -k "not recovery" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout $((${BUDGET_S:-300} - SECONDS)) python3 -m tools.bench_decode --model /tmp/l8b --layers fused,fused-cublas \
+      --batches 1,8,64 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda.json" 2>&1 | tail -20
+  ;;
+recovery2)   # Llama-3-8B recovery on the final code: hot standby (KILLS) and zygote (ZYGOTE_KILLS), INFO logs kept
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 \
+      --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB \
+      --kills ${KILLS:-20} --tiers ${TIERS:-standby,zygote} --zygote-kills ${ZYGOTE_KILLS:-3} --log-level INFO \
+      --out "$OUT/recovery_cuda.json" 2>&1 | tail -30
+  gzip -f "$OUT"/*.log 2>/dev/null
+  ;;
+mirror2)   # foreign-pool mode on the final code: GPU tests, mirror cost at batch 8 and 64, recovery through it
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bridge_foreign_pool.py tests/test_bridge_kv_mirror.py \
+      -m gpu 2>&1 | tail -12 | tee "$OUT/pytest_mirror_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 120 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 8,64 --rounds 2 \
+      --out "$OUT/mirror_cuda.json" 2>&1 | tail -6
+  timeout $((${BUDGET_S:-540} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --kv-mode foreign \
+      --requests 64 --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB \
+      --kills ${KILLS:-5} --tiers standby --log-level INFO --out "$OUT/recovery_cuda_foreign.json" 2>&1 | tail -14
+  gzip -f "$OUT"/*.log 2>/dev/null
+  ;;
+final3)   # the final code with pipelined commits: GPU tests, decode cost, a short hot-standby recovery run
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
+      2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout 120 python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 1,8,64 --rounds 3 \
+      --out "$OUT/decode_cuda.json" 2>&1 | tail -12
+  timeout $((${BUDGET_S:-440} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 \
+      --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB \
+      --kills ${KILLS:-8} --tiers standby --log-level INFO --out "$OUT/recovery_cuda_pipelined.json" 2>&1 | tail -14
+  gzip -f "$OUT"/*.log 2>/dev/null
+  ;;
+commitcost)   # decode at batch 8 and 64, commit on and off in ROUNDS alternating windows
+  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  timeout $((${BUDGET_S:-200} - SECONDS)) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 8,64 \
+      --rounds ${ROUNDS:-8} --out "$OUT/decode_cuda_commit_cost.json" 2>&1 | tail -12
   ;;
 recovery)
   [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1

@@ -1,0 +1,158 @@
+"""Benchmark: a decode step's weight GEMMs at small batch, cuBLAS against the skinny kernel.
+
+    python -m tools.bench_gemm --device cuda:0 [--rows 1,8,16,64] [--sweep]
+
+For each projection of a Llama-3-8B layer (q|k|v, o, gate|up, down; lm_head once) and
+each row count, one CUDA graph multiplies the rows by 32 distinct weight matrices, as
+the 32 layers of a step do (so the weights stream from HBM, not from L2), and is
+replayed: time per GEMM, and the bandwidth it reaches against the device's copy
+bandwidth. Implementations: cuBLAS through F.linear / addmm_ (torch's default BLAS
+library and cuBLASLt), and executor.cuda_gemm's kernel at its chosen tile sizes, or
+with --sweep over a grid of tile sizes, warps and pipeline stages (how those were
+chosen). Each kernel's output is checked against cuBLAS. Writes JSON under
+bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tools.bench_decode import copy_bandwidth
+
+# name: (N, K, adds into the residual)
+SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, True), "gate_up": (28672, 4096, False),
+          "down": (4096, 14336, True), "lm_head": (128256, 4096, False)}
+LAYERS = 32
+
+
+def time_graph(fn, replays: int = 20) -> float:
+    """Seconds per replay of a CUDA graph of fn() (which launches one GEMM per layer)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / replays
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--rows", default="1,8,16,64")
+    p.add_argument("--sweep-rows", default="8,64", help="row counts --sweep times the grid at")
+    p.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tile sizes, warps and stages at --sweep-rows (not for lm_head)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/gemm_cuda.json"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemm needs a CUDA device", file=sys.stderr)
+        return 2
+    from executor import cuda_gemm
+
+    dev = torch.device(args.device)
+    torch.cuda.set_device(dev)
+    bw = copy_bandwidth(args.device)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    sweep_rows = {int(r) for r in args.sweep_rows.split(",")}
+    results, gen = [], torch.Generator(device=dev).manual_seed(0)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name in args.shapes.split(","):
+        n, k, residual = SHAPES[name]
+        layers = 2 if name == "lm_head" else LAYERS
+        ws = [torch.randn((n, k), generator=gen, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        nbytes = n * k * 2
+
+        def record(impl, m, seconds, config=None, error=None, max_err=None, same_as_16_rows=None):
+            row = {"shape": name, "n": n, "k": k, "rows": m, "impl": impl, "config": config}
+            if seconds is not None:
+                row.update(us=round(seconds / layers * 1e6, 2),
+                           tb_per_s=round(nbytes * layers / seconds / 1e12, 3),
+                           of_copy_bw=round(nbytes * layers / seconds / bw, 3))
+            if max_err is not None:
+                row["max_rel_err_vs_cublas"] = max_err
+            if same_as_16_rows is not None:
+                row["rows_bit_identical_to_batch_8"] = same_as_16_rows
+            if error:
+                row["error"] = error
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+        def cublas_fn(x, h):
+            if residual:
+                return lambda: [h.addmm_(x, w.t()) for w in ws]
+            return lambda: [F.linear(x, w) for w in ws]
+
+        def skinny_fn(x, h, cfg):
+            if residual:
+                return lambda: [cuda_gemm.skinny(x, w, residual=h, out=h, **cfg) for w in ws]
+            return lambda: [cuda_gemm.skinny(x, w, **cfg) for w in ws]
+
+        def check(x, cfg):
+            ref = F.linear(x, ws[0]).float()
+            got = cuda_gemm.skinny(x, ws[0], **cfg).float()
+            return round(((got - ref).abs().max() / ref.abs().max()).item(), 5)
+
+        for m in rows_list:
+            x = torch.randn((m, k), generator=gen, device=dev, dtype=torch.bfloat16)
+            h = torch.randn((m, n), generator=gen, device=dev, dtype=torch.bfloat16)
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                record(lib, m, time_graph(cublas_fn(x, h)))
+            torch.backends.cuda.preferred_blas_library("cublas")
+            if m > cuda_gemm.MAX_ROWS:
+                continue
+            default = dict(block_n=cuda_gemm.BLOCK_N, block_k=cuda_gemm.BLOCK_K, num_warps=cuda_gemm.NUM_WARPS,
+                           num_stages=cuda_gemm.NUM_STAGES)
+            configs = [default]
+            if m > 16:              # the same arithmetic per row as at 16 rows: 16 rows per program
+                configs.append(dict(default, rows_per_program=16))
+            if args.sweep and m in sweep_rows and name != "lm_head":
+                configs += [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
+                            itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))]
+            for cfg in configs:
+                if n % cfg["block_n"] or k % cfg["block_k"]:
+                    continue
+                try:
+                    err = check(x, cfg)
+                    seconds = time_graph(skinny_fn(x, h, cfg))
+                    # does a row come out the same as it would in a batch of 8 (16 rows per program)?
+                    same = bool(torch.equal(cuda_gemm.skinny(x, ws[0], **cfg)[:min(m, 8)],
+                                            cuda_gemm.skinny(x[:8], ws[0], **dict(cfg, rows_per_program=16))[:m]))
+                    record("skinny", m, seconds, cfg, max_err=err, same_as_16_rows=same)
+                except Exception as exc:  # a tile that does not fit (shared memory): recorded, skipped
+                    record("skinny", m, None, cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
+        del ws
+        torch.cuda.empty_cache()
+    best = {}
+    for r in results:
+        if "us" in r:
+            key = f"{r['shape']}@{r['rows']}"
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python -m tools.bench_gemm " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+        "copy_bandwidth_tb_per_s": round(bw / 1e12, 3), "layers": LAYERS,
+        "best": best, "rows": results}, indent=1))
+    for key, r in best.items():
+        print(f"best {key:>12}: {r['impl']:>8} {r['us']:8.2f} us  {r['of_copy_bw']:.2f} of copy bw  {r.get('config')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
