@@ -9,6 +9,8 @@ sample, then commit in this order, each stage published before the next begins:
 The device work of the step is complete before stage 1 (tensors are read back to
 the host to compute the checksums). A token reaches a client only through the
 journal, i.e. after stage 2. Fault points mark the stage boundaries for crash tests.
+A decode-only step publishes its commit while the next step's forward runs
+(executor.pending_commit): same stages, same order, the GPU kept busy.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from executor.block_manager import BlockManager
 from executor.kv_cache import KvCache
 from executor.llama import LlamaModel
 from executor.page_allocator import PageAllocator
+from executor.pending_commit import PendingCommit
 from executor.sampler import sample
 from executor.step_runner import CpuRunner
 from executor.scheduler import Scheduled, Scheduler
@@ -38,6 +41,8 @@ _M64 = (1 << 64) - 1
 
 
 class Engine:
+    defer_publish = True        # a decode step's commit is published under the next forward
+
     def __init__(self, model: LlamaModel, kv: KvCache, tables: Tables, lease: Lease,
                  max_batch: int, max_batch_tokens: int, runner=None, checksum=None,
                  prefill_chunk: int | None = None, commit: bool = True):
@@ -64,6 +69,9 @@ class Engine:
         self._just_took_over = False
         self.first_step_marks: dict[str, int] = {}
         self._slot_hashes: dict[int, int] = {}     # page -> hash of the slot the runner saw written
+        self._pending: PendingCommit | None = None
+        self._published: list[int] = []            # slots a pending commit published, not yet reported
+        self.scheduler.on_preempt = self.publish_pending   # before a preemption frees any page
 
     # ------------------------------------------------------------------ admission
     def pending_admissions(self) -> np.ndarray:
@@ -93,17 +101,23 @@ class Engine:
         self.scheduler.add(seq)
 
     def cancel_requested(self) -> list[int]:
-        if not self.seqs:
-            return []
-        slots = np.fromiter(self.seqs, dtype=np.int64, count=len(self.seqs))
-        cancelled = slots[self.tables.requests["admit_state"][slots] == AdmitState.CANCELLED].tolist()
+        cancelled = self._cancelled()
+        if cancelled and self._pending is not None:
+            self.publish_pending()                  # its sequences' pages stay theirs until then
+            cancelled = self._cancelled()
         for slot in cancelled:
             self._finish(self.seqs[slot], FinishReason.CANCELLED)
         return cancelled
 
+    def _cancelled(self) -> list[int]:
+        if not self.seqs:
+            return []
+        slots = np.fromiter(self.seqs, dtype=np.int64, count=len(self.seqs))
+        return slots[self.tables.requests["admit_state"][slots] == AdmitState.CANCELLED].tolist()
+
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or len(self.pending_admissions()) > 0
+        return self.scheduler.has_work or self._pending is not None or len(self.pending_admissions()) > 0
 
     # ------------------------------------------------------------------ takeover
     def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
@@ -131,25 +145,62 @@ class Engine:
         t0 = now_ns()
         plan = self.scheduler.schedule(decode_only=first)
         self._just_took_over = False
+        decode_only = bool(plan) and all(p.n == 1 for p in plan)
+        if not decode_only:
+            self.publish_pending()      # the general commit path follows, or nothing runs
         if not plan:
-            return changed
+            return changed + self._take_published()
         sampling = [p.seq for p in plan if p.samples]
         tokens, self._slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat,
-                                                               after_forward=self.after_forward)
+                                                               after_forward=self._forward_queued)
+        self.publish_pending()          # where the runner did not call the hook
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
-        changed += self._commit(plan, sampling, tokens)
+        defer = self.defer_publish and decode_only and not first
+        changed += self._commit(plan, sampling, tokens, defer)
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
-        return changed
+        return changed + self._take_published()
+
+    def _forward_queued(self, plan: list[Scheduled]) -> None:
+        self.after_forward(plan)
+        self.publish_pending()          # the previous step's commit, while this forward runs
+
+    def flush(self) -> list[int]:
+        """Publish a pending commit now (a graceful stop); returns the slots that progressed."""
+        self.publish_pending()
+        return self._take_published()
+
+    def _take_published(self) -> list[int]:
+        published, self._published = self._published, []
+        return published
 
     def after_forward(self, plan: list[Scheduled]) -> None:
         """Runner hook: the step's device work is queued, its results not yet read back (the
         foreign-pool engine queues its KV mirror copy here, executor.foreign_pool)."""
 
+    def publish_pending(self) -> None:
+        """Publish a deferred decode commit (executor.pending_commit), in the commit's order."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        faults.point("commit_begin")
+        self.lease.check()
+        self.page_table.publish(pending.pages, pending.counts, pending.checksums, self.lease.epoch)
+        faults.point("commit_pages")
+        self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated)
+        faults.point("commit_journal")
+        for seq, reason in pending.finished:
+            self._release(seq, reason)
+        faults.point("commit_finish")
+        self._published.extend(pending.slots.tolist())
+
     # ------------------------------------------------------------------ commit
-    def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> list[int]:
+    def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int],
+                defer: bool = False) -> list[int]:
+        if defer and self.commit and self._defer(plan, sampling, tokens):
+            return []
         faults.point("commit_begin")
         if not self.commit:                     # benchmark baseline: nothing published
             for p in plan:
@@ -212,6 +263,17 @@ class Engine:
     def _publish_slots(self, plan: list[Scheduled], hashes: dict[int, int]) -> bool:
         """The decode-step case of _publish_pages: each row wrote the next slot of one page and
         the runner hashed it. Returns False (nothing published) if a row does not fit that."""
+        update = self._slot_update(plan, hashes)
+        if update is None:
+            return False
+        self.lease.check()
+        self.page_table.publish(*update, self.lease.epoch)
+        self._keep(*update)
+        return True
+
+    def _slot_update(self, plan: list[Scheduled], hashes: dict[int, int]):
+        """(pages, counts, checksums) a decode step's commit publishes, or None if a row did not
+        write the next slot of one page, hashed by the runner."""
         pt, counts, sums = self.page_tokens, self.blocks.counts, self.blocks.checksums
         pages, new_counts, new_sums = [], [], []
         for p in plan:
@@ -219,16 +281,43 @@ class Engine:
             page = s.pages[s.num_computed // pt] if p.n == 1 else -1
             h = hashes.get(page)
             if h is None or counts[page] != s.num_computed % pt:
-                return False
+                return None
             pages.append(page)
             new_counts.append(counts[page] + 1)
             new_sums.append((sums[page] + h) & _M64)
-        self.lease.check()
-        self.page_table.publish(np.array(pages, dtype=np.int64), np.array(new_counts, dtype=np.uint32),
-                                np.array(new_sums, dtype=np.uint64), self.lease.epoch)
-        for page, count, checksum in zip(pages, new_counts, new_sums):
-            sums[page] = checksum
-            counts[page] = count
+        return (np.array(pages, dtype=np.int64), np.array(new_counts, dtype=np.uint32),
+                np.array(new_sums, dtype=np.uint64))
+
+    def _keep(self, pages: np.ndarray, counts: np.ndarray, checksums: np.ndarray) -> None:
+        """The engine's own copy of each page's committed (count, checksum)."""
+        for page, count, checksum in zip(pages.tolist(), counts.tolist(), checksums.tolist()):
+            self.blocks.checksums[page] = checksum
+            self.blocks.counts[page] = count
+
+    def _defer(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> bool:
+        """Advance the engine's state for a decode step and leave its publication pending
+        (executor.pending_commit); False (nothing done) if the step is not that shape."""
+        hashes, self._slot_hashes = self._slot_hashes, {}
+        update = self._slot_update(plan, hashes) if len(hashes) == len(plan) else None
+        if update is None:
+            self._slot_hashes = hashes
+            return False
+        self._keep(*update)
+        for p in plan:
+            p.seq.num_computed += p.n
+        slots = np.array([s.slot for s in sampling], dtype=np.int64)
+        positions = np.array([s.num_tokens for s in sampling], dtype=np.int64)
+        generated = np.array([s.num_generated + 1 for s in sampling], dtype=np.uint32)
+        finished = []
+        for seq, token in zip(sampling, tokens):
+            seq.tokens.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.remove(seq)          # released (pages freed) once published
+                finished.append((seq, reason))
+        self.tokens_generated += len(sampling)
+        self._pending = PendingCommit(*update, slots, positions, np.array(tokens, dtype=np.int32),
+                                      generated, finished)
         return True
 
     def _beat(self) -> None:
@@ -253,8 +342,12 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark a sequence that left the scheduler finished, then free its pages."""
         self.lease.check()
         self.journal.finish(seq.slot, reason)
-        self.scheduler.remove(seq)
         self.blocks.free(seq)
         del self.seqs[seq.slot]

@@ -177,6 +177,10 @@ class EngineWorkload:
             log.info("captured the deferred decode graph in %.0f ms", (time.monotonic() - t0) * 1e3)
         return slots
 
+    def flush(self) -> list[int]:
+        """Publish what the last step left pending (a graceful stop)."""
+        return self.engine.flush() if self.engine is not None else []
+
     def take_marks(self) -> dict:
         """The first step after a takeover: its parts (ns), once."""
         marks, self.engine.first_step_marks = self.engine.first_step_marks, {}

@@ -77,6 +77,7 @@ class PrivateBlocks:
 
 class ForeignEngine(Engine):
     """Engine over a private KV pool; `mirror` writes kvhold's pool (see module docstring)."""
+    defer_publish = False       # the mirror publishes from the plan as it stood: commit at once
 
     def __init__(self, model, private_kv: KvCache, tables, lease, max_batch: int,
                  max_batch_tokens: int, mirror: KvMirror, runner=None, checksum=None,

@@ -159,6 +159,7 @@ class ExecutorRuntime:
             while msg is not None:
                 if isinstance(msg, m.Shutdown):
                     log.info("shutdown requested: %s", msg.reason)
+                    self._flush(ctx, workload)
                     ctx.channel.send(m.Bye(slot=ctx.attached.slot, epoch=ctx.epoch, reason="shutdown"))
                     return EXIT_OK
                 handler = handlers.get(type(msg))
@@ -169,6 +170,7 @@ class ExecutorRuntime:
                 msg = ctx.channel.recv(0)
             if self.stop_reason:
                 log.info("stopping on %s", self.stop_reason)
+                self._flush(ctx, workload)
                 ctx.channel.send(m.Bye(slot=ctx.attached.slot, epoch=ctx.epoch, reason=self.stop_reason))
                 return EXIT_OK
             if self._sidecar_gone():
@@ -183,6 +185,20 @@ class ExecutorRuntime:
                     marks = workload.take_marks() if hasattr(workload, "take_marks") else {}
                     ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots,
                                                 marks=marks))
+
+    def _flush(self, ctx: ExecutorContext, workload) -> None:
+        """On a graceful stop, publish the commit the last step left pending (executor.pending_commit)
+        so that the successor need not recompute it."""
+        flush = getattr(workload, "flush", None)
+        if not self.active or flush is None:
+            return
+        try:
+            slots = flush()
+        except Exception as exc:  # fenced meanwhile: the successor recomputes the step
+            log.warning("pending commit not published on stop: %s", exc)
+            return
+        if slots:
+            ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots, marks={}))
 
     def _promote(self, ctx: ExecutorContext, workload, msg: m.Promote) -> None:
         if msg.epoch != ctx.epoch:

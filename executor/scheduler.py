@@ -46,6 +46,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_preempt = None          # called before a preemption frees pages (Engine publishes)
 
     @property
     def has_work(self) -> bool:
@@ -66,6 +67,8 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def preempt(self, seq: Sequence) -> None:
+        if self.on_preempt is not None:
+            self.on_preempt()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0

@@ -257,3 +257,94 @@ def test_death_between_a_prompts_pages_and_its_first_token_recomputes_the_last_c
         assert pool.outputs(ids) == reference
     finally:
         pool.close()
+
+
+def test_a_decode_commit_is_published_while_the_next_step_runs(model, reference):
+    """executor.pending_commit: a decode step's tokens and KV counts reach the tables when the
+    next step's forward is queued (or on flush), in the commit's order, and never later."""
+    pool = Pool(model, 64)
+    try:
+        engine = pool.engine()
+        engine.take_over([], 0)
+        ids = admit(pool.tables, REQUESTS)
+        while not engine.seqs or not all(s.num_generated >= 2 for s in engine.seqs.values()):
+            engine.step()
+        req, pages = pool.tables.requests, engine.page_table.pages
+
+        def published(seq):
+            tail = seq.pages[(seq.num_computed - 1) // PAGE_TOKENS]
+            return int(req["num_generated"][seq.slot]), int(pages["num_tokens"][tail])
+
+        def kept(seq):
+            tail = seq.pages[(seq.num_computed - 1) // PAGE_TOKENS]
+            return seq.num_generated, engine.blocks.counts[tail]
+
+        engine.step()                                   # a decode step: its commit is left pending
+        assert engine._pending is not None and engine.has_work
+        for seq in engine.seqs.values():                # one token and one KV slot behind
+            (tokens, slots), (want_tokens, want_slots) = published(seq), kept(seq)
+            assert tokens == want_tokens - 1 and slots == want_slots - 1
+        before = {seq.slot: kept(seq) for seq in engine.seqs.values()}
+        changed = engine.step()                         # publishes the previous step's commit
+        assert sorted(changed) == sorted(before)
+        for seq in engine.seqs.values():
+            assert published(seq) == before[seq.slot]
+        assert sorted(engine.flush()) == sorted(before) and engine._pending is None
+        for seq in engine.seqs.values():
+            assert published(seq) == kept(seq)
+        run_to_end(engine)
+        assert pool.outputs(ids) == reference
+    finally:
+        pool.close()
+
+
+def test_a_preemption_publishes_the_pending_commit_before_it_frees_pages(model, reference):
+    """Too few pages for the three requests: running sequences are preempted (their pages
+    freed and reused) while a decode commit may be pending; outputs must not change."""
+    pool = Pool(model, 1 + 6)
+    try:
+        engine = pool.engine()
+        engine.take_over([], 0)
+        ids = admit(pool.tables, REQUESTS)
+        publish, published = engine.publish_pending, [0]
+
+        def checked():          # every page a pending commit names is still its sequence's, as kept
+            pending = engine._pending
+            if pending is not None:
+                for page, count in zip(pending.pages.tolist(), pending.counts.tolist()):
+                    assert engine.blocks.counts.get(page) == count, f"page {page} changed hands"
+                published[0] += 1
+            publish()
+
+        engine.publish_pending = checked
+        run_to_end(engine, limit=2000)
+        assert engine.scheduler.num_preemptions > 0 and published[0] > 0
+        assert pool.outputs(ids) == reference
+    finally:
+        pool.close()
+
+
+def test_a_cancellation_publishes_the_pending_commit_before_finishing(model):
+    from ipc.layout import AdmitState, FinishReason
+
+    pool = Pool(model, 64)
+    try:
+        engine = pool.engine()
+        engine.take_over([], 0)
+        ids = admit(pool.tables, REQUESTS)
+        while not engine.seqs or not all(s.num_generated >= 2 for s in engine.seqs.values()):
+            engine.step()
+        engine.step()
+        assert engine._pending is not None
+        req = pool.tables.requests
+        slot = int((req["request_id"] == ids[0]).nonzero()[0][0])
+        generated = engine.seqs[slot].num_generated
+        req["admit_state"][slot] = AdmitState.CANCELLED
+        engine.step()
+        assert int(req["exec_state"][slot]) == ExecState.FINISHED
+        assert int(req["finish_reason"][slot]) == FinishReason.CANCELLED
+        assert int(req["num_generated"][slot]) == generated      # its pending token was published first
+        assert slot not in engine.seqs
+        run_to_end(engine)
+    finally:
+        pool.close()
