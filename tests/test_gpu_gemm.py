@@ -42,20 +42,9 @@ def _bf16_region(weights):
     return out
 
 
-def _plan(seq_specs):
-    from executor.scheduler import Scheduled
-    from executor.sequence import Sequence
-
-    plan = []
-    for slot, (tokens, computed, n, pages) in enumerate(seq_specs):
-        seq = Sequence(slot=slot, request_id=slot + 1, prompt_len=len(tokens), tokens=tokens, max_tokens=9,
-                       seed=0, temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True)
-        seq.num_computed, seq.pages = computed, pages
-        plan.append(Scheduled(seq, n))
-    return plan
-
-
 def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model):
+    from test_gpu import _plan
+
     from executor.cuda_runner import CudaRunner
     from executor.kv_cache import KvCache
     from executor.llama import LlamaModel

@@ -58,6 +58,12 @@ class Pool:
         return Engine(self.model, self.kv, self.tables, lease, max_batch, max_batch_tokens,
                       prefill_chunk=prefill_chunk)
 
+    def started(self, **kw) -> tuple[Engine, list[int]]:
+        """A first engine on the pool (empty journal) and the REQUESTS admitted."""
+        engine = self.engine(**kw)
+        engine.take_over([], 0)
+        return engine, admit(self.tables, REQUESTS)
+
     def fence(self, engine: Engine) -> int:
         return self.leases.fence(engine.lease.slot)
 
@@ -80,6 +86,12 @@ REQUESTS = [dict(prompt_ids=[3 + (7 * i + j) % 500 for j in range(20 + 3 * i)], 
                  temperature=(0.0, 0.8, 1.0)[i % 3], top_p=0.9, seed=11 + i) for i in range(3)]
 
 
+def decode_until(engine: Engine, generated: int) -> None:
+    """Step until every request has decoded `generated` tokens."""
+    while not engine.seqs or not all(s.num_generated >= generated for s in engine.seqs.values()):
+        engine.step()
+
+
 def run_to_end(engine: Engine, limit: int = 500) -> None:
     for _ in range(limit):
         if not engine.has_work:
@@ -92,9 +104,7 @@ def run_to_end(engine: Engine, limit: int = 500) -> None:
 def reference(model):
     pool = Pool(model, 64)
     try:
-        engine = pool.engine()
-        engine.take_over([], 0)
-        ids = admit(pool.tables, REQUESTS)
+        engine, ids = pool.started()
         run_to_end(engine)
         return pool.outputs(ids)
     finally:
@@ -109,11 +119,8 @@ def test_takeover_with_a_full_pool_drops_tails_instead_of_failing(model, referen
     # holds 2 pages, the second partially filled. The pool: null page + exactly those 6.
     pool = Pool(model, 1 + 6)
     try:
-        dead = pool.engine()
-        dead.take_over([], 0)
-        ids = admit(pool.tables, REQUESTS)
-        while not dead.seqs or not all(s.num_generated >= 3 for s in dead.seqs.values()):
-            dead.step()
+        dead, ids = pool.started()
+        decode_until(dead, 3)
         assert dead.blocks.allocator.num_free == 0
         assert all(s.num_computed % PAGE_TOKENS for s in dead.seqs.values())   # partial tails
         epoch = pool.fence(dead)
@@ -135,11 +142,8 @@ def test_takeover_with_a_full_pool_drops_tails_instead_of_failing(model, referen
 def test_takeover_copies_tails_when_pages_are_free(model, reference):
     pool = Pool(model, 64)
     try:
-        dead = pool.engine()
-        dead.take_over([], 0)
-        ids = admit(pool.tables, REQUESTS)
-        while not dead.seqs or not all(s.num_generated >= 3 for s in dead.seqs.values()):
-            dead.step()
+        dead, ids = pool.started()
+        decode_until(dead, 3)
         epoch = pool.fence(dead)
         survivor = pool.engine()
         report = survivor.take_over([epoch], 0)
@@ -264,11 +268,8 @@ def test_a_decode_commit_is_published_while_the_next_step_runs(model, reference)
     next step's forward is queued (or on flush), in the commit's order, and never later."""
     pool = Pool(model, 64)
     try:
-        engine = pool.engine()
-        engine.take_over([], 0)
-        ids = admit(pool.tables, REQUESTS)
-        while not engine.seqs or not all(s.num_generated >= 2 for s in engine.seqs.values()):
-            engine.step()
+        engine, ids = pool.started()
+        decode_until(engine, 2)
         req, pages = pool.tables.requests, engine.page_table.pages
 
         def published(seq):
@@ -303,9 +304,7 @@ def test_a_preemption_publishes_the_pending_commit_before_it_frees_pages(model, 
     freed and reused) while a decode commit may be pending; outputs must not change."""
     pool = Pool(model, 1 + 6)
     try:
-        engine = pool.engine()
-        engine.take_over([], 0)
-        ids = admit(pool.tables, REQUESTS)
+        engine, ids = pool.started()
         publish, published = engine.publish_pending, [0]
 
         def checked():          # every page a pending commit names is still its sequence's, as kept
@@ -329,11 +328,8 @@ def test_a_cancellation_publishes_the_pending_commit_before_finishing(model):
 
     pool = Pool(model, 64)
     try:
-        engine = pool.engine()
-        engine.take_over([], 0)
-        ids = admit(pool.tables, REQUESTS)
-        while not engine.seqs or not all(s.num_generated >= 2 for s in engine.seqs.values()):
-            engine.step()
+        engine, ids = pool.started()
+        decode_until(engine, 2)
         engine.step()
         assert engine._pending is not None
         req = pool.tables.requests
