@@ -71,7 +71,7 @@ class Engine:
         self._slot_hashes: dict[int, int] = {}     # page -> hash of the slot the runner saw written
         self._pending: PendingCommit | None = None
         self._published: list[int] = []            # slots a pending commit published, not yet reported
-        self.scheduler.on_preempt = self.publish_pending   # before a preemption frees any page
+        self.scheduler.on_preempt = self.publish_pending   # before the scheduler takes pages back
 
     # ------------------------------------------------------------------ admission
     def pending_admissions(self) -> np.ndarray:
@@ -143,6 +143,8 @@ class Engine:
         changed = self.cancel_requested()
         first = self._just_took_over
         t0 = now_ns()
+        if self._pending is not None and self._pending.finished:
+            self.publish_pending()      # finished sequences free their pages for this schedule
         plan = self.scheduler.schedule(decode_only=first)
         self._just_took_over = False
         decode_only = bool(plan) and all(p.n == 1 for p in plan)
@@ -189,6 +191,7 @@ class Engine:
         self.lease.check()
         self.page_table.publish(pending.pages, pending.counts, pending.checksums, self.lease.epoch)
         faults.point("commit_pages")
+        self.lease.check()              # fenced in between: a successor may own these slots now
         self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated)
         faults.point("commit_journal")
         for seq, reason in pending.finished:

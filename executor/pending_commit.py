@@ -17,9 +17,12 @@ go to slots beyond the published counts (or to new pages). If the executor dies 
 commit pending, the successor finds the step's KV slots unpublished and its token not
 in the journal, and recomputes both, exactly as for a death just before a commit.
 Pages of a sequence with a commit pending are never freed before it is published:
-finished sequences are freed by the publication itself, a preemption publishes first
-(Scheduler.on_preempt), and so do cancellations, steps that are not decode-only (they
-take the general commit path) and a step with nothing to run.
+finished sequences are freed by the publication itself, which comes before the next
+schedule when any finished (their pages are free for it, as without the pipeline); the
+scheduler publishes before it would preempt (Scheduler.on_preempt), and so do
+cancellations, steps that are not decode-only (they take the general commit path) and a
+step with nothing to run. The lease is checked before the pages and again before the
+journal, as in the unpipelined commit.
 """
 from __future__ import annotations
 

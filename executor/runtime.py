@@ -192,11 +192,7 @@ class ExecutorRuntime:
         flush = getattr(workload, "flush", None)
         if not self.active or flush is None:
             return
-        try:
-            slots = flush()
-        except Exception as exc:  # fenced meanwhile: the successor recomputes the step
-            log.warning("pending commit not published on stop: %s", exc)
-            return
+        slots = flush()       # Fenced propagates: the run ends EXIT_FENCED, the successor recomputes
         if slots:
             ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots, marks={}))
 

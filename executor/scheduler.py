@@ -46,7 +46,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.on_preempt = None          # called before a preemption frees pages (Engine publishes)
+        self.on_preempt = None          # called before pages are taken back (Engine publishes its commit)
 
     @property
     def has_work(self) -> bool:
@@ -102,6 +102,8 @@ class Scheduler:
             if n > budget:
                 break
             need = self.blocks.pages_needed(seq, n)
+            if not self.blocks.can_allocate(need) and self.on_preempt is not None:
+                self.on_preempt()       # a pending commit's finished sequences may free enough
             while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])
             if not self.blocks.can_allocate(need):

@@ -315,7 +315,7 @@ def test_a_preemption_publishes_the_pending_commit_before_it_frees_pages(model, 
                 published[0] += 1
             publish()
 
-        engine.publish_pending = checked
+        engine.publish_pending = engine.scheduler.on_preempt = checked
         run_to_end(engine, limit=2000)
         assert engine.scheduler.num_preemptions > 0 and published[0] > 0
         assert pool.outputs(ids) == reference
@@ -342,5 +342,50 @@ def test_a_cancellation_publishes_the_pending_commit_before_finishing(model):
         assert int(req["num_generated"][slot]) == generated      # its pending token was published first
         assert slot not in engine.seqs
         run_to_end(engine)
+    finally:
+        pool.close()
+
+
+def test_pipelined_commits_preempt_no_more_than_immediate_ones(model, monkeypatch):
+    """A request finishing in a decode step frees its pages before the next schedule, as an
+    immediate commit would: the pipeline must not make the scheduler preempt (recompute)."""
+    reqs = [dict(prompt_ids=[3 + i for i in range(16)], max_tokens=18, seed=1),
+            dict(prompt_ids=[7 + i for i in range(15)], max_tokens=17, seed=2)]
+    preempted = {}
+    for defer in (True, False):
+        monkeypatch.setattr(Engine, "defer_publish", defer)
+        pool = Pool(model, 5)
+        try:
+            engine = pool.engine(max_batch=4, max_batch_tokens=40, prefill_chunk=32)
+            engine.take_over([], 0)
+            admit(pool.tables, reqs)
+            run_to_end(engine, 3000)
+            preempted[defer] = engine.scheduler.num_preemptions
+        finally:
+            pool.close()
+    assert preempted[True] == preempted[False]
+
+
+def test_a_fenced_executor_writes_no_journal_entry_of_its_pending_commit(model, monkeypatch):
+    """Fenced between publishing the pages and the journal (stopped there, a successor took
+    over): the rest of the pending commit must not reach the journal."""
+    from ipc.leases import Fenced
+
+    pool = Pool(model, 64)
+    try:
+        engine, ids = pool.started()
+        decode_until(engine, 2)
+        engine.step()
+        assert engine._pending is not None
+        before = pool.tables.requests["num_generated"].copy()
+
+        def point(name):
+            if name == "commit_pages":
+                pool.fence(engine)
+
+        monkeypatch.setattr(faults, "point", point)
+        with pytest.raises(Fenced):
+            engine.step()
+        assert (pool.tables.requests["num_generated"] == before).all()
     finally:
         pool.close()
