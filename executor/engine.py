@@ -158,8 +158,7 @@ class Engine:
         self.publish_pending()          # where the runner did not call the hook
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
-        defer = self.defer_publish and decode_only and not first
-        changed += self._commit(plan, sampling, tokens, defer)
+        self._commit(plan, sampling, tokens, defer=self.defer_publish and decode_only and not first)
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
@@ -183,17 +182,20 @@ class Engine:
         foreign-pool engine queues its KV mirror copy here, executor.foreign_pool)."""
 
     def publish_pending(self) -> None:
-        """Publish a deferred decode commit (executor.pending_commit), in the commit's order."""
+        """Publish the commit left pending (executor.pending_commit), in the commit's order;
+        its pages are already published unless it carries them."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        faults.point("commit_begin")
-        self.lease.check()
-        self.page_table.publish(pending.pages, pending.counts, pending.checksums, self.lease.epoch)
+        if pending.pages is not None:
+            faults.point("commit_begin")
+            self.lease.check()
+            self.page_table.publish(pending.pages, pending.counts, pending.checksums, self.lease.epoch)
         faults.point("commit_pages")
-        self.lease.check()              # fenced in between: a successor may own these slots now
-        self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated)
-        faults.point("commit_journal")
+        if len(pending.slots):
+            self.lease.check()          # fenced since the pages: a successor may own these slots now
+            self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated)
+            faults.point("commit_journal")
         for seq, reason in pending.finished:
             self._release(seq, reason)
         faults.point("commit_finish")
@@ -201,41 +203,47 @@ class Engine:
 
     # ------------------------------------------------------------------ commit
     def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int],
-                defer: bool = False) -> list[int]:
-        if defer and self.commit and self._defer(plan, sampling, tokens):
-            return []
-        faults.point("commit_begin")
+                defer: bool = False) -> None:
+        """Commit the step: the pages at once and then the rest, or (`defer`, a decode step
+        whose slots the runner hashed) all of it left pending, published under the next
+        step's forward (executor.pending_commit)."""
         if not self.commit:                     # benchmark baseline: nothing published
-            for p in plan:
-                p.seq.num_computed += p.n
-            for seq, token in zip(sampling, tokens):
-                seq.tokens.append(token)
-                if self._finish_reason(seq, token) is not None:
-                    self.scheduler.remove(seq)
-                    self.blocks.free(seq)
-                    del self.seqs[seq.slot]
-            self.tokens_generated += len(sampling)
-            return []
-        self._publish_pages(plan)
-        faults.point("commit_pages")
+            for seq, _ in self._advance(plan, sampling, tokens).finished:
+                self.blocks.free(seq)
+                del self.seqs[seq.slot]
+            return
+        hashes = self._slot_hashes
+        update = self._slot_update(plan, hashes) if defer and len(hashes) == len(plan) else None
+        if update is None:
+            faults.point("commit_begin")
+            self._publish_pages(plan)
+        else:
+            self._slot_hashes = {}
+            self._keep(*update)
+        self._pending = self._advance(plan, sampling, tokens, update)
+        if update is None:
+            self.publish_pending()
+
+    def _advance(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int],
+                 update=None) -> PendingCommit:
+        """The engine's own state after the step (counts, tokens; finished sequences leave the
+        scheduler), and what the journal is to receive."""
         for p in plan:
             p.seq.num_computed += p.n
-        if sampling:
-            self.lease.check()
-            slots = np.array([s.slot for s in sampling], dtype=np.int64)
-            positions = np.array([s.num_tokens for s in sampling], dtype=np.int64)
-            counts = np.array([s.num_generated + 1 for s in sampling], dtype=np.uint32)
-            self.journal.commit_tokens(slots, positions, np.array(tokens, dtype=np.int32), counts)
-            faults.point("commit_journal")
-            for seq, token in zip(sampling, tokens):
-                seq.tokens.append(token)
-            self.tokens_generated += len(sampling)
+        slots = np.array([s.slot for s in sampling], dtype=np.int64)
+        positions = np.array([s.num_tokens for s in sampling], dtype=np.int64)
+        generated = np.array([s.num_generated + 1 for s in sampling], dtype=np.uint32)
+        finished = []
         for seq, token in zip(sampling, tokens):
+            seq.tokens.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self._finish(seq, reason)
-        faults.point("commit_finish")
-        return [s.slot for s in sampling]
+                self.scheduler.remove(seq)          # released (pages freed) once published
+                finished.append((seq, reason))
+        self.tokens_generated += len(sampling)
+        pages, counts, checksums = update if update is not None else (None, None, None)
+        return PendingCommit(pages, counts, checksums, slots, positions, np.array(tokens, dtype=np.int32),
+                             generated, finished)
 
     def _publish_pages(self, plan: list[Scheduled]) -> None:
         """Extend each written page's committed range: count, and checksum += hash(new rows)."""
@@ -259,9 +267,7 @@ class Engine:
             new_checksums = old + added
         self.lease.check()
         self.page_table.publish(pages, counts.astype(np.uint32), new_checksums, self.lease.epoch)
-        for page, count, checksum in zip(pages.tolist(), counts.tolist(), new_checksums.tolist()):
-            self.blocks.checksums[page] = checksum
-            self.blocks.counts[page] = count
+        self._keep(pages, counts, new_checksums)
 
     def _publish_slots(self, plan: list[Scheduled], hashes: dict[int, int]) -> bool:
         """The decode-step case of _publish_pages: each row wrote the next slot of one page and
@@ -296,32 +302,6 @@ class Engine:
         for page, count, checksum in zip(pages.tolist(), counts.tolist(), checksums.tolist()):
             self.blocks.checksums[page] = checksum
             self.blocks.counts[page] = count
-
-    def _defer(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int]) -> bool:
-        """Advance the engine's state for a decode step and leave its publication pending
-        (executor.pending_commit); False (nothing done) if the step is not that shape."""
-        hashes, self._slot_hashes = self._slot_hashes, {}
-        update = self._slot_update(plan, hashes) if len(hashes) == len(plan) else None
-        if update is None:
-            self._slot_hashes = hashes
-            return False
-        self._keep(*update)
-        for p in plan:
-            p.seq.num_computed += p.n
-        slots = np.array([s.slot for s in sampling], dtype=np.int64)
-        positions = np.array([s.num_tokens for s in sampling], dtype=np.int64)
-        generated = np.array([s.num_generated + 1 for s in sampling], dtype=np.uint32)
-        finished = []
-        for seq, token in zip(sampling, tokens):
-            seq.tokens.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.remove(seq)          # released (pages freed) once published
-                finished.append((seq, reason))
-        self.tokens_generated += len(sampling)
-        self._pending = PendingCommit(*update, slots, positions, np.array(tokens, dtype=np.int32),
-                                      generated, finished)
-        return True
 
     def _beat(self) -> None:
         self.lease.beat(self.num_steps)

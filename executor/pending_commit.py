@@ -36,9 +36,10 @@ from ipc.layout import FinishReason
 
 @dataclass(slots=True)
 class PendingCommit:
-    pages: np.ndarray               # int64: pages whose committed range grows by one slot
-    counts: np.ndarray              # uint32: their new token counts
-    checksums: np.ndarray           # uint64: their new checksums
+    """Also the second half of an immediate commit, whose pages went out first (pages None)."""
+    pages: np.ndarray | None        # int64: pages whose committed range grows by one slot
+    counts: np.ndarray | None       # uint32: their new token counts
+    checksums: np.ndarray | None    # uint64: their new checksums
     slots: np.ndarray               # int64: journal slots that sampled a token
     positions: np.ndarray           # int64: where each token goes in its slot's token row
     tokens: np.ndarray              # int32

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tools.bench_decode import LAYERS
 from tools.bench_engine_setup import admit, build_engine, load_weights
 
 
 def profile_steps(args, weights, batch: int, layers: str, use_graph: bool, steps: int = 5) -> dict:
-    os.environ["KVHOLD_FUSED"] = "1" if layers == "fused" else "0"
+    os.environ.update(LAYERS[layers])
     engine, tables = build_engine(args.model, args.device, args.kv_pages, args.max_seq_len, max(64, batch),
                                   8192, 512, commit=True, weights=weights, use_graph=use_graph)
     try:
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batches", default="8,64")
-    p.add_argument("--layers", default="fused,eager")
+    p.add_argument("--layers", default="fused,eager", help=f"comma-separated, of {', '.join(LAYERS)}")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--kv-pages", type=int, default=4096)
     p.add_argument("--max-seq-len", type=int, default=2048)
