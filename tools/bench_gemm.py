@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                     record("skinny", m, seconds, cfg, max_err=err, same_as_16_rows=same)
                 except Exception as exc:  # a tile that does not fit (shared memory): recorded, skipped
                     record("skinny", m, None, cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
-        del ws
+        ws.clear()                      # free this shape's weights before the next
         torch.cuda.empty_cache()
     best = {}
     for r in results:
