@@ -1,4 +1,4 @@
-"""Use kvhold from your own FastAPI app with the asyncio SDK (ipc.aclient.AsyncClient).
+"""Use kvhold from your own FastAPI app with the asyncio SDK (kvhold.client.aclient.AsyncClient).
 
     kvhold sidecar --model DIR --instance main &            # or: kvhold serve ... (also starts one)
     KVHOLD_INSTANCE=main python examples/fastapi_app.py --port 8080
@@ -20,8 +20,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ipc.aclient import AsyncClient
-from ipc.errors import InvalidParams, KvholdError, SidecarUnavailable
+from kvhold.client.aclient import AsyncClient
+from kvhold.protocol.errors import InvalidParams, KvholdError, SidecarUnavailable
 
 
 @asynccontextmanager

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
-from tools.sidecar_process import SidecarProcess
+from kvhold.testing.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
+from kvhold.testing.sidecar_process import SidecarProcess
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_state_dir(tmp_path_factory):
-    """Durable request journals (sidecar.durable_journal) of test sidecars go to a temporary
+    """Durable request journals (kvhold.sidecar.durable_journal) of test sidecars go to a temporary
     directory, never to /var/lib/kvhold or ~/.local/state."""
     os.environ["KVHOLD_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
 
@@ -70,7 +70,7 @@ def sidecar_log(sc: SidecarProcess) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The demo checkpoint, built once per test session (no download)."""
-    from tools.make_model import ensure_demo_model
+    from kvhold.testing.make_model import ensure_demo_model
 
     path, _ = ensure_demo_model(tmp_path_factory.mktemp("models"))
     return path

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.sidecar_process import SidecarProcess
+from kvhold.testing.sidecar_process import SidecarProcess
 
 
 def _find(events: list[dict], kind: str, pid: int, key: str = "pid") -> dict | None:

@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from executor.engine import Engine
-from executor.kv_cache import TORCH_DTYPES, KvCache
-from executor.llama import LlamaModel
-from ipc.checkpoint import build_manifest
-from ipc.journal import Journal
-from ipc.layout import KvGeometry, TableGeometry
-from ipc.leases import Lease, LeaseTable
-from ipc.model_spec import ModelSpec
-from ipc.tables import Tables
+from kvhold.executor.engine import Engine
+from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
+from kvhold.executor.llama import LlamaModel
+from kvhold.protocol.checkpoint import build_manifest
+from kvhold.protocol.journal import Journal
+from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.leases import Lease, LeaseTable
+from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.tables import Tables
 
 
 def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
@@ -62,8 +62,8 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
     model = LlamaModel(spec, weights, TORCH_DTYPES[dtype], dev, max_seq_len)
     runner = checksum = None
     if dev.type == "cuda":
-        from executor.cuda_checksum import TritonChecksum
-        from executor.cuda_runner import CudaRunner
+        from kvhold.executor.cuda_checksum import TritonChecksum
+        from kvhold.executor.cuda_runner import CudaRunner
 
         runner = CudaRunner(model, kv, max_batch, prefill_chunk, geometry.max_pages_per_seq, use_graph,
                             slot_hashes=commit)

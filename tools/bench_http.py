@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from ipc.client import Client, wait_all
-from tools.make_model import ensure_demo_model
+from kvhold.client.client import Client, wait_all
+from kvhold.testing.make_model import ensure_demo_model
 
 PROMPT = "The sidecar keeps the memory of every request"
 
@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 def _start(model: Path, root: Path, port: int, instance: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvhold.cli", "serve", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(model), "--port", str(port),
            "--instance", instance, "--runtime-root", str(root), "--max-seq-len", "1024",
            "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(root / "serve.log", "wb"))

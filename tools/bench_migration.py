@@ -3,7 +3,7 @@
     python -m tools.bench_migration --kills 10            # -> bench/results/migration_cpu.json
 
 Starts a throwaway etcd and two sidecars (tiny demo model, CPU) registered in it, then
-repeats: stream `--requests` requests through ipc.router.RoutedClient, and once a stream
+repeats: stream `--requests` requests through kvhold.routing.router.RoutedClient, and once a stream
 on the victim has `--kill-after` tokens, SIGKILL the victim's whole process group (the
 sidecar and its executors), or SIGSTOP it with `--mode stop` (a machine that vanished:
 no connection reset, only the lease expiry or silence tells). Per kill it records, from
@@ -23,12 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc.client import wait_all as client_wait_all
-from ipc.registry_client import EtcdGateway, RegistryView
-from ipc.router import RoutedClient, wait_all
-from tools.etcd_process import EtcdProcess
-from tools.make_model import ensure_demo_model
-from tools.sidecar_process import SidecarProcess
+from kvhold.client.client import wait_all as client_wait_all
+from kvhold.routing.registry_client import EtcdGateway, RegistryView
+from kvhold.routing.router import RoutedClient, wait_all
+from kvhold.testing.etcd_process import EtcdProcess
+from kvhold.testing.make_model import ensure_demo_model
+from kvhold.testing.sidecar_process import SidecarProcess
 
 SERVICE = "bench-migration"
 FLAGS = ["--kv-pages", "512", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",

@@ -7,7 +7,7 @@ For each batch size B, three engines on one loaded model, each given the same B 
   native     the reference engine computing in kvhold's pages, full commit protocol;
   no-commit  the same engine publishing nothing (what the protocols add to);
   foreign    the engine computing in a private pool, protected only by the KV mirror
-             (executor.foreign_pool): each step's new KV rows are copied into kvhold
+             (kvhold.executor.foreign_pool): each step's new KV rows are copied into kvhold
              pages, published with count and checksum, then the journal as in native.
 The engines take turns, `--rounds` rounds of `--steps` timed decode steps each, so drift
 (clocks, growing context) touches all three alike; a step time is the median round.
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import torch
 
-from executor.foreign_pool import foreign_engine_like
-from executor.kv_cache import KvCache
-from ipc.checksum import to_u64
-from ipc.layout import KvGeometry, TableGeometry
-from ipc.leases import Lease, LeaseTable
-from ipc.tables import Tables
+from kvhold.executor.foreign_pool import foreign_engine_like
+from kvhold.executor.kv_cache import KvCache
+from kvhold.protocol.checksum import to_u64
+from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.leases import Lease, LeaseTable
+from kvhold.protocol.tables import Tables
 from tools.bench_engine_setup import admit, build_engine, load_weights
-from trtllm_bridge.kv_mirror import Committed, KvMirror, PooledBlocks
+from kvhold.executor.kv_mirror import Committed, KvMirror, PooledBlocks
 
 MODES = ("native", "no-commit", "foreign")
 WARM_STEPS = 5

@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ipc.client import wait_all
-from tools.make_model import ensure_demo_model
-from tools.sidecar_process import SidecarProcess
+from kvhold.client.client import wait_all
+from kvhold.testing.make_model import ensure_demo_model
+from kvhold.testing.sidecar_process import SidecarProcess
 
 FLAGS = ["--kv-pages", "512", "--max-seq-len", "512", "--max-batch-tokens", "128", "--max-batch", "16",
          "--standbys", "0", "--log-level", "WARNING"]
@@ -53,7 +53,7 @@ def run_once(sc: SidecarProcess, reqs: list[dict], reference) -> dict:
             last[rid] = now
             if not fired and sum(1 for _ in last) == len(reqs):
                 fired.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvhold.cli", "pool-restart", "--instance", sc.instance,
+                    [sys.executable, "-m", "kvhold", "pool-restart", "--instance", sc.instance,
                      "--runtime-root", str(sc.runtime_root), "--continue", "--json", "--timeout", "120"],
                     stdout=subprocess.PIPE, text=True))
         results = wait_all(streams, on_event)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     if not runs:
         raise SystemExit("no restart found a request in flight: use more --streams or a slower model")
     result = {"command": "python -m tools.bench_pool_restart " + " ".join(argv or sys.argv[1:]),
-              "model": str(args.model) if args.model else "demo (tools.make_model, float64 on CPU)",
+              "model": str(args.model) if args.model else "demo (kvhold.testing.make_model, float64 on CPU)",
               "device": args.device, "streams": args.streams,
               "journal": "fsync on local disk (tempfile dir)", "summary": summarize(runs), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

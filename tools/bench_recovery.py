@@ -16,7 +16,7 @@ but the promotion waits until the dead process has fully exited: `--takeover
 wait-exit`), `zygote` (no standby: an executor forked from the torch-imported
 zygote maps, warms up and takes over), `cold` (no standby, no zygote: a new
 process starts from nothing). `--kv-mode foreign` runs the sidecar's executors in
-foreign-pool mode (executor.foreign_pool): each computes in a private KV pool and
+foreign-pool mode (kvhold.executor.foreign_pool): each computes in a private KV pool and
 recovery goes through the KV mirror. Writes JSON (and a PNG if matplotlib is
 available) under bench/results/.
 """
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ipc.client import wait_all
-from tools.sidecar_process import SidecarProcess
+from kvhold.client.client import wait_all
+from kvhold.testing.sidecar_process import SidecarProcess
 
 PARTS = ("detect", "fenced", "promoted", "takeover_start", "validated", "resumed", "first_token",
          "exit_confirmed")
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     args.out = args.out or Path(f"bench/results/recovery_{args.device.split(':')[0]}.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.model is None:
-        from tools.make_model import ensure_demo_model
+        from kvhold.testing.make_model import ensure_demo_model
         args.model = ensure_demo_model()[0]
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     lo, hi = (int(x) for x in args.prompt_len.split(","))

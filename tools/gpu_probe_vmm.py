@@ -20,7 +20,7 @@ import time
 
 CHILD = r"""
 import json, os, sys, time, torch
-from ipc.memory import CudaMapping, RegionInfo
+from kvhold.protocol.memory import CudaMapping, RegionInfo
 fd, size, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 t0 = time.monotonic()
 m = CudaMapping(fd, RegionInfo("probe", size, "cuda", False, 0, 0))
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--device", type=int, default=0)
     args = p.parse_args(argv)
-    from ipc import cuda_vmm
+    from kvhold.protocol import cuda_vmm
 
     t0 = time.monotonic()
     alloc = cuda_vmm.VmmAllocation(args.size_mb << 20, args.device)

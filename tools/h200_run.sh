@@ -27,7 +27,7 @@ smoke)
   python3 -m tools.gpu_probe_vmm --size-mb 4096 > "$OUT/vmm_probe.json" 2> "$OUT/vmm_probe.err"; echo "probe rc=$?"
   cat "$OUT/vmm_probe.json"
   timeout 300 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt"
-  python3 -m tools.make_model --preset llama3-8b-4l --out /tmp/l4 --device cuda 2>&1 | tail -2
+  python3 -m kvhold.testing.make_model --preset llama3-8b-4l --out /tmp/l4 --device cuda 2>&1 | tail -2
   timeout 200 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l4 --requests 16 --prompt-len 256,1024 \
       --max-tokens 32 --max-seq-len 2048 --max-batch-tokens 4096 --kv-memory 8GiB --kills 4 --tiers standby \
       --out "$OUT/recovery_smoke.json" 2>&1 | tail -16
@@ -35,7 +35,7 @@ smoke)
   rm -f "$OUT"/recovery_smoke.standby.log
   ;;
 bench)
-  python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 200 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -8
   timeout 200 python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
   ;;
@@ -48,7 +48,7 @@ verify)
   ;;
 tiers)
   timeout 240 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout ${TIERS_TIMEOUT:-300} python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
       --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-8} \
       --tiers zygote,cold --cold-kills ${COLD_KILLS:-2} --out "$OUT/recovery_cuda_zygote.json" 2>&1 | tail -30
@@ -56,7 +56,7 @@ tiers)
   ;;
 decode)
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -30
   timeout 200 python3 -m tools.profile_decode --model /tmp/l8b --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -60
   ;;
@@ -64,7 +64,7 @@ check)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_executor_triton_aot.py \
       tests/test_bridge_foreign_pool.py tests/test_bridge_kv_mirror.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
   timeout 150 python3 -m tools.probe_first_kernels --out "$OUT/first_kernels_cuda.json" 2>&1 | tail -30
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 100 python3 -m tools.bench_decode --model /tmp/l8b --layers fused --out "$OUT/decode_cuda.json" 2>&1 | tail -12
   timeout 60 python3 -m tools.profile_decode --model /tmp/l8b --layers fused --batches 8,64 \
       --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -30
@@ -72,7 +72,7 @@ check)
       --batches 1,8,64 --out "$OUT/mirror_cuda.json" 2>&1 | tail -8
   ;;
 final)     # mirror cost, recovery through the mirror, and the native standby tier again with INFO logs
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 150 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 1,8,64 --rounds 2 \
       --out "$OUT/mirror_cuda.json" 2>&1 | tail -4
   R="--device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304
@@ -86,7 +86,7 @@ final)     # mirror cost, recovery through the mirror, and the native standby ti
 last)      # GPU tests of the newest paths, mirror cost, a short native standby run on a cold machine
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_sampler.py tests/test_gpu.py \
       tests/test_bridge_foreign_pool.py -k "sampled or runner or decode_step or bf16" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 75 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches ${MIRROR_BATCHES:-8,64} --rounds 2 \
       --out "$OUT/mirror_cuda.json" 2>&1 | tail -4
   timeout $((${BUDGET_S:-290} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 \
@@ -103,7 +103,7 @@ gemm)
 buckets)  # decode buckets on the skinny GEMM: GPU tests, then Llama-3-8B decode cost and profile
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
       2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --layers ${LAYERS:-fused,fused-cublas} --batches 1,8,64 \
       --out "$OUT/decode_cuda.json" 2>&1 | tail -16
   timeout $((${BUDGET_S:-580} - SECONDS)) python3 -m tools.profile_decode --model /tmp/l8b --layers fused \
@@ -112,12 +112,12 @@ buckets)  # decode buckets on the skinny GEMM: GPU tests, then Llama-3-8B decode
 final2)   # the final code: GPU tests, then Llama-3-8B decode cost (executor layers vs cuBLAS projections)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
       -k "not recovery" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-300} - SECONDS)) python3 -m tools.bench_decode --model /tmp/l8b --layers fused,fused-cublas \
       --batches 1,8,64 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda.json" 2>&1 | tail -20
   ;;
 recovery2)   # Llama-3-8B recovery on the final code: hot standby (KILLS) and zygote (ZYGOTE_KILLS), INFO logs kept
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 \
       --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB \
       --kills ${KILLS:-20} --tiers ${TIERS:-standby,zygote} --zygote-kills ${ZYGOTE_KILLS:-3} --log-level INFO \
@@ -127,7 +127,7 @@ recovery2)   # Llama-3-8B recovery on the final code: hot standby (KILLS) and zy
 mirror2)   # foreign-pool mode on the final code: GPU tests, mirror cost at batch 8 and 64, recovery through it
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bridge_foreign_pool.py tests/test_bridge_kv_mirror.py \
       -m gpu 2>&1 | tail -12 | tee "$OUT/pytest_mirror_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 120 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 8,64 --rounds 2 \
       --out "$OUT/mirror_cuda.json" 2>&1 | tail -6
   timeout $((${BUDGET_S:-540} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --kv-mode foreign \
@@ -138,7 +138,7 @@ mirror2)   # foreign-pool mode on the final code: GPU tests, mirror cost at batc
 final3)   # the final code with pipelined commits: GPU tests, decode cost, a short hot-standby recovery run
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
       2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 120 python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 1,8,64 --rounds 3 \
       --out "$OUT/decode_cuda.json" 2>&1 | tail -12
   timeout $((${BUDGET_S:-440} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 \
@@ -147,12 +147,12 @@ final3)   # the final code with pipelined commits: GPU tests, decode cost, a sho
   gzip -f "$OUT"/*.log 2>/dev/null
   ;;
 commitcost)   # decode at batch 8 and 64, commit on and off in ROUNDS alternating windows
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-200} - SECONDS)) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 8,64 \
       --rounds ${ROUNDS:-8} --out "$OUT/decode_cuda_commit_cost.json" 2>&1 | tail -12
   ;;
 recovery)
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
       --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-20} \
       --tiers ${TIERS:-standby,cold} --cold-kills ${COLD_KILLS:-3} --wait-kills ${WAIT_KILLS:-0} \
@@ -162,7 +162,7 @@ recovery)
 mirror)   # MIRROR_TESTS="bf16 or token_exact" also runs the tiny-model sidecar kill test (~1 min more)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bridge_foreign_pool.py -m gpu \
       -k "${MIRROR_TESTS:-bf16}" 2>&1 | tail -20 | tee "$OUT/pytest_mirror_gpu.txt"
-  [ -d /tmp/l8b ] || python3 -m tools.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
+  [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout ${MIRROR_TIMEOUT:-200} python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 1,8,64 \
       --out "$OUT/mirror_cuda.json" 2>&1 | tail -8
   timeout $((${BUDGET_S:-585} - SECONDS)) python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --kv-mode foreign \

@@ -1,5 +1,0 @@
-import sys
-
-from executor.runtime import main
-
-sys.exit(main())

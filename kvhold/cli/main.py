@@ -1,0 +1,231 @@
+"""The `kvhold` command: one entry point for every process and tool.
+
+    kvhold demo        build a tiny model, crash an executor mid-generation, show recovery
+    kvhold sidecar     run a sidecar (memory owner + supervisor + client frontend)
+    kvhold serve       a sidecar plus an OpenAI-compatible HTTP API (FastAPI + uvicorn)
+    kvhold router      the same HTTP API, routed to the sidecars registered in etcd
+    kvhold executor    run one executor under a sidecar (normally spawned by it)
+    kvhold status      print a running sidecar's status (--json for scripts)
+    kvhold top         live view of a running sidecar: executors, page pool, recoveries
+    kvhold keygen      write a CurveZMQ key pair for the TCP client transport
+    kvhold pool-restart  drain, journal requests to disk, restart the pool (driver upgrade)
+    kvhold registry    list the sidecars registered in etcd (`kvhold registry list`)
+
+Each part defines its own flags (`kvhold.sidecar.flags`, `kvhold.serving.flags`,
+`kvhold.cli.pool_restart`); this module only assembles the subcommands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvhold import __version__
+from kvhold.protocol.logs import setup_logging
+from kvhold.serving.flags import add_router_args, add_serve_args
+from kvhold.sidecar.flags import add_instance_args, add_registry_args, add_sidecar_args, env, sidecar_config_from_args
+
+
+def cmd_sidecar(args) -> int:
+    from kvhold.sidecar.daemon import run_sidecar
+    from kvhold.sidecar.instance_lock import InstanceBusy
+
+    setup_logging(args.log_level, role="sidecar")
+    try:
+        config = sidecar_config_from_args(args)
+        return run_sidecar(config)
+    except (ValueError, InstanceBusy, PermissionError) as exc:
+        print(f"kvhold sidecar: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_executor(args) -> int:
+    from kvhold.executor.runtime import main
+
+    forwarded = ["--instance", args.instance, "--log-level", args.log_level]
+    if args.runtime_root:
+        forwarded += ["--runtime-root", str(args.runtime_root)]
+    if args.token_file:
+        forwarded += ["--token-file", str(args.token_file)]
+    return main(forwarded)
+
+
+def cmd_status(args) -> int:
+    from kvhold.client.client import Client
+    from kvhold.protocol.errors import KvholdError
+
+    try:
+        with Client.for_instance(args.instance, args.runtime_root, timeout=args.timeout) as client:
+            status = client.status()
+    except KvholdError as exc:
+        print(f"kvhold status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(status, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        from kvhold.cli.status_view import print_status
+        print_status(status)
+    return 0
+
+
+def cmd_top(args) -> int:
+    from kvhold.cli.top import run_top
+
+    return run_top(args.instance, args.runtime_root, interval=args.interval, once=args.once,
+                   timeout=args.timeout)
+
+
+def cmd_registry(args) -> int:
+    from kvhold.routing.registry_client import RegistryUnavailable, list_entries
+
+    if not args.registry:
+        print("kvhold registry: give --registry etcd://HOST:PORT (or KVHOLD_REGISTRY)", file=sys.stderr)
+        return 2
+    try:
+        entries, bad = list_entries(args.registry, args.service)
+    except (ValueError, RegistryUnavailable) as exc:
+        print(f"kvhold registry: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([{"key": e.key, **json.loads(e.to_json())} for e in entries], indent=2))
+    else:
+        print("\n".join(e.describe() for e in entries) or "(no sidecars registered)")
+    for line in bad:
+        print(f"ignored: {line}", file=sys.stderr)
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    from kvhold.protocol.curve import load_public_key, write_keypair
+
+    try:
+        public, secret = write_keypair(args.out, args.name)
+    except (ValueError, OSError) as exc:
+        print(f"kvhold keygen: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key  {public}  (share it: clients need the server's; a client's goes into "
+          f"the sidecar's --curve-authorized-keys directory)")
+    print(f"secret key  {secret}  (mode 0600; keep it where it is)")
+    print(f"z85 public  {load_public_key(public).decode()}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvhold.cli.demo import run_demo
+
+    setup_logging(args.log_level, role="demo")
+    return run_demo(args)
+
+
+def cmd_serve(args) -> int:
+    """Start a sidecar (active + standby executors) and serve the OpenAI-compatible HTTP API."""
+    from kvhold.serving.serve import run_serve, serve_config_from_args
+
+    setup_logging(args.log_level, role="serve")
+    try:
+        config = serve_config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvhold serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run_serve(config)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvhold serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_router(args) -> int:
+    """Serve the OpenAI-compatible HTTP API by routing to the sidecars registered in etcd."""
+    from kvhold.serving.router_http import router_config_from_args, run_router
+
+    setup_logging(args.log_level, role="router")
+    try:
+        config = router_config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvhold router: {exc}", file=sys.stderr)
+        return 2
+    return run_router(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvhold", description="Keep an LLM server's memory alive when its inference engine dies.")
+    parser.add_argument("--version", action="version", version=f"kvhold {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="crash an executor mid-generation on CPU and watch it recover",
+                       description="Builds a small Llama-architecture model locally (cached), starts a "
+                                   "sidecar with an active and a standby executor, streams several "
+                                   "requests, SIGKILLs the active executor mid-generation and prints "
+                                   "the recovery timeline and whether every output equals an "
+                                   "uninterrupted run.")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the demo model is kept (default ~/.cache/kvhold)")
+    p.add_argument("--requests", type=int, default=6, help="concurrent requests (default 6)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--kill-after", type=int, default=16,
+                   help="SIGKILL the executor once this many tokens were streamed in total")
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"))
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("sidecar", help="run a sidecar", description=cmd_sidecar.__doc__)
+    add_sidecar_args(p)
+    p.set_defaults(func=cmd_sidecar)
+
+    p = sub.add_parser("serve", help="run a sidecar and an OpenAI-compatible HTTP API",
+                       description=cmd_serve.__doc__)
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router", help="an OpenAI-compatible HTTP API over the sidecars in etcd",
+                       description=cmd_router.__doc__)
+    add_router_args(p)
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("executor", help="run one executor (normally spawned by the sidecar)")
+    add_instance_args(p)
+    p.add_argument("--token-file", type=Path, default=None)
+    p.set_defaults(func=cmd_executor)
+
+    p = sub.add_parser("status", help="show a running sidecar's executors, pages and recoveries")
+    add_instance_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("top", help="live view of a running sidecar (executors, page pool, recoveries)")
+    add_instance_args(p)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    p.set_defaults(func=cmd_top)
+
+    p = sub.add_parser("registry", help="list the sidecars registered in etcd")
+    p.add_argument("action", choices=("list",), help="list: one line per registered sidecar")
+    add_registry_args(p, ttl=False)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_registry)
+
+    from kvhold.cli.pool_restart import add_pool_restart_parser
+    add_pool_restart_parser(sub)
+
+    p = sub.add_parser("keygen", help="write a CurveZMQ key pair (NAME.key, NAME.key_secret)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the key files (made 0700)")
+    p.add_argument("--name", default="kvhold", help="file name stem (default %(default)s)")
+    p.set_defaults(func=cmd_keygen)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:        # a bare `kvhold`: say what it can do
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

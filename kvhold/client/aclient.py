@@ -1,0 +1,311 @@
+"""Async client SDK: the same protocol and semantics as kvhold.client.client, for asyncio programs.
+
+    from kvhold.client.aclient import AsyncClient
+    async with AsyncClient.for_instance("default") as client:
+        stream = await client.generate("Once upon a time", max_tokens=32, seed=1)
+        async for event in stream:        # TokenEvent(index, token_id, text)
+            print(event.text, end="")
+        result = await stream.result()    # GenerationResult
+
+One AsyncClient is one DEALER socket on one event loop; any number of coroutines may
+use it at once. A single receiver task reads every frame and routes it: replies by
+the request's `tag`, tokens and the end of a stream by `request_id`. Streams cross
+executor crashes with no duplicate and no gap (indices are checked), exactly as in
+the sync SDK. Liveness follows the Paranoid Pirate rule: any frame from the sidecar,
+keepalives included, proves it alive; a caller that waits while the sidecar has been
+silent for `timeout` seconds gets `SidecarUnavailable`, never a hang. Pool restarts work
+as in the sync SDK: the announced pause is waited through, then `Resume` re-attaches.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from kvhold.protocol import messages as m, wire
+from kvhold.client.client import (RESUME_AFTER_S, GenerationResult, TokenEvent, hear_keepalive, resume_message,
+                        take_tokens)
+from kvhold.protocol.curve import apply_client_curve
+from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
+from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+__all__ = ["AsyncClient", "AsyncStream", "TokenEvent", "GenerationResult"]
+
+
+@dataclass(slots=True)
+class _StreamState:
+    request_id: int
+    prompt_tokens: int
+    token_ids: list = field(default_factory=list)
+    pending: collections.deque = field(default_factory=collections.deque)
+    done: m.Done | None = None
+    error: Exception | None = None
+    heard: float = field(default_factory=time.monotonic)   # last tokens or keepalive for it
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+
+class AsyncStream:
+    """Async iterator over one request's tokens; `await result()` waits for the end."""
+
+    def __init__(self, client: "AsyncClient", state: _StreamState):
+        self._client = client
+        self._state = state
+
+    @property
+    def request_id(self) -> int:
+        return self._state.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._state.prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self._state.finished
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        st = self._state
+        while not st.pending:
+            if st.error is not None:
+                raise st.error
+            if st.done is not None:
+                raise StopAsyncIteration
+            st.changed.clear()
+            await self._client._wait(st.changed.wait())
+        return st.pending.popleft()
+
+    async def result(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        st, done = self._state, self._state.done
+        return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids), text=done.text,
+                                finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
+                                completion_tokens=done.completion_tokens, preemptions=done.preemptions,
+                                recomputed_tokens=done.recomputed_tokens)
+
+    async def cancel(self) -> None:
+        """Stop the request; the stream then ends with finish_reason 'cancelled'."""
+        if not self.finished:
+            try:
+                await self._client.cancel(self.request_id)
+            except NotFound:
+                pass  # it finished meanwhile
+
+
+class AsyncClient:
+    def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
+                 context: zmq.asyncio.Context | None = None, curve_server_key=None,
+                 curve_secret_key_file: os.PathLike | None = None):
+        """`endpoint` and the CURVE arguments as for kvhold.client.client.Client: over tcp://, give the
+        server's public key and this client's .key_secret file to speak CurveZMQ."""
+        if (curve_server_key is None) != (curve_secret_key_file is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._own_ctx = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # A stable identity keeps ownership of our requests across reconnects.
+        self._sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+        if curve_server_key is not None:
+            try:
+                apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)
+            except BaseException:
+                self._sock.close(0)
+                if self._own_ctx:
+                    self._ctx.term()
+                raise
+        self._sock.connect(endpoint)
+        self._tags = itertools.count(1)
+        self._replies: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, _StreamState] = {}
+        self._receiver: asyncio.Task | None = None
+        self._last_rx = self._last_resume = time.monotonic()
+        self._pause_until = 0.0    # a pool restart announced a pause until then (monotonic)
+        self._closed = False
+
+    @classmethod
+    def for_instance(cls, instance: str = "default", runtime_root=None, **kwargs) -> "AsyncClient":
+        paths = InstancePaths.for_instance(instance, runtime_root)
+        return cls(paths.client_endpoint, **kwargs)
+
+    # ------------------------------------------------------------------ API
+    async def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                       prefix_generated: list[int] | None = None, **params) -> AsyncStream:
+        """`prefix_generated` continues a request moved from another sidecar (see kvhold.routing.arouter):
+        the stream then yields only the tokens after it, indexed from 0."""
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_ids")
+        sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
+        ids = list(prompt_ids) if prompt_ids is not None else None
+        prefix = list(prefix_generated) if prefix_generated else None
+        reply = await self._request(lambda tag: m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
+                                                           prompt_ids=ids, prefix_generated=prefix))
+        return AsyncStream(self, self._streams[reply.request_id])
+
+    async def cancel(self, request_id: int) -> None:
+        await self._request(lambda tag: m.Cancel(tag=tag, request_id=request_id))
+
+    async def status(self) -> dict:
+        return (await self._request(lambda tag: m.Status(tag=tag))).status
+
+    async def ping(self) -> int:
+        """Round trip; returns the pool generation."""
+        return (await self._request(lambda tag: m.Ping(tag=tag))).generation
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._receiver is not None:
+            self._receiver.cancel()
+            try:
+                await self._receiver
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._sock.close(0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    # ------------------------------------------------------------------ plumbing
+    async def _request(self, make):
+        self._ensure_receiver()
+        tag = next(self._tags)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[tag] = fut
+        try:
+            self._sock.send(wire.encode(make(tag)), zmq.NOBLOCK)
+        except zmq.Again:
+            self._replies.pop(tag, None)
+            raise SidecarUnavailable(f"cannot queue a message to {self.endpoint}") from None
+        try:
+            return await self._wait(asyncio.shield(fut))
+        finally:
+            self._replies.pop(tag, None)
+
+    async def _wait(self, awaitable):
+        """Await `awaitable` while the sidecar stays alive: any frame from it resets the clock."""
+        task = asyncio.ensure_future(awaitable)
+        started = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                remaining = max(max(self._last_rx, started) + self.timeout, self._pause_until) - now
+                if remaining <= 0:
+                    raise SidecarUnavailable(f"no message from the sidecar at {self.endpoint} "
+                                             f"for {self.timeout:.1f} s")
+                done, _ = await asyncio.wait({task}, timeout=min(remaining, RESUME_AFTER_S))
+                if done:
+                    return task.result()
+                self._maybe_resume()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _ensure_receiver(self) -> None:
+        if self._closed:
+            raise SidecarUnavailable("the client is closed")
+        if self._receiver is None or self._receiver.done():
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            self._last_rx = time.monotonic()
+            try:
+                msg = wire.decode(frame)
+            except wire.WireError as exc:
+                self._fail_all(ProtocolError(f"undecodable message from the sidecar: {exc}"))
+                continue
+            handler = self._HANDLERS.get(type(msg))
+            if handler is not None:
+                handler(self, msg)
+
+    def _maybe_resume(self) -> None:
+        """After a silence, re-attach open streams (a restarted sidecar re-sends from there)."""
+        now = time.monotonic()
+        if now - self._last_resume < RESUME_AFTER_S:
+            return
+        self._last_resume = now
+        msg = resume_message(self._streams, now)
+        if msg is None:
+            return
+        try:
+            self._sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # queue full while the sidecar is away: the next silence retries
+
+    def _on_restarting(self, msg: m.Restarting) -> None:
+        self._pause_until = max(self._pause_until, time.monotonic() + msg.resume_within_s)
+
+    def _on_keepalive(self, msg: m.Keepalive) -> None:
+        hear_keepalive(self._streams, msg)
+        self._pause_until = 0.0    # a sidecar serves our streams (again): normal timeout
+
+    def _fail_all(self, exc: Exception) -> None:
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        for st in self._streams.values():
+            st.error = exc
+            st.changed.set()
+        self._streams.clear()
+
+    def _on_accepted(self, msg: m.Accepted) -> None:
+        # Registered here, not in generate(): tokens may follow before generate() resumes.
+        self._streams[msg.request_id] = _StreamState(msg.request_id, msg.prompt_tokens)
+        self._on_reply(msg)
+
+    def _on_tokens(self, msg: m.Tokens) -> None:
+        st = self._streams.get(msg.request_id)
+        if st is None:
+            return
+        if not take_tokens(st, msg):
+            self._streams.pop(msg.request_id)
+        st.changed.set()
+
+    def _on_done(self, msg: m.Done) -> None:
+        st = self._streams.pop(msg.request_id, None)
+        if st is not None:
+            st.done = msg
+            st.changed.set()
+
+    def _on_error(self, msg: m.Error) -> None:
+        exc = error_from_code(msg.code, msg.message)
+        fut = self._replies.get(msg.tag) if msg.tag else None
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+        elif msg.request_id in self._streams:
+            st = self._streams.pop(msg.request_id)
+            st.error = exc
+            st.changed.set()
+
+    def _on_reply(self, msg) -> None:
+        fut = self._replies.get(msg.tag)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    _HANDLERS = {m.Tokens: _on_tokens, m.Done: _on_done, m.Error: _on_error, m.Accepted: _on_accepted,
+                 m.Cancelled: _on_reply, m.StatusReply: _on_reply, m.Pong: _on_reply,
+                 m.Keepalive: _on_keepalive, m.Restarting: _on_restarting}

@@ -1,0 +1,328 @@
+"""Client SDK: generate, stream, cancel, status over ZeroMQ.
+
+    from kvhold.client.client import Client
+    with Client.for_instance("default") as client:
+        stream = client.generate("Once upon a time", max_tokens=32, temperature=0.8, seed=1)
+        for event in stream:             # TokenEvent(index, token_id, text)
+            print(event.text, end="")
+        result = stream.result()         # finish_reason, usage, full text
+
+A stream survives executor crashes with no action by the caller: the sidecar
+keeps it open, sends keepalives during the pause and continues from the next
+token, with no duplicate and no gap (the SDK checks the indices). A pool restart
+(`kvhold pool-restart`) is a longer pause: the sidecar announces it (`Restarting`), the
+SDK waits that long, then re-attaches its streams to the new sidecar (`Resume`, sent
+after each second of silence) and continues from the index it has. Errors are
+typed (kvhold.protocol.errors): bad parameters raise `InvalidParams` and its subclasses
+before or after a round trip; a sidecar that stays silent for `timeout` seconds
+raises `SidecarUnavailable`, never a hang. One Client is one socket: use it from
+one thread (several streams may be interleaved); see AsyncClient for asyncio.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvhold.protocol import messages as m, wire
+from kvhold.protocol.curve import apply_client_curve
+from kvhold.protocol.errors import ProtocolError, SidecarUnavailable, error_from_code
+from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.sampling import SamplingParams
+
+RESUME_AFTER_S = 1.0   # silence (two missed keepalives) after which open streams are re-attached
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    index: int
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _StreamState:
+    request_id: int
+    prompt_tokens: int
+    token_ids: list = field(default_factory=list)
+    pending: collections.deque = field(default_factory=collections.deque)
+    done: m.Done | None = None
+    error: Exception | None = None
+    heard: float = field(default_factory=time.monotonic)   # last tokens or keepalive for it
+
+
+
+# ------------------------------------------------------------------ shared by Client and AsyncClient
+def take_tokens(st, msg: m.Tokens) -> bool:
+    """Append `msg`'s tokens to stream state `st`, never one twice. False (and `st.error`
+    set) when the message skips ahead: tokens were lost."""
+    st.heard = time.monotonic()
+    have = len(st.token_ids)
+    if msg.start > have:
+        st.error = ProtocolError(f"request {msg.request_id}: gap in the stream "
+                                 f"(have {have} tokens, got index {msg.start})")
+        return False
+    skip = have - msg.start
+    for offset, (tid, text) in enumerate(zip(msg.ids[skip:], msg.texts[skip:])):
+        st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text))
+        st.token_ids.append(tid)
+    return True
+
+
+def resume_message(streams: dict, now: float) -> m.Resume | None:
+    """Re-attach the streams silent for RESUME_AFTER_S (other traffic does not count), or None."""
+    ids = [r for r, st in streams.items() if now - st.heard >= RESUME_AFTER_S]
+    if not ids:
+        return None
+    return m.Resume(request_ids=ids, next_indices=[len(streams[r].token_ids) for r in ids])
+
+
+def hear_keepalive(streams: dict, msg: m.Keepalive) -> None:
+    now = time.monotonic()
+    for rid in msg.request_ids:
+        if rid in streams:
+            streams[rid].heard = now
+
+
+class Stream:
+    """Iterator over one request's tokens; `result()` waits for the end."""
+
+    def __init__(self, client: "Client", state: _StreamState):
+        self._client = client
+        self._state = state
+
+    @property
+    def request_id(self) -> int:
+        return self._state.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._state.done is not None or self._state.error is not None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TokenEvent:
+        st = self._state
+        while not st.pending:
+            if st.error is not None:
+                raise st.error
+            if st.done is not None:
+                raise StopIteration
+            self._client._receive_one()
+        return st.pending.popleft()
+
+    def result(self) -> GenerationResult:
+        for _ in self:
+            pass
+        st = self._state
+        return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids),
+                                text=st.done.text, finish_reason=st.done.finish_reason,
+                                prompt_tokens=st.done.prompt_tokens,
+                                completion_tokens=st.done.completion_tokens,
+                                preemptions=st.done.preemptions,
+                                recomputed_tokens=st.done.recomputed_tokens)
+
+    def cancel(self) -> None:
+        self._client.cancel(self.request_id)
+
+
+class Client:
+    """`endpoint` is ipc://PATH (local, owner-only) or tcp://HOST:PORT. Over TCP give the
+    server's public key (z85 or its .key file) and this client's .key_secret file to speak
+    CurveZMQ; a CURVE sidecar serves nobody else (see kvhold.protocol.curve, `kvhold keygen`)."""
+
+    def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
+                 context: zmq.Context | None = None, curve_server_key=None,
+                 curve_secret_key_file: os.PathLike | None = None):
+        if (curve_server_key is None) != (curve_secret_key_file is None):
+            raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # A stable identity keeps ownership of our requests across reconnects.
+        self._sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+        if curve_server_key is not None:
+            try:
+                apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)
+            except BaseException:
+                self.close()
+                raise
+        self._sock.connect(endpoint)
+        self._tags = itertools.count(1)
+        self._replies: dict[int, object] = {}
+        self._streams: dict[int, _StreamState] = {}
+        self._last_rx = self._last_resume = time.monotonic()
+        self._pause_until = 0.0    # a pool restart announced a pause until then (monotonic)
+
+    @classmethod
+    def for_instance(cls, instance: str = "default", runtime_root=None, **kwargs) -> "Client":
+        paths = InstancePaths.for_instance(instance, runtime_root)
+        return cls(paths.client_endpoint, **kwargs)
+
+    # ------------------------------------------------------------------ API
+    def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                 prefix_generated: list[int] | None = None, **params) -> Stream:
+        """`prefix_generated` continues a request moved from another sidecar (see kvhold.routing.router):
+        the stream then yields only the tokens after it, indexed from 0."""
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_ids")
+        sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
+        tag = next(self._tags)
+        self._send(m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
+                              prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
+                              prefix_generated=list(prefix_generated) if prefix_generated else None))
+        reply = self._wait_reply(tag)
+        state = _StreamState(request_id=reply.request_id, prompt_tokens=reply.prompt_tokens)
+        self._streams[reply.request_id] = state
+        return Stream(self, state)
+
+    def cancel(self, request_id: int) -> None:
+        tag = next(self._tags)
+        self._send(m.Cancel(tag=tag, request_id=request_id))
+        self._wait_reply(tag)
+
+    def status(self) -> dict:
+        tag = next(self._tags)
+        self._send(m.Status(tag=tag))
+        return self._wait_reply(tag).status
+
+    def ping(self) -> int:
+        """Round trip; returns the pool generation."""
+        tag = next(self._tags)
+        self._send(m.Ping(tag=tag))
+        return self._wait_reply(tag).generation
+
+    def pool_restart(self, hold: bool = False, client_grace_s: float = 300.0) -> m.PoolRestartReply:
+        """Ask the sidecar to restart its pool (see kvhold.cli.pool_restart); returns once it drains."""
+        tag = next(self._tags)
+        self._send(m.PoolRestart(tag=tag, hold=hold, client_grace_s=client_grace_s))
+        return self._wait_reply(tag)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, msg) -> None:
+        try:
+            self._sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise SidecarUnavailable(f"cannot queue a message to {self.endpoint}") from None
+
+    def _wait_reply(self, tag: int):
+        while tag not in self._replies:
+            self._receive_one()
+        reply = self._replies.pop(tag)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def _receive_one(self) -> None:
+        """Receive and dispatch one message; SidecarUnavailable after `timeout` of silence (or
+        after the pause a pool restart announced, if longer). Open streams are re-attached with
+        `Resume` after each RESUME_AFTER_S of silence: a restarted sidecar re-sends from there."""
+        started = time.monotonic()
+        while True:
+            now = time.monotonic()
+            deadline = max(max(self._last_rx, started) + self.timeout, self._pause_until)
+            if now >= deadline:
+                raise SidecarUnavailable(f"no message from the sidecar at {self.endpoint} for "
+                                         f"{self.timeout:.1f} s")
+            if now - self._last_resume >= RESUME_AFTER_S:
+                self._send_resume()
+            if self._sock.poll(max(1, int(min(deadline - now, RESUME_AFTER_S) * 1000)), zmq.POLLIN):
+                self._last_rx = time.monotonic()
+                self._dispatch(self._sock.recv())
+                return
+
+    def _send_resume(self) -> None:
+        now = self._last_resume = time.monotonic()
+        msg = resume_message(self._streams, now)
+        if msg is None:
+            return
+        try:
+            self._sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # queue full while the sidecar is away: the next silence retries
+
+    def _on_restarting(self, msg: m.Restarting) -> None:
+        self._pause_until = max(self._pause_until, time.monotonic() + msg.resume_within_s)
+
+    def _on_keepalive(self, msg: m.Keepalive) -> None:
+        hear_keepalive(self._streams, msg)
+        self._pause_until = 0.0    # a sidecar is serving our streams (again): normal timeout
+
+    def _dispatch(self, frame: bytes) -> None:
+        try:
+            msg = wire.decode(frame)
+        except wire.WireError as exc:
+            raise ProtocolError(f"undecodable message from the sidecar: {exc}") from None
+        handler = self._HANDLERS.get(type(msg))
+        if handler is not None:
+            handler(self, msg)
+
+    def _on_tokens(self, msg: m.Tokens) -> None:
+        st = self._streams.get(msg.request_id)
+        if st is not None:
+            take_tokens(st, msg)
+
+    def _on_done(self, msg: m.Done) -> None:
+        st = self._streams.pop(msg.request_id, None)
+        if st is not None:
+            st.done = msg
+
+    def _on_error(self, msg: m.Error) -> None:
+        exc = error_from_code(msg.code, msg.message)
+        if msg.tag:
+            self._replies[msg.tag] = exc
+        elif msg.request_id in self._streams:
+            self._streams.pop(msg.request_id).error = exc
+
+    def _on_reply(self, msg) -> None:
+        self._replies[msg.tag] = msg
+
+    _HANDLERS = {m.Tokens: _on_tokens, m.Done: _on_done, m.Error: _on_error,
+                 m.Accepted: _on_reply, m.Cancelled: _on_reply, m.StatusReply: _on_reply,
+                 m.Pong: _on_reply, m.Keepalive: _on_keepalive, m.Restarting: _on_restarting,
+                 m.PoolRestartReply: _on_reply}
+
+
+def wait_all(streams: list[Stream], on_event=None) -> list[GenerationResult]:
+    """Drive several streams of one Client together; `on_event(stream, event)` sees each token."""
+    while streams:
+        for s in streams:
+            while s._state.pending:
+                event = s._state.pending.popleft()
+                if on_event is not None:
+                    on_event(s, event)
+        if all(s.finished for s in streams):
+            break
+        streams[0]._client._receive_one()
+    return [s.result() for s in streams]

@@ -1,0 +1,5 @@
+import sys
+
+from kvhold.executor.runtime import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""Paged decode attention on CUDA (Triton), straight from the shared KV pool.
+
+One program per (sequence, kv head) computes the attention of that head's group
+of query heads for one new token over the sequence's pages, read in place through
+a block table: no gather, no copy. Keys are visited from position 0 in fixed
+blocks of 64 positions (a few pages gathered through the table per iteration)
+with an online softmax, so a row's result depends only on its own query, keys
+and values, never on the other rows of the batch: decode output is the same
+whatever else is batched with it. Padding rows (context 1, block table
+pointing at the reserved null page) compute garbage that nobody reads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvhold.executor import triton_aot
+
+
+TOKENS_PER_ITERATION = 64
+
+
+@triton_aot.aot
+@triton.jit
+def _paged_decode_kernel(q_ptr, pool_ptr, table_ptr, ctx_ptr, out_ptr,
+                         stride_qb, stride_qh, stride_ob, stride_oh,
+                         stride_page, stride_kv, stride_tok, stride_head, stride_table,
+                         layer_offset, scale,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
+                         D: tl.constexpr, PRECISION: tl.constexpr, PAGES: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    t = tl.arange(0, PAGE * PAGES)          # PAGES pages per iteration: fewer, wider loads
+    hmask = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None], other=0.0)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    base = pool_ptr + layer_offset + kvh * stride_head
+    for blk in range(0, tl.cdiv(ctx, PAGE * PAGES)):
+        pos = blk * PAGE * PAGES + t
+        tmask = pos < ctx
+        page = tl.load(table_ptr + b * stride_table + pos // PAGE, mask=tmask, other=0).to(tl.int64)
+        kp = base + page[:, None] * stride_page + (pos % PAGE)[:, None] * stride_tok + d[None, :]
+        k = tl.load(kp, mask=tmask[:, None], other=0.0)
+        v = tl.load(kp + stride_kv, mask=tmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        prob = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layer: int, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, heads, D]; pool [P, L, 2, T, kv_heads, D]; block_table [B, max_pages] int32;
+    context_lens [B] int32 (including the new token, already written). Returns [B, heads, D]."""
+    batch, heads, dim = q.shape
+    _, _, _, page_tokens, kv_heads, _ = pool.shape
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    sp = pool.stride()
+    _paged_decode_kernel[(batch, kv_heads)](
+        q, pool, block_table, context_lens, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        sp[0], sp[2], sp[3], sp[4], block_table.stride(0),
+        layer * sp[1], scale,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page_tokens, D=dim,
+        PRECISION="ieee" if pool.dtype == torch.float32 else "tf32",
+        PAGES=max(1, TOKENS_PER_ITERATION // page_tokens))
+    return out
+
+
+@triton_aot.aot
+@triton.jit
+def _rope_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, wpage_ptr, wslot_ptr,
+                        pool_ptr, table_ptr, ctx_ptr, out_ptr,
+                        stride_t, stride_cos, stride_ob, stride_oh,
+                        stride_page, stride_kv, stride_tok, stride_head, stride_table,
+                        layer_offset, scale,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                        GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                        PRECISION: tl.constexpr, PAGES: tl.constexpr):
+    """RoPE on the new token's q and k (as kvhold.executor.cuda_kernels.rope_and_store rounds it), k
+    and v stored at their slot, then _paged_decode_kernel's attention with q and k in
+    rotate-half halves. One program per (sequence, kv head) reads and writes only its own."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    H2: tl.constexpr = D // 2
+    half = tl.arange(0, H2)
+    g = tl.arange(0, GROUP_PAD)
+    hmask = g < GROUP
+    heads = kvh * GROUP + g
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    c1 = tl.load(cos_ptr + pos * stride_cos + half).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_cos + H2 + half).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_cos + half).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_cos + H2 + half).to(tl.float32)
+    row = qkv_ptr + b * stride_t
+    qp = row + heads[:, None] * D + half[None, :]
+    x1 = tl.load(qp, mask=hmask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(qp + H2, mask=hmask[:, None], other=0.0).to(tl.float32)
+    q1 = (x1 * c1[None, :] - x2 * s1[None, :]).to(qkv_ptr.dtype.element_ty)
+    q2 = (x2 * c2[None, :] + x1 * s2[None, :]).to(qkv_ptr.dtype.element_ty)
+    kp = row + (HEADS + kvh) * D
+    y1 = tl.load(kp + half).to(tl.float32)
+    y2 = tl.load(kp + H2 + half).to(tl.float32)
+    k1 = (y1 * c1 - y2 * s1).to(qkv_ptr.dtype.element_ty)
+    k2 = (y2 * c2 + y1 * s2).to(qkv_ptr.dtype.element_ty)
+    full = tl.arange(0, D)
+    v_new = tl.load(row + (HEADS + KV_HEADS + kvh) * D + full)
+    base = pool_ptr + layer_offset + kvh * stride_head
+    wpage = tl.load(wpage_ptr + b).to(tl.int64)
+    wslot = tl.load(wslot_ptr + b).to(tl.int64)
+    dst = base + wpage * stride_page + wslot * stride_tok
+    tl.store(dst + half, k1.to(pool_ptr.dtype.element_ty))
+    tl.store(dst + H2 + half, k2.to(pool_ptr.dtype.element_ty))
+    tl.store(dst + stride_kv + full, v_new.to(pool_ptr.dtype.element_ty))
+    tl.debug_barrier()          # the slot just written is read back below by the other threads
+    q1 = q1.to(pool_ptr.dtype.element_ty)
+    q2 = q2.to(pool_ptr.dtype.element_ty)
+    ctx = tl.load(ctx_ptr + b)
+    t = tl.arange(0, PAGE * PAGES)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    for blk in range(0, tl.cdiv(ctx, PAGE * PAGES)):
+        p = blk * PAGE * PAGES + t
+        tmask = p < ctx
+        page = tl.load(table_ptr + b * stride_table + p // PAGE, mask=tmask, other=0).to(tl.int64)
+        kptr = base + page[:, None] * stride_page + (p % PAGE)[:, None] * stride_tok
+        ka = tl.load(kptr + half[None, :], mask=tmask[:, None], other=0.0)
+        kb = tl.load(kptr + H2 + half[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(kptr + stride_kv + full[None, :], mask=tmask[:, None], other=0.0)
+        s = tl.dot(q2, tl.trans(kb), tl.dot(q1, tl.trans(ka), input_precision=PRECISION),
+                   input_precision=PRECISION) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        prob = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + full[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          pages: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, layer: int,
+                          block_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                          heads: int, kv_heads: int) -> torch.Tensor:
+    """A decode step's rope_and_store plus paged_decode_attention in one launch: qkv [B,
+    (heads + 2 kv_heads) * D] (not modified); the new token's rotated k and v go to (pages[b],
+    slots[b]) of `layer` and count in its attention (context_lens include it). Returns the
+    attention output [B, heads, D]."""
+    batch = qkv.shape[0]
+    _, _, _, page_tokens, _, dim = pool.shape
+    group = heads // kv_heads
+    out = torch.empty((batch, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    sp = pool.stride()
+    _rope_decode_kernel[(batch, kv_heads)](
+        qkv, cos, sin, positions, pages, slots, pool, block_table, context_lens, out,
+        qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+        sp[0], sp[2], sp[3], sp[4], block_table.stride(0), layer * sp[1], scale,
+        HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PAGE=page_tokens, D=dim, PRECISION="ieee" if pool.dtype == torch.float32 else "tf32",
+        PAGES=max(1, TOKENS_PER_ITERATION // page_tokens))
+    return out
+
+
+@triton_aot.warm_up
+def _aot_shapes(shapes) -> None:
+    """Decode as kvhold.executor.cuda_runner runs it, padded to max_batch rows (the grid is all a
+    smaller bucket changes), for every layer (the
+    layer offset's divisibility by 16 is part of the specialization). The runner stages ctx
+    and the block table in one int32 buffer, ctx first, so the table is 16-byte aligned only
+    when max_batch is a multiple of 4: both layouts are prepared (one, when they agree)."""
+    b, width = shapes.max_batch, shapes.max_pages_per_seq
+    q = triton_aot.meta((b, shapes.num_heads, shapes.head_dim), shapes.dtype)
+    pool = triton_aot.meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
+    staged = triton_aot.meta((b + b * width,), torch.int32)
+    staged64 = triton_aot.meta((4, b), torch.int64).unbind(0)      # ids, positions, pages, slots
+    qkv = triton_aot.meta((b, (shapes.num_heads + 2 * shapes.num_kv_heads) * shapes.head_dim), shapes.dtype)
+    cos = triton_aot.meta((shapes.max_seq_len, shapes.head_dim), shapes.dtype)
+    for ctx, table in ((triton_aot.meta((b,), torch.int32), triton_aot.meta((b, width), torch.int32)),
+                       (staged[:b], staged[b:].view(b, width))):
+        for layer in range(shapes.num_layers):
+            paged_decode_attention(q, pool, layer, table, ctx, shapes.head_dim ** -0.5)
+            rope_decode_attention(qkv, cos, cos, staged64[1], staged64[2], staged64[3], pool, layer, table, ctx,
+                                  shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)

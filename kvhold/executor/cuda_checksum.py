@@ -1,0 +1,106 @@
+"""The KV-page checksum on CUDA: one fused Triton pass, bit-identical to kvhold.protocol.checksum.
+
+Same definition (sum of splitmix64(word | index << 32 ^ SEED) mod 2**64 over the
+committed words of a page), computed for token ranges [start, end) of pages in
+one launch: whole committed ranges when validating after a crash, the few new
+slots of each touched page when committing a step. The grid is
+(range, layer x k/v, block of the range's words); each program reduces its block
+and writes a partial sum; partials are added with wrapping int64 arithmetic,
+which is order-free, so the result is the CPU's to the bit (tests/test_gpu.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvhold.executor import triton_aot
+from kvhold.protocol.checksum import C1, C2, SEED
+
+BLOCK = 1024
+
+
+@triton_aot.aot
+@triton.jit
+def _range_hash_kernel(words_ptr, pages_ptr, starts_ptr, ends_ptr, out_ptr,
+                       page_words, row_words, page_tokens, n_lkv, n_blocks,
+                       SEED: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, BLOCK: tl.constexpr,
+                       SINGLE: tl.constexpr):
+    i = tl.program_id(0)
+    lkv = tl.program_id(1)
+    b = tl.program_id(2)
+    page = tl.load(pages_ptr + i).to(tl.int64)
+    start = tl.load(starts_ptr + i).to(tl.int32)
+    if SINGLE:          # one slot per range: ends_ptr is not read
+        end = start + 1
+    else:
+        end = tl.load(ends_ptr + i).to(tl.int32)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < (end - start) * row_words
+    widx = (lkv * page_tokens + start) * row_words + offs
+    w = tl.load(words_ptr + page * page_words + widx, mask=mask, other=0)
+    x = w.to(tl.uint32, bitcast=True).to(tl.uint64) | (widx.to(tl.uint64) << 32)
+    x = x ^ SEED
+    x = (x ^ (x >> 30)) * C1
+    x = (x ^ (x >> 27)) * C2
+    x = x ^ (x >> 31)
+    x = tl.where(mask, x, tl.zeros_like(x))
+    total = tl.sum(x, axis=0)
+    tl.store(out_ptr + (i * n_lkv + lkv) * n_blocks + b, total.to(tl.int64, bitcast=True))
+
+
+class TritonChecksum:
+    """Drop-in for kvhold.protocol.checksum.TorchChecksum on CUDA pools."""
+
+    def __init__(self, pool: torch.Tensor):
+        if pool.element_size() * pool.shape[-1] % 4:
+            raise ValueError("a KV row must be a whole number of 32-bit words")
+        num_pages, layers, two, tokens = pool.shape[:4]
+        self.words = pool.reshape(num_pages, -1).view(torch.int32)
+        self.page_tokens = tokens
+        self.n_lkv = layers * two
+        self.row_words = self.words.shape[1] // (self.n_lkv * tokens)
+        self.page_words = self.words.shape[1]
+        self.n_blocks = triton.cdiv(tokens * self.row_words, BLOCK)
+
+    def ranges(self, page_ids, starts, ends) -> torch.Tensor:
+        n = len(page_ids)
+        dev = self.words.device
+        out = torch.empty((n, self.n_lkv, self.n_blocks), dtype=torch.int64, device=dev)
+        if n == 0:
+            return out.view(0)
+        page_ids = page_ids.to(device=dev, dtype=torch.int64)
+        starts = starts.to(device=dev, dtype=torch.int32)
+        ends = ends.to(device=dev, dtype=torch.int32)
+        _range_hash_kernel[(n, self.n_lkv, self.n_blocks)](
+            self.words, page_ids, starts, ends, out, self.page_words, self.row_words,
+            self.page_tokens, self.n_lkv, self.n_blocks, SEED=SEED, C1=C1, C2=C2, BLOCK=BLOCK, SINGLE=False)
+        return out.view(n, -1).sum(dim=1)
+
+    def pages(self, page_ids, num_tokens) -> torch.Tensor:
+        return self.ranges(page_ids, torch.zeros_like(num_tokens), num_tokens)
+
+    def slots(self, page_ids, slots) -> torch.Tensor:
+        """One slot of each page: a decode step's commit, hashed inside its CUDA graph. Only
+        the blocks one slot spans are launched, and no index is converted first (int32 or
+        int64 indices are read as they are): one launch plus the sum."""
+        n = len(page_ids)
+        dev = self.words.device
+        n_blocks = triton.cdiv(self.row_words, BLOCK)
+        out = torch.empty((n, self.n_lkv, n_blocks), dtype=torch.int64, device=dev)
+        if n == 0:
+            return out.view(0)
+        page_ids, slots = page_ids.to(device=dev), slots.to(device=dev)
+        _range_hash_kernel[(n, self.n_lkv, n_blocks)](
+            self.words, page_ids, slots, slots, out, self.page_words, self.row_words,
+            self.page_tokens, self.n_lkv, n_blocks, SEED=SEED, C1=C1, C2=C2, BLOCK=BLOCK, SINGLE=True)
+        return out.view(n, -1).sum(dim=1)
+
+
+@triton_aot.warm_up
+def _aot_shapes(shapes) -> None:
+    pool = triton_aot.meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
+    one = triton_aot.meta((1,), torch.int64)
+    TritonChecksum(pool).ranges(one, one, one)
+    staged = triton_aot.meta((4, shapes.max_batch), torch.int64)     # CudaRunner's pages and slots rows
+    TritonChecksum(pool).slots(staged[2], staged[3])

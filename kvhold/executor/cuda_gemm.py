@@ -1,0 +1,160 @@
+"""Weight GEMMs of a small decode batch on CUDA (Triton): `x @ w.T`, optionally + residual.
+
+At batch 1..16 a decode step's projections are matrix-vector products bound by reading
+the weights once, and cuBLAS's choices for them reach only 64-77% of the copy bandwidth
+at Llama-3-8B's o_proj, q|k|v and down_proj shapes (split-K plus a separate reduce
+kernel for down_proj; see bench/results/decode_profile_cuda.json). This kernel streams
+each weight row block once:
+
+* one program per BLOCK_N output columns reads its [BLOCK_N, K] slice of `w` (row-major,
+  K contiguous, as nn.Linear stores it) in BLOCK_K tiles and multiplies the batch,
+  padded to 16 rows, on the tensor cores, accumulating in float32;
+* every row's sum runs over K in the same order whatever the other rows hold, so a
+  row's result does not depend on the batch (DESIGN.md s4), and there is no split-K and
+  no atomics: the result is deterministic;
+* `residual` adds into a tensor in the epilogue (float32, rounded once), as
+  `addmm_(beta=1)` does: o_proj and down_proj write the residual stream in place.
+
+`linear` takes this path only when it applies (CUDA, bf16/fp16, at most 16 rows, N and
+K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
+`KVHOLD_SKINNY_GEMM=0` turns it off (tools/bench_decode measures both). The tile sizes
+were chosen on the H200 by tools/bench_gemm (bench/results/gemm_cuda.json).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvhold.executor import triton_aot
+
+MAX_ROWS = 64
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4       # H200, see module docstring
+# (N, K, rows per program) -> (BLOCK_N, BLOCK_K, warps, stages) where another tile won the
+# sweep (Llama-3-8B's q|k|v, o, gate|up, down; 32 rows take the 64-row choice)
+_SWEPT = {(6144, 4096): ((64, 128, 4, 5), (64, 128, 4, 5)), (4096, 4096): ((32, 256, 4, 5), (32, 256, 4, 4)),
+          (28672, 4096): ((32, 128, 4, 3), (64, 128, 4, 3)), (4096, 14336): ((32, 256, 4, 5), (32, 256, 4, 4))}
+TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    (n, k, bm): choice[bm > 16] for (n, k), choice in _SWEPT.items() for bm in (16, 32, 64)}
+
+
+def enabled() -> bool:
+    return os.environ.get("KVHOLD_SKINNY_GEMM", "1") != "0"
+
+
+@triton_aot.aot
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride_w, stride_o, stride_r,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rows = rm[:, None] < M
+    cols = rn[:, None] < N
+    x_ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=rows, other=0.0)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=cols, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_mask = rows & (rn[None, :] < N)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def block_m(rows: int) -> int:
+    """Rows per program: the batch padded to 16, 32 or 64 (one program covers them all)."""
+    return min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+
+
+def tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages); BLOCK_K divides K (K's largest power-of-2 divisor at most)."""
+    block_n, block_k, warps, stages = TUNED.get((n, k, block_m(rows)), (BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES))
+    return block_n, min(block_k, k & -k), warps, stages
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """The row counts a decode step is padded to, one CUDA graph each: 16, 32, 64 up to
+    max_batch, and max_batch. The kernel's rows are bit-identical at every count (each
+    row's sum runs over K in the same order; tests/test_gpu_gemm.py), so a row's result
+    does not depend on which bucket its step ran in. Past MAX_ROWS cuBLAS takes over and
+    that holds no longer: one bucket."""
+    if max_batch > MAX_ROWS:
+        return [max_batch]
+    return sorted({b for b in (16, 32, 64) if b < max_batch} | {max_batch})
+
+
+def fits(n: int, k: int, rows: int) -> bool:
+    """Whether the kernel takes a [rows, k] @ [n, k].T product (K in tiles of at least 16)."""
+    return 0 < rows <= MAX_ROWS and tiles(n, k, rows)[1] >= 16
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.dim() == 2 and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
+            and fits(w.shape[0], w.shape[1], x.shape[0]))
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+           out: torch.Tensor | None = None, block_n: int = 0, block_k: int = 0, num_warps: int = 0,
+           num_stages: int = 0, rows_per_program: int = 0) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ residual [M, N]) into out (default: a new tensor; may be
+    `residual` itself). The caller checks `applies` first; tile arguments left 0 take
+    `tiles` (tools/bench_gemm sets them to compare)."""
+    m, k = x.shape
+    n = w.shape[0]
+    tuned = tiles(n, k, m)
+    block_n, block_k = block_n or tuned[0], block_k or tuned[1]
+    num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res = residual if residual is not None else out
+    bm = rows_per_program or block_m(m)
+    _skinny_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, bm))](
+        x, w, out, res, m, n, k, x.stride(0), w.stride(0), out.stride(0), res.stride(0),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, RESIDUAL=residual is not None, EVEN_N=n % block_n == 0,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), on the skinny kernel where it applies."""
+    if bias is None and enabled() and applies(x, w):
+        return skinny(x, w)
+    return F.linear(x, w, bias)
+
+
+def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """h += x @ w.T in place (one rounding), as h.addmm_(x, w.t())."""
+    if enabled() and applies(x, w) and h.stride(1) == 1:
+        return skinny(x, w, residual=h, out=h)
+    return h.addmm_(x, w.t())
+
+
+@triton_aot.warm_up
+def _aot_shapes(shapes) -> None:
+    """A decode step's projections and logits at each bucket's rows, and a prefill chunk's
+    logits (one row), as kvhold.executor.cuda_layers runs them."""
+    if shapes.torch_dtype not in (torch.bfloat16, torch.float16):
+        return
+    meta, dt = triton_aot.meta, shapes.torch_dtype
+    hidden, inter, q = shapes.hidden_size, shapes.intermediate_size, shapes.num_heads * shapes.head_dim
+    qkv = q + 2 * shapes.num_kv_heads * shapes.head_dim
+    for b in decode_buckets(shapes.max_batch) + [1]:
+        h = meta((b, hidden), dt)
+        for n, k, residual in ((qkv, hidden, False), (2 * inter, hidden, False), (shapes.vocab_size, hidden, False),
+                               (hidden, q, True), (hidden, inter, True)):
+            x, w = meta((b, k), dt), meta((n, k), dt)
+            if fits(n, k, b) and not (b == 1 and residual):
+                skinny(x, w, residual=h if residual else None, out=h if residual else None)

@@ -1,0 +1,139 @@
+"""The decoder layers on CUDA with fused projections and fused elementwise kernels.
+
+Same model as kvhold.executor.llama (which keeps the float64 reference on CPU), shaped for
+a GPU step that is bound by reading weights:
+
+* q|k|v and gate|up each run as ONE GEMM over a view that spans the adjacent
+  weight tensors: the sidecar's weights region stores a layer's tensors in config
+  order (kvhold.protocol.checkpoint), so q_proj, k_proj, v_proj (and gate_proj, up_proj) lie
+  back to back and their concatenation is a view, not a copy. Where they are not
+  adjacent (weights loaded tensor by tensor), each projection runs on its own and
+  the outputs are concatenated (activations only; weights are never copied).
+* o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
+* A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda_gemm's
+  kernel, which streams each weight once; prefill chunks run on cuBLAS.
+* RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
+  each (kvhold.executor.cuda_kernels).
+* A decode step's attention applies RoPE and stores the keys and values itself
+  (kvhold.executor.cuda_attention.rope_decode_attention): 8 launches per layer instead of 9.
+  Folding RMSNorm into the next GEMM as well (row sums of squares left by the GEMM
+  that wrote the residual, the norm applied to each x tile in the K loop) was tried
+  and made the GEMMs 38% slower on the H200 (x no longer feeds the tensor cores
+  straight from the pipelined loads): bench/results/decode_cuda_norm_folded.json.
+
+Eight launches per decode layer (nine per prefill layer) instead of about forty. Enabled on every CUDA device unless
+KVHOLD_FUSED=0 (which tools/bench_decode uses to measure the unfused baseline).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kvhold.executor import cuda_gemm
+from kvhold.executor.cuda_gemm import add_linear_, linear
+from kvhold.executor.cuda_kernels import rmsnorm, rope_and_store, silu_mul
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("KVHOLD_FUSED", "1") != "0"
+
+
+def adjacent_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor spanning `tensors` (same dtype, same trailing shape, contiguous, stored
+    back to back in one storage), as a view; None if they are not laid out that way."""
+    first = tensors[0]
+    tail = first.shape[1:]
+    if any(t.dtype != first.dtype or t.shape[1:] != tail or not t.is_contiguous() for t in tensors):
+        return None
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end:
+            return None
+        end += t.numel() * t.element_size()
+    storage = first.untyped_storage()
+    if end > storage.data_ptr() + storage.nbytes():
+        return None
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *tail), first.stride())
+
+
+class _Projection:
+    """x @ [w_1; w_2; ...].T (+ bias): one GEMM over an adjacent view, else one per part."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None):
+        self.fused = adjacent_view(weights)
+        self.parts = weights
+        self.bias_parts = biases
+        self.bias = None
+        if biases is not None:
+            self.bias = adjacent_view(biases)
+            if self.bias is None:
+                self.bias = torch.cat(biases)          # biases are tiny
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return linear(x, self.fused, self.bias)
+        biases = self.bias_parts or [None] * len(self.parts)
+        return torch.cat([F.linear(x, w, b) for w, b in zip(self.parts, biases)], dim=-1)
+
+
+class FusedLayers:
+    def __init__(self, model):
+        spec = model.spec
+        self.spec = spec
+        self.model = model
+        self.eps = spec.rms_norm_eps
+        self.layers_w = []
+        for layer in range(spec.num_layers):
+            p = f"model.layers.{layer}."
+            w = model._weight
+            bias = [w(p + f"self_attn.{x}_proj.bias") for x in "qkv"] if spec.attention_bias else None
+            self.layers_w.append((
+                w(p + "input_layernorm.weight"),
+                _Projection([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"], bias),
+                w(p + "self_attn.o_proj.weight"),
+                w(p + "post_attention_layernorm.weight"),
+                _Projection([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], None),
+                w(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = w("model.norm.weight")
+
+    @property
+    def fused_gemms(self) -> bool:
+        return all(qkv.fused is not None and gu.fused is not None for _, qkv, _, _, gu, _ in self.layers_w)
+
+    def batch_invariant(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda_gemm's
+        kernel (whose rows come out the same at any row count)."""
+        spec = self.spec
+        hidden, q = spec.hidden_size, spec.num_heads * spec.head_dim
+        qkv = q + 2 * spec.num_kv_heads * spec.head_dim
+        shapes = ((qkv, hidden), (hidden, q), (2 * spec.intermediate_size, hidden),
+                  (hidden, spec.intermediate_size), (self.model.lm_head.shape[0], hidden))
+        return (cuda_gemm.enabled() and self.fused_gemms and not spec.attention_bias
+                and self.model.dtype in (torch.bfloat16, torch.float16)
+                and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
+
+    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None) -> torch.Tensor:
+        """As LlamaModel.layers; with `attend_qkv(layer, qkv)`, attention also applies RoPE and
+        stores the step's keys and values itself (kvhold.executor.cuda_attention.rope_decode_attention)."""
+        spec, model = self.spec, self.model
+        t = token_ids.shape[0]
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = model.w["model.embed_tokens.weight"][token_ids].to(model.dtype)
+        for layer, (ln1, qkv_proj, o_w, ln2, gate_up, down_w) in enumerate(self.layers_w):
+            qkv = qkv_proj(rmsnorm(h, ln1, self.eps))
+            if attend_qkv is not None:
+                attn = attend_qkv(layer, qkv)
+            else:
+                rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
+                               heads, kv_heads, dim)
+                attn = attend(layer, qkv[:, :heads * dim].view(t, heads, dim))
+            add_linear_(h, attn.reshape(t, -1), o_w)
+            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w)
+        return h
+
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return linear(rmsnorm(h, self.norm, self.eps), head)

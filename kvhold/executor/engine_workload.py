@@ -1,0 +1,195 @@
+"""The engine workload: the reference torch engine behind the executor lifecycle.
+
+prepare() (as a standby-to-be): load the weights if this executor is the designated
+loader, otherwise wait for them to be sealed and check the fingerprint; map the
+weights read-only and the KV pool, build the model, and warm it up on a private
+scratch pool (a standby must not write shared pages). promote(): take over the
+page table and journal (kvhold.executor.recovery) and report the figures. step(): one
+engine step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from kvhold.executor import faults
+from kvhold.executor.engine import Engine
+from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
+from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
+from kvhold.executor.weights import WeightsRegion, wait_until_sealed
+from kvhold.protocol import messages as m
+from kvhold.protocol.checkpoint import Manifest
+from kvhold.protocol.memory import Mapping, RegionInfo, map_region
+from kvhold.protocol.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+DEFAULT_CUDA_PREFILL_CHUNK = 512
+DEFERRED_CAPTURE_STEPS = 8    # an urgent executor captures its decode graph after this many steps
+
+
+class EngineWorkload:
+    cold_first_step = True     # the first step may load kernels: longer lease until it is done
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.engine: Engine | None = None
+        self.runner = None
+        self.private_mib = 0.0
+        self.phases: dict[str, float] = {}      # warm-up parts in ms, reported in Ready
+        self._t = time.monotonic()
+        self._active_steps = 0
+
+    def _phase(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = round((now - self._t) * 1e3, 2)
+        self._t = now
+
+    slot_hashes = True      # the runner hashes each decode step's slots for the commit
+
+    def prepare(self) -> None:
+        ctx, s = self.ctx, self.ctx.settings
+        self._t = time.monotonic()
+        device = torch.device(s["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            torch.cuda.init()
+            self._phase("cuda_context")
+        if device.type == "cpu":
+            torch.set_num_threads(int(s.get("cpu_threads") or max(1, (os.cpu_count() or 2) // 2)))
+        spec = ModelSpec.from_dir(s["model"])
+        weights = self._weights(spec)
+        self._phase("weights")
+        geometry = ctx.tables.geometry
+        dtype = TORCH_DTYPES[s["compute_dtype"]]
+        model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
+        kv = self._kv_cache(geometry, device)
+        max_batch, max_tokens = int(s["max_batch"]), int(s["max_batch_tokens"])
+        chunk = int(s.get("prefill_chunk") or 0) or None
+        runner = checksum = None
+        if device.type == "cuda":
+            from kvhold.executor.cuda_checksum import TritonChecksum
+            from kvhold.executor.cuda_runner import CudaRunner
+
+            chunk = chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_tokens - max_batch)
+            runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
+                                use_graph=not s.get("extra", {}).get("no_cuda_graph"),
+                                slot_hashes=self.slot_hashes)
+            self._phase("model")
+            # loads kernels and captures the decode graph; an urgent executor (taking over with
+            # no standby ready) warms only the decode path and captures later, between steps
+            self.phases.update(runner.prepare(urgent=ctx.urgent))
+            self._t = time.monotonic()
+            checksum = TritonChecksum(kv.pool)
+        else:
+            self._warm_up(model, geometry.kv, device)
+            self._phase("model_warm_up")
+        self.runner = runner
+        self.engine = self._make_engine(model, kv, max_batch, max_tokens, runner, checksum, chunk)
+        self._phase("engine")
+        self.engine.warm_up_sampler()
+        zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
+        self.engine.checksum.pages(zero, zero)
+        self.engine.checksum.ranges(zero, zero, zero + 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            self._phase("sampler_and_checksum_warm_up")
+            self.private_mib = torch.cuda.memory_reserved(device) / 2**20
+            log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
+                     self.private_mib)
+
+    def _kv_cache(self, geometry, device) -> KvCache:
+        """The pool the engine computes into: kvhold's shared pages (kvhold.executor.foreign_pool overrides)."""
+        return KvCache.from_mapping(self.ctx.mappings["kv"], geometry.kv, geometry.num_pages)
+
+    def _make_engine(self, model, kv, max_batch, max_tokens, runner, checksum, chunk) -> Engine:
+        return Engine(model, kv, self.ctx.tables, self.ctx.lease, max_batch, max_tokens,
+                      runner=runner, checksum=checksum, prefill_chunk=chunk)
+
+    def _weights(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        ctx = self.ctx
+        info = ctx.attached.weights
+        manifest = Manifest.from_wire(info["manifest"])
+        if manifest.fingerprint != info["fingerprint"]:
+            raise RuntimeError("the manifest does not match the sidecar's fingerprint")
+        region = WeightsRegion(ctx.mappings["weights"], manifest, ctx.settings["model"])
+        designated = info["loader"] or not wait_until_sealed(ctx.tables, manifest.fingerprint,
+                                                              ctx.epoch, ctx.beat)
+        if designated:
+            if not info["loader"]:  # designated after attach: our mapping is read-only
+                region = WeightsRegion(self._writable_weights(), manifest, ctx.settings["model"])
+            ctx.channel.send(m.WeightsLoading(slot=ctx.attached.slot, epoch=ctx.epoch))
+            load_ms = region.load(beat=ctx.beat)
+            faults.point("weights_loaded")     # crash tests: a loader dying before it seals
+            log.info("loaded %d tensors (%.1f MiB) in %.0f ms", len(manifest.entries),
+                     manifest.region_bytes / 2**20, load_ms)
+            ctx.channel.send(m.WeightsSealed(slot=ctx.attached.slot, epoch=ctx.epoch,
+                                             fingerprint=manifest.fingerprint, load_ms=load_ms))
+        else:
+            log.info("weights already sealed (fingerprint %s): mapped, not loaded", manifest.fingerprint[:12])
+        return region.tensors()
+
+    def _writable_weights(self) -> Mapping:
+        fds = self.ctx.channel.fetch_fds(self.ctx.attached)
+        try:
+            info = next(RegionInfo.from_wire(d) for d in self.ctx.attached.regions if d["name"] == "weights")
+            return map_region(fds["weights"], info.with_access(False))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    @staticmethod
+    def _warm_up(model: LlamaModel, kv_geometry, device) -> None:
+        """Exercise every kernel once on a private pool, so the first real step is not cold."""
+        scratch = KvCache.private(kv_geometry, 1, device)
+        n = min(4, kv_geometry.page_tokens)
+        pages = torch.zeros(n, dtype=torch.long, device=device)
+        step = StepInput(token_ids=torch.zeros(n, dtype=torch.long, device=device),
+                         positions=torch.arange(n, device=device), write_pages=pages,
+                         write_slots=torch.arange(n, device=device),
+                         seqs=[SeqSlice(0, n, n, pages[:1])],
+                         logits_rows=torch.tensor([n - 1], device=device))
+        model.forward(step, scratch)
+
+    # ------------------------------------------------------------------ workload interface
+    def promote(self, msg: m.Promote) -> dict:
+        report = self.engine.take_over(msg.pending_epochs, msg.detect_ns)
+        report["fenced_epoch"] = msg.fenced_epoch
+        log.info("took over: %d resumable, %d damaged, %d lost, %d pages checked (%d bad), "
+                 "%d tokens recomputed", report["requests_resumable"], report["requests_damaged"],
+                 report["requests_lost"], report["pages_checked"], report["pages_bad"],
+                 report["tokens_recomputed"])
+        return report
+
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
+    def step(self) -> list[int]:
+        slots = self.engine.step()
+        self._active_steps += 1
+        if (self.runner is not None and self.runner.capture_pending
+                and self._active_steps >= DEFERRED_CAPTURE_STEPS):
+            t0 = time.monotonic()
+            self.runner.capture()
+            log.info("captured the deferred decode graph in %.0f ms", (time.monotonic() - t0) * 1e3)
+        return slots
+
+    def flush(self) -> list[int]:
+        """Publish what the last step left pending (a graceful stop)."""
+        return self.engine.flush() if self.engine is not None else []
+
+    def take_marks(self) -> dict:
+        """The first step after a takeover: its parts (ns), once."""
+        marks, self.engine.first_step_marks = self.engine.first_step_marks, {}
+        return marks
+
+    def on_wake(self) -> None:
+        pass  # has_work() looks at the journal itself
+
+    def on_reaped(self, epochs) -> None:
+        released = self.engine.release_quarantined(epochs)
+        if released:
+            log.info("released %d quarantined pages of exited epochs %s", released, list(epochs))

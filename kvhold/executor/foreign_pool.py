@@ -1,0 +1,291 @@
+"""Foreign-pool mode: the reference engine keeps its own KV pool, protected only by the mirror.
+
+This is how kvhold sits behind an engine that allocates its own KV memory (TensorRT-LLM's
+`KVCacheManager`; issue 7): the engine computes into a private pool with its own block
+ids, and after each step's device work the KV mirror (kvhold.executor.kv_mirror) copies the
+newly committed rows into kvhold pages, published with version and checksum. Enabled by
+`kvhold sidecar --kv-mode foreign`; with the default `native` nothing here runs.
+
+Commit order of a step (DESIGN.md s3, with the mirror in place of stage 1):
+  1. mirror: kvhold page records assigned (owner = request id, logical = block index),
+     bytes copied, then, once the copy has landed, (count, checksum) published under the
+     seqlock (a decode step: KvMirror.queue_decode / publish_decode; the copy may be queued
+     by the runner's `after_forward` hook, before the step's read-back);
+  2. the journal's page list names those kvhold pages (prefix, in block order), so the
+     tables describe where each request's committed KV lives, as in native mode;
+  3. journal tokens, finish, then pages released (journal list shortened first).
+Takeover (`take_over_foreign`): the new executor rebuilds every live request from the
+journal, gives it fresh private blocks, and `KvMirror.restore` validates the mirrored
+pages and copies each request's intact prefix into them; a request with a damaged
+block recomputes from that block, one with nothing usable re-prefills. Sampling is
+keyed by (seed, position), so the continuation equals an uninterrupted run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+
+from kvhold.executor.engine import Engine
+from kvhold.executor.engine_workload import EngineWorkload
+from kvhold.executor.kv_cache import KvCache
+from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
+from kvhold.executor.sequence import Sequence
+from kvhold.protocol.layout import AdmitState, ExecState, FinishReason, PageFlag
+from kvhold.protocol.leases import now_ns
+from kvhold.executor.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks
+
+log = logging.getLogger(__name__)
+KV_MODES = ("native", "foreign")
+MAX_REPORTED_REQUESTS = 64
+
+
+def engine_blocks(kv: KvCache) -> PooledBlocks:
+    """The private pool seen as TensorRT-LLM's primary-pool layout [blocks, layers, 2, T*H*D]."""
+    g = kv.geometry
+    pool = kv.pool.view(kv.num_pages, g.num_layers, 2, -1)
+    return PooledBlocks(pool, g.num_kv_heads, g.head_dim, g.page_tokens)
+
+
+class PrivateBlocks:
+    """BlockManager's interface over the engine's private pool: nothing goes to shared memory.
+
+    `free` calls `on_free(seq)` first, so the caller can drop the request's mirrored pages."""
+
+    def __init__(self, num_blocks: int, journal, page_tokens: int, on_free):
+        self.allocator = PageAllocator(range(NULL_PAGE + 1, num_blocks))
+        self.journal = journal                  # the scheduler counts preemptions through it
+        self.page_tokens = page_tokens
+        self.on_free = on_free
+
+    def pages_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, math.ceil((seq.num_computed + n) / self.page_tokens) - len(seq.pages))
+
+    def can_allocate(self, n: int) -> bool:
+        return self.allocator.can_allocate(n)
+
+    def allocate(self, seq: Sequence, n: int) -> None:
+        if n > 0:
+            seq.pages.extend(self.allocator.allocate(n))
+
+    def free(self, seq: Sequence) -> None:
+        self.on_free(seq)
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+
+
+class ForeignEngine(Engine):
+    """Engine over a private KV pool; `mirror` writes kvhold's pool (see module docstring)."""
+    defer_publish = False       # the mirror publishes from the plan as it stood: commit at once
+
+    def __init__(self, model, private_kv: KvCache, tables, lease, max_batch: int,
+                 max_batch_tokens: int, mirror: KvMirror, runner=None, checksum=None,
+                 prefill_chunk=None):
+        super().__init__(model, private_kv, tables, lease, max_batch, max_batch_tokens,
+                         runner=runner, checksum=checksum, prefill_chunk=prefill_chunk)
+        self.mirror = mirror
+        self.target = mirror.layout             # the private pool, as the mirror reads it
+        self.blocks = PrivateBlocks(private_kv.num_pages, self.journal, self.page_tokens, self._drop)
+        self.scheduler.blocks = self.blocks
+        self.mirrored_blocks = 0
+        self._queued = None             # (plan, _queue_decode(plan)) queued by after_forward
+
+    # ------------------------------------------------------------------ commit stage 1
+    def after_forward(self, plan) -> None:
+        """Runner hook: the step's forward is queued and its results not yet read back. Queue
+        the mirror's copy of a decode step now, behind the forward: the step's read-back then
+        waits for it too, and the commit only publishes (no wait of its own)."""
+        self._queued = (plan, self._queue_decode(plan))
+
+    def _queue_decode(self, plan) -> tuple[DecodeBatch, list[int]] | None:
+        """The decode fast path's copy (KvMirror.queue_decode) and the rows that start a block;
+        None if a row is not a decode row extending its block by one token (nothing was done)."""
+        pt, rids, indices, blocks, rows, started = self.page_tokens, [], [], [], [], []
+        for p in plan:
+            if p.n != 1:
+                return None
+            s = p.seq
+            i, row = divmod(s.num_computed, pt)
+            if not row:
+                started.append(len(rows))
+            rids.append(s.request_id)
+            indices.append(i)
+            blocks.append(s.pages[i])
+            rows.append(row)
+        batch = self.mirror.queue_decode(rids, indices, blocks, rows)
+        return None if batch is None else (batch, started)
+
+    def _publish_pages(self, plan) -> None:
+        """Mirror every block this step wrote, then list the new kvhold pages in the journal.
+
+        A CUDA decode step hashes the one slot it wrote in each private block (Engine.step keeps
+        them in `_slot_hashes`, by block); the mirror reuses those for the copied rows. A decode
+        step takes the mirror's fast path (queued by `after_forward` if the runner calls it)."""
+        slot_hashes, self._slot_hashes = self._slot_hashes, {}
+        queued, self._queued = self._queued, None
+        fast = queued[1] if queued is not None and queued[0] is plan else self._queue_decode(plan)
+        if fast is None:
+            self._publish_blocks(plan, slot_hashes)
+            return
+        batch, started = fast
+        hashes = [slot_hashes.get(b) for b in batch.blocks.tolist()]
+        self.mirrored_blocks += self.mirror.publish_decode(batch, None if None in hashes else hashes)
+        for i in started:                   # a journal list grows when a page is assigned
+            self._list_pages(plan[i].seq)
+
+    def _publish_blocks(self, plan, slot_hashes) -> None:
+        """The general path (prefill chunks, mixed steps): one Committed per written block."""
+        pt, work, row_hashes = self.page_tokens, [], {}
+        for p in plan:
+            s = p.seq
+            for i in range(s.num_computed // pt, (s.num_computed + p.n - 1) // pt + 1):
+                work.append(Committed(s.request_id, i, s.pages[i], min(pt, s.num_computed + p.n - i * pt)))
+            if p.n == 1 and (block := s.pages[s.num_computed // pt]) in slot_hashes:
+                row_hashes[block, s.num_computed % pt] = slot_hashes[block]
+        fresh = {c.request_id for c in work if self.mirror.page_of(c.request_id, c.index) is None}
+        self.mirrored_blocks += self.mirror.mirror_committed(work, row_hashes)
+        for p in plan:                  # a journal list grows only when the mirror assigns a page
+            if p.seq.request_id in fresh:
+                self._list_pages(p.seq)
+
+    def _list_pages(self, seq: Sequence) -> None:
+        """Journal page list := the kvhold pages of the request's mirrored prefix."""
+        listed = int(self.journal.req["num_pages"][seq.slot])
+        n = listed
+        while (page := self.mirror.page_of(seq.request_id, n)) is not None:
+            self.journal.page_lists[seq.slot, n] = page
+            n += 1
+        if n != listed:
+            self.journal.set_num_pages(seq.slot, n)
+
+    def _drop(self, seq: Sequence) -> None:
+        self.lease.check()
+        self.journal.set_num_pages(seq.slot, 0)          # the list shrinks before the records clear
+        self.mirror.release(seq.request_id)
+
+    # ------------------------------------------------------------------ takeover
+    def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
+        self._just_took_over = True
+        self.first_step_marks = {}
+        return take_over_foreign(self, pending_epochs, detect_ns)
+
+    def release_quarantined(self, epochs) -> int:
+        return self.mirror.release_quarantined(epochs)
+
+
+class ForeignEngineWorkload(EngineWorkload):
+    """EngineWorkload whose engine computes into a private pool (settings["kv_mode"] == "foreign").
+
+    The private pool has as many blocks as kvhold's pool (so whatever fits in kvhold's pages
+    fits in the engine); it is this process's memory and dies with it. kvhold's pool is
+    written only by the mirror, and only by the active executor (a standby builds the
+    mirror but writes nothing until `promote` restores)."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.engine.mirror.warm_up()            # reads kvhold's pool, writes a scratch tensor only
+
+    def _kv_cache(self, geometry, device) -> KvCache:
+        self.shared_kv = KvCache.from_mapping(self.ctx.mappings["kv"], geometry.kv, geometry.num_pages)
+        return KvCache.private(geometry.kv, geometry.num_pages, device)
+
+    def _make_engine(self, model, kv, max_batch, max_tokens, runner, checksum, chunk) -> Engine:
+        mirror = KvMirror(self.ctx.tables, self.shared_kv.pool, engine_blocks(kv), self.ctx.lease)
+        log.info("foreign KV pool: %d private blocks, mirrored into kvhold's %d pages",
+                 kv.num_pages, self.shared_kv.num_pages)
+        return ForeignEngine(model, kv, self.ctx.tables, self.ctx.lease, max_batch, max_tokens, mirror,
+                             runner=runner, checksum=checksum, prefill_chunk=chunk)
+
+
+def foreign_engine_like(engine: Engine, shared_kv: KvCache) -> ForeignEngine:
+    """`engine`'s model, runner, private pool and tables, run in foreign mode with a mirror into
+    `shared_kv` (tools/bench_mirror: both modes measured on one loaded model). `engine` must
+    have no requests, and is not stepped again."""
+    sched = engine.scheduler
+    mirror = KvMirror(engine.tables, shared_kv.pool, engine_blocks(engine.kv), engine.lease)
+    return ForeignEngine(engine.model, engine.kv, engine.tables, engine.lease, sched.max_batch,
+                         sched.max_batch_tokens, mirror, runner=engine.runner, checksum=engine.checksum,
+                         prefill_chunk=sched.prefill_chunk)
+
+
+def _live_sequences(engine: ForeignEngine) -> tuple[list[Sequence], int]:
+    """Sequences of every taken, unfinished request, rebuilt from the journal."""
+    journal, seqs, finished = engine.journal, [], 0
+    for slot in journal.live_slots():
+        e = journal.entry(int(slot))
+        if not e.taken:
+            continue                                   # queued: normal admission takes it
+        if e.exec_state == ExecState.FINISHED:
+            finished += 1
+            continue
+        seqs.append(Sequence.from_journal(e, journal.all_tokens(e.slot, e.num_tokens).tolist()))
+    return seqs, finished
+
+
+def _recorded_tokens(engine: ForeignEngine) -> dict[int, int]:
+    """KV tokens the dead executor had mirrored, per request (for the recomputation figure)."""
+    records = engine.page_table.snapshot()
+    live = (records["owner"] != 0) & ((records["flags"] & PageFlag.QUARANTINED) == 0)
+    out: dict[int, int] = {}
+    for owner, count in zip(records["owner"][live].tolist(), records["num_tokens"][live].tolist()):
+        out[int(owner)] = out.get(int(owner), 0) + int(count)
+    return out
+
+
+def take_over_foreign(engine: ForeignEngine, pending_epochs, detect_ns: int = 0) -> dict:
+    """Restore every live request's intact KV from kvhold's pages into the private pool.
+
+    Runs in the promoted executor before its first step; the dead writer is fenced. The
+    report carries the same keys as kvhold.executor.recovery.take_over."""
+    t_start = now_ns()
+    seqs, finished = _live_sequences(engine)
+    recorded = _recorded_tokens(engine)
+    blocks = engine.blocks
+    wanted: dict[int, list[int]] = {}
+    for seq in seqs:           # the last journal token is the next input: its KV is recomputed
+        need = math.ceil(max(0, seq.num_tokens - 1) / engine.page_tokens)
+        wanted[seq.request_id] = blocks.allocator.allocate(min(need, blocks.allocator.num_free))
+    restored = engine.mirror.restore(wanted, engine.target, pending_epochs)
+    t_validated = now_ns()
+    classes = {"resumable": 0, "damaged": 0, "lost": 0}
+    rows, recomputed, kept = [], 0, 0
+    for seq in seqs:
+        r = restored[seq.request_id]
+        own = wanted[seq.request_id]
+        blocks.allocator.free(own[r.blocks_restored:])
+        seq.pages = own[:r.blocks_restored]
+        seq.num_computed = min(r.tokens_restored, seq.num_tokens - 1)
+        lost_tokens = max(0, min(recorded.get(seq.request_id, 0), seq.num_tokens - 1) - seq.num_computed)
+        klass = ("resumable" if r.first_bad is None else "damaged" if seq.num_computed else "lost")
+        classes[klass] += 1
+        recomputed, kept = recomputed + lost_tokens, kept + seq.num_computed
+        if len(rows) < MAX_REPORTED_REQUESTS:
+            rows.append({"request_id": seq.request_id, "class": klass, "first_bad_page": r.first_bad,
+                         "kv_kept": seq.num_computed, "tokens_recomputed": lost_tokens})
+        _resume(engine, seq, lost_tokens)
+    stats = engine.mirror.last_restore
+    return {"detect_ns": detect_ns, "promoted_ns": t_start, "validated_ns": t_validated,
+            "cleared_ns": t_validated, "tails_ns": t_validated, "resumed_ns": now_ns(),
+            "pages_checked": stats["pages_checked"], "pages_bad": stats["pages_bad"],
+            "pages_interrupted": 0, "pages_copied": 0, "pages_quarantined": stats["pages_quarantined"],
+            "requests_finished": finished, "requests_resumable": classes["resumable"],
+            "requests_damaged": classes["damaged"], "requests_lost": classes["lost"],
+            "tokens_recomputed": recomputed, "tokens_kept": kept, "requests": rows,
+            "kv_mode": "foreign"}
+
+
+def _resume(engine: ForeignEngine, seq: Sequence, lost_tokens: int) -> None:
+    """List the kept kvhold pages in the journal, then schedule the sequence (or finish it)."""
+    journal = engine.journal
+    pages = []
+    while (page := engine.mirror.page_of(seq.request_id, len(pages))) is not None:
+        pages.append(page)
+    journal.page_lists[seq.slot, :len(pages)] = pages
+    journal.set_num_pages(seq.slot, len(pages))
+    if lost_tokens:
+        journal.add_counter(seq.slot, "num_recomputed", lost_tokens)
+    reason = engine.finish_reason(seq, seq.tokens[-1]) if seq.num_generated else None
+    engine.add(seq)
+    if reason is not None or journal.req["admit_state"][seq.slot] == AdmitState.CANCELLED:
+        engine.finish(seq, reason or FinishReason.CANCELLED)     # frees its blocks and pages

@@ -1,0 +1,100 @@
+"""KernelShapes: the shapes an executor's GPU kernels will run at, known before it starts.
+
+The zygote compiles the executor's Triton kernels ahead of time (kvhold.executor.triton_aot)
+without a model loaded and without a CUDA context; this value tells it what to
+compile for. The sidecar sends it as JSON (its executor settings plus the table
+geometry, see `from_settings`); the kernel modules' warm-ups read it to build meta
+tensors shaped like the ones the executor will pass. A shape that turns out wrong
+costs speed only: launches that do not match a prepared specialization take the JIT.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelShapes:
+    dtype: str                  # compute dtype, also the KV pool's
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    page_tokens: int
+    num_pages: int
+    max_seq_len: int            # also the rope tables' length
+    max_batch: int              # decode runs padded to exactly this many rows
+    prefill_chunk: int          # prefill runs padded to exactly this many rows
+    kv_dtype: str = ""          # the KV pool's dtype when it differs from `dtype`
+
+    def __post_init__(self):
+        for name in ("dtype", "kv_dtype"):
+            value = getattr(self, name)
+            if value and value not in _DTYPES:
+                raise ValueError(f"kernel shapes: {name} {value!r} not one of {sorted(_DTYPES)}")
+        for name, value in asdict(self).items():
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"kernel shapes: {name}={value} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("kernel shapes: num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.kv_dtype or self.dtype]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """A block table row's width."""
+        return math.ceil(self.max_seq_len / self.page_tokens)
+
+    @property
+    def kv_pool_shape(self) -> tuple[int, ...]:
+        """[page][layer][k/v][token][kv_head][head_dim], as kvhold.executor.kv_cache lays it out."""
+        return (self.num_pages, self.num_layers, 2, self.page_tokens, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "KernelShapes | None":
+        """From the sidecar's executor settings plus `page_tokens`, `num_pages` and `max_seq_len`
+        of its table geometry (and optionally `kv_dtype`). None when there is no model."""
+        if not settings.get("model") or not str(settings.get("device", "cuda")).startswith("cuda"):
+            return None
+        from kvhold.executor.engine_workload import DEFAULT_CUDA_PREFILL_CHUNK
+        from kvhold.protocol.model_spec import ModelSpec
+
+        spec = ModelSpec.from_dir(settings["model"])
+        max_batch = int(settings["max_batch"])
+        chunk = int(settings.get("prefill_chunk") or 0) or min(
+            DEFAULT_CUDA_PREFILL_CHUNK, int(settings["max_batch_tokens"]) - max_batch)
+        page_tokens = int(settings["page_tokens"])
+        return cls(dtype=settings.get("compute_dtype") or spec.dtype, num_layers=spec.num_layers,
+                   num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                   hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                   vocab_size=spec.vocab_size, page_tokens=page_tokens,
+                   num_pages=int(settings["num_pages"]), max_seq_len=int(settings["max_seq_len"]),
+                   max_batch=max_batch, prefill_chunk=chunk, kv_dtype=settings.get("kv_dtype") or "")
+
+    @classmethod
+    def from_json(cls, text: str) -> "KernelShapes | None":
+        """Either a KernelShapes' own fields or `from_settings`' input."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("kernel shapes: expected a JSON object")
+        if "num_heads" in data:
+            return cls(**data)
+        return cls.from_settings(data)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))

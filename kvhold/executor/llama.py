@@ -1,0 +1,160 @@
+"""The reference Llama-family decoder over paged KV: RMSNorm, RoPE (with Llama-3
+frequency scaling), grouped-query attention, SwiGLU, optional q/k/v bias (Qwen2).
+
+Weights are tensors viewing the sidecar's weights region (never copied into the
+process); arithmetic runs in `compute_dtype`. One `forward` serves a mixed step:
+prefill chunks and decode tokens of many sequences, concatenated along one token
+axis. Each layer first writes the step's keys/values into the pool, then every
+sequence attends over its pages read back from the pool. Conventions follow
+Hugging Face `transformers` (rotate-half RoPE, RMSNorm in float32 for half
+types) so that its checkpoints give its outputs. On CUDA the layers run through
+kvhold.executor.cuda_layers (fused projections and elementwise kernels, same model).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvhold.executor.kv_cache import KvCache
+from kvhold.protocol.model_spec import ModelSpec
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's part of a step: tokens [start, start+n) of the step's token axis,
+    attending over its first `context` positions (which include these n)."""
+    start: int
+    n: int
+    context: int
+    pages: torch.Tensor
+
+
+@dataclass(slots=True)
+class StepInput:
+    token_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    write_pages: torch.Tensor     # [T] page of each new token's KV
+    write_slots: torch.Tensor     # [T] slot inside that page
+    seqs: list[SeqSlice]
+    logits_rows: torch.Tensor     # [S] rows of T whose logits are wanted
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    dim = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = spec.rope_scaling
+    if rs.kind == "linear":
+        return inv / rs.factor
+    if rs.kind != "llama3":
+        return inv
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], compute_dtype: torch.dtype,
+                 device: torch.device, max_positions: int):
+        self.spec = spec
+        self.w = weights
+        self.dtype = compute_dtype
+        self.device = device
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(spec))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=compute_dtype)
+        self.sin = emb.sin().to(device=device, dtype=compute_dtype)
+        self.scale = spec.head_dim ** -0.5
+        self.group = spec.num_heads // spec.num_kv_heads
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.fused = None
+        if device.type == "cuda":
+            from kvhold.executor.cuda_layers import FusedLayers, fused_enabled
+
+            self.fused = FusedLayers(self) if fused_enabled() else None
+
+    def _weight(self, name: str) -> torch.Tensor:
+        w = self.w[name]
+        return w if w.dtype == self.dtype else w.to(self.dtype)
+
+    def _linear(self, x, name: str, bias: bool = False):
+        b = self._weight(name.replace(".weight", ".bias")) if bias else None
+        return F.linear(x, self._weight(name), b)
+
+    def _rmsnorm(self, x, name: str):
+        w = self._weight(name)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+            return w * xf.to(x.dtype)
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps))
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, kv: KvCache) -> torch.Tensor:
+        """Run one step; returns logits [len(logits_rows), vocab]."""
+        h = self.layers(step.token_ids, step.positions, step.write_pages, step.write_slots, kv,
+                        lambda layer, q: self._attention(layer, q, step, kv))
+        return self.logits(h[step.logits_rows])
+
+    def layers(self, token_ids, positions, write_pages, write_slots, kv: KvCache, attend) -> torch.Tensor:
+        """Every decoder layer over a flat token axis; `attend(layer, q)` does attention after the
+        step's keys/values were written to the pool. Returns the last hidden states."""
+        if self.fused is not None:
+            return self.fused.layers(token_ids, positions, write_pages, write_slots, kv, attend)
+        spec = self.spec
+        t = token_ids.shape[0]
+        h = self.w["model.embed_tokens.weight"][token_ids].to(self.dtype)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        bias = spec.attention_bias
+        for layer in range(spec.num_layers):
+            p = f"model.layers.{layer}."
+            x = self._rmsnorm(h, p + "input_layernorm.weight")
+            q = self._linear(x, p + "self_attn.q_proj.weight", bias).view(t, spec.num_heads, spec.head_dim)
+            k = self._linear(x, p + "self_attn.k_proj.weight", bias).view(t, spec.num_kv_heads, spec.head_dim)
+            v = self._linear(x, p + "self_attn.v_proj.weight", bias).view(t, spec.num_kv_heads, spec.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv.write(layer, write_pages, write_slots, k, v)
+            attn = attend(layer, q)
+            h = h + self._linear(attn.reshape(t, -1), p + "self_attn.o_proj.weight")
+            x = self._rmsnorm(h, p + "post_attention_layernorm.weight")
+            gate = self._linear(x, p + "mlp.gate_proj.weight")
+            up = self._linear(x, p + "mlp.up_proj.weight")
+            h = h + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head if self.lm_head.dtype == self.dtype else self.lm_head.to(self.dtype)
+        if self.fused is not None:
+            return self.fused.logits(h, head)
+        return F.linear(self._rmsnorm(h, "model.norm.weight"), head)
+
+    def _attention(self, layer: int, q: torch.Tensor, step: StepInput, kv: KvCache) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for s in step.seqs:
+            k, v = kv.gather(layer, s.pages, s.context, self.dtype)
+            if self.group > 1:
+                k = k.repeat_interleave(self.group, dim=1)
+                v = v.repeat_interleave(self.group, dim=1)
+            qs = q[s.start:s.start + s.n]                               # [n, heads, dim]
+            scores = torch.einsum("qhd,khd->hqk", qs, k) * self.scale
+            first = s.context - s.n
+            allowed = (torch.arange(s.context, device=q.device)[None, :]
+                       <= (first + torch.arange(s.n, device=q.device))[:, None])
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16)
+                                  else scores, dim=-1).to(v.dtype)
+            out[s.start:s.start + s.n] = torch.einsum("hqk,khd->qhd", probs, v)
+        return out

@@ -1,0 +1,49 @@
+"""Sequence: one request as the engine sees it (tokens, KV progress, pages, sampling)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvhold.protocol.journal import JournalEntry
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"    # needs pages before it can run
+    RUNNING = "running"
+
+
+@dataclass(slots=True)
+class Sequence:
+    slot: int
+    request_id: int
+    prompt_len: int
+    tokens: list[int]                 # prompt + generated, mirrors the journal row
+    max_tokens: int
+    seed: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_ids: frozenset[int]
+    ignore_eos: bool
+    num_computed: int = 0             # tokens whose KV is in the pool and committed
+    pages: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+
+    @classmethod
+    def from_journal(cls, entry: JournalEntry, tokens: list[int]) -> "Sequence":
+        return cls(slot=entry.slot, request_id=entry.request_id, prompt_len=entry.prompt_len,
+                   tokens=tokens, max_tokens=entry.max_tokens, seed=entry.seed,
+                   temperature=entry.temperature, top_p=entry.top_p, top_k=entry.top_k,
+                   stop_ids=frozenset(entry.stop_ids), ignore_eos=entry.ignore_eos)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed

@@ -1,0 +1,73 @@
+"""CpuRunner: runs one scheduled step through the model, every sequence in one flat batch.
+
+The reference path (float64 on CPU): all scheduled tokens of all sequences go
+through each layer together; attention is computed per sequence over its pages.
+Returns the logits of the sequences that sample, in plan order; `run_and_sample`
+also picks the tokens and hashes the slots decode rows wrote, for the commit.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvhold.executor.kv_cache import KvCache
+from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
+from kvhold.executor.sampler import sample
+from kvhold.protocol.checksum import TorchChecksum
+
+
+def positions_of(plan, page_tokens: int):
+    """(pages, slots, positions, token ids) of every token the plan computes, in plan order."""
+    pages, slots, positions, ids = [], [], [], []
+    for p in plan:
+        s = p.seq
+        pos = range(s.num_computed, s.num_computed + p.n)
+        ids.extend(s.tokens[s.num_computed:s.num_computed + p.n])
+        positions.extend(pos)
+        pages.extend(s.pages[i // page_tokens] for i in pos)
+        slots.extend(i % page_tokens for i in pos)
+    return pages, slots, positions, ids
+
+
+class CpuRunner:
+    def __init__(self, model: LlamaModel, kv: KvCache):
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.hasher = TorchChecksum(kv.pool)
+        self.queued_ns = 0
+
+    def prepare(self) -> None:
+        pass
+
+    def run(self, plan, beat=None) -> torch.Tensor:
+        pages, slots, positions, ids = positions_of(plan, self.kv.page_tokens)
+        seqs, rows, start = [], [], 0
+        for p in plan:
+            seqs.append(SeqSlice(start=start, n=p.n, context=p.seq.num_computed + p.n,
+                                 pages=torch.tensor(p.seq.pages, device=self.device)))
+            start += p.n
+            if p.samples:
+                rows.append(start - 1)
+        dev = self.device
+        step = StepInput(token_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+                         write_pages=torch.tensor(pages, device=dev), write_slots=torch.tensor(slots, device=dev),
+                         seqs=seqs, logits_rows=torch.tensor(rows, device=dev, dtype=torch.long))
+        return self.model.forward(step, self.kv)
+
+    def run_and_sample(self, plan, sampling, beat=None, after_forward=None) -> tuple[list[int], dict[int, int]]:
+        """Run the step and pick its tokens; returns (tokens of `sampling`, and for a decode-only
+        step {page: hash of the one slot each row wrote there}), as kvhold.executor.cuda_runner does."""
+        logits = self.run(plan, beat)
+        self.queued_ns = time.monotonic_ns()
+        if after_forward is not None:
+            after_forward(plan)
+        tokens = sample(logits, sampling) if sampling else []
+        if not plan or any(p.n != 1 for p in plan):      # only decode steps, as on a GPU
+            return tokens, {}
+        pt = self.kv.page_tokens
+        pages = [p.seq.pages[p.seq.num_computed // pt] for p in plan]
+        slots = [p.seq.num_computed % pt for p in plan]
+        hashes = self.hasher.slots(torch.tensor(pages), torch.tensor(slots)).tolist()
+        return tokens, dict(zip(pages, hashes))

@@ -1,0 +1,180 @@
+"""The zygote: a process with torch and the engine imported, and no CUDA context, that
+forks fresh executors on the sidecar's request.
+
+An executor started cold spends most of its start-up importing Python and torch
+(seconds on a GPU host). The zygote pays that once, in the background, and then
+forks: a child starts with everything imported and creates its own CUDA context
+after the fork. CUDA does not survive a fork once initialised, so the zygote
+never initialises it (it checks, and refuses to serve if something did). Given the
+executors' kernel shapes, it also compiles their Triton kernels for the GPU ahead of
+time (kvhold.executor.triton_aot), so a child's first launches skip the JIT.
+
+Protocol: the sidecar (our parent) connects to a SOCK_SEQPACKET socket in its
+owner-only runtime directory and sends {"argv": [...], "env": {...}}; the zygote
+forks and answers {"ok": true, "pid": N}. Only the sidecar's pid, checked by
+SO_PEERCRED, is served. Children are not tied to the zygote's life: they watch
+the sidecar (not the zygote) and outlive a zygote crash; the zygote reaps those
+that exit while it lives and logs their exit codes. The zygote exits when the
+sidecar does.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from kvhold.protocol import fdpass
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+
+
+def preload(device: str, kernel_shapes=None) -> float:
+    """Import what an executor needs before it attaches and, given the shapes its kernels
+    will run at (kvhold.executor.kernel_shapes), compile its Triton kernels ahead of time
+    (kvhold.executor.triton_aot); returns the time it took (ms)."""
+    t0 = time.monotonic()
+    import torch  # noqa: F401
+
+    import kvhold.executor.engine_workload  # noqa: F401
+    import kvhold.executor.recovery  # noqa: F401
+    if device.startswith("cuda"):
+        import kvhold.executor.cuda_attention  # noqa: F401
+        import kvhold.executor.cuda_checksum  # noqa: F401
+        import kvhold.executor.cuda_layers  # noqa: F401
+        import kvhold.executor.cuda_runner  # noqa: F401
+        from kvhold.executor import triton_aot
+        if kernel_shapes is not None:
+            triton_aot.prepare(kernel_shapes)
+        if torch.cuda.is_initialized() or triton_aot.cuda_driver_initialised():
+            raise RuntimeError("CUDA was initialised during preload: forked children would crash")
+    return (time.monotonic() - t0) * 1e3
+
+
+class Zygote:
+    def __init__(self, socket_path: str, sidecar_pid: int):
+        self.socket_path = socket_path
+        self.sidecar_pid = sidecar_pid
+        self.children: set[int] = set()
+
+    def serve(self) -> int:
+        listener = fdpass.listen(self.socket_path)
+        sidecar_fd = os.pidfd_open(self.sidecar_pid)
+        log.info("zygote ready on %s", self.socket_path)
+        try:
+            while True:
+                ready = select.select([listener, sidecar_fd], [], [], POLL_S)[0]
+                self._reap()
+                if sidecar_fd in ready:
+                    log.info("sidecar exited; zygote exiting")
+                    return 0
+                if listener in ready:
+                    conn, _ = listener.accept()
+                    with conn:
+                        self._serve_one(conn, listener)
+        finally:
+            listener.close()
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+
+    def _serve_one(self, conn: socket.socket, listener: socket.socket) -> None:
+        conn.settimeout(2.0)
+        try:
+            pid, _, _ = fdpass.peer_credentials(conn)
+            request, stray = fdpass.recv(conn)
+            for fd in stray:
+                os.close(fd)
+            if pid != self.sidecar_pid:
+                log.warning("refused a fork request from pid %d (not the sidecar)", pid)
+                fdpass.send(conn, {"ok": False, "error": "only the sidecar may ask"})
+                return
+            argv, env = request.get("argv"), request.get("env") or {}
+            if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                fdpass.send(conn, {"ok": False, "error": "argv must be a list of strings"})
+                return
+            child = os.fork()
+            if child == 0:
+                self._become_executor(argv, env, conn, listener)   # never returns
+            self.children.add(child)
+            fdpass.send(conn, {"ok": True, "pid": child})
+            log.info("forked executor pid %d", child)
+        except (OSError, fdpass.FdPassError) as exc:
+            log.warning("fork request failed: %s", exc)
+
+    @staticmethod
+    def _become_executor(argv: list[str], env: dict, conn, listener) -> None:
+        code = 1
+        try:
+            conn.close()
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.environ.update({str(k): str(v) for k, v in env.items()})
+            os.environ.pop("KVHOLD_PARENT_PID", None)   # our parent is the zygote: no PDEATHSIG
+            from kvhold.executor.runtime import main
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            logging.getLogger("executor").exception("forked executor failed")
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _reap(self) -> None:
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                self.children.discard(pid)
+                continue
+            if done:
+                self.children.discard(pid)
+                log.info("executor pid %d exited with code %d", pid, os.waitstatus_to_exitcode(status))
+
+
+def _kernel_shapes(text: str):
+    """Bad or missing shapes cost the ahead-of-time kernels, never the zygote."""
+    if not text:
+        return None
+    from kvhold.executor.kernel_shapes import KernelShapes
+    try:
+        return KernelShapes.from_json(text)
+    except Exception as exc:
+        log.warning("ignoring --kernel-shapes (%s: %s): Triton kernels will be JIT-compiled in executors",
+                    type(exc).__name__, exc)
+        return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvhold.executor.zygote",
+                                     description="Fork kvhold executors with torch already imported "
+                                                 "(started by the sidecar with --zygote).")
+    parser.add_argument("--socket", required=True, help="SOCK_SEQPACKET path to listen on")
+    parser.add_argument("--sidecar-pid", type=int, required=True, help="the only pid served")
+    parser.add_argument("--device", default="cpu", help="preload the CUDA kernels' modules for cuda:N")
+    parser.add_argument("--kernel-shapes", default="",
+                        help="JSON: the executors' settings plus page_tokens, num_pages and max_seq_len "
+                             "(see kvhold.executor.kernel_shapes); their Triton kernels are then compiled here")
+    parser.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    from kvhold.protocol.logs import setup_logging
+    setup_logging(args.log_level, role="zygote")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ms = preload(args.device, _kernel_shapes(args.kernel_shapes))
+    gc.freeze()     # children must not copy the preloaded heap on their first collection
+    log.info("preloaded torch and the engine in %.0f ms", ms)
+    return Zygote(args.socket, args.sidecar_pid).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

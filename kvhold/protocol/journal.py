@@ -1,0 +1,193 @@
+"""The request journal: every in-flight request, durable across executor deaths.
+
+One fixed record per slot (layout.REQUEST_DTYPE) plus a token row (prompt, then
+generated tokens) and a page-list row. The sidecar writes the admission half and
+the prompt, publishing the request by writing `admit_state` last. The executor
+writes the execution half: it claims a request by writing `exec_request_id` last,
+stores each generated token before bumping `num_generated` (so a count never
+covers an unwritten token), and sets `exec_state=FINISHED` only after the last
+token is counted. Fields of the execution half are meaningful only while
+`exec_request_id == request_id`, so a reused slot needs no reset by the sidecar.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhold.protocol.layout import MAX_STOP_IDS, AdmitState, ExecState, FinishReason, RequestFlag
+from kvhold.protocol.leases import now_ns
+from kvhold.protocol.tables import Tables
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """A consistent read of one slot, as recovery and the scheduler need it."""
+
+    slot: int
+    request_id: int
+    admit_state: AdmitState
+    prompt_len: int
+    max_tokens: int
+    seed: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_ids: tuple[int, ...]
+    ignore_eos: bool
+    taken: bool
+    exec_state: ExecState
+    num_generated: int
+    num_pages: int
+    num_prefix: int = 0      # generated tokens brought by a resumed request (see admit)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_generated
+
+
+class Journal:
+    def __init__(self, tables: Tables):
+        self.tables = tables
+        self.req = tables.requests
+        self.tokens = tables.tokens
+        self.page_lists = tables.page_lists
+        self.max_seq_len = tables.geometry.max_seq_len
+
+    # ------------------------------------------------------------------ sidecar
+    def free_slot(self) -> int | None:
+        free = (self.req["admit_state"] == AdmitState.FREE).nonzero()[0]
+        return int(free[0]) if len(free) else None
+
+    def admit(self, slot: int, request_id: int, prompt_ids, *, max_tokens: int, seed: int,
+              temperature: float, top_p: float, top_k: int, stop_ids=(), ignore_eos=False,
+              owner_tag: int = 0, prefix_ids=()) -> None:
+        """`prefix_ids`: tokens already generated elsewhere (a request moved from another
+        sidecar). They are stored after the prompt and count as generated from the start, so
+        sampling positions and the max_tokens budget continue where the first run stopped."""
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        prefix = np.asarray(prefix_ids, dtype=np.int32)
+        if not 0 < len(prompt) < self.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
+        if len(prompt) + len(prefix) >= self.max_seq_len or len(prefix) >= max_tokens:
+            raise ValueError(f"{len(prefix)} resumed tokens leave nothing to generate")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids")
+        r = self.req
+        if r["admit_state"][slot] != AdmitState.FREE:
+            raise RuntimeError(f"journal slot {slot} is not free")
+        self.tokens[slot, :len(prompt)] = prompt
+        self.tokens[slot, len(prompt):len(prompt) + len(prefix)] = prefix
+        r["num_prefix"][slot] = len(prefix)
+        r["request_id"][slot] = request_id
+        r["owner_tag"][slot] = owner_tag
+        r["seed"][slot] = seed
+        r["admitted_ns"][slot] = now_ns()
+        r["prompt_len"][slot] = len(prompt)
+        r["max_tokens"][slot] = max_tokens
+        r["top_k"][slot] = top_k
+        r["temperature"][slot] = temperature
+        r["top_p"][slot] = top_p
+        r["num_stop"][slot] = len(stop_ids)
+        r["stop_ids"][slot] = 0
+        r["stop_ids"][slot, :len(stop_ids)] = stop_ids
+        r["flags"][slot] = RequestFlag.IGNORE_EOS if ignore_eos else RequestFlag.NONE
+        r["admit_state"][slot] = AdmitState.ADMITTED          # publication
+
+    def cancel(self, slot: int) -> None:
+        if self.req["admit_state"][slot] == AdmitState.ADMITTED:
+            self.req["admit_state"][slot] = AdmitState.CANCELLED
+
+    def release(self, slot: int) -> None:
+        self.req["admit_state"][slot] = AdmitState.FREE
+
+    # ------------------------------------------------------------------ readers
+    def entry(self, slot: int) -> JournalEntry:
+        r = self.req[slot].copy()
+        taken = int(r["exec_request_id"]) == int(r["request_id"]) and int(r["request_id"]) != 0
+        n_stop = min(int(r["num_stop"]), MAX_STOP_IDS)
+        return JournalEntry(
+            slot=slot, request_id=int(r["request_id"]), admit_state=AdmitState(int(r["admit_state"])),
+            prompt_len=int(r["prompt_len"]), max_tokens=int(r["max_tokens"]), seed=int(r["seed"]),
+            temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"]),
+            stop_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
+            ignore_eos=bool(int(r["flags"]) & RequestFlag.IGNORE_EOS),
+            taken=taken, exec_state=ExecState(int(r["exec_state"])) if taken else ExecState.NONE,
+            num_generated=int(r["num_generated"]) if taken else 0,
+            num_pages=int(r["num_pages"]) if taken else 0, num_prefix=int(r["num_prefix"]))
+
+    def live_slots(self) -> np.ndarray:
+        """Slots admitted (or cancelled) but not yet released."""
+        return (self.req["admit_state"] != AdmitState.FREE).nonzero()[0]
+
+    def progress(self, slot: int, request_id: int) -> tuple[ExecState, int, FinishReason]:
+        """(state, tokens generated, finish reason) for a streaming reader; state first."""
+        r = self.req
+        if int(r["exec_request_id"][slot]) != request_id:
+            return ExecState.NONE, 0, FinishReason.NONE
+        state = ExecState(int(r["exec_state"][slot]))
+        count = int(r["num_generated"][slot])
+        reason = FinishReason(int(r["finish_reason"][slot])) if state == ExecState.FINISHED else FinishReason.NONE
+        return state, count, reason
+
+    def generated(self, slot: int, start: int, end: int) -> list[int]:
+        p = int(self.req["prompt_len"][slot])
+        return self.tokens[slot, p + start:p + end].tolist()
+
+    def all_tokens(self, slot: int, num_tokens: int) -> np.ndarray:
+        return self.tokens[slot, :num_tokens].copy()
+
+    # ------------------------------------------------------------------ executor
+    def take(self, slot: int, request_id: int, epoch: int) -> None:
+        r = self.req
+        r["num_generated"][slot] = r["num_prefix"][slot]    # a resumed request's tokens count
+        r["num_pages"][slot] = 0
+        r["finish_reason"][slot] = FinishReason.NONE
+        r["num_preempted"][slot] = 0
+        r["num_recomputed"][slot] = 0
+        r["first_token_ns"][slot] = 0
+        r["finished_ns"][slot] = 0
+        r["exec_epoch"][slot] = epoch
+        r["exec_state"][slot] = ExecState.RUNNING
+        r["exec_request_id"][slot] = request_id              # publication
+
+    def restore_progress(self, slot: int, request_id: int, generated) -> None:
+        """Pool restart: an admitted request continues with `generated` tokens already committed
+        and no KV. The one exception to the single-writer rule: the sidecar writes this execution
+        half into a fresh segment before any executor has attached. The first active executor's
+        takeover then finds a taken request with no pages and recomputes its KV by prefill."""
+        gen = np.asarray(generated, dtype=np.int32)
+        p = int(self.req["prompt_len"][slot])
+        if p + len(gen) > self.max_seq_len:
+            raise ValueError(f"{p} + {len(gen)} tokens do not fit slot rows of {self.max_seq_len}")
+        self.tokens[slot, p:p + len(gen)] = gen
+        self.take(slot, request_id, epoch=0)
+        self.req["num_generated"][slot] = len(gen)
+
+    def commit_tokens(self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
+                      new_counts: np.ndarray) -> None:
+        """Store tokens at absolute positions, then publish the new generated counts."""
+        self.tokens[slots, positions] = token_ids
+        first = self.req["first_token_ns"][slots] == 0     # reset by take()
+        if first.any():
+            self.req["first_token_ns"][slots[first]] = now_ns()
+        self.req["num_generated"][slots] = new_counts
+
+    def finish(self, slot: int, reason: FinishReason) -> None:
+        r = self.req
+        r["finish_reason"][slot] = reason
+        r["finished_ns"][slot] = now_ns()
+        r["exec_state"][slot] = ExecState.FINISHED
+
+    def set_page(self, slot: int, index: int, page: int) -> None:
+        self.page_lists[slot, index] = page
+        self.req["num_pages"][slot] = index + 1
+
+    def set_num_pages(self, slot: int, count: int) -> None:
+        self.req["num_pages"][slot] = count
+
+    def pages_of(self, slot: int, count: int) -> np.ndarray:
+        return self.page_lists[slot, :count].astype(np.int64)
+
+    def add_counter(self, slot: int, field: str, amount: int) -> None:
+        self.req[field][slot] += amount

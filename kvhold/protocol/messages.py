@@ -1,0 +1,246 @@
+"""Every message kvhold processes exchange, as typed wire structs (see kvhold.protocol.wire).
+
+Two sockets, two vocabularies:
+* control (executor <-> sidecar): attach/attached, ready, weights_*, step, recovered,
+  bye; and from the sidecar: promote, wake, reaped, shutdown.
+* client (SDK <-> sidecar): generate/accepted, tokens, done, cancel/cancelled,
+  status/status_reply, ping/pong, keepalive; for pool restarts pool_restart/
+  pool_restart_reply, restarting and resume.
+Both use `error` (code from kvhold.protocol.errors.ErrorCode). Client requests carry a `tag`
+chosen by the client and echoed in the reply, so replies can be matched.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kvhold.protocol.wire import message
+
+# ------------------------------------------------------------------ shared
+
+
+@message("error")
+class Error:
+    code: int
+    message: str
+    tag: int = 0
+    request_id: int = 0
+
+
+# ------------------------------------------------------------------ control: executor -> sidecar
+
+
+@message("attach")
+class Attach:
+    token: str
+    pid: int
+    engine: str = "torch"
+
+
+@message("ready")
+class Ready:
+    slot: int
+    epoch: int
+    warm_ms: float = 0.0
+    private_mib: float = 0.0     # device memory this executor holds beyond the shared regions
+    phases: dict = dataclasses.field(default_factory=dict)   # warm-up parts, ms
+
+
+@message("weights_loading")
+class WeightsLoading:
+    slot: int
+    epoch: int
+
+
+@message("weights_sealed")
+class WeightsSealed:
+    slot: int
+    epoch: int
+    fingerprint: str
+    load_ms: float = 0.0
+
+
+@message("step")
+class StepDone:
+    """Tokens were committed to the journal for these journal slots."""
+    slot: int
+    epoch: int
+    slots: list[int]
+    marks: dict = dataclasses.field(default_factory=dict)   # first step after a takeover: its parts (ns)
+
+
+@message("recovered")
+class Recovered:
+    slot: int
+    epoch: int
+    report: dict
+
+
+@message("bye")
+class Bye:
+    slot: int
+    epoch: int
+    reason: str = ""
+
+
+# ------------------------------------------------------------------ control: sidecar -> executor
+
+
+@message("attached")
+class Attached:
+    slot: int
+    epoch: int
+    generation: int
+    nonce: str
+    regions: list[dict]
+    settings: dict
+    weights: dict
+
+
+@message("promote")
+class Promote:
+    """Become active. `pending_epochs`: fenced writers whose exit is not confirmed yet."""
+    epoch: int
+    pending_epochs: list[int]
+    fenced_epoch: int = 0
+    detect_ns: int = 0
+
+
+@message("wake")
+class Wake:
+    pass
+
+
+@message("reaped")
+class Reaped:
+    """These fenced epochs' processes have exited: their quarantined pages may be reused."""
+    epochs: list[int]
+
+
+@message("shutdown")
+class Shutdown:
+    reason: str = ""
+
+
+# ------------------------------------------------------------------ client -> sidecar
+
+
+@message("generate")
+class Generate:
+    """`prefix_generated`: tokens an earlier run of this request already produced (it is being
+    moved from a sidecar that died). Generation continues after them with the same seed and
+    absolute positions; the stream, `Accepted` and `Done` count only the new tokens."""
+    tag: int
+    params: dict
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    prefix_generated: list[int] | None = None
+
+
+@message("cancel")
+class Cancel:
+    tag: int
+    request_id: int
+
+
+@message("status")
+class Status:
+    tag: int
+
+
+@message("ping")
+class Ping:
+    tag: int
+
+
+# ------------------------------------------------------------------ sidecar -> client
+
+
+@message("accepted")
+class Accepted:
+    tag: int
+    request_id: int
+    prompt_tokens: int
+
+
+@message("tokens")
+class Tokens:
+    request_id: int
+    start: int
+    ids: list[int]
+    texts: list[str]
+
+
+@message("done")
+class Done:
+    request_id: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""
+    preemptions: int = 0          # times the request lost its KV to memory pressure
+    recomputed_tokens: int = 0    # tokens whose KV was recomputed after executor crashes
+
+
+@message("cancelled")
+class Cancelled:
+    tag: int
+    request_id: int
+
+
+@message("status_reply")
+class StatusReply:
+    tag: int
+    status: dict
+
+
+@message("pong")
+class Pong:
+    tag: int
+    generation: int = 0
+
+
+@message("keepalive")
+class Keepalive:
+    request_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+
+# ------------------------------------------------------------------ pool restart (kvhold.sidecar.pool_restart)
+
+
+@message("pool_restart")
+class PoolRestart:
+    """Operator (local socket only): drain, journal every in-flight request to disk, stop the
+    executors and restart the sidecar in place with a new pool generation. `hold`: the new
+    sidecar waits for `kvhold pool-restart --resume` before it creates any memory."""
+    tag: int
+    hold: bool = False
+    client_grace_s: float = 300.0   # the pause SDK clients are told to wait through
+
+
+@message("pool_restart_reply")
+class PoolRestartReply:
+    tag: int
+    generation: int                 # the generation being drained
+    in_flight: int
+    journal_dir: str
+
+
+@message("restarting")
+class Restarting:
+    """Sidecar -> client: the pool restarts; these streams pause for up to `resume_within_s`."""
+    request_ids: list[int]
+    resume_within_s: float
+    generation: int
+
+
+@message("resume")
+class Resume:
+    """Client -> sidecar, after a silence: continue each stream from the index the client has
+    reached (`next_indices[i]` for `request_ids[i]`); the sidecar re-sends from there."""
+    request_ids: list[int]
+    next_indices: list[int]
+
+CONTROL_IN = frozenset({"attach", "ready", "weights_loading", "weights_sealed", "step",
+                        "recovered", "bye"})
+CLIENT_IN = frozenset({"generate", "cancel", "status", "ping", "pool_restart", "resume"})

@@ -1,0 +1,143 @@
+"""Page table operations: the seqlock-protected record of each KV page.
+
+One writer (the active executor) at a time. Each write makes the version odd,
+changes the record, then makes the version even; a writer killed in between
+leaves an odd version, which recovery treats as "interrupted": the page is kept
+only if the checksum of its committed bytes still matches (see kvhold.protocol.validation).
+Readers that race a live writer use `snapshot`, which retries until it sees an
+even, unchanged version.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhold.protocol.layout import PageFlag
+from kvhold.protocol.tables import Tables
+
+
+@dataclass(frozen=True, slots=True)
+class PageRecord:
+    version: int
+    owner: int
+    logical: int
+    num_tokens: int
+    checksum: int
+    flags: int
+    epoch: int
+
+    @property
+    def writing(self) -> bool:
+        return bool(self.version & 1)
+
+
+class PageTable:
+    def __init__(self, tables: Tables):
+        self.pages = tables.pages
+        self.num_pages = len(tables.pages)
+        self.page_tokens = tables.geometry.kv.page_tokens
+
+    # ------------------------------------------------------------------ writer
+    def _begin(self, idx):
+        v = self.pages["version"][idx]
+        self.pages["version"][idx] = v + 1
+        return v
+
+    def _end(self, idx, v):
+        self.pages["version"][idx] = v + 2
+
+    def assign(self, idx, owner, logical, epoch: int) -> None:
+        """Give pages to a request (owner id) at logical positions, empty."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        p = self.pages
+        p["owner"][idx] = owner
+        p["logical"][idx] = logical
+        p["num_tokens"][idx] = 0
+        p["checksum"][idx] = 0
+        p["flags"][idx] = PageFlag.NONE
+        p["epoch"][idx] = epoch
+        self._end(idx, v)
+
+    def publish(self, idx, num_tokens, checksums, epoch: int) -> None:
+        """Commit new (num_tokens, checksum) pairs: the KV bytes they cover are final."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        self.pages["num_tokens"][idx] = num_tokens
+        self.pages["checksum"][idx] = checksums
+        self.pages["epoch"][idx] = epoch
+        self._end(idx, v)
+
+    def set_flags(self, idx, flags: PageFlag, epoch: int) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        self.pages["flags"][idx] = flags
+        self.pages["epoch"][idx] = epoch
+        self._end(idx, v)
+
+    def _clear(self, idx, flags: PageFlag) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        p = self.pages
+        p["owner"][idx] = 0
+        p["num_tokens"][idx] = 0
+        p["checksum"][idx] = 0
+        p["flags"][idx] = flags
+        self._end(idx, v)
+
+    def release(self, idx) -> None:
+        self._clear(idx, PageFlag.NONE)
+
+    def quarantine(self, idx) -> None:
+        """Take pages out of use without reusing them: a fenced writer (epoch kept in the
+        record) may still be writing them. Freed by `release` once its exit is confirmed."""
+        self._clear(idx, PageFlag.QUARANTINED)
+
+    def repair_versions(self, idx) -> None:
+        """Make interrupted (odd) versions even again; only after the writer is fenced."""
+        idx = np.asarray(idx, dtype=np.int64)
+        self.pages["version"][idx] |= np.uint64(1)
+        self.pages["version"][idx] += np.uint64(1)
+
+    # ------------------------------------------------------------------ readers
+    def record(self, i: int) -> PageRecord:
+        r = self.pages[i]
+        return PageRecord(version=int(r["version"]), owner=int(r["owner"]),
+                          logical=int(r["logical"]), num_tokens=int(r["num_tokens"]),
+                          checksum=int(r["checksum"]), flags=int(r["flags"]), epoch=int(r["epoch"]))
+
+    def snapshot(self, retries: int = 100) -> np.ndarray:
+        """A consistent copy of the whole table while a writer may be live.
+
+        Records still changing after `retries` passes keep their last (odd) version,
+        so callers see them as being written.
+        """
+        snap = self.pages.copy()
+        for _ in range(retries):
+            again = self.pages["version"].copy()
+            unstable = (again != snap["version"]) | (again & 1).astype(bool)
+            if not unstable.any():
+                break
+            idx = unstable.nonzero()[0]
+            snap[idx] = self.pages[idx]
+            recheck = self.pages["version"][idx]
+            settled = (recheck == snap["version"][idx]) & ~(recheck & 1).astype(bool)
+            if settled.all():
+                break
+        return snap
+
+    def counts(self) -> dict[str, int]:
+        snap = self.snapshot()
+        writing = (snap["version"] & 1).astype(bool)
+        owned = snap["owner"] != 0
+        bad = (snap["flags"] & PageFlag.BAD).astype(bool)
+        quarantined = (snap["flags"] & PageFlag.QUARANTINED).astype(bool)
+        return {
+            "total": self.num_pages,
+            "free": int((~owned & ~writing & ~quarantined).sum()),
+            "committed": int((owned & ~writing & ~bad & ~quarantined).sum()),
+            "writing": int(writing.sum()),
+            "quarantined": int(quarantined.sum()),
+            "bad": int(bad.sum()),
+        }

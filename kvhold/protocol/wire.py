@@ -1,0 +1,170 @@
+"""Wire codec: typed, versioned msgpack messages with one decoder.
+
+Frame = one ZeroMQ frame holding msgpack ``[PROTOCOL_VERSION, type, body]`` where
+`type` names a registered message dataclass and `body` is a map of its fields.
+`decode` is the only way bytes become messages. It enforces, in order: the frame
+size limit, msgpack's own length limits, the envelope shape, the version, a known
+type, and the schema (every required field present, no unknown field, each value
+of the declared type). Every failure raises `WireError` carrying the error code
+the peer is sent back; nothing else escapes for any input bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable
+
+import msgpack
+
+from kvhold.protocol.errors import ErrorCode
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20
+_UNPACK_LIMITS = dict(max_str_len=MAX_FRAME_BYTES, max_bin_len=MAX_FRAME_BYTES,
+                      max_array_len=1 << 21, max_map_len=4096, max_ext_len=0)
+_INT64 = (-(1 << 63), (1 << 64) - 1)
+
+
+class WireError(Exception):
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+_REGISTRY: dict[str, type] = {}
+_CHECKERS: dict[str, dict[str, Callable[[Any], Any]]] = {}
+
+
+def _checker(tp) -> Callable[[Any], Any]:
+    """Build a function that validates (and lightly normalises) one value of type `tp`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return lambda v: v
+    if origin is typing.Union or origin is types.UnionType:
+        inner = [_checker(a) for a in args if a is not type(None)]
+        allow_none = type(None) in args
+
+        def check_union(v):
+            if v is None and allow_none:
+                return None
+            errors = []
+            for c in inner:
+                try:
+                    return c(v)
+                except (TypeError, ValueError) as exc:
+                    errors.append(str(exc))
+            raise TypeError("; ".join(errors))
+        return check_union
+    if tp is bool:
+        def check_bool(v):
+            if not isinstance(v, bool):
+                raise TypeError(f"expected bool, got {type(v).__name__}")
+            return v
+        return check_bool
+    if tp is int:
+        def check_int(v):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"expected int, got {type(v).__name__}")
+            if not _INT64[0] <= v <= _INT64[1]:
+                raise ValueError("integer out of range")
+            return v
+        return check_int
+    if tp is float:
+        def check_float(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"expected number, got {type(v).__name__}")
+            return float(v)
+        return check_float
+    if tp in (str, bytes):
+        def check_scalar(v):
+            if not isinstance(v, tp):
+                raise TypeError(f"expected {tp.__name__}, got {type(v).__name__}")
+            return v
+        return check_scalar
+    if origin is list:
+        item = _checker(args[0]) if args else (lambda v: v)
+
+        def check_list(v):
+            if not isinstance(v, list):
+                raise TypeError(f"expected list, got {type(v).__name__}")
+            return [item(x) for x in v]
+        return check_list
+    if origin is dict or tp is dict:
+        def check_dict(v):
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise TypeError("expected a map with string keys")
+            return v
+        return check_dict
+    raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+def message(type_name: str):
+    """Register a frozen dataclass as the wire message `type_name`."""
+    def register(cls):
+        cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        if type_name in _REGISTRY:
+            raise ValueError(f"wire type {type_name!r} registered twice")
+        hints = typing.get_type_hints(cls)
+        cls.TYPE = type_name
+        _REGISTRY[type_name] = cls
+        _CHECKERS[type_name] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+        return cls
+    return register
+
+
+def encode(msg) -> bytes:
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
+    if len(data) > MAX_FRAME_BYTES:
+        raise WireError(ErrorCode.TOO_LARGE, f"{msg.TYPE} encodes to {len(data)} bytes")
+    return data
+
+
+def decode(data: bytes, allowed: frozenset[str] | None = None):
+    """Bytes -> message instance, or WireError. `allowed` restricts the accepted types."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise WireError(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
+                                   **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, ...
+        raise WireError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(exc).__name__}") from None
+    if not (isinstance(envelope, list) and len(envelope) == 3):
+        raise WireError(ErrorCode.BAD_MESSAGE, "envelope must be [version, type, body]")
+    version, type_name, body = envelope
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise WireError(ErrorCode.BAD_VERSION,
+                        f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    if not isinstance(type_name, str) or type_name not in _REGISTRY:
+        raise WireError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {str(type_name)[:64]!r}")
+    if allowed is not None and type_name not in allowed:
+        raise WireError(ErrorCode.UNKNOWN_TYPE, f"{type_name!r} is not accepted on this socket")
+    if not isinstance(body, dict):
+        raise WireError(ErrorCode.BAD_FIELD, "body must be a map")
+    return _build(type_name, body)
+
+
+def _build(type_name: str, body: dict):
+    cls = _REGISTRY[type_name]
+    checkers = _CHECKERS[type_name]
+    unknown = set(body) - set(checkers)
+    if unknown:
+        raise WireError(ErrorCode.BAD_FIELD,
+                        f"{type_name}: unknown field {sorted(map(str, unknown))[0][:64]!r}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise WireError(ErrorCode.BAD_FIELD, f"{type_name}: missing field {f.name!r}")
+            continue
+        try:
+            values[f.name] = checkers[f.name](body[f.name])
+        except (TypeError, ValueError) as exc:
+            raise WireError(ErrorCode.BAD_FIELD, f"{type_name}.{f.name}: {exc}") from None
+    return cls(**values)
+
+
+def registered_types() -> frozenset[str]:
+    return frozenset(_REGISTRY)

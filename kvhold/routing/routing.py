@@ -1,0 +1,179 @@
+"""What the sync and asyncio routers (kvhold.routing.router, kvhold.routing.arouter) share, free of any I/O style.
+
+`RouterCore` keeps the sidecar connections and the lost sidecars, picks where a request
+goes and decides when a sidecar is lost (the rules are in kvhold.routing.router's module doc).
+`StreamLog` is one routed request's bookkeeping: the tokens streamed so far (what a move
+carries as Generate.prefix_generated), the moves and the final `RoutedResult`. Closing a
+client and waiting are left to the two routers.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from kvhold.client.client import GenerationResult, TokenEvent
+from kvhold.routing.registry_client import RegistryView, SidecarEntry, node_name, pick_sidecar
+from kvhold.protocol.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedResult(GenerationResult):
+    moves: tuple = ()            # one dict per move: from, to, reason, tokens carried, times
+    sidecars: tuple = ()         # registry keys that served the request, in order
+
+
+@dataclass(slots=True)
+class Conn:
+    entry: SidecarEntry
+    client: object               # a Client (sync) or an AsyncClient, with `last_heard`
+    streams: int = 0
+    lost: str = ""
+
+
+def routed_params(prompt, prompt_ids, params: dict) -> dict:
+    """Checked sampling params with a seed: a move must continue the same random stream."""
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt or prompt_ids")
+    params = dict(params)
+    if params.get("seed") is None:
+        params["seed"] = secrets.randbits(63)
+    SamplingParams.from_dict(params)
+    return params
+
+
+class RouterCore:
+    def __init__(self, view: RegistryView, *, poll_s: float = 0.05, silence_s: float = 5.0,
+                 submit_timeout_s: float = 10.0, move_timeout_s: float = 30.0,
+                 curve_secret_key_file=None, local_node: str | None = None):
+        self.view = view
+        self.poll_s = poll_s
+        self.silence_s = silence_s
+        self.submit_timeout_s = submit_timeout_s
+        self.move_timeout_s = move_timeout_s
+        self.curve_secret_key_file = curve_secret_key_file
+        self.local_node = local_node or node_name()
+        self._conns: dict[str, Conn] = {}
+        self._lost: dict[str, int] = {}     # key -> pid of a lost sidecar, avoided while listed
+        self.routed: collections.Counter = collections.Counter()   # placements per sidecar key
+
+    def pick(self, exclude=(), fingerprint: str | None = None) -> SidecarEntry | None:
+        entries = self.view.entries()
+        listed = {e.key: e.pid for e in entries}
+        for key, pid in list(self._lost.items()):
+            if listed.get(key) != pid:   # gone from the registry, or a new process: forget
+                del self._lost[key]
+        pending = {k: c.streams for k, c in self._conns.items()}
+        return pick_sidecar(entries, exclude=set(exclude) | set(self._lost), fingerprint=fingerprint,
+                            local_node=self.local_node, pending=pending, used=self.routed)
+
+    def address(self, entry: SidecarEntry) -> tuple[str, dict]:
+        """(endpoint, CURVE client kwargs) to reach `entry` from this node."""
+        local = entry.node == self.local_node
+        curve = {} if local or not entry.curve_public_key else dict(
+            curve_server_key=entry.curve_public_key.encode(),
+            curve_secret_key_file=self.curve_secret_key_file)
+        return (entry.endpoint if local else entry.tcp_endpoint), curve
+
+    def cached(self, entry: SidecarEntry) -> tuple[Conn | None, Conn | None]:
+        """(the live connection to `entry`, a stale one to close: same key, an older process)."""
+        conn = self._conns.get(entry.key)
+        if conn is not None and conn.entry.pid != entry.pid:
+            del self._conns[entry.key]
+            return None, conn
+        return conn, None
+
+    def add(self, entry: SidecarEntry, client) -> Conn:
+        conn = self._conns[entry.key] = Conn(entry, client)
+        return conn
+
+    def loss_reason(self, conn: Conn, disconnected: bool) -> str:
+        """Why `conn`'s sidecar is lost, or "" while it may be alive; a loss is recorded here and
+        the caller closes the client."""
+        entry = self.view.get(conn.entry.key)
+        if disconnected:
+            reason = "connection closed"
+        elif self.view.connected and (entry is None or entry.pid != conn.entry.pid):
+            reason = "registry entry gone (lease expired)"
+        elif time.monotonic() - conn.client.last_heard > self.silence_s:
+            reason = f"silent for {self.silence_s:.1f} s"
+        else:
+            return ""
+        log.warning("sidecar %s (pid %d) lost: %s; moving its %d stream(s)", conn.entry.key,
+                    conn.entry.pid, reason, conn.streams)
+        conn.lost = reason
+        self._lost[conn.entry.key] = conn.entry.pid
+        if self._conns.get(conn.entry.key) is conn:
+            del self._conns[conn.entry.key]
+        return reason
+
+    def move_deadline_passed(self, lost_at: float, reason: str) -> str:
+        """The error text once a request has waited move_timeout_s for a sidecar, else ""."""
+        if time.monotonic() - lost_at <= self.move_timeout_s:
+            return ""
+        return (f"no serving sidecar in the registry for {self.move_timeout_s:.0f} s"
+                + (f" (after: {reason})" if reason else ""))
+
+
+class StreamLog:
+    """One routed request's tokens across sidecars, its moves, and its result."""
+
+    def __init__(self, prompt, prompt_ids, params: dict):
+        self.prompt, self.prompt_ids, self.params = prompt, prompt_ids, params
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.moves: list[dict] = []
+        self.sidecars: list[str] = []
+        self.fingerprint: str | None = None
+        self.prompt_tokens = 0
+        self.conn: Conn | None = None
+        self.segment_start = 0
+        self.routed_result: RoutedResult | None = None
+
+    @property
+    def all_sent(self) -> bool:
+        """Every token was streamed: only the end was lost, there is nothing to move."""
+        return len(self.token_ids) >= self.params.get("max_tokens", 16)
+
+    def record(self, token_id: int, text: str) -> TokenEvent:
+        if self.moves and "first_token_s" not in self.moves[-1]:
+            self.moves[-1]["first_token_s"] = time.monotonic() - self.moves[-1]["lost_at"]
+        event = TokenEvent(index=len(self.token_ids), token_id=token_id, text=text)
+        self.token_ids.append(token_id)
+        self.texts.append(text)
+        return event
+
+    @staticmethod
+    def reserve(router: RouterCore, conn: Conn, taken: bool = True) -> None:
+        """Count a placement on `conn` before submitting (so that concurrent picks see it), or
+        take it back (`taken` False) when the sidecar refused."""
+        step = 1 if taken else -1
+        conn.streams += step
+        router.routed[conn.entry.key] += step
+
+    def placed(self, old: Conn | None, conn: Conn, reason: str, lost_at: float, prompt_tokens: int) -> None:
+        """After reserve() and a successful submit."""
+        self.conn, self.segment_start = conn, len(self.token_ids)
+        self.fingerprint = self.fingerprint or conn.entry.fingerprint
+        self.prompt_tokens = self.prompt_tokens or prompt_tokens
+        if old is not None:
+            self.moves.append({"from": old.entry.key, "to": conn.entry.key, "reason": reason,
+                               "tokens_carried": len(self.token_ids), "lost_at": lost_at,
+                               "resubmitted_s": time.monotonic() - lost_at})
+        self.sidecars.append(conn.entry.key)
+
+    def finish(self, last: GenerationResult | None, reason: str = "") -> None:
+        if self.conn is not None and last is not None:
+            self.conn.streams -= 1
+        text = "".join(self.texts[:self.segment_start]) + (last.text if last else "".join(
+            self.texts[self.segment_start:]))
+        self.routed_result = RoutedResult(
+            request_id=last.request_id if last else 0, token_ids=list(self.token_ids), text=text,
+            finish_reason=last.finish_reason if last else reason, prompt_tokens=self.prompt_tokens,
+            completion_tokens=len(self.token_ids), preemptions=last.preemptions if last else 0,
+            recomputed_tokens=last.recomputed_tokens if last else 0,
+            moves=tuple(self.moves), sidecars=tuple(self.sidecars))

@@ -1,0 +1,40 @@
+"""The HTTP server's command-line flags: `kvhold serve` (a sidecar's flags too) and `kvhold router`."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvhold.sidecar.flags import add_registry_args, add_sidecar_args, env
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_sidecar_args(p)  # --model also takes "demo": the tiny demo checkpoint, built once
+    add_http_args(p)
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds to wait for the sidecar to serve at start-up (default 300)")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    add_registry_args(p, ttl=False)
+    add_http_args(p)
+    p.add_argument("--model", type=Path, default=env("MODEL"),
+                   help="a local copy of the served checkpoint, for its tokenizer and chat template "
+                        "(without it /v1/chat/completions is unavailable)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="the sidecars' context length, checked here before routing (default: "
+                        "min(model context, 4096))")
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="HTTP bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=int(env("PORT", "8000")), help="HTTP port (default %(default)s)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=env("API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (env KVHOLD_API_KEY); "
+                          "/health and /metrics stay open")
+    key.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the checkpoint directory's name)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight streams finish (default 30)")

@@ -1,0 +1,152 @@
+"""One OpenAI request's generation: text deltas from a kvhold stream, stop strings, SSE.
+
+`Generation` turns an `AsyncStream` into text deltas. Stop strings are matched here,
+on the detokenized text: text that could be the start of a stop string is held back
+until it is known not to be, and when one matches the output ends before it and the
+request is cancelled in the sidecar. A consumer that goes away (an HTTP client that
+disconnects) cancels its request too. Executor crashes are invisible here: the
+stream pauses, then continues with the next token.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from kvhold.client.aclient import AsyncStream
+from kvhold.serving.openai_schema import ApiError, api_error_for
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+_background: set[asyncio.Task] = set()
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops or [] if s]
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string matched)."""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(buf)), 0, -1)
+                    if buf.endswith(s[:n])), default=0)
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out
+
+
+class Generation:
+    def __init__(self, stream: AsyncStream, stops: list[str]):
+        self.stream = stream
+        self.matcher = StopMatcher(stops)
+        self.finish_reason: str | None = None
+        self.prompt_tokens = stream.prompt_tokens
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+
+    async def deltas(self):
+        """Yield text pieces; finish_reason and usage are set once this ends."""
+        try:
+            async for piece in self._pieces():
+                if piece:
+                    yield piece
+        finally:
+            if self.finish_reason is None and not self.stream.finished:
+                task = asyncio.get_running_loop().create_task(self.stream.cancel())
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+
+    async def _pieces(self):
+        raw = []
+        async for event in self.stream:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.completion_tokens += 1
+            raw.append(event.text)
+            out, stopped = self.matcher.push(event.text)
+            yield out
+            if stopped:
+                await self.stream.cancel()
+                self.finish_reason = "stop"
+                return
+        result = await self.stream.result()
+        if result.finish_reason == "error":
+            raise ApiError(500, "the request failed in the engine", type="server_error")
+        joined = "".join(raw)
+        out, stopped = self.matcher.push(result.text[len(joined):] if result.text.startswith(joined) else "")
+        yield out
+        if not stopped:
+            yield self.matcher.flush()
+        self.completion_tokens = result.completion_tokens if not stopped else self.completion_tokens
+        self.finish_reason = "stop" if stopped else FINISH_REASONS.get(result.finish_reason, "stop")
+
+    @property
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def sse(payload) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class ResponseShape:
+    """The JSON objects of one endpoint: `chat` or `completion`, full or as chunks."""
+
+    def __init__(self, kind: str, request_id: int, model: str):
+        self.chat = kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id:x}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else (
+                {"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+
+async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, on_end=None):
+    """The SSE byte stream of one streaming response, ending with `data: [DONE]`."""
+    try:
+        if shape.chat:
+            yield sse(shape.chunk(None, first=True))
+        async for piece in gen.deltas():
+            yield sse(shape.chunk(piece))
+        yield sse(shape.chunk(None, gen.finish_reason))
+        if include_usage:
+            yield sse(shape.usage_chunk(gen.usage))
+    except ApiError as exc:
+        yield sse(exc.body())
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
+        yield sse(api_error_for(exc).body())
+    finally:
+        if on_end is not None:
+            on_end(gen)
+    yield sse("[DONE]")

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP API of `kvhold serve` (FastAPI), over the async SDK.
+
+Routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (SSE when
+`stream` is true), GET /health, GET /metrics (Prometheus). Every /v1 route asks for
+`Authorization: Bearer <key>` when an API key is configured; /health and /metrics
+stay open for probes and scrapers. Errors are OpenAI-shaped JSON
+({"error": {"message", "type", "param", "code"}}) and never stop the server.
+
+The app is backed by one local sidecar (`SidecarBackend`, `kvhold serve`) or by the
+sidecars of a registry (`kvhold.serving.router_http.RouterBackend`, `kvhold router`): a backend
+gives `generate`, `health` and `render_metrics`, and its `metrics` count HTTP requests.
+
+/health (one sidecar) is 200 only when a request can be served now: the weights are sealed
+and an active executor is ready with a live heartbeat lease. During a failover, or while
+draining after SIGTERM, it is 503 with the reason. Streams do not time out during a
+failover: the SDK waits as long as the sidecar sends keepalives.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvhold.client.aclient import AsyncClient
+from kvhold.protocol.errors import KvholdError
+from kvhold.serving.chat_template import ChatTemplate, TemplateError
+from kvhold.serving.generation import Generation, ResponseShape, sse_body
+from kvhold.serving.metrics import SidecarMetrics
+from kvhold.serving.openai_schema import (ApiError, ChatRequest, CompletionRequest, api_error_for, bad_request,
+                                  from_validation_errors, parse_body)
+
+log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class AppSettings:
+    endpoint: str                 # the sidecar's client endpoint (ipc:// or tcp://)
+    model_dir: Path | None        # for the tokenizer and chat template
+    served_model_name: str
+    context_len: int              # the sidecar's max sequence length (prompt + output)
+    lease_ms: int = 1000          # heartbeat lease: an older heartbeat is not "live"
+    api_key: str | None = None
+    client_timeout: float = 30.0  # sidecar silence (no keepalive either) that fails a request
+    poll_interval_s: float = 1.0  # status polls that feed /metrics
+
+
+class Gate:
+    """Admission while serving; after SIGTERM, refuse new work and track what is left."""
+
+    def __init__(self):
+        self.draining = False
+        self.active: set[Generation] = set()
+
+    @property
+    def idle(self) -> bool:
+        return all(g.stream.finished for g in self.active)
+
+
+def serving_state(status: dict, lease_ms: int) -> tuple[bool, str]:
+    """Can the sidecar serve a request now? (ok, reason)."""
+    if status.get("weights", {}).get("state") != "sealed":
+        return False, f"weights not loaded (state {status.get('weights', {}).get('state')!r})"
+    health = status.get("health")
+    if isinstance(health, dict) and health.get("action") == "drain":
+        return False, f"draining on hardware health: {health.get('reason')}"
+    admissions = status.get("admissions")
+    if isinstance(admissions, dict) and not admissions.get("open", True):
+        return False, "not admitting: " + "; ".join(admissions.get("closed_by", {}).values())
+    active = [e for e in status.get("executors", []) if e.get("role") == "active"]
+    if not active:
+        return False, "no active executor (failover or start-up in progress)"
+    e = active[0]
+    if not e.get("ready"):
+        return False, f"active executor pid {e['pid']} is not ready"
+    if e.get("heartbeat_age_ms", 0) > lease_ms:
+        return False, f"active executor pid {e['pid']} missed its heartbeat lease"
+    return True, f"active executor pid {e['pid']} serving"
+
+
+class _ApiMiddleware:
+    """Bearer-key check on /v1 routes and request counting, as plain ASGI (streams untouched)."""
+
+    def __init__(self, app, settings: AppSettings, metrics):
+        self.app, self.metrics = app, metrics
+        self.key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+        if self.key is not None and path.startswith("/v1") and not self._authorized(scope):
+            err = ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+            self.metrics.http.labels(endpoint, "401").inc()
+            return await JSONResponse(err.body(), 401)(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope) -> bool:
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+
+
+class SidecarBackend:
+    """One local sidecar: its async client, the status polls that feed /metrics, /health."""
+
+    def __init__(self, settings: AppSettings):
+        self.settings = settings
+        self.metrics = SidecarMetrics()
+        self.client: AsyncClient | None = None
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.client = AsyncClient(self.settings.endpoint, timeout=self.settings.client_timeout)
+        self._poller = asyncio.create_task(self.poll_forever())
+
+    async def close(self) -> None:
+        self._poller.cancel()
+        await self.client.close()
+
+    async def generate(self, **request):
+        return await self.client.generate(**request)
+
+    async def poll_forever(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+    async def poll(self) -> dict | None:
+        try:
+            status = await asyncio.wait_for(self.client.status(), HEALTH_TIMEOUT_S)
+        except (KvholdError, asyncio.TimeoutError) as exc:
+            self.metrics.unavailable(f"sidecar not answering: {exc or type(exc).__name__}")
+            return None
+        self.metrics.observe(status)
+        return status
+
+    async def health(self) -> tuple[bool, dict]:
+        status = await self.poll()
+        if status is None:
+            return False, {"status": "unavailable", "reason": self.metrics.status_error}
+        ok, reason = serving_state(status, self.settings.lease_ms)
+        active = next((e for e in status["executors"] if e["role"] == "active"), None)
+        return ok, {"status": "ok" if ok else "unavailable", "reason": reason,
+                    "active_pid": active["pid"] if active else None,
+                    "standbys_ready": sum(1 for e in status["executors"]
+                                          if e["role"] == "standby" and e["ready"]),
+                    "in_flight": status.get("requests", {}).get("in_flight", 0)}
+
+    async def render_metrics(self) -> bytes:
+        await self.poll()
+        return self.metrics.render()
+
+
+class _Service:
+    """What the routes share: the backend, tokenizer, template, metrics, gate."""
+
+    def __init__(self, settings: AppSettings, backend):
+        self.settings, self.backend, self.metrics = settings, backend, backend.metrics
+        self.gate = Gate()
+        self.template = ChatTemplate.for_checkpoint(settings.model_dir)
+        self.tokenizer = _load_tokenizer(settings.model_dir)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.settings.served_model_name}'.", param="model",
+                           code="model_not_found")
+
+    def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer.json: chat is unavailable", param="messages")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            text = self.template.render(messages)
+        except TemplateError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def max_tokens(self, requested: int | None, prompt_len: int | None, default: int | None,
+                   prompt_param: str = "prompt") -> int:
+        """Checked max_tokens; `default` None means "the rest of the context" (chat)."""
+        ctx = self.settings.context_len
+        if prompt_len is not None and prompt_len >= ctx:
+            raise bad_request(f"This model's maximum context length is {ctx} tokens, but the prompt "
+                              f"has {prompt_len} tokens.", param=prompt_param, code="context_length_exceeded")
+        if requested is not None and requested > ctx:
+            raise bad_request(f"max_tokens ({requested}) exceeds this model's context length ({ctx} "
+                              "tokens, prompt + completion).", param="max_tokens",
+                              code="context_length_exceeded")
+        if requested is not None:
+            return requested
+        return default if default is not None else ctx - (prompt_len or 0)
+
+    async def serve(self, req, kind: str, prompt: dict, max_tokens: int):
+        if self.gate.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable",
+                           code="shutting_down")
+        t0 = time.monotonic()
+        stream = await self.backend.generate(**prompt, **req.sampling(max_tokens))
+        gen = Generation(stream, req.stop)
+        self.gate.active.add(gen)
+        shape = ResponseShape(kind, stream.request_id, self.settings.served_model_name)
+        endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+        def on_end(g: Generation) -> None:
+            self.gate.active.discard(g)
+            if g.first_token_at is not None:
+                self.metrics.ttft.labels(endpoint).observe(g.first_token_at - t0)
+        if req.stream:
+            return StreamingResponse(sse_body(gen, shape, req.include_usage, on_end),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            text = "".join([piece async for piece in gen.deltas()])
+        finally:
+            on_end(gen)
+        return JSONResponse(shape.full(text, gen.finish_reason, gen.usage))
+
+
+def _load_tokenizer(model_dir: Path | None):
+    path = Path(model_dir) / "tokenizer.json" if model_dir else None
+    if path is None or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path))
+
+
+def create_app(settings: AppSettings, backend=None) -> FastAPI:
+    """The app over `backend` (default: the one sidecar at settings.endpoint)."""
+    backend = backend or SidecarBackend(settings)
+    svc = _Service(settings, backend)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="kvhold", lifespan=lifespan)
+    app.state.service = svc
+    _install_error_handlers(app)
+    _install_routes(app, svc)
+    app.add_middleware(_ApiMiddleware, settings=settings, metrics=backend.metrics)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def answer(err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request, exc: ApiError):
+        return answer(exc)
+
+    @app.exception_handler(KvholdError)
+    async def on_sidecar_error(request, exc: KvholdError):
+        return answer(api_error_for(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request, exc: RequestValidationError):
+        return answer(from_validation_errors(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return answer(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return answer(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+
+def _install_routes(app: FastAPI, svc: _Service) -> None:
+    @app.get("/v1/models")
+    async def list_models():
+        card = {"id": svc.settings.served_model_name, "object": "model", "created": svc.created,
+                "owned_by": "kvhold", "max_model_len": svc.settings.context_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_body(await request.body(), CompletionRequest)
+        req.refuse_unsupported()
+        svc.check_model(req.model)
+        prompt = req.prompt_input()
+        prompt_len = len(prompt["prompt_ids"]) if "prompt_ids" in prompt else None
+        max_tokens = svc.max_tokens(req.max_tokens, prompt_len, default=16)  # OpenAI's default
+        return await svc.serve(req, "completion", prompt, max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_body(await request.body(), ChatRequest)
+        req.refuse_unsupported()
+        svc.check_model(req.model)
+        ids = svc.chat_prompt_ids(req)
+        max_tokens = svc.max_tokens(req.requested_max_tokens, len(ids), default=None,
+                                    prompt_param="messages")
+        return await svc.serve(req, "chat", {"prompt_ids": ids}, max_tokens)
+
+    @app.get("/health")
+    async def health():
+        if svc.gate.draining:
+            return JSONResponse({"status": "draining", "reason": "shutting down (SIGTERM)"}, 503)
+        ok, body = await svc.backend.health()
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await svc.backend.render_metrics(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,163 @@
+"""The sidecar's command-line flags and their environment variables, and the SidecarConfig they build.
+
+`kvhold sidecar` and `kvhold serve` (which starts a sidecar) both take these; the
+`--instance`/`--runtime-root` pair names a sidecar for every other subcommand too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    match = _SIZE_RE.match(text)
+    if not match or (match.group(2) or "").upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def parse_pair(text: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} wants two integers LO,HI, got {text!r}") from None
+    return lo, hi
+
+
+def env(name: str, default=None):
+    return os.environ.get(f"KVHOLD_{name}", default)
+
+
+def add_instance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instance", default=env("INSTANCE", "default"),
+                   help="instance name; two sidecars on one host need different names "
+                        "(env KVHOLD_INSTANCE, default %(default)s)")
+    p.add_argument("--runtime-root", type=Path, default=None,
+                   help="directory for sockets and the token (env KVHOLD_RUNTIME_DIR, default "
+                        "$XDG_RUNTIME_DIR/kvhold or /tmp/kvhold-<uid>)")
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
+
+
+def add_sidecar_args(p: argparse.ArgumentParser) -> None:
+    add_instance_args(p)
+    p.add_argument("--model", type=Path, default=env("MODEL"),
+                   help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--device", default=env("DEVICE", "cpu"), help="executor device: cpu or cuda:N")
+    p.add_argument("--backend", default="host", choices=("host", "cuda"),
+                   help="memory backend: host (POSIX shm) or cuda (VMM, needs a GPU)")
+    p.add_argument("--workload", default=None, choices=("engine", "idle", "churn"),
+                   help="what executors run (default: engine with --model, idle without)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
+    kv.add_argument("--kv-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB")
+    p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest sequence (prompt + output); default min(model context, 4096)")
+    p.add_argument("--max-requests", type=int, default=256, help="journal slots (default 256)")
+    p.add_argument("--max-batch", type=int, default=64, help="most sequences in one step")
+    p.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="most tokens in one step; prefill is chunked to fit (default 512)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per sequence per step; chunks are cut at fixed positions "
+                        "(default: --max-batch-tokens minus --max-batch)")
+    p.add_argument("--compute-dtype", default=None, choices=("float64", "float32", "bfloat16", "float16"),
+                   help="engine arithmetic and KV dtype (default: float64 on CPU, the checkpoint's on CUDA)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per executor on CPU")
+    p.add_argument("--standbys", type=int, default=1, help="hot standby executors (default 1)")
+    p.add_argument("--lease-ms", type=int, default=1000,
+                   help="heartbeat lease: an executor silent this long is fenced (default 1000)")
+    p.add_argument("--startup-lease-ms", type=int, default=120_000,
+                   help="lease while an executor starts and loads weights (default 120000)")
+    p.add_argument("--restart-backoff-ms", default="50,5000",
+                   help="after 3 executor deaths within a minute, wait LO*2^k ms (at most HI) before "
+                        "each re-spawn (default 50,5000; 0,0 disables)")
+    p.add_argument("--health", default=env("HEALTH", "auto"),
+                   help="GPU health source: auto (NVML on a CUDA device, off on CPU), off, nvml, "
+                        "nvml:N, or replay:FILE (a recorded signal sequence, for drills and tests). "
+                        "Xid/ECC/row-remap/PCIe/GPU-lost signals restart the executor, close "
+                        "admissions for a pool restart, or drain (env KVHOLD_HEALTH)")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between health polls (default 1.0)")
+    p.add_argument("--zygote", action="store_true", default=env("ZYGOTE") == "1",
+                   help="keep a zygote (torch imported, no CUDA context) and fork executors from it "
+                        "instead of starting them cold (env KVHOLD_ZYGOTE=1)")
+    p.add_argument("--takeover", default="fast", choices=("fast", "wait-exit"),
+                   help="fast: promote a standby as soon as the active dies, continuing in fresh "
+                        "copies of the pages it could still write; wait-exit: promote only once the "
+                        "dead process has fully exited (its GPU context torn down; ~100 ms on an H200)")
+    p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
+                   help="native: the engine computes in kvhold's KV pages; foreign: it keeps a "
+                        "private KV pool (as TensorRT-LLM does) protected by the KV mirror")
+    p.add_argument("--no-kill-fenced", dest="kill_fenced", action="store_false",
+                   help="fence hung executors without SIGKILLing them")
+    p.add_argument("--no-spawn", dest="spawn_executors", action="store_false",
+                   help="do not spawn executors; wait for external ones to attach")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="executor token file (0600); default: a fresh token in the runtime dir")
+    p.add_argument("--journal-dir", type=Path, default=env("JOURNAL_DIR"),
+                   help="durable request journal for pool restarts, on local disk (env "
+                        "KVHOLD_JOURNAL_DIR; default STATE/journal/INSTANCE, STATE being "
+                        "$KVHOLD_STATE_DIR, systemd's $STATE_DIRECTORY, /var/lib/kvhold as root, "
+                        "else $XDG_STATE_HOME/kvhold)")
+    add_tcp_args(p)
+    add_registry_args(p)
+
+
+def add_registry_args(p: argparse.ArgumentParser, ttl: bool = True) -> None:
+    p.add_argument("--registry", metavar="etcd://HOST:PORT[,HOST:PORT]", default=env("REGISTRY"),
+                   help="register this sidecar in etcd (node, GPU, model, generation, health, load) "
+                        "under a lease, so routers find it and move requests off it when it dies "
+                        "(env KVHOLD_REGISTRY)" if ttl else
+                        "the etcd cluster the sidecars register in (env KVHOLD_REGISTRY)")
+    p.add_argument("--service", default=env("SERVICE", "default"),
+                   help="service name: the key prefix /kvhold/SERVICE/sidecars/ (env KVHOLD_SERVICE, "
+                        "default %(default)s)")
+    if ttl:
+        p.add_argument("--registry-ttl", type=int, default=5,
+                       help="etcd lease seconds: a dead sidecar leaves the registry this long after "
+                            "its last refresh (default 5)")
+
+
+def add_tcp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--client-tcp", metavar="HOST:PORT", default=env("CLIENT_TCP"),
+                   help="also serve SDK clients over TCP, CurveZMQ-encrypted (port 0: any free "
+                        "port; see `kvhold status --json` for the one bound) (env KVHOLD_CLIENT_TCP)")
+    p.add_argument("--curve-secret-key", metavar="FILE", type=Path, default=None,
+                   help="the sidecar's key pair for --client-tcp: a .key_secret file from "
+                        "`kvhold keygen`, mode 0600")
+    p.add_argument("--curve-authorized-keys", metavar="DIR", type=Path, default=None,
+                   help="serve only clients whose public key is a *.key file in DIR (re-read when "
+                        "files are added or removed); without it, any client that knows the "
+                        "server's public key is served")
+    p.add_argument("--insecure-tcp", action="store_true",
+                   help="allow --client-tcp without CURVE: plaintext and unauthenticated; only for "
+                        "a network you fully trust")
+
+
+def sidecar_config_from_args(args):
+    from kvhold.sidecar.config import SidecarConfig
+
+    workload = args.workload or ("engine" if args.model else "idle")
+    return SidecarConfig(
+        instance=args.instance, runtime_root=args.runtime_root, model=args.model,
+        backend=args.backend, device=args.device, workload=workload,
+        kv_pages=args.kv_pages, kv_memory_bytes=args.kv_memory, page_tokens=args.page_tokens,
+        max_seq_len=args.max_seq_len, max_requests=args.max_requests, max_batch=args.max_batch,
+        max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
+        compute_dtype=args.compute_dtype,
+        cpu_threads=args.cpu_threads, standbys=args.standbys, lease_ms=args.lease_ms,
+        startup_lease_ms=args.startup_lease_ms, kill_fenced=args.kill_fenced,
+        spawn_executors=args.spawn_executors, token_file=args.token_file,
+        restart_backoff_ms=parse_pair(args.restart_backoff_ms, "--restart-backoff-ms"),
+        zygote=args.zygote, takeover=args.takeover, health=args.health, kv_mode=args.kv_mode,
+        health_interval_s=args.health_interval,
+        client_tcp=args.client_tcp, curve_secret_key=args.curve_secret_key,
+        curve_authorized_keys=args.curve_authorized_keys, insecure_tcp=args.insecure_tcp,
+        registry=args.registry, service=args.service, registry_ttl_s=args.registry_ttl,
+        journal_dir=args.journal_dir)

@@ -1,0 +1,314 @@
+"""Client-facing frontend: admission into the journal, token streams, cancel, status.
+
+Admission validates a request completely (sampling options, token ids, context
+length) and writes it to the journal before acknowledging it, so an accepted
+request survives any executor death. Streams are driven by the journal, never by
+the executor's word: a token is sent only once its count is published there, and
+each stream remembers how many tokens it has sent. That is why a stream crosses
+an executor crash with no duplicate and no gap: the replacement continues the
+journal, the stream continues from its own count. Idle streams get keepalives so
+a client can tell a recovery pause from a dead sidecar.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvhold.protocol import messages as m
+from kvhold.protocol.errors import ErrorCode, InvalidParams, InvalidTokenId, KvholdError, PromptTooLong
+from kvhold.protocol.journal import Journal
+from kvhold.protocol.layout import ExecState
+from kvhold.protocol.leases import now_ns
+from kvhold.protocol.sampling import SamplingParams
+from kvhold.sidecar.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+KEEPALIVE_NS = 500_000_000
+PUMP_NS = 50_000_000
+
+
+@dataclass(slots=True)
+class Stream:
+    request_id: int
+    slot: int
+    identity: bytes
+    prompt_len: int
+    detok: IncrementalDetokenizer | None
+    sent: int = 0                 # generated tokens streamed (or brought as a resumed prefix)
+    last_send_ns: int = 0
+    prefix: int = 0               # tokens a moved request brought: not streamed again
+    text: list = field(default_factory=list)
+    awaiting_resume: bool = False       # restored by a pool restart: silent until its client resumes
+    restored_from: int | None = None    # tokens it was restored with, until the first new one
+
+
+class Frontend:
+    def __init__(self, sidecar):
+        self.sidecar = sidecar
+        self.tables = sidecar.tables
+        self.journal = Journal(sidecar.tables)
+        self.spec = sidecar.spec
+        self.tokenizer = self._load_tokenizer(sidecar.config.model)
+        self.streams: dict[int, Stream] = {}
+        self.recoveries: collections.deque = collections.deque(maxlen=64)
+        self._awaiting_first_token: dict[int, dict] = {}
+        self._next_pump_ns = 0
+        self.num_admitted = 0
+        self.num_finished = collections.Counter()
+        self.closed: dict[str, str] = {}    # why admissions are closed, by who closed them
+        self._handlers = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
+                          m.Status: self.on_status, m.Ping: self.on_ping,
+                          m.PoolRestart: lambda i, msg: self.sidecar.pool_restart.on_request(i, msg),
+                          m.Resume: lambda i, msg: self.sidecar.restore.on_resume(i, msg)}
+        self.records: dict[int, dict] = {}   # request id -> its durable journal record (admission)
+
+    @staticmethod
+    def _load_tokenizer(model_dir):
+        if model_dir is None:
+            return None
+        from pathlib import Path
+
+        from tokenizers import Tokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            log.warning("%s missing: clients must send prompt_ids and get no text", path)
+            return None
+        return Tokenizer.from_file(str(path))
+
+    def handle(self, identity: bytes, msg):
+        try:
+            return self._handlers[type(msg)](identity, msg)
+        except KvholdError as exc:
+            return m.Error(code=exc.code, message=str(exc), tag=getattr(msg, "tag", 0))
+
+    # ------------------------------------------------------------------ admission
+    def close_admissions(self, by: str, reason: str) -> None:
+        """Refuse new requests (SHUTTING_DOWN, retryable elsewhere) until `by` reopens;
+        requests already admitted run to completion. Health escalation and drains use it."""
+        if by not in self.closed:
+            log.warning("admissions closed by %s: %s", by, reason)
+        self.closed[by] = reason
+
+    def open_admissions(self, by: str) -> None:
+        if self.closed.pop(by, None) is not None:
+            log.info("admissions reopened by %s", by)
+
+    def on_generate(self, identity: bytes, msg: m.Generate):
+        if self.closed:
+            return m.Error(code=ErrorCode.SHUTTING_DOWN, tag=msg.tag,
+                           message="not admitting new requests: " + "; ".join(self.closed.values()))
+        if self.sidecar.config.workload != "engine":
+            return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
+                           message="this sidecar runs no model (workload is not 'engine')")
+        params = SamplingParams.from_dict(msg.params)
+        prompt_ids = self._prompt_ids(msg)
+        max_seq = self.tables.geometry.max_seq_len
+        if len(prompt_ids) >= max_seq:
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
+                                f"{max_seq} tokens")
+        if len(prompt_ids) + params.max_tokens > max_seq:
+            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                f"exceeds the context of {max_seq} tokens")
+        vocab = self.spec.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise InvalidTokenId(f"stop token id {t} is outside the vocabulary (size {vocab})")
+        prefix = self._prefix_ids(msg, params)
+        slot = self.journal.free_slot()
+        if slot is None:
+            return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
+                           message=f"all {len(self.tables.requests)} request slots are in use")
+        self.tables.header["request_counter"] += 1
+        request_id = (self.tables.generation << 40) | int(self.tables.header["request_counter"])
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        error = self._write_durable(msg.tag, request_id, identity, prompt_ids, prefix, params, seed)
+        if error is not None:
+            return error
+        self.journal.admit(slot, request_id, prompt_ids, max_tokens=params.max_tokens, seed=seed,
+                           temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                           stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                           prefix_ids=prefix)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
+        for token in prefix if detok else ():   # the state of the uninterrupted run: a character
+            detok.push(token)                    # the prefix left unfinished completes here
+        self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
+                                          prompt_len=len(prompt_ids), detok=detok,
+                                          last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix))
+        self.num_admitted += 1
+        self._wake_executor()
+        return m.Accepted(tag=msg.tag, request_id=request_id, prompt_tokens=len(prompt_ids))
+
+    def _prompt_ids(self, msg: m.Generate) -> list[int]:
+        if (msg.prompt is None) == (msg.prompt_ids is None):
+            raise InvalidParams("give exactly one of prompt (text) or prompt_ids")
+        if msg.prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidParams("this model has no tokenizer.json: send prompt_ids")
+            ids = self.tokenizer.encode(msg.prompt).ids
+        else:
+            ids = msg.prompt_ids
+            vocab = self.spec.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidTokenId(f"token id {bad} is outside the vocabulary (size {vocab})")
+        if not ids:
+            raise InvalidParams("the prompt is empty")
+        return list(ids)
+
+    def _prefix_ids(self, msg: m.Generate, params: SamplingParams) -> list[int]:
+        """A moved request's already generated tokens, checked like prompt ids."""
+        prefix = list(msg.prefix_generated or ())
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prefix if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidTokenId(f"resumed token id {bad} is outside the vocabulary (size {vocab})")
+        if len(prefix) >= params.max_tokens:
+            raise InvalidParams(f"{len(prefix)} resumed tokens already reach max_tokens "
+                                f"({params.max_tokens}): nothing left to generate")
+        return prefix
+
+    def _write_durable(self, tag, request_id, identity, prompt_ids, prefix, params, seed):
+        """Record the request on disk before it is admitted (kvhold.sidecar.durable_journal); an error
+        reply if the disk refuses, so that no accepted request lacks its record."""
+        f32 = lambda x: float(np.float32(x))  # what the shm journal stores and the engine samples with
+        manifest = self.sidecar.manifest
+        body = {"request_id": request_id, "generation": int(self.tables.generation),
+                "client": identity.hex(), "prompt_ids": list(prompt_ids), "prefix": len(prefix),
+                "generated": list(prefix), "max_tokens": params.max_tokens, "seed": seed,
+                "temperature": f32(params.temperature), "top_p": f32(params.top_p),
+                "top_k": params.top_k, "stop_ids": list(params.stop_token_ids),
+                "ignore_eos": params.ignore_eos, "admitted_unix_ns": time.time_ns(),
+                "fingerprint": manifest.fingerprint if manifest is not None else ""}
+        try:
+            self.sidecar.durable.write(body)
+        except OSError as exc:
+            log.error("cannot write the durable journal record of a new request: %s", exc)
+            return m.Error(code=ErrorCode.OVERLOADED, tag=tag,
+                           message=f"cannot journal the request durably ({exc}); retry later")
+        self.records[request_id] = dict(body, generated=[])
+        return None
+
+    def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:
+        """A request restored by a pool restart (kvhold.sidecar.restore): silent until resumed."""
+        prefix = int(record.get("prefix", 0))
+        self.streams[request_id] = Stream(
+            request_id=request_id, slot=slot, identity=identity, prompt_len=prompt_len, detok=detok,
+            sent=prefix + len(texts[prefix:]), prefix=prefix, text=list(texts[prefix:]),
+            last_send_ns=now_ns(), awaiting_resume=True, restored_from=len(texts))
+        self.records[request_id] = record
+
+    def _send(self, st: Stream, msg) -> None:
+        if not st.awaiting_resume:   # a restored stream's client may not be connected yet
+            self.sidecar.send_client(st.identity, msg)
+
+    def _wake_executor(self) -> None:
+        active = self.sidecar.supervisor.active
+        if active is not None:
+            self.sidecar.send_executor(active, m.Wake())
+
+    # ------------------------------------------------------------------ other requests
+    def on_cancel(self, identity: bytes, msg: m.Cancel):
+        st = self.streams.get(msg.request_id)
+        if st is None or st.identity != identity:  # others' requests do not exist for you
+            return m.Error(code=ErrorCode.NOT_FOUND, tag=msg.tag, request_id=msg.request_id,
+                           message=f"no request {msg.request_id} of yours is running")
+        self.journal.cancel(st.slot)
+        self._wake_executor()
+        return m.Cancelled(tag=msg.tag, request_id=msg.request_id)
+
+    def on_status(self, identity: bytes, msg: m.Status):
+        return m.StatusReply(tag=msg.tag, status=self.sidecar.status())
+
+    def on_ping(self, identity: bytes, msg: m.Ping):
+        return m.Pong(tag=msg.tag, generation=self.tables.generation)
+
+    # ------------------------------------------------------------------ streaming
+    def on_step(self, h, msg: m.StepDone):
+        received_ns = now_ns()
+        for slot in msg.slots:
+            request_id = int(self.tables.requests["request_id"][slot]) if 0 <= slot < len(self.tables.requests) else 0
+            st = self.streams.get(request_id)
+            if st is not None:
+                self._pump(st)
+        rec = self._awaiting_first_token.pop(h.epoch, None)
+        if rec is not None:
+            rec.update({k: v for k, v in msg.marks.items() if k.endswith("_ns") and isinstance(v, int)})
+            rec["step_received_ns"] = received_ns
+            rec["first_token_ns"] = now_ns()
+            log.info("recovery complete: first resumed token %.1f ms after detection",
+                     (rec["first_token_ns"] - rec.get("detect_ns", rec["first_token_ns"])) / 1e6)
+
+    def on_recovered(self, h, msg: m.Recovered):
+        if not msg.report.get("fenced_epoch"):
+            return None  # a first activation, not a failover: nothing was recovered
+        rec = dict(msg.report, pid=h.pid, epoch=h.epoch, received_ns=now_ns())
+        self.recoveries.append(rec)
+        if rec.get("requests_resumable", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
+            self._awaiting_first_token[h.epoch] = rec
+        log.info("executor pid %d took over: %s", h.pid, ", ".join(
+            f"{k}={v}" for k, v in msg.report.items() if not k.endswith("_ns") and k != "requests"))
+        return None
+
+    def _pump(self, st: Stream) -> None:
+        state, count, reason = self.journal.progress(st.slot, st.request_id)
+        if st.restored_from is not None and count > st.restored_from:
+            st.restored_from = None
+            self.sidecar.restore.on_first_token()
+        if count > st.sent:
+            ids = self.journal.generated(st.slot, st.sent, count)
+            texts = [st.detok.push(t) for t in ids] if st.detok else [""] * len(ids)
+            st.text.extend(texts)
+            self._send(st, m.Tokens(request_id=st.request_id, start=st.sent - st.prefix, ids=ids,
+                                    texts=texts))
+            st.sent = count
+            st.last_send_ns = now_ns()
+        if state == ExecState.FINISHED:
+            if st.detok:
+                st.text.append(st.detok.flush())
+            r = self.tables.requests[st.slot]
+            done = m.Done(
+                request_id=st.request_id, finish_reason=reason.name.lower(),
+                prompt_tokens=st.prompt_len, completion_tokens=count - st.prefix, text="".join(st.text),
+                preemptions=int(r["num_preempted"]), recomputed_tokens=int(r["num_recomputed"]))
+            self._send(st, done)
+            if st.awaiting_resume:
+                self.sidecar.restore.park(st, self.journal.generated(st.slot, st.prefix, count), done)
+            self.journal.release(st.slot)
+            self.sidecar.durable.remove(st.request_id)
+            self.records.pop(st.request_id, None)
+            del self.streams[st.request_id]
+            self.num_finished[reason.name.lower()] += 1
+
+    def tick(self, now: int) -> None:
+        if now >= self._next_pump_ns:  # safety net: the journal is the truth, not messages
+            for st in list(self.streams.values()):
+                self._pump(st)
+            self._next_pump_ns = now + PUMP_NS
+        idle: dict[bytes, list[int]] = collections.defaultdict(list)
+        for st in self.streams.values():
+            if now - st.last_send_ns >= KEEPALIVE_NS:
+                if not st.awaiting_resume:
+                    idle[st.identity].append(st.request_id)
+                st.last_send_ns = now
+        for identity, ids in idle.items():
+            self.sidecar.send_client(identity, m.Keepalive(request_ids=ids))
+        self.sidecar.restore.tick(now)
+
+    def next_deadline_ns(self) -> int:
+        deadline = self._next_pump_ns if self.streams else now_ns() + 1_000_000_000
+        if self.streams:
+            deadline = min(deadline, min(st.last_send_ns for st in self.streams.values()) + KEEPALIVE_NS)
+        return deadline
+
+    def status(self) -> dict:
+        return {"requests": {"in_flight": len(self.streams), "admitted_total": self.num_admitted,
+                             "finished": dict(self.num_finished)},
+                "recoveries": list(self.recoveries)[-16:],
+                "admissions": {"open": not self.closed, "closed_by": dict(self.closed)}}
+

@@ -1,0 +1,212 @@
+"""The sidecar's entry in the etcd registry (`--registry etcd://HOST:PORT --service NAME`).
+
+`Registrar` keeps one key, `/kvhold/<service>/sidecars/<node>-<instance>`, alive under an
+etcd lease of `ttl_s` from a daemon thread: it grants the lease, writes the entry (schema:
+kvhold.routing.registry_client.SidecarEntry), refreshes the lease every ttl/3 and rewrites the entry
+when health, endpoints or generation change (at once) or the load changes (at most once per
+`load_interval_s`). It posts nothing to the sidecar's loop: it only calls `snapshot()`, which
+reads a few counters. When etcd is unreachable it logs (first failure, then at most every
+30 s) and retries with capped backoff; it never blocks or stops the sidecar. A lease that
+etcd no longer knows (expired while unreachable) is replaced and the entry written again.
+`stop()` revokes the lease so the entry vanishes at once on a clean shutdown; a killed
+sidecar's entry vanishes when the lease expires.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+
+from etcd3gw import exceptions as etcd_errors
+
+from kvhold.protocol.layout import AdmitState, WeightsState
+from kvhold.protocol.page_table import PageTable
+from kvhold.routing.registry_client import (EtcdGateway, RegistryUnavailable, SidecarEntry, node_name,
+                                 service_prefix)
+
+log = logging.getLogger(__name__)
+LOG_EVERY_S = 30.0
+
+
+class Registrar:
+    def __init__(self, gateway: EtcdGateway, key: str, snapshot, ttl_s: int = 5,
+                 load_interval_s: float = 1.0, poll_s: float = 0.2):
+        self.gateway = gateway
+        self.key = key
+        self.snapshot = snapshot          # () -> SidecarEntry, cheap, callable from any thread
+        self.ttl_s = ttl_s
+        self.load_interval_s = load_interval_s
+        self.poll_s = poll_s
+        self.lease_id: int | None = None
+        self.registered = False
+        self.num_registrations = 0
+        self.last_error = ""
+        self._written: SidecarEntry | None = None
+        self._written_at = 0.0
+        self._refreshed_at = 0.0
+        self._down_since: float | None = None
+        self._logged_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvhold-registrar", daemon=True)
+
+    def start(self) -> "Registrar":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread and revoke the lease (best effort, bounded by the etcd timeout)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if self.lease_id is not None:
+            try:
+                self.gateway.revoke(self.lease_id)
+            except (RegistryUnavailable, etcd_errors.Etcd3Exception):
+                pass
+            self.lease_id = None
+
+    def status(self) -> dict:
+        return {"key": self.key, "registered": self.registered, "lease_id": self.lease_id,
+                "ttl_s": self.ttl_s, "registrations": self.num_registrations,
+                "last_error": self.last_error}
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            try:
+                self._tick(time.monotonic())
+                self._recovered()
+                backoff = 0.2
+                self._stop.wait(self.poll_s)
+            except RegistryUnavailable as exc:
+                self._failed(str(exc))
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except etcd_errors.Etcd3Exception as exc:   # e.g. "requested lease not found"
+                self._failed(f"etcd refused: {exc}")
+                self.lease_id = None
+                self._stop.wait(backoff)
+            except Exception:   # a bug here must never reach the sidecar
+                log.exception("registrar error; retrying")
+                self._stop.wait(2.0)
+
+    def _tick(self, now: float) -> None:
+        entry = self.snapshot()
+        if self.lease_id is None:
+            self.lease_id = self.gateway.grant(self.ttl_s)
+            self._put(entry, now)
+            self._refreshed_at = now
+            self.num_registrations += 1
+            log.info("registered %s (lease %x, ttl %d s, health %s)", self.key, self.lease_id,
+                     self.ttl_s, entry.health)
+            return
+        if now - self._refreshed_at >= self.ttl_s / 3:
+            if self.gateway.refresh(self.lease_id) <= 0:
+                log.warning("registry lease %x expired: registering again", self.lease_id)
+                self.lease_id = None
+                self.registered = False
+                return
+            self._refreshed_at = now
+        if self._needs_write(entry, now):
+            self._put(entry, now)
+
+    def _needs_write(self, entry: SidecarEntry, now: float) -> bool:
+        old = self._written
+        if old is None:
+            return True
+        same = replace(old, in_flight=entry.in_flight, free_pages=entry.free_pages,
+                       free_slots=entry.free_slots, updated=entry.updated)
+        if same != entry:
+            return True          # health, endpoints, generation, model: publish at once
+        load_changed = (old.in_flight, old.free_pages, old.free_slots) != (
+            entry.in_flight, entry.free_pages, entry.free_slots)
+        return load_changed and now - self._written_at >= self.load_interval_s
+
+    def _put(self, entry: SidecarEntry, now: float) -> None:
+        self.gateway.put(self.key, entry.to_json(), self.lease_id)
+        self._written, self._written_at = entry, now
+        self.registered = True
+
+    def _failed(self, message: str) -> None:
+        now = time.monotonic()
+        self.last_error = message
+        if self._down_since is None:
+            self._down_since = now
+            self._logged_at = now
+            log.warning("registry: %s; the sidecar keeps serving, retrying", message)
+        elif now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("registry still unreachable after %.0f s: %s", now - self._down_since, message)
+
+    def _recovered(self) -> None:
+        if self._down_since is not None:
+            log.info("registry reachable again after %.1f s; entry %s", time.monotonic() - self._down_since,
+                     "registered" if self.registered else "pending")
+            self._down_since = None
+            self.last_error = ""
+
+
+# ---------------------------------------------------------------------- the sidecar's side
+def gpu_uuid(device: str) -> str:
+    """The GPU's UUID through NVML (no CUDA context), "cpu" on CPU, the device string if NVML
+    is missing. NVML indices follow PCI order, CUDA's may not: set CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(device.partition(":")[2] or 0))
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    except Exception:
+        return device
+
+
+def _health(sc) -> str:
+    if sc.frontend.closed:
+        return "drain"
+    if sc.weights.state != WeightsState.SEALED:
+        return "starting"
+    active = sc.supervisor.active
+    return "ok" if active is not None and getattr(active, "ready", False) else "recovering"
+
+
+def _tcp_endpoint(sc) -> tuple[str | None, str | None]:
+    if sc.tcp is None:
+        return None, None
+    status = sc.tcp.status()
+    host, _, port = status["endpoint"][len("tcp://"):].rpartition(":")
+    if host in ("0.0.0.0", "[::]", "*"):     # a wildcard bind: name the node instead
+        host = socket.getfqdn()
+    return f"tcp://{host}:{port}", status.get("public_key")
+
+
+def sidecar_snapshot(sc, node: str, gpu: str) -> SidecarEntry:
+    """The registry entry of a running sidecar, from reads that are safe off the loop thread."""
+    free_slots = int((sc.tables.requests["admit_state"] == AdmitState.FREE).sum())
+    tcp, public_key = _tcp_endpoint(sc)
+    model = os.path.basename(os.path.normpath(str(sc.config.model))) if sc.config.model else ""
+    return SidecarEntry(
+        key="", node=node, instance=sc.paths.instance, pid=os.getpid(), gpu=gpu, model=model,
+        fingerprint=sc.weights.fingerprint or "", generation=int(sc.tables.generation),
+        health=_health(sc), in_flight=len(sc.frontend.streams),
+        free_pages=PageTable(sc.tables).counts()["free"], free_slots=free_slots,
+        endpoint=sc.paths.client_endpoint, tcp_endpoint=tcp, curve_public_key=public_key,
+        updated=round(time.time(), 3))
+
+
+def start_registrar(sc) -> Registrar | None:
+    """Start registering `sc` (a started Sidecar) when its config names a registry."""
+    cfg = sc.config
+    if not cfg.registry:
+        return None
+    node = node_name()
+    key = f"{service_prefix(cfg.service)}{node}-{sc.paths.instance}"
+    gpu = gpu_uuid(cfg.device)
+    gateway = EtcdGateway.from_url(cfg.registry, timeout=min(2.0, cfg.registry_ttl_s / 2))
+    return Registrar(gateway, key, lambda: replace(sidecar_snapshot(sc, node, gpu), key=key),
+                     ttl_s=cfg.registry_ttl_s).start()

@@ -1,0 +1,183 @@
+"""Pool restart, the new sidecar's half: re-admit journaled requests and resume their streams.
+
+At start-up, before any executor exists, every record of the durable journal
+(kvhold.sidecar.durable_journal) is re-admitted into the fresh shm journal with its
+committed tokens as a prefix (kvhold.protocol.journal.restore_progress). The first active
+executor's takeover finds these requests taken with no KV pages and recomputes
+their KV by prefill over prompt + committed tokens; the next token is then sampled
+at the same position with the same seed, and draws depend only on (seed, position)
+(kvhold.executor.sampler), so the continuation equals an uninterrupted run.
+
+Streams: the new sidecar cannot know how far each client got, and a ROUTER drops
+what it sends to a client that has not reconnected yet. So a restored stream sends
+nothing until its owner speaks: the SDK, after a silence, sends `Resume(request_ids,
+next_indices)`, and the sidecar re-sends from each index (tokens it has, then the
+rest as they are committed). The client skips nothing and receives nothing twice.
+Only the client key recorded at admission (transport + routing id) may resume.
+* A restored request whose client never comes back still runs to the end; its result
+  is kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S, listed in the status
+  (`pool_restart.unclaimed`) and logged, then dropped with a log line.
+* A record that cannot be restored (damaged, model changed, no longer fits) is
+  reported failed: in the status (`pool_restart.failed`, with the reason), in the log,
+  kept under failed/ on disk, and as a `NotFound` error naming the reason to a client
+  that resumes it. Nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvhold.protocol import messages as m
+from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.leases import now_ns
+from kvhold.sidecar.detokenizer import IncrementalDetokenizer
+from kvhold.sidecar.durable_journal import FailedRecord
+
+log = logging.getLogger(__name__)
+UNCLAIMED_KEEP_S = 600.0
+
+
+@dataclass(slots=True)
+class Unclaimed:
+    identity: bytes
+    ids: list[int]
+    texts: list[str]
+    done: m.Done
+    finished_ns: int
+
+
+class Restore:
+    def __init__(self, sidecar):
+        self.sidecar = sidecar
+        self.failed: dict[int, FailedRecord] = {}
+        self.unclaimed: dict[int, Unclaimed] = {}
+        self.report: dict = {}
+
+    # ------------------------------------------------------------------ start-up
+    def restore(self) -> None:
+        sc = self.sidecar
+        t0 = now_ns()
+        records, failed = sc.durable.load()
+        self.failed.update((f.request_id, f) for f in failed)
+        restored = 0
+        for body in records:
+            reason = self._admit(body)
+            if reason is None:
+                restored += 1
+            else:
+                path = sc.durable.path_for(body["request_id"])
+                self.failed[body["request_id"]] = sc.durable.fail(path, body["request_id"], reason)
+        if not records and not failed:
+            return
+        self.report = {"sidecar_started_ns": sc.started_ns, "start_ns": t0, "restored_ns": now_ns(),
+                       "requests_restored": restored,
+                       "requests_failed": len(self.failed), "first_token_ns": 0,
+                       "previous_drain": sc.durable.read_json("last-drain.json")}
+        log.warning("pool generation %d: restored %d journaled requests (%d failed) from %s",
+                    sc.tables.generation, restored, len(self.failed), sc.durable.dir)
+
+    def _admit(self, body: dict) -> str | None:
+        """Re-admit one record; the reason it cannot be, or None."""
+        fe, sc = self.sidecar.frontend, self.sidecar
+        fingerprint = sc.manifest.fingerprint if sc.manifest is not None else ""
+        if body.get("fingerprint", "") != fingerprint:
+            return (f"the model changed across the restart (weights fingerprint "
+                    f"{str(body.get('fingerprint'))[:12]} -> {fingerprint[:12]})")
+        prompt, generated = body["prompt_ids"], body["generated"]
+        vocab = sc.spec.vocab_size
+        if any(t >= vocab for t in prompt + generated + body["stop_ids"]):
+            return f"a token id is outside the vocabulary (size {vocab})"
+        need = len(prompt) + max(body["max_tokens"], len(generated))
+        if need > fe.tables.geometry.max_seq_len:
+            return f"needs {need} tokens, the context is now {fe.tables.geometry.max_seq_len}"
+        slot = fe.journal.free_slot()
+        if slot is None:
+            return f"no free request slot (--max-requests {len(fe.tables.requests)})"
+        rid = int(body["request_id"])
+        fe.journal.admit(slot, rid, prompt, max_tokens=body["max_tokens"], seed=body["seed"],
+                         temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
+                         stop_ids=body["stop_ids"], ignore_eos=bool(body.get("ignore_eos")))
+        fe.journal.restore_progress(slot, rid, generated)
+        if body.get("cancelled"):
+            fe.journal.cancel(slot)
+        detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
+        texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
+        fe.restore_stream(rid, slot, bytes.fromhex(body["client"]), len(prompt), detok,
+                          texts, dict(body, generated=[]))
+        return None
+
+    # ------------------------------------------------------------------ streams
+    def on_first_token(self) -> None:
+        if self.report and not self.report["first_token_ns"]:
+            self.report["first_token_ns"] = now_ns()
+            drain = self.report.get("previous_drain") or {}
+            if drain.get("drain_start_ns"):
+                log.warning("pool restart: first token of a restored request %.0f ms after the "
+                            "drain started", (self.report["first_token_ns"] - drain["drain_start_ns"]) / 1e6)
+
+    def park(self, st, ids: list[int], done: m.Done) -> None:
+        """A restored request ended before its client came back: keep the result for pickup."""
+        self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
+                                                  now_ns())
+        log.warning("request %#x finished after the pool restart with no client attached "
+                    "(%d tokens, %s): result kept for pickup for %.0f s", st.request_id, len(ids),
+                    done.finish_reason, UNCLAIMED_KEEP_S)
+
+    def on_resume(self, identity: bytes, msg: m.Resume):
+        if len(msg.request_ids) != len(msg.next_indices):
+            return m.Error(code=ErrorCode.BAD_FIELD, message="request_ids and next_indices differ in length")
+        resumed = []
+        for rid, index in zip(msg.request_ids, msg.next_indices):
+            error = self._resume_one(identity, rid, index)
+            if error is None:
+                resumed.append(rid)
+            else:
+                self.sidecar.send_client(identity, m.Error(code=ErrorCode.NOT_FOUND, request_id=rid,
+                                                           message=error))
+        # a keepalive tells the SDK a sidecar serves its streams again: the announced pause ends
+        self.sidecar.send_client(identity, m.Keepalive(request_ids=resumed))
+        return None
+
+    def _resume_one(self, identity: bytes, rid: int, index: int) -> str | None:
+        fe = self.sidecar.frontend
+        st = fe.streams.get(rid)
+        if st is not None and st.identity == identity:
+            if not 0 <= index <= st.sent:
+                return f"request {rid:#x}: cannot resume at token {index} (have {st.sent})"
+            was_waiting, st.awaiting_resume = st.awaiting_resume, False
+            if index < st.sent:
+                ids = fe.journal.generated(st.slot, index, st.sent)
+                self.sidecar.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
+                                                            texts=st.text[index:st.sent]))
+            st.last_send_ns = now_ns()
+            if was_waiting:
+                log.info("client re-attached to restored request %#x at token %d", rid, index)
+            fe._pump(st)
+            return None
+        parked = self.unclaimed.get(rid)
+        if parked is not None and parked.identity == identity:
+            del self.unclaimed[rid]
+            index = min(max(0, index), len(parked.ids))
+            self.sidecar.send_client(identity, m.Tokens(request_id=rid, start=index,
+                                                        ids=parked.ids[index:], texts=parked.texts[index:]))
+            self.sidecar.send_client(identity, parked.done)
+            return None
+        if rid in self.failed:
+            return f"request {rid:#x} could not be restored after the pool restart: {self.failed[rid].reason}"
+        return (f"request {rid:#x} is unknown to this sidecar (pool generation "
+                f"{self.sidecar.tables.generation}); it is not in its durable journal")
+
+    def tick(self, now: int) -> None:
+        expired = [rid for rid, u in self.unclaimed.items() if now - u.finished_ns > UNCLAIMED_KEEP_S * 1e9]
+        for rid in expired:
+            del self.unclaimed[rid]
+            log.warning("dropped the unclaimed result of request %#x after %.0f s", rid, UNCLAIMED_KEEP_S)
+
+    def status(self) -> dict:
+        return {"restore": {k: v for k, v in self.report.items() if k != "previous_drain"},
+                "previous_drain": self.report.get("previous_drain"),
+                "failed": [f.to_dict() for f in self.failed.values()],
+                "unclaimed": [{"request_id": rid, "tokens": len(u.ids), "finish_reason": u.done.finish_reason}
+                              for rid, u in self.unclaimed.items()],
+                "awaiting_resume": sorted(st.request_id for st in self.sidecar.frontend.streams.values()
+                                          if st.awaiting_resume)}

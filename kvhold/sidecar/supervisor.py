@@ -1,0 +1,424 @@
+"""Executor supervision: spawn, attach, lease, detect death, fence, promote, re-arm.
+
+Death is detected two ways. An exit or kill makes the executor's pidfd readable,
+which wakes the sidecar's poll loop at once. A hang (SIGSTOP, a spin) stops the
+heartbeat the executor writes into its lease; the sidecar checks lease ages at the
+nearest deadline on CLOCK_MONOTONIC. Either way the executor is fenced (its epoch
+replaced, so its writes are refused and it exits if it ever runs again), killed if
+it is hung and ours to kill, and, if it was active, the best standby is promoted
+at once. The promotion names the fenced epochs whose process has not exited yet:
+the new active must not reuse pages those writers could still touch until a later
+`reaped` message says they are gone (`--takeover wait-exit` instead holds the
+promotion until the dead process has fully exited, for comparison). Executors are
+then re-spawned, forked from the zygote when one is ready (torch already
+imported) or started cold, with capped exponential backoff when they keep dying.
+"""
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from kvhold.protocol import fdpass, messages as m
+from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.layout import LeaseFlag, Role
+from kvhold.protocol.leases import LeaseTable, now_ns
+from kvhold.protocol.liveness import DeathWatcher
+from kvhold.sidecar.zygote_keeper import ZygoteKeeper
+
+log = logging.getLogger(__name__)
+TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
+FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
+
+
+@dataclass(slots=True)
+class ExecutorHandle:
+    slot: int
+    pid: int
+    epoch: int
+    pidfd: int
+    popen: subprocess.Popen | None
+    spawned_ns: int
+    identity: bytes | None = None
+    nonce: str = ""
+    ready: bool = False
+    fenced: bool = False
+    stopping: bool = False
+    watcher: DeathWatcher | None = None
+    via: str = "cold"                    # how it was started: cold, zygote, adopted
+    deferred_failover: tuple[int, int] | None = None   # (fenced epoch, detect ns) for wait-exit
+    info: dict = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, sidecar):
+        self.sidecar = sidecar
+        self.config = sidecar.config
+        self.tables = sidecar.tables
+        self.leases = LeaseTable(sidecar.tables)
+        self.handles: dict[int, ExecutorHandle] = {}      # by lease slot
+        self.pending_epochs: set[int] = set()              # fenced, process not exited yet
+        self.events: collections.deque = collections.deque(maxlen=512)
+        self.active_slot: int | None = None
+        self.want_active = True
+        self._unserved_failover = (0, 0)   # (fenced epoch, detect ns) waiting for an executor
+        self._failures: collections.deque = collections.deque(maxlen=32)
+        self._next_spawn_ns = 0
+        self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
+        self._stopping = False
+        self.zygote = ZygoteKeeper(sidecar) if self.config.zygote else None
+
+    # ------------------------------------------------------------------ events
+    def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
+        ev = {"kind": kind, "ns": now_ns()}
+        if h is not None:
+            ev.update(slot=h.slot, pid=h.pid, epoch=h.epoch)
+        ev.update(extra)
+        self.events.append(ev)
+        return ev
+
+    # ------------------------------------------------------------------ spawning
+    def target_executors(self) -> int:
+        return 1 + self.config.standbys if self.config.spawn_executors else 0
+
+    def live_handles(self) -> list[ExecutorHandle]:
+        return [h for h in self.handles.values() if not h.fenced and not h.stopping]
+
+    def spawn(self) -> ExecutorHandle | None:
+        slot = self.leases.free_slot()
+        if slot is None:
+            log.error("no free lease slot to spawn an executor (%d in use)", len(self.handles))
+            return None
+        paths = self.sidecar.paths
+        argv = ["--instance", paths.instance, "--runtime-root", str(paths.runtime_dir.parent),
+                "--token-file", str(self.sidecar.token_path),
+                "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                *self.config.executor_args]
+        if self.active_slot is None and self._unserved_failover[0]:
+            argv.append("--urgent")      # it takes over as soon as it is ready
+        env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # idle threads must not spin
+        popen, via = None, "zygote"
+        pid = self.zygote.fork(argv, env) if self.zygote is not None else None
+        if pid is None:
+            via = "cold"
+            popen = subprocess.Popen([sys.executable, "-m", "kvhold.executor", *argv],
+                                     env=dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()), **env),
+                                     stdin=subprocess.DEVNULL, close_fds=True)
+            pid = popen.pid
+        pidfd = os.pidfd_open(pid)
+        epoch = self.leases.grant(slot, pid)
+        h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=popen,
+                           spawned_ns=now_ns(), via=via)
+        self.handles[slot] = h
+        self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+        self._event("spawn", h, via=via)
+        log.info("spawned executor pid %d (%s, lease %d, epoch %d)", h.pid, via, slot, epoch)
+        return h
+
+    def rearm(self, now: int) -> None:
+        """Keep 1 active + N standbys alive, backing off when executors keep dying."""
+        if self._stopping:
+            return
+        if self.zygote is not None:
+            self.zygote.keep_alive(now)
+        if now < max(self._next_spawn_ns, self._takeover_until_ns):
+            return
+        missing = self.target_executors() - len(self.live_handles())
+        for _ in range(max(0, missing)):
+            if self.spawn() is None:
+                break
+        recent = [t for t in self._failures if now - t < 60e9]
+        if len(recent) >= 3 and self.config.restart_backoff_ms[1] > 0:
+            lo, hi = self.config.restart_backoff_ms
+            delay_ms = min(hi, lo * 2 ** (len(recent) - 3))
+            self._next_spawn_ns = now + int(delay_ms * 1e6)
+
+    # ------------------------------------------------------------------ attach
+    def on_attach(self, identity: bytes, msg: m.Attach):
+        if not hmac.compare_digest(msg.token.encode(), self.sidecar.token.encode()):
+            log.warning("refused attach from pid %d: wrong executor token", msg.pid)
+            self._event("refused", pid=msg.pid, reason="bad token")
+            return m.Error(code=ErrorCode.UNAUTHORIZED, message="bad executor token")
+        h = next((x for x in self.handles.values() if x.pid == msg.pid and not x.fenced), None)
+        if h is None:
+            h = self._adopt(msg.pid)
+            if h is None:
+                return m.Error(code=ErrorCode.OVERLOADED, message="no free lease slot")
+        if h.identity is not None and h.identity != identity:
+            return m.Error(code=ErrorCode.UNAUTHORIZED, message="pid already attached")
+        h.identity = identity
+        h.nonce = secrets.token_hex(16)
+        self.sidecar.register_executor_identity(identity, h)
+        self._event("attach", h)
+        weights = self.sidecar.weights.attach_info(h)
+        return m.Attached(slot=h.slot, epoch=h.epoch, generation=self.tables.generation,
+                          nonce=h.nonce, regions=self.sidecar.region_infos(weights["loader"]),
+                          settings=self.sidecar.executor_settings, weights=weights)
+
+    def _adopt(self, pid: int) -> ExecutorHandle | None:
+        """An executor we did not spawn (systemd, a test): lease it and watch its pidfd."""
+        slot = self.leases.free_slot()
+        if slot is None:
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            log.warning("refused attach from pid %d: %s", pid, exc)
+            return None
+        epoch = self.leases.grant(slot, pid)
+        h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=None,
+                           spawned_ns=now_ns(), via="adopted")
+        self.handles[slot] = h
+        self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+        log.info("adopted external executor pid %d (lease %d, epoch %d)", pid, slot, epoch)
+        return h
+
+    def on_fd_request(self, conn: socket.socket) -> None:
+        """Hand region descriptors to the process that holds a lease (checked by SO_PEERCRED)."""
+        try:
+            req, stray = fdpass.recv(conn)
+            for fd in stray:
+                os.close(fd)
+            pid, uid, _ = fdpass.peer_credentials(conn)
+            h = self.handles.get(req.get("slot")) if isinstance(req.get("slot"), int) else None
+            if (h is None or h.fenced or h.pid != pid or uid != os.getuid()
+                    or not hmac.compare_digest(str(req.get("nonce", "")), h.nonce)
+                    or req.get("epoch") != h.epoch):
+                log.warning("refused region descriptors to pid %d (no matching lease)", pid)
+                fdpass.send(conn, {"ok": False, "error": "no matching lease"})
+                return
+            writable_weights = self.sidecar.weights.may_write(h)
+            names, fds = self.sidecar.export_region_fds(writable_weights)
+            try:
+                fdpass.send(conn, {"ok": True, "regions": names}, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self._watch_liveness(h)
+        except (OSError, fdpass.FdPassError) as exc:
+            log.warning("region descriptor request failed: %s", exc)
+        finally:
+            conn.close()
+
+    def _watch_liveness(self, h: ExecutorHandle) -> None:
+        """Fast death signal: wakes when h's main thread dies (see kvhold.protocol.liveness)."""
+        if h.watcher is not None:
+            return
+
+        def died(h=h, epoch=h.epoch):
+            ns = now_ns()
+            self.sidecar.post(lambda: self.on_liveness_lost(h, epoch, ns))
+
+        h.watcher = DeathWatcher(self.tables.liveness_mutex(h.slot), died, name=f"liveness-{h.slot}")
+        h.watcher.start()
+
+    def on_liveness_lost(self, h: ExecutorHandle, epoch: int, detect_ns: int) -> None:
+        if self.handles.get(h.slot) is h and h.epoch == epoch and not h.fenced:
+            reason = "exited" if h.stopping else "died"
+            self.fence(h, reason, detect_ns)
+
+    # ------------------------------------------------------------------ lifecycle messages
+    def handle_for(self, identity: bytes, slot: int, epoch: int) -> ExecutorHandle | None:
+        h = self.handles.get(slot)
+        if h is None or h.identity != identity:
+            return None
+        return h
+
+    def on_ready(self, h: ExecutorHandle, msg: m.Ready) -> None:
+        h.ready = True
+        h.info["warm_ms"] = msg.warm_ms
+        h.info["private_mib"] = msg.private_mib
+        h.info["warm_phases_ms"] = msg.phases
+        h.info["spawn_to_ready_ms"] = round((now_ns() - h.spawned_ns) / 1e6, 1)
+        if self.leases.role(h.slot) == Role.STARTING:
+            self.leases.set_role(h.slot, Role.STANDBY)
+        self._event("ready", h, warm_ms=msg.warm_ms, private_mib=msg.private_mib)
+        log.info("executor pid %d ready as standby (warm-up %.0f ms)", h.pid, msg.warm_ms)
+        if self.active_slot is None and self.want_active:
+            fenced_epoch, detect_ns = self._unserved_failover
+            self._unserved_failover = (0, 0)
+            self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
+
+    def takeover_done(self) -> None:
+        """The promoted executor reported its takeover: re-arm standbys now."""
+        self._takeover_until_ns = 0
+
+    def on_bye(self, h: ExecutorHandle, msg: m.Bye) -> None:
+        h.stopping = True
+        self._event("bye", h, reason=msg.reason)
+
+    def promote(self, h: ExecutorHandle, fenced_epoch: int, detect_ns: int) -> None:
+        if fenced_epoch:  # a failover: give the takeover the CPU before starting a new standby
+            self._takeover_until_ns = now_ns() + TAKEOVER_GRACE_NS
+        self.leases.set_role(h.slot, Role.ACTIVE)
+        self.active_slot = h.slot
+        self._event("promote", h, fenced_epoch=fenced_epoch)
+        self.sidecar.send_executor(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
+                                                fenced_epoch=fenced_epoch, detect_ns=detect_ns))
+        log.info("promoted executor pid %d (lease %d, epoch %d) to active", h.pid, h.slot, h.epoch)
+
+    @property
+    def active(self) -> ExecutorHandle | None:
+        return self.handles.get(self.active_slot) if self.active_slot is not None else None
+
+    # ------------------------------------------------------------------ failure handling
+    def restart_active(self, reason: str) -> int | None:
+        """Fence and kill the active executor on purpose (a health event); the standby takes
+        over as after a crash. Returns the pid, or None when there was no active executor."""
+        h = self.active
+        if h is None:
+            return None
+        self.fence(h, reason, now_ns(), kill=True)
+        return h.pid
+
+    def fence(self, h: ExecutorHandle, reason: str, detect_ns: int, kill: bool = False) -> None:
+        """Revoke h's epoch; if it was active, promote a standby right away."""
+        if h.fenced:
+            return
+        was_active = self.active_slot == h.slot
+        role = self.leases.role(h.slot)
+        old_epoch = self.leases.fence(h.slot)
+        h.fenced = True
+        self.pending_epochs.add(old_epoch)
+        fenced_ns = int(self.tables.leases["fenced_ns"][h.slot])
+        self._event("fence", h, reason=reason, role=role.name, detect_ns=detect_ns,
+                    fenced_ns=fenced_ns, fenced_epoch=old_epoch)
+        self.sidecar.weights.on_fenced(h, [x for x in self.live_handles() if x.identity is not None])
+        if (kill or reason == "hang") and self.config.kill_fenced:
+            try:
+                signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not h.stopping and not self._stopping:
+            self._failures.append(detect_ns)
+        log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s",
+                    h.pid, h.slot, role.name, old_epoch, reason)
+        if was_active:
+            self.active_slot = None
+            if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
+                h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
+                self.want_active = True
+            else:
+                self.failover(old_epoch, detect_ns)
+
+    def failover(self, fenced_epoch: int, detect_ns: int) -> None:
+        standby = next((x for x in self.live_handles()
+                        if x.ready and self.leases.role(x.slot) == Role.STANDBY), None)
+        if standby is not None:
+            self.promote(standby, fenced_epoch, detect_ns)
+        else:
+            self.want_active = True
+            if not self._unserved_failover[0]:
+                self._unserved_failover = (fenced_epoch, detect_ns)
+            log.warning("no warm standby: the next executor to become ready takes over")
+        self.rearm(now_ns())
+
+    def on_exit(self, h: ExecutorHandle) -> None:
+        detect_ns = now_ns()
+        self.sidecar.unwatch_fd(h.pidfd)
+        if h.watcher is not None:
+            h.watcher.cancel()
+        exit_code = self._reap(h)
+        if not h.fenced:
+            reason = "exited" if h.stopping else f"died (exit code {exit_code})"
+            self.fence(h, reason, detect_ns)
+        released = [h.epoch] if h.epoch in self.pending_epochs else []
+        self.pending_epochs.discard(h.epoch)
+        self.leases.release(h.slot, exit_code)
+        os.close(h.pidfd)
+        del self.handles[h.slot]
+        self.sidecar.forget_executor_identity(h.identity)
+        self._event("exit", h, exit_code=exit_code)
+        log.info("executor pid %d exited with code %d", h.pid, exit_code)
+        if released and self.active is not None:
+            self.sidecar.send_executor(self.active, m.Reaped(epochs=released))
+        if h.deferred_failover is not None and not self._stopping:
+            self.failover(*h.deferred_failover)
+        self.rearm(now_ns())
+
+    @staticmethod
+    def _reap(h: ExecutorHandle) -> int:
+        if h.popen is not None:
+            code = h.popen.wait()
+            return code if code >= 0 else 128 - code
+        return -1  # not our child (the zygote's, or adopted): its parent has the exit status
+
+    def _lease_ms(self, h: ExecutorHandle) -> float:
+        """Starting executors get the start-up lease; an active one gets FIRST_STEP_GRACE leases
+        until it says it is warm (its first step loads kernels lazily: on a GPU, seconds)."""
+        role = self.leases.role(h.slot)
+        if role == Role.STARTING:
+            return self.config.startup_lease_ms
+        if role == Role.ACTIVE and not int(self.tables.leases["flags"][h.slot]) & LeaseFlag.WARM:
+            return self.config.lease_ms * FIRST_STEP_GRACE
+        return self.config.lease_ms
+
+    def check_heartbeats(self, now: int) -> None:
+        for h in list(self.handles.values()):
+            if not h.fenced and self.leases.heartbeat_age_ns(h.slot, now) > self._lease_ms(h) * 1e6:
+                self.fence(h, "hang", now)
+
+    def next_deadline_ns(self) -> int:
+        deadline = now_ns() + 1_000_000_000
+        for h in self.handles.values():
+            if not h.fenced:
+                last = int(self.tables.leases["heartbeat_ns"][h.slot])
+                deadline = min(deadline, last + int(self._lease_ms(h) * 1e6))
+        for t in (self._next_spawn_ns, self._takeover_until_ns):
+            if t:
+                deadline = min(deadline, t)
+        return deadline
+
+    # ------------------------------------------------------------------ shutdown
+    def stop_all(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        if self.zygote is not None:
+            self.zygote.stop()
+        for h in self.handles.values():
+            h.stopping = True
+            if h.identity is not None:
+                self.sidecar.send_executor(h, m.Shutdown(reason="sidecar stopping"))
+        deadline = now_ns() + int(timeout_s * 1e9)
+        for h in list(self.handles.values()):
+            self._wait_or_kill(h, deadline)
+
+    def _wait_or_kill(self, h: ExecutorHandle, deadline: int) -> None:
+        import select
+
+        # An executor still starting reads no Shutdown until its warm-up ends: signal it now.
+        steps = (None, signal.SIGTERM, signal.SIGKILL) if h.ready else (signal.SIGTERM, signal.SIGKILL)
+        for sig in steps:
+            if sig is not None:
+                try:
+                    signal.pidfd_send_signal(h.pidfd, sig)
+                except ProcessLookupError:
+                    pass
+            wait_s = max(0.0, (deadline - now_ns()) / 1e9) if sig is None else 1.0
+            if select.select([h.pidfd], [], [], wait_s)[0]:
+                break
+        self._reap(h)
+        os.close(h.pidfd)
+
+    def status(self) -> list[dict]:
+        now = now_ns()
+        out = []
+        for slot in range(len(self.tables.leases)):
+            role = self.leases.role(slot)
+            if role == Role.FREE:
+                continue
+            h = self.handles.get(slot)
+            out.append({"slot": slot, "pid": self.leases.pid(slot), "role": role.name.lower(),
+                        "epoch": self.leases.epoch(slot),
+                        "heartbeat_age_ms": self.leases.heartbeat_age_ns(slot, now) / 1e6,
+                        "steps": int(self.tables.leases["steps"][slot]),
+                        "ready": bool(h and h.ready), "via": h.via if h else "",
+                        **(h.info if h else {})})
+        return out
+

@@ -1,0 +1,119 @@
+"""The sidecar's side of the zygote (see kvhold.executor.zygote): start it, ask it to fork, restart it.
+
+The zygote is an optimisation, never a dependency: while it is starting (importing
+torch takes seconds), dead, or slow to answer, `fork()` returns None and the
+supervisor starts the executor cold instead. A zygote that dies is restarted,
+no sooner than `RESTART_DELAY_NS` after the previous start.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+
+from kvhold.protocol import fdpass
+
+log = logging.getLogger(__name__)
+FORK_TIMEOUT_S = 1.0
+RESTART_DELAY_NS = 2_000_000_000
+
+
+class ZygoteKeeper:
+    def __init__(self, sidecar):
+        self.sidecar = sidecar
+        self.socket_path = str(sidecar.paths.runtime_dir / "zygote.sock")
+        self.popen: subprocess.Popen | None = None
+        self.pidfd = -1
+        self.started_ns = 0
+        self.forks = 0
+        self.restarts = -1
+
+    # ------------------------------------------------------------------ lifecycle
+    def keep_alive(self, now: int) -> None:
+        if self.popen is None and now - self.started_ns >= RESTART_DELAY_NS:
+            self._start(now)
+
+    def _start(self, now: int) -> None:
+        try:
+            os.unlink(self.socket_path)          # a dead zygote's socket: nobody listens there
+        except FileNotFoundError:
+            pass
+        cmd = [sys.executable, "-m", "kvhold.executor.zygote", "--socket", self.socket_path,
+               "--sidecar-pid", str(os.getpid()), "--device", self.sidecar.config.device,
+               "--kernel-shapes", self._kernel_shapes(),
+               "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
+        self.pidfd = os.pidfd_open(self.popen.pid)
+        self.sidecar.watch_fd(self.pidfd, self._on_exit)
+        self.started_ns = now
+        self.restarts += 1
+        log.info("started zygote pid %d", self.popen.pid)
+
+    def _kernel_shapes(self) -> str:
+        """What executors will run their kernels at (kvhold.executor.kernel_shapes.from_settings), so
+        the zygote can compile them before forking: their settings plus the table geometry."""
+        try:
+            g = self.sidecar.tables.geometry
+            return json.dumps({**self.sidecar.executor_settings, "page_tokens": g.kv.page_tokens,
+                               "num_pages": g.num_pages, "max_seq_len": g.max_seq_len,
+                               "kv_dtype": g.kv.dtype})
+        except (AttributeError, TypeError, ValueError) as exc:    # an optimisation: never fatal
+            log.warning("zygote gets no kernel shapes (%s): executors JIT-compile Triton kernels", exc)
+            return ""
+
+    def _on_exit(self) -> None:
+        self.sidecar.unwatch_fd(self.pidfd)
+        os.close(self.pidfd)
+        code = self.popen.wait()
+        log.warning("zygote pid %d exited with code %d; executors start cold until it is back",
+                    self.popen.pid, code)
+        self.popen, self.pidfd = None, -1
+
+    def stop(self) -> None:
+        if self.popen is None:
+            return
+        self.sidecar.unwatch_fd(self.pidfd)
+        self.popen.send_signal(signal.SIGTERM)
+        if not select.select([self.pidfd], [], [], 2.0)[0]:
+            self.popen.kill()
+        self.popen.wait()
+        os.close(self.pidfd)
+        self.popen, self.pidfd = None, -1
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ forking
+    def fork(self, argv: list[str], env: dict[str, str]) -> int | None:
+        """The pid of a freshly forked executor, or None when the zygote cannot serve now."""
+        if self.popen is None or not os.path.exists(self.socket_path):
+            return None
+        try:
+            conn = fdpass.connect(self.socket_path, timeout=FORK_TIMEOUT_S)
+        except OSError:
+            return None                           # still importing torch, or just died
+        try:
+            fdpass.send(conn, {"argv": argv, "env": env})
+            reply, stray = fdpass.recv(conn)
+            for fd in stray:
+                os.close(fd)
+        except (OSError, fdpass.FdPassError) as exc:
+            log.warning("zygote fork request failed: %s; starting cold", exc)
+            return None
+        finally:
+            conn.close()
+        if not reply.get("ok") or not isinstance(reply.get("pid"), int):
+            log.warning("zygote refused to fork: %s; starting cold", reply.get("error"))
+            return None
+        self.forks += 1
+        return reply["pid"]
+
+    def status(self) -> dict:
+        return {"pid": self.popen.pid if self.popen else None,
+                "ready": self.popen is not None and os.path.exists(self.socket_path),
+                "forks": self.forks, "restarts": max(0, self.restarts)}

@@ -1,0 +1,1 @@
+"""Local test material: a checkpoint builder (nothing downloaded) and real-process harnesses for a sidecar and etcd."""

@@ -1,0 +1,126 @@
+"""Run a real `kvhold sidecar` as a child process: for tools, the demo and tests.
+
+Starts the sidecar with the given flags in its own runtime root, waits until it
+answers a ping, and offers the few things callers need: status, waiting for a
+condition on the status, the active executor's pid, and a clean or brutal stop.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvhold.client.client import Client
+from kvhold.protocol.errors import KvholdError
+
+
+class SidecarProcess:
+    def __init__(self, args: list[str], instance: str | None = None, runtime_root: Path | None = None,
+                 env: dict | None = None, log_path: Path | None = None):
+        self.instance = instance or f"t{os.getpid()}-{time.monotonic_ns() % 10**6}"
+        self._own_root = runtime_root is None
+        self.runtime_root = Path(runtime_root or tempfile.mkdtemp(prefix="kvh-"))
+        self.args = args
+        self.env = dict(os.environ, **(env or {}))
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._client: Client | None = None
+
+    def start(self, timeout: float = 60.0) -> "SidecarProcess":
+        cmd = [sys.executable, "-m", "kvhold", "sidecar", "--instance", self.instance,
+               "--runtime-root", str(self.runtime_root), *self.args]
+        out = open(self.log_path, "ab") if self.log_path else None
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with code {self.proc.returncode} during start-up")
+            try:
+                if self.client.status()["pid"] == self.proc.pid:  # ours, not a namesake
+                    return self
+            except KvholdError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("sidecar did not answer within the start-up timeout")
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client.for_instance(self.instance, self.runtime_root, timeout=2.0)
+        return self._client
+
+    def new_client(self, timeout: float = 10.0) -> Client:
+        return Client.for_instance(self.instance, self.runtime_root, timeout=timeout)
+
+    def status(self) -> dict:
+        return self.client.status()
+
+    def wait_for(self, predicate, timeout: float = 30.0, interval: float = 0.02):
+        """Poll status until predicate(status) is truthy; returns its value."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate(self.status())
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError("condition not reached in time")
+            time.sleep(interval)
+
+    @staticmethod
+    def executors(status: dict, role: str) -> list[dict]:
+        return [e for e in status["executors"] if e["role"] == role]
+
+    def wait_steady(self, standbys: int = 1, timeout: float = 60.0) -> dict:
+        """Wait for one active executor and `standbys` ready standbys; returns the active one."""
+        def steady(st):
+            active = self.executors(st, "active")
+            ready = [e for e in self.executors(st, "standby") if e["ready"]]
+            return active[0] if len(active) == 1 and len(ready) >= standbys else None
+        return self.wait_for(steady, timeout)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return [e for e in self.status()["events"] if kind is None or e["kind"] == kind]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        code = self.proc.returncode
+        if sig == signal.SIGKILL:  # executors die with their sidecar (PDEATHSIG); reap the group
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return code
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        if self._own_root:
+            import shutil
+            shutil.rmtree(self.runtime_root, ignore_errors=True)
+
+
+def submit_requests(client, requests) -> list:
+    """Start every request (dicts of generate() arguments; "prompt" text or "prompt_ids")."""
+    out = []
+    for r in requests:
+        r = dict(r)
+        prompt = r.pop("prompt", None)
+        out.append(client.generate(prompt, **r) if prompt else client.generate(**r))
+    return out

@@ -1,0 +1,271 @@
+"""Run a TensorRT-LLM executor under the kvhold sidecar: `python -m kvhold.trtllm_bridge.launcher`.
+
+Written against TensorRT-LLM 1.2 (repository NVIDIA/TensorRT-LLM). Read: tensorrt_llm/llmapi/llm.py
+(stored version 00966934, older than 1.2: `generate_async(inputs, sampling_params, ...,
+streaming=)` returns a `RequestOutput`); tests/unittest/_torch/test_connector.py (`LLM(...,
+kv_connector_config=, kv_cache_config=KvCacheConfig(...))` and `TLLM_WORKER_USE_SINGLE_PROCESS=1`,
+which keeps the PyExecutor in this process, so the connector shares this process's kvhold
+state); the 1.2.0rc0 docs' example (examples/llm-api/llm_kv_cache_connector.py:
+`KvCacheConnectorConfig(connector_module=, connector_scheduler_class=, connector_worker_class=)`);
+tensorrt_llm/llmapi/llm_args.py (`checkpoint_loader`). Assumed from the LLM API docs, not read
+in source: streaming `RequestOutput` iteration with cumulative `outputs[0].token_ids` and
+`finish_reason`, `RequestOutput.request_id` = the client id, `abort()`, and
+`SamplingParams(max_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos)`.
+
+The launcher is an executor like `python -m kvhold.executor`: it attaches with the sidecar's token,
+holds a lease, maps the tables, the weights region and the KV region, and follows the
+standby -> active lifecycle (kvhold.executor.runtime). Its workload (`TrtllmWorkload`):
+* prepare: weights from the region (the designated loader fills and seals it first), an
+  `LLM` built with `KvholdCheckpointLoader` (trtllm_weights) and the kvhold connector
+  (trtllm_connector), KV blocks of `page_tokens` tokens; a standby is fully warmed.
+* promote: validate the mirrored pages of every live journal request
+  (`KvMirror.plan_restore`, full blocks only), then resubmit each (prompt plus committed
+  tokens); the connector loads the intact blocks instead of prefilling them.
+* step: admit new journal requests, then commit streamed tokens to the journal (their KV was
+  mirrored by the connector at the end of the forward pass that produced them).
+Continuations after a takeover equal an uninterrupted run for greedy requests; TensorRT-LLM's
+sampler does not key its random stream by (seed, position), so sampled requests continue
+validly but not bit-identically. TP=1 only (one kvhold pool per GPU).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from kvhold.executor.engine_workload import EngineWorkload
+from kvhold.executor.kv_cache import KvCache
+from kvhold.protocol.journal import Journal
+from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
+from kvhold.protocol.leases import now_ns
+from kvhold.protocol.model_spec import ModelSpec
+from kvhold.trtllm_bridge.trtllm_connector import Bridge, install
+
+log = logging.getLogger(__name__)
+CONNECTOR = {"connector_module": "kvhold.trtllm_bridge.trtllm_connector",
+             "connector_scheduler_class": "KvholdConnectorScheduler",
+             "connector_worker_class": "KvholdConnectorWorker"}
+REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED}
+
+
+def llm_kwargs(settings: dict, geometry, options: dict | None = None) -> dict:
+    """Keyword arguments for `tensorrt_llm.LLM`, as plain values (objects made in `build_llm`).
+
+    KV blocks hold exactly kvhold's `page_tokens`; block reuse is off (a reused block is
+    shared by requests, while a kvhold page belongs to one). `options` (a YAML mapping, as
+    for trtllm-serve's --extra_llm_api_options) is applied last, except for these keys."""
+    kw = {"model": settings["model"], "max_batch_size": int(settings["max_batch"]),
+          "max_num_tokens": int(settings["max_batch_tokens"]), "max_seq_len": geometry.max_seq_len,
+          "kv_cache_config": {"tokens_per_block": geometry.kv.page_tokens, "enable_block_reuse": False},
+          "kv_connector_config": dict(CONNECTOR)}
+    fixed = {"kv_connector_config", "checkpoint_loader", "tensor_parallel_size"}
+    for key, value in (options or {}).items():
+        if key in fixed:
+            raise ValueError(f"--llm-options may not set {key}: the bridge owns it")
+        if key == "kv_cache_config":
+            value = {**value, **kw["kv_cache_config"]}
+        kw[key] = value
+    return kw
+
+
+def sampling_kwargs(entry, num_generated: int) -> dict:
+    """`SamplingParams` keywords for a journal entry resumed after `num_generated` tokens."""
+    return {"max_tokens": entry.max_tokens - num_generated, "temperature": entry.temperature,
+            "top_p": entry.top_p, "top_k": entry.top_k or None, "seed": entry.seed,
+            "stop_token_ids": list(entry.stop_ids) or None, "ignore_eos": entry.ignore_eos}
+
+
+def build_llm(kwargs: dict, weights):                    # pragma: no cover - needs TensorRT-LLM
+    from tensorrt_llm import LLM
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+
+    from kvhold.trtllm_bridge.trtllm_weights import KvholdCheckpointLoader
+
+    kwargs = dict(kwargs)
+    kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+    connector = KvCacheConnectorConfig(**kwargs.pop("kv_connector_config"))
+    name = "kv_connector_config" if "kv_connector_config" in TorchLlmArgs.model_fields else "connector_config"
+    return LLM(checkpoint_loader=KvholdCheckpointLoader(weights), **{name: connector}, **kwargs)
+
+
+class TrtllmWorkload(EngineWorkload):
+    """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring)."""
+
+    cold_first_step = True
+
+    def __init__(self, ctx, options: dict | None = None, head_major: bool = True):
+        super().__init__(ctx)
+        self.options, self.head_major = options or {}, head_major
+        self.events: queue.Queue = queue.Queue()
+        self.live: dict[int, object] = {}                 # journal slot -> RequestOutput
+        self.offsets: dict[int, int] = {}                 # journal slot -> tokens before submission
+        self.marks: dict = {}
+
+    def prepare(self) -> None:
+        os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
+        s, tables = self.ctx.settings, self.ctx.tables
+        if s.get("kv_mode") != "foreign":
+            raise RuntimeError("TensorRT-LLM keeps its own KV pool: run the sidecar with --kv-mode foreign")
+        torch.cuda.set_device(torch.device(s["device"]))
+        weights = self._weights(ModelSpec.from_dir(s["model"]))
+        kv = KvCache.from_mapping(self.ctx.mappings["kv"], tables.geometry.kv, tables.geometry.num_pages)
+        self.bridge = Bridge(tables, kv.pool, self.ctx.lease, head_major=self.head_major)
+        install(self.bridge)
+        self.journal = Journal(tables)
+        self.llm = build_llm(llm_kwargs(s, tables.geometry, self.options), weights)
+        self._phase("llm")
+
+    # ------------------------------------------------------------------ takeover
+    def promote(self, msg) -> dict:
+        t0, bt = now_ns(), self.ctx.tables.geometry.kv.page_tokens
+        entries = [e for e in map(self.journal.entry, map(int, self.journal.live_slots()))
+                   if e.taken and e.exec_state != ExecState.FINISHED]
+        with self.bridge.lock:
+            plans = self.bridge.mirror.plan_restore(
+                {e.request_id: math.ceil(max(0, e.num_tokens - 1) / bt) for e in entries},
+                msg.pending_epochs, full_blocks_only=True)
+        self.bridge.restorable = {rid: p.pages for rid, p in plans.items() if p.pages}
+        for e in entries:
+            self._submit(e)
+        stats = self.bridge.mirror.last_restore
+        kept = sum(p.restored.tokens_restored for p in plans.values())
+        return {"detect_ns": msg.detect_ns, "promoted_ns": t0, "validated_ns": now_ns(),
+                "resumed_ns": now_ns(), "fenced_epoch": msg.fenced_epoch, "kv_mode": "foreign-trtllm",
+                "pages_checked": stats["pages_checked"], "pages_bad": stats["pages_bad"],
+                "pages_quarantined": stats["pages_quarantined"], "tokens_kept": kept,
+                "requests_resumable": sum(p.restored.first_bad is None for p in plans.values()),
+                "requests_damaged": sum(p.restored.first_bad is not None for p in plans.values()),
+                "requests_lost": 0, "tokens_recomputed": 0, "requests": []}
+
+    # ------------------------------------------------------------------ serving
+    def _submit(self, entry) -> None:
+        from tensorrt_llm import SamplingParams          # pragma: no cover - needs TensorRT-LLM
+
+        tokens = self.journal.all_tokens(entry.slot, entry.num_tokens).tolist()
+        self.bridge.expect(tokens, entry.request_id)
+        out = self.llm.generate_async(tokens, SamplingParams(**sampling_kwargs(entry, entry.num_generated)),
+                                      streaming=True)
+        self.bridge.client_ids[int(out.request_id)] = entry.request_id
+        self.offsets[entry.slot] = entry.num_generated
+        self.live[entry.slot] = out
+        threading.Thread(target=self._drain, args=(entry.slot, out), daemon=True).start()
+
+    def _drain(self, slot: int, out) -> None:
+        """Engine results -> events for the main loop (which alone writes the journal)."""
+        for step in out:
+            c = step.outputs[0]
+            self.events.put((slot, list(c.token_ids), step.finished, c.finish_reason))
+
+    def _admit(self) -> None:
+        r = self.ctx.tables.requests
+        for slot in ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])).nonzero()[0]:
+            e = self.journal.entry(int(slot))
+            self.ctx.lease.check()
+            self.journal.take(e.slot, e.request_id, self.ctx.epoch)
+            if e.admit_state == AdmitState.CANCELLED:
+                self.journal.finish(e.slot, FinishReason.CANCELLED)
+            else:
+                self._submit(self.journal.entry(e.slot))
+
+    def has_work(self) -> bool:
+        r = self.ctx.tables.requests
+        return bool(self.live) or bool(((r["admit_state"] != AdmitState.FREE)
+                                        & (r["exec_request_id"] != r["request_id"])).any())
+
+    def step(self) -> list[int]:
+        self._admit()
+        changed = self._cancel()
+        try:
+            events = [self.events.get(timeout=0.005)]
+        except queue.Empty:
+            return changed
+        while not self.events.empty():
+            events.append(self.events.get_nowait())
+        for slot, tokens, finished, reason in events:
+            if self._commit(slot, tokens, finished, reason):
+                changed.append(slot)
+        return changed
+
+    def _cancel(self) -> list[int]:
+        """Abort the engine requests whose journal entry the client cancelled."""
+        done = []
+        for slot, out in list(self.live.items()):
+            if self.ctx.tables.requests["admit_state"][slot] == AdmitState.CANCELLED:
+                out.abort()
+                self._commit(slot, [], True, "cancelled")
+                done.append(slot)
+        return done
+
+    def _commit(self, slot: int, tokens: list[int], finished: bool, reason) -> bool:
+        """Journal the tokens this output adds, list the mirrored pages, finish if done.
+
+        `tokens` is the cumulative output of this executor's submission, which began after
+        `self.offsets[slot]` tokens were already committed (they are part of its prompt)."""
+        e = self.journal.entry(slot)
+        new = tokens[e.num_generated - self.offsets[slot]:] if tokens else []
+        self.ctx.lease.check()
+        for i, token in enumerate(new):
+            self.journal.commit_tokens(np.array([slot]), np.array([e.num_tokens + i]),
+                                       np.array([token], dtype=np.int32),
+                                       np.array([e.num_generated + i + 1], dtype=np.uint32))
+        with self.bridge.lock:
+            self._list_pages(e)
+            if finished:
+                self.journal.finish(slot, REASONS.get(reason, FinishReason.STOP))
+                self.journal.set_num_pages(slot, 0)        # the list shrinks before the records clear
+                self.bridge.mirror.release(e.request_id)
+        if finished:
+            self.live.pop(slot, None)
+        return bool(new) or finished
+
+    def _list_pages(self, e) -> None:
+        n = 0
+        while (page := self.bridge.mirror.page_of(e.request_id, n)) is not None:
+            self.journal.page_lists[e.slot, n] = page
+            n += 1
+        self.journal.set_num_pages(e.slot, n)
+
+    def on_reaped(self, epochs) -> None:
+        with self.bridge.lock:
+            self.bridge.mirror.release_quarantined(epochs)
+
+    def take_marks(self) -> dict:
+        marks, self.marks = self.marks, {}
+        return marks
+
+
+def main(argv=None) -> int:                              # pragma: no cover - needs TensorRT-LLM
+    import argparse
+    from pathlib import Path
+
+    import yaml
+
+    from kvhold.executor.runtime import ExecutorConfig, ExecutorRuntime
+    from kvhold.protocol.logs import setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m kvhold.trtllm_bridge.launcher",
+                                description="Run one TensorRT-LLM executor under a kvhold sidecar.")
+    p.add_argument("--instance", default=os.environ.get("KVHOLD_INSTANCE", "default"))
+    p.add_argument("--runtime-root", type=Path, default=None)
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument("--llm-options", type=Path, default=None,
+                   help="YAML of extra tensorrt_llm.LLM arguments (as trtllm-serve --extra_llm_api_options)")
+    p.add_argument("--kv-layout", choices=("hnd", "nhd"), default="hnd",
+                   help="token order inside a TensorRT-LLM KV block (default hnd: [heads][tokens][dim])")
+    p.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
+    args = p.parse_args(argv)
+    setup_logging(args.log_level, role="trtllm")
+    options = yaml.safe_load(args.llm_options.read_text()) if args.llm_options else {}
+    factory = lambda name, ctx: TrtllmWorkload(ctx, options, head_major=args.kv_layout == "hnd")  # noqa: E731
+    cfg = ExecutorConfig(instance=args.instance, runtime_root=args.runtime_root,
+                         token_file=args.token_file, workload_factory=factory)
+    return ExecutorRuntime(cfg).run()
+
+
+if __name__ == "__main__":                               # pragma: no cover
+    raise SystemExit(main())

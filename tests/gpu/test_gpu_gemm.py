@@ -1,0 +1,73 @@
+"""GPU tests of the small-batch GEMM kernel and the decode buckets built on it (skipped on CPU)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 384)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_row_comes_out_bit_identical_at_every_row_count_and_close_to_cublas(n, k, residual):
+    from kvhold.executor import cuda_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn((64, k), generator=gen, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((n, k), generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    h = torch.randn((64, n), generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    def run(m):
+        if residual:
+            out = h[:m].clone()
+            return cuda_gemm.skinny(x[:m], w, residual=out, out=out)
+        return cuda_gemm.skinny(x[:m], w)
+
+    assert cuda_gemm.applies(x, w)
+    full = run(64)
+    for m in (1, 8, 16, 17, 32, 40):
+        assert torch.equal(run(m), full[:m]), m
+    want = h.float() + F.linear(x, w).float() if residual else F.linear(x, w).float()
+    torch.testing.assert_close(full.float(), want, atol=0.05, rtol=0.02)
+
+
+def _bf16_region(weights):
+    """The tensors converted to bf16 in one buffer, in the same order: adjacent stays adjacent."""
+    buf = torch.empty(sum(t.numel() for t in weights.values()), dtype=torch.bfloat16, device="cuda")
+    out, offset = {}, 0
+    for name, t in weights.items():
+        out[name] = buf[offset:offset + t.numel()].view(t.shape)
+        out[name].copy_(t)
+        offset += t.numel()
+    return out
+
+
+def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model):
+    from test_gpu import _plan
+
+    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.kv_cache import KvCache
+    from kvhold.executor.llama import LlamaModel
+    from kvhold.protocol.layout import KvGeometry
+    from kvhold.protocol.model_spec import ModelSpec
+    from tools.bench_engine_setup import load_weights
+
+    spec = ModelSpec.from_dir(tiny_model)
+    model = LlamaModel(spec, _bf16_region(load_weights(tiny_model, "cuda")), torch.bfloat16,
+                       torch.device("cuda"), 512)
+    kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16), 16, "cuda")
+    runner = CudaRunner(model, kv, max_batch=64, prefill_chunk=32, max_pages_per_seq=8)
+    assert runner.buckets == [16, 32, 64]
+    runner.prepare()
+    assert sorted(runner.graphs) == [16, 32, 64]
+    a, b = list(range(3, 40)), list(range(100, 120))
+    runner.run(_plan([(a, 0, 32, [1, 2]), (b, 0, 20, [5, 6])]))
+    runner.run(_plan([(a, 32, 5, [1, 2, 3])]))
+    decode = [(a + [7], 37, 1, [1, 2, 3]), (b + [9], 20, 1, [5, 6])]
+    outs = {}
+    for bucket in (16, 32, 64):
+        runner.buckets = [bucket]               # the same two rows, padded to each bucket
+        outs[bucket] = runner.run(_plan(decode))
+        outs[bucket, "eager"] = runner._decode_forward(bucket)[0][:2]
+    assert all(torch.equal(outs[16], v) for v in outs.values())
+

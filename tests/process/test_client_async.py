@@ -1,0 +1,132 @@
+"""The asyncio SDK against a real sidecar: many streams on one socket, the same outputs as the
+sync SDK, typed errors, cancel and ownership, crossing an executor SIGKILL, and a dead sidecar."""
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from kvhold.client.aclient import AsyncClient
+from kvhold.client.client import wait_all
+from kvhold.protocol.errors import InvalidParams, NotFound, PromptTooLong, SidecarUnavailable
+from kvhold.testing.sidecar_process import SidecarProcess
+
+REQUESTS = [dict(prompt=f"Request number {i} about the sidecar", max_tokens=24 + i % 5,
+                 temperature=0.0 if i % 3 == 0 else 0.9, seed=100 + i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_model):
+    with SidecarProcess(["--model", str(tiny_model), "--max-seq-len", "256"]) as sc:
+        sc.wait_steady()
+        yield sc
+
+
+@pytest.fixture(scope="module")
+def reference(sidecar):
+    with sidecar.new_client(timeout=30) as client:
+        streams = [client.generate(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"})
+                   for r in REQUESTS]
+        return [res.token_ids for res in wait_all(streams)]
+
+
+def aclient(sc, **kw) -> AsyncClient:
+    return AsyncClient.for_instance(sc.instance, sc.runtime_root, **kw)
+
+
+async def _run_one(client, r, on_token=None):
+    kwargs = {k: v for k, v in r.items() if k != "prompt"}
+    stream = await client.generate(r["prompt"], **kwargs)
+    events = []
+    async for event in stream:
+        events.append(event)
+        if on_token is not None:
+            on_token()
+    result = await stream.result()
+    assert [e.index for e in events] == list(range(len(events)))
+    assert [e.token_id for e in events] == result.token_ids
+    return result
+
+
+def test_concurrent_streams_match_the_sync_sdk(sidecar, reference):
+    async def main():
+        async with aclient(sidecar, timeout=30) as client:
+            results = await asyncio.gather(*(_run_one(client, r) for r in REQUESTS))
+            status = await client.status()
+            generation = await client.ping()
+        return results, status, generation
+
+    results, status, generation = asyncio.run(main())
+    assert [r.token_ids for r in results] == reference
+    assert all(r.finish_reason in ("length", "stop") and r.prompt_tokens > 0 for r in results)
+    assert status["generation"] == generation
+
+
+def test_typed_errors_and_the_client_keeps_working(sidecar):
+    async def main():
+        async with aclient(sidecar) as client:
+            with pytest.raises(InvalidParams):
+                await client.generate("hi", temperature=-1.0)           # fails fast, no round trip
+            with pytest.raises(PromptTooLong):
+                await client.generate(prompt_ids=list(range(2, 300)), max_tokens=5)
+            with pytest.raises(ValueError):
+                await client.generate("a", prompt_ids=[1])
+            return await (await client.generate("still here", max_tokens=3)).result()
+
+    assert asyncio.run(main()).completion_tokens == 3
+
+
+def test_cancel_and_ownership(sidecar):
+    async def main():
+        async with aclient(sidecar) as client, aclient(sidecar) as other:
+            stream = await client.generate("A long answer", max_tokens=200, temperature=0.0)
+            await stream.__anext__()
+            with pytest.raises(NotFound):              # not theirs: it does not exist for them
+                await other.cancel(stream.request_id)
+            await stream.cancel()
+            return await stream.result()
+
+    result = asyncio.run(main())
+    assert result.finish_reason == "cancelled" and result.completion_tokens < 200
+
+
+def test_streams_cross_an_executor_sigkill(sidecar, reference):
+    seen = [0]
+    active = sidecar.wait_steady()
+
+    def on_token():
+        seen[0] += 1
+        if seen[0] == 40:
+            os.kill(active["pid"], signal.SIGKILL)
+
+    async def main():
+        async with aclient(sidecar, timeout=30) as client:
+            return await asyncio.gather(*(_run_one(client, r, on_token) for r in REQUESTS))
+
+    results = asyncio.run(main())
+    assert seen[0] >= 40
+    assert [r.token_ids for r in results] == reference
+    assert sidecar.wait_steady()["pid"] != active["pid"]
+
+
+def test_a_dead_sidecar_is_an_error_in_bounded_time(tiny_model):
+    with SidecarProcess(["--model", str(tiny_model), "--standbys", "0"]) as sc:
+        sc.wait_steady(standbys=0)
+
+        async def main():
+            client = aclient(sc, timeout=2.0)
+            stream = await client.generate("Going", max_tokens=400, temperature=0.0)
+            await stream.__anext__()
+            sc.stop(signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(SidecarUnavailable):
+                async for _ in stream:
+                    pass
+            elapsed = time.monotonic() - t0
+            with pytest.raises(SidecarUnavailable):
+                await client.ping()
+            await client.close()
+            return elapsed
+
+        assert asyncio.run(main()) < 5

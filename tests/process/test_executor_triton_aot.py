@@ -1,0 +1,147 @@
+"""Ahead-of-time Triton kernels (kvhold.executor.triton_aot) and the shapes they are compiled for
+(kvhold.executor.kernel_shapes), on a machine without a GPU: compiling for sm_90 needs Triton
+only; arming the kernels and launching them needs a libcuda, here a stub
+(tests/data/triton_aot) that records what reaches the driver. Launch times, results
+bit-identical to the JIT's and CUDA graph capture are checked on the GPU by
+tools/probe_first_kernels.py."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvhold.executor.kernel_shapes import KernelShapes
+
+SHAPES = dict(dtype="bfloat16", num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512,
+              intermediate_size=1024, vocab_size=1000, page_tokens=16, num_pages=40, max_seq_len=500,
+              max_batch=8, prefill_chunk=64)
+
+
+def test_kernel_shapes_come_from_the_sidecars_executor_settings(tiny_model):
+    from kvhold.protocol.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(tiny_model)
+    settings = {"device": "cuda:0", "model": str(tiny_model), "compute_dtype": "bfloat16", "max_batch": 8,
+                "max_batch_tokens": 256, "prefill_chunk": 0, "page_tokens": 16, "num_pages": 100,
+                "max_seq_len": 1000, "extra": {}}
+    shapes = KernelShapes.from_json(json.dumps(settings))
+    assert (shapes.num_layers, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim) == \
+        (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    assert (shapes.max_pages_per_seq, shapes.prefill_chunk, shapes.dtype) == (63, 248, "bfloat16")
+    assert shapes.kv_pool_shape == (100, spec.num_layers, 2, 16, spec.num_kv_heads, spec.head_dim)
+    assert KernelShapes.from_json(shapes.to_json()) == shapes
+    assert KernelShapes.from_json(json.dumps({**settings, "device": "cpu"})) is None
+    assert KernelShapes.from_json(json.dumps({**settings, "model": ""})) is None
+    with pytest.raises(ValueError):
+        KernelShapes(**{**SHAPES, "num_kv_heads": 3})
+
+
+def test_the_zygote_ignores_bad_kernel_shapes():
+    from kvhold.executor.zygote import _kernel_shapes
+
+    assert _kernel_shapes("") is None
+    assert _kernel_shapes("{not json") is None
+    assert _kernel_shapes(json.dumps({"device": "cuda:0", "model": "/nonexistent"})) is None
+    assert _kernel_shapes(json.dumps(SHAPES)) == KernelShapes(**SHAPES)
+
+
+def test_prepare_can_be_switched_off(monkeypatch):
+    from kvhold.executor import triton_aot
+
+    monkeypatch.setenv("KVHOLD_TRITON_AOT", "0")
+    assert triton_aot.prepare(KernelShapes(**SHAPES), arch=90) == {"enabled": False,
+                                                                   "reason": "KVHOLD_TRITON_AOT=0"}
+
+
+def test_compiles_the_executor_kernels_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    import kvhold.executor.cuda_attention  # noqa: F401  (registers its kernel and warm-up)
+    import kvhold.executor.cuda_checksum  # noqa: F401
+    from kvhold.executor import triton_aot
+
+    cuda_before = torch.cuda.is_initialized()      # other GPU tests in this process may have
+    compiled = triton_aot.compile_only(KernelShapes(**SHAPES), arch=90)
+    attention = compiled["kvhold.executor.cuda_attention._paged_decode_kernel"]
+    checksum = compiled["kvhold.executor.cuda_checksum._range_hash_kernel"]
+    assert len(attention) == 1 and len(checksum) == 2       # checksum: ranges, and one slot each
+    for kernel in attention + checksum:
+        assert kernel.metadata.target.arch == 90 and kernel.kernel[:4] == b"\x7fELF"
+        assert ".target sm_90a" in kernel.asm["ptx"]
+    sig = attention[0].src.signature
+    assert sig["q_ptr"] == "*bf16" and sig["scale"] == "fp32" and sig["GROUP"] == "constexpr"
+    assert attention[0].src.constants[(sig_index(sig, "GROUP"),)] == 4
+    # Triton's binder, not ours, picks the specialization: a page's K (or V) of one layer is
+    # 16 tokens x 64 words, one block of 1024, and the JIT makes an int argument of 1 a constant
+    assert checksum[0].src.signature["n_blocks"] == "constexpr"
+    assert checksum[0].src.signature["row_words"] == "i32"
+    assert torch.cuda.is_initialized() == cuda_before        # compiling needs no CUDA context
+
+
+def sig_index(signature: dict, name: str) -> int:
+    return list(signature).index(name)
+
+
+DATA = Path(__file__).parents[1] / "data" / "triton_aot"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="builds a stub libcuda and Triton's stubs with gcc")
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CPU build of torch: the stub libcuda would "
+                    "confuse a CUDA one (the GPU path is measured by tools/probe_first_kernels.py)")
+def test_a_forked_child_launches_the_prepared_kernel_through_the_driver_exactly_as_the_jit_would(tmp_path):
+    triton = pytest.importorskip("triton")
+    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{include}",
+                    "-o", str(tmp_path / "libcuda.so.1"), str(DATA / "stub_libcuda.c")], check=True)
+    env = {**os.environ, "TRITON_LIBCUDA_PATH": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "KVHOLD_TRITON_AOT_ARCH": "sm_90", "PYTHONPATH": str(Path(__file__).parents[2])}
+    env.pop("KVHOLD_TRITON_AOT", None)
+    proc = subprocess.run([sys.executable, str(DATA / "zygote_child.py"), json.dumps(SHAPES)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: v["prepared"] for k, v in out["stats"].items()} == {
+        "kvhold.executor.cuda_attention._paged_decode_kernel": 1, "kvhold.executor.cuda_checksum._range_hash_kernel": 2,
+        "kvhold.executor.cuda_kernels._rmsnorm_kernel": 1, "kvhold.executor.cuda_kernels._rope_store_kernel": 1,
+        "kvhold.executor.cuda_kernels._silu_mul_kernel": 1, "kvhold.executor.cuda_gemm._skinny_kernel": 5, "kvhold.executor.cuda_attention._rope_decode_kernel": 1}
+    assert out["torch_cuda_initialised"] is False and out["driver_initialised"] is False
+    assert out["miss"]["jit_fallbacks"] == 1 and out["miss"]["broken"] is None and out["miss_raised"]
+    child = out["child"]
+    assert "error" not in child, child
+    assert child["stub_launches"] == child["aot_launches"] == 1
+    assert child["dims"] == child["want_dims"]            # grid, 32 x num_warps threads, shared memory
+    assert (child["stream"], child["function"]) == (0x5157, 0xF00)
+    assert child["pointers"] == child["want_pointers"] and child["ints"] == child["want_ints"]
+    assert child["scale"] == 0.125 and child["scratch"] == [0, 0]
+    # a launch that fails (here: the cubin does not load) is not retried: the JIT takes over
+    assert "stub libcuda" in (out["child_failed_load"]["broken"] or "")
+    assert out["child_failed_load"]["raised"]
+    assert any("wrap the kernel" in e for e in out["second_prepare"]["warm_up_errors"])
+    assert out["torch_cuda_initialised_at_end"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_zygote_child_launches_the_aot_kernels_bit_identical_to_the_jit(tmp_path):
+    out_path = tmp_path / "first_kernels.json"
+    proc = subprocess.run([sys.executable, "-m", "tools.probe_first_kernels", "--out", str(out_path)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out_path.read_text())
+    assert result["aot_prepare"]["enabled"], result["aot_prepare"]
+    assert result["cuda_initialised_after_aot_prepare"] is False
+    aot = result["aot"]
+    assert "error" not in aot, aot["error"]
+    for name in ("kvhold.executor.cuda_attention._paged_decode_kernel", "kvhold.executor.cuda_checksum._range_hash_kernel"):
+        stats = aot["triton_aot_stats"][name]        # the probe launches these two, twice each
+        assert stats["aot_launches"] >= 2 and stats["jit_fallbacks"] == 0 and stats["broken"] is None, (name, stats)
+    checks = aot["aot_checks"]
+    assert checks["bit_identical_to_jit"] and all(checks["bit_identical_to_jit"].values()), checks
+    assert len(checks["same_cubin_as_jit"]) >= 2
+    for name, same in checks["same_cubin_as_jit"].items():
+        assert isinstance(same, list) and all(same), (name, same)
+    assert checks.get("graph_captured_aot_launches") and checks.get("graph_replay_equal"), checks

@@ -1,0 +1,148 @@
+"""`kvhold pool-restart` end to end with real processes: a pool restart under load loses no
+request and changes no output (SDK and HTTP streams just pause); a "reboot" after the drain
+(everything SIGKILLed, a fresh sidecar on the same journal) brings the requests back; a
+damaged journal record is reported failed with its reason, never dropped silently."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from kvhold.client.client import Client, wait_all
+from kvhold.protocol.errors import NotFound
+from kvhold.sidecar.durable_journal import DurableJournal, decode_record, encode_record
+from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+
+FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
+         "--standbys", "0", "--log-level", "INFO"]
+REQUESTS = [   # long (ignore_eos): every one is still running when the drain starts
+    dict(prompt="The sidecar keeps the memory", max_tokens=400, temperature=0.0, ignore_eos=True),
+    dict(prompt="Once upon a time", max_tokens=420, temperature=0.8, seed=7, ignore_eos=True),
+    dict(prompt_ids=list(range(2, 90)), max_tokens=380, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+    dict(prompt="One two three four", max_tokens=410, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
+]
+HTTP_REQUEST = {"prompt": "Never lose a stream", "max_tokens": 400, "temperature": 0.9, "seed": 5,
+                "ignore_eos": True}
+
+
+def submit(client, requests=REQUESTS):
+    return submit_requests(client, requests)
+
+
+def pool_restart_cli(instance, runtime_root, *args, timeout=90):
+    return subprocess.run([sys.executable, "-m", "kvhold", "pool-restart", "--instance", instance,
+                           "--runtime-root", str(runtime_root), *args],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def http_stream_text(base: str, body: dict, out: dict) -> None:
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
+        out["status"] = r.status_code
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    out["done"] = events[-2] == "data: [DONE]"
+    out["text"] = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2])
+
+
+def test_pool_restart_under_load_sdk_and_http(tiny_model, runtime_root, tmp_path):
+    from test_serve_http import Server
+
+    journal = tmp_path / "journal"
+    server = Server(tiny_model, runtime_root, tmp_path / "serve.log", *FLAGS, "--journal-dir", str(journal))
+    try:
+        with Client.for_instance(server.instance, runtime_root, timeout=10) as client:
+            reference = [r.token_ids for r in wait_all(submit(client))]
+            http_reference = client.generate(**HTTP_REQUEST).result().text
+            before = client.status()
+
+            http = {}
+            streams = submit(client)
+            http_thread = threading.Thread(target=http_stream_text, args=(server.base, HTTP_REQUEST, http))
+            http_thread.start()
+            cli = pool_restart_cli(server.instance, runtime_root, "--continue", "--timeout", "60", "--json")
+            results = wait_all(streams)
+            http_thread.join(90)
+            after = client.status()
+    finally:
+        server.stop()
+    assert cli.returncode == 0, cli.stderr
+    figures = json.loads(cli.stdout[cli.stdout.index("{"):])
+    assert [r.token_ids for r in results] == reference                # zero lost, identical
+    assert http == {"status": 200, "done": True, "text": http_reference}
+    assert after["pid"] == before["pid"] and after["generation"] == before["generation"] + 1
+    drain = after["pool_restart"]["previous_drain"]
+    assert drain["in_flight"] == drain["requests_journaled"] == len(REQUESTS) + 1   # all mid-stream
+    assert figures["requests_restored"] == len(REQUESTS) + 1 and not figures["failed"]
+    assert figures["ms_from_drain_start"]["first_token"] > 0
+    assert not list(journal.glob("req-*.json"))                      # every record removed at the end
+
+
+def test_reboot_after_drain_and_a_damaged_record(tiny_model, runtime_root, tmp_path):
+    journal = tmp_path / "journal"
+    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(journal)]
+    sc = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "sidecar.log").start()
+    fresh = None
+    try:
+        sc.wait_steady(standbys=0)
+        a, b = sc.new_client(timeout=10), sc.new_client(timeout=10)
+        reference = [r.token_ids for r in wait_all(submit(a, REQUESTS[:3]))]
+        streams = submit(a, REQUESTS[:2])
+        gone = submit(b, REQUESTS[2:3])[0].request_id
+        for _ in range(3):                    # a few tokens reach the client before the drain
+            next(streams[0])
+        cli = pool_restart_cli(sc.instance, runtime_root, "--wait-for-operator", "--timeout", "60")
+        assert cli.returncode == 0, cli.stderr
+        assert "kvhold pool-restart --resume" in cli.stdout
+        # the "reboot": every process dies, /run is emptied; only the journal on disk survives
+        os.killpg(sc.proc.pid, signal.SIGKILL)
+        sc.proc.wait()
+        b.close()
+        for name in ("pool-restart.hold", "generation"):
+            (runtime_root / sc.instance / name).unlink(missing_ok=True)
+        damaged = journal / f"req-{streams[1].request_id:016x}.json"
+        data = bytearray(damaged.read_bytes())
+        data[data.index(b'"seed"') + 8] ^= 0x01                     # one bit flipped on disk
+        damaged.write_bytes(bytes(data))
+
+        fresh = SidecarProcess(flags, instance=sc.instance, runtime_root=runtime_root,
+                               log_path=tmp_path / "fresh.log").start()
+        assert list(streams[0]) and streams[0].result().token_ids == reference[0]   # paused, then on
+        with pytest.raises(NotFound, match="checksum mismatch"):
+            streams[1].result()
+        status = fresh.wait_for(lambda st: st["pool_restart"]["unclaimed"] and st, timeout=30)
+        assert status["generation"] == 2                      # after the journal's generation 1
+        assert [u["request_id"] for u in status["pool_restart"]["unclaimed"]] == [gone]
+        failed = status["pool_restart"]["failed"]
+        assert [f["request_id"] for f in failed] == [streams[1].request_id]
+        assert "checksum mismatch" in failed[0]["reason"]
+        assert (journal / "failed" / damaged.name).exists() and not damaged.exists()
+        assert "cannot be restored: checksum mismatch" in (tmp_path / "fresh.log").read_text()
+        a.close()
+    finally:
+        sc.stop(signal.SIGKILL)
+        if fresh is not None:
+            fresh.stop()
+
+
+def test_record_format_rejects_damage_with_a_reason(tmp_path):
+    body = {"request_id": 7, "generation": 1, "client": "7501", "prompt_ids": [1, 2], "generated": [3],
+            "stop_ids": [], "max_tokens": 4, "seed": 9, "top_k": 0, "temperature": 0.5, "top_p": 1.0}
+    data = encode_record(body)
+    assert decode_record(data) == body
+    cases = {b"garbage": "not valid JSON", data.replace(b'"seed": 9', b'"seed": 8'): "checksum mismatch",
+             data.replace(b'"version": 1', b'"version": 9'): "record version 9",
+             data[:len(data) // 2]: "not valid JSON"}
+    for bad, reason in cases.items():
+        with pytest.raises(ValueError, match=reason):
+            decode_record(bad)
+    dj = DurableJournal(tmp_path / "j")
+    dj.write(body)
+    dj.path_for(8).write_bytes(b"{}")
+    good, failed = dj.load()
+    assert good == [body]
+    assert [(f.request_id, f.reason) for f in failed] == [(8, "not a kvhold-journal record")]
+    assert (tmp_path / "j" / "failed" / dj.path_for(8).name).exists()

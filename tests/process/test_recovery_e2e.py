@@ -1,0 +1,166 @@
+"""Crash recovery end to end with real processes: every request completes exactly as an
+uninterrupted run would, whatever instruction the executor dies at."""
+import os
+import random
+import signal
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from kvhold.client.client import wait_all
+from kvhold.protocol.memory import Mapping, RegionInfo
+from kvhold.protocol.tables import Tables
+from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+
+FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
+         "--log-level", "INFO"]
+LONG_PROMPT = list(range(2, 202))       # 200 tokens: a prefill of several 64-token chunks
+REQUESTS = [
+    dict(prompt="The sidecar keeps the memory", max_tokens=40, temperature=0.0),
+    dict(prompt="Once upon a time", max_tokens=40, temperature=0.8, seed=7),
+    dict(prompt_ids=LONG_PROMPT, max_tokens=30, temperature=1.0, top_p=0.9, seed=3),
+    dict(prompt="One two three four", max_tokens=40, temperature=0.7, top_k=20, seed=11),
+    dict(prompt="Never lose a stream", max_tokens=35, temperature=1.1, seed=5),
+]
+
+
+def submit(client, requests=REQUESTS):
+    return submit_requests(client, requests)
+
+
+def ids(results):
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    with SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0"]) as sc:
+        sc.wait_steady(standbys=0)
+        with sc.new_client() as client:
+            return ids(wait_all(submit(client)))
+
+
+def _kill_active(sc, sig=signal.SIGKILL):
+    pid = sc.wait_steady(standbys=0)["pid"]
+    os.kill(pid, sig)
+    return pid
+
+
+def test_reference_is_batch_independent(tiny_model, reference, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS])
+    sc.wait_steady()
+    with sc.new_client() as client:
+        alone = [ids(wait_all(submit(client, [r])))[0] for r in REQUESTS]
+    assert alone == reference
+
+
+def test_kills_at_random_moments(tiny_model, reference, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS])
+    rng = random.Random(42)
+    total = sum(len(r) for r in reference)
+    kills = 0
+    with sc.new_client(timeout=60) as client:
+        for trial in range(8):
+            sc.wait_steady()
+            threshold = rng.randrange(0, total - 20)
+            streams = submit(client)
+            if threshold == 0 or trial == 0:     # before any token: during prefill
+                _kill_active(sc)
+                kills += 1
+                threshold = -1
+            seen = [0]
+
+            def on_event(stream, event):
+                seen[0] += 1
+                if seen[0] == threshold:
+                    _kill_active(sc)
+
+            assert ids(wait_all(streams, on_event)) == reference, f"trial {trial}"
+            kills += threshold > 0
+    recoveries = sc.status()["recoveries"]
+    assert len(recoveries) >= kills == 8
+    assert all(r["requests_lost"] + r["requests_damaged"] == 0 for r in recoveries)
+
+
+@pytest.mark.parametrize("fault", ["commit_begin:6:kill", "commit_pages:2:kill", "commit_pages:9:kill",
+                                   "commit_journal:8:kill", "commit_finish:20:kill",
+                                   "commit_journal:4:segv"])
+def test_death_between_commit_stages(tiny_model, reference, start_sidecar, tmp_path, fault):
+    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env=env)
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        assert ids(wait_all(submit(client))) == reference
+    assert (tmp_path / "fired").exists()
+    rec = sc.status()["recoveries"]
+    assert len(rec) == 1 and rec[0]["requests_lost"] == 0
+
+
+def _attach(sc):
+    uid = os.getuid()
+    tables = Tables.attach_name(f"/kvhold-{uid}-{sc.instance}-tables")
+    shm = posix_ipc.SharedMemory(f"/kvhold-{uid}-{sc.instance}-kv")
+    g = tables.geometry
+    kv = Mapping.from_fd(shm.fd, RegionInfo("kv", g.kv_pool_bytes, "host", False))
+    shm.close_fd()
+    words = kv.numpy(np.uint32, (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4))
+    return tables, words
+
+
+def test_bit_flips_recompute_exactly_the_damaged_requests(tiny_model, reference, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--lease-ms", "3000"])
+    sc.wait_steady()
+    tables, words = _attach(sc)
+    targets = {0: 1, 2: 5}                 # request index -> logical page to corrupt
+    with sc.new_client(timeout=60) as client:
+        streams = submit(client)
+        seen = [0]
+        flipped = {}
+
+        def on_event(stream, event):
+            seen[0] += 1
+            if seen[0] != 140 or flipped:
+                return
+            pid = sc.wait_steady()["pid"]
+            os.kill(pid, signal.SIGSTOP)       # freeze it: the tables hold still while we aim
+            rids = tables.requests["request_id"]
+            for index, logical in targets.items():
+                slot = int(np.nonzero(rids == streams[index].request_id)[0][0])
+                page = int(tables.page_lists[slot, logical])
+                assert tables.pages["num_tokens"][page] == 16   # a sealed page
+                words[page, 1, 0, 3, 5] ^= np.uint32(1 << 17)    # layer 1, keys, token 3
+                flipped[streams[index].request_id] = logical
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+
+        results = wait_all(streams, on_event)
+    assert ids(results) == reference
+    rec = sc.status()["recoveries"][-1]
+    assert rec["requests_damaged"] == 2 and rec["requests_lost"] == 0 and rec["pages_bad"] == 2
+    by_id = {r["request_id"]: r for r in rec["requests"]}
+    for rid, logical in flipped.items():
+        assert by_id[rid]["class"] == "damaged" and by_id[rid]["first_bad_page"] == logical
+        assert by_id[rid]["kv_kept"] == 16 * logical
+    for i, r in enumerate(results):
+        damaged = r.request_id in flipped
+        assert (r.recomputed_tokens > 0) == damaged, i
+        if not damaged:
+            assert by_id[r.request_id]["class"] == "resumable"
+
+
+def test_pool_too_small_preempts_and_resumes(tiny_model, start_sidecar):
+    requests = [dict(prompt=f"Request number {i} starts here", max_tokens=60, temperature=0.8, seed=i)
+                for i in range(6)]
+    big = start_sidecar(["--model", str(tiny_model), "--max-seq-len", "192", "--standbys", "0"])
+    big.wait_steady(standbys=0)
+    with big.new_client() as client:
+        want = ids(wait_all(submit(client, requests)))
+    big.stop()
+    small = start_sidecar(["--model", str(tiny_model), "--kv-pages", "13", "--max-seq-len", "192"])
+    small.wait_steady()
+    with small.new_client(timeout=60) as client:
+        got = wait_all(submit(client, requests))
+    assert ids(got) == want
+    assert sum(r.preemptions for r in got) > 0
+    assert small.status()["recoveries"] == []      # nothing crashed

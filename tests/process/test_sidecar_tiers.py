@@ -1,0 +1,73 @@
+"""Executor tiers with real processes and SIGKILL: an executor forked from the zygote
+takes over when no standby is ready; `--takeover wait-exit` promotes only after the
+dead process has exited. Both continue every request exactly."""
+import os
+import signal
+
+from kvhold.client.client import wait_all
+from tests.process.test_recovery_e2e import FLAGS, ids, reference, submit  # noqa: F401 (fixture)
+
+
+def _zygote_ready(st):
+    return (st.get("zygote") or {}).get("ready")
+
+
+def _kill_mid_stream(sc, client, after_tokens: int) -> tuple[list, int]:
+    seen, victim = [0], {}
+
+    def on_event(stream, event):
+        seen[0] += 1
+        if seen[0] == after_tokens:
+            victim["pid"] = sc.wait_steady(standbys=0)["pid"]
+            os.kill(victim["pid"], signal.SIGKILL)
+
+    return ids(wait_all(submit(client), on_event)), victim["pid"]
+
+
+def test_zygote_forks_the_replacement_when_no_standby_is_ready(tiny_model, reference, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--zygote"])
+    sc.wait_steady(standbys=0, timeout=120)
+    sc.wait_for(_zygote_ready, timeout=120)
+    with sc.new_client(timeout=60) as client:
+        for trial in range(2):
+            sc.wait_for(_zygote_ready, timeout=120)
+            got, victim = _kill_mid_stream(sc, client, 20 + 25 * trial)
+            assert got == reference, f"trial {trial}"
+    st = sc.status()
+    active = sc.executors(st, "active")[0]
+    assert active["via"] == "zygote" and active["pid"] != victim
+    assert st["zygote"]["forks"] >= 2
+    spawns = [e for e in st["events"] if e["kind"] == "spawn"]
+    assert [e["via"] for e in spawns][-2:] == ["zygote", "zygote"]
+    assert len(st["recoveries"]) == 2 and all(r["requests_lost"] == 0 for r in st["recoveries"])
+
+
+def test_a_dead_zygote_is_restarted_and_executors_start_cold_meanwhile(tiny_model, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--zygote"])
+    sc.wait_steady(standbys=0, timeout=120)
+    first = sc.wait_for(lambda st: _zygote_ready(st) and st["zygote"]["pid"], timeout=120)
+    os.kill(first, signal.SIGKILL)
+    sc.wait_for(lambda st: st["zygote"]["pid"] != first, timeout=30)
+    pid = sc.wait_steady(standbys=0)["pid"]
+    os.kill(pid, signal.SIGKILL)        # the zygote is still importing torch: a cold start serves
+    sc.wait_for(lambda st: any(e["role"] == "active" and e["pid"] != pid for e in st["executors"]),
+                timeout=60)
+    st = sc.wait_for(lambda st: st if _zygote_ready(st) else None, timeout=120)
+    assert st["zygote"]["restarts"] == 1
+    with sc.new_client(timeout=60) as client:
+        assert len(wait_all(submit(client))) == 5
+
+
+def test_wait_exit_promotes_only_after_the_dead_process_exited(tiny_model, reference, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--takeover", "wait-exit"])
+    sc.wait_steady(timeout=120)
+    with sc.new_client(timeout=60) as client:
+        got, victim = _kill_mid_stream(sc, client, 30)
+    assert got == reference
+    events = sc.status()["events"]
+    exit_ns = next(e["ns"] for e in events if e["kind"] == "exit" and e["pid"] == victim)
+    fence_ns = next(e["ns"] for e in events if e["kind"] == "fence" and e["pid"] == victim)
+    promote_ns = next(e["ns"] for e in events if e["kind"] == "promote" and e["ns"] > fence_ns)
+    assert promote_ns >= exit_ns
+    rec = sc.status()["recoveries"][-1]
+    assert rec["pages_copied"] == 0          # nothing pending: tails continue in place

@@ -1,0 +1,138 @@
+"""Shared tables: layout, validation of untrusted bytes, metadata overhead, seqlock ops."""
+import os
+import stat
+
+import numpy as np
+import posix_ipc
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvhold.protocol.layout import (HEADER_BYTES, KvGeometry, PageFlag, TableGeometry)
+from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.tables import Tables, TableFormatError
+
+SMALL = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4,
+                      max_seq_len=32, num_leases=4)
+
+
+def _name():
+    return f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}"
+
+
+@pytest.fixture
+def tables():
+    t = Tables.create(_name(), SMALL, generation=7)
+    yield t
+    t.unlink()
+
+
+def test_create_attach_roundtrip(tables):
+    other = Tables.attach(tables._mm)
+    assert other.geometry == SMALL
+    assert other.generation == 7
+    tables.pages["num_tokens"][3] = 2
+    assert other.pages["num_tokens"][3] == 2  # same memory, no copy
+
+
+def test_segment_is_owner_only_and_unlinked(tables):
+    path = "/dev/shm" + tables._shm.name
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    name = tables._shm.name
+    tables.unlink()
+    with pytest.raises(posix_ipc.ExistentialError):
+        posix_ipc.SharedMemory(name)
+    tables._shm = None
+
+
+def test_attach_by_name_and_fd(tables):
+    t2 = Tables.attach_name(tables._shm.name)
+    assert t2.geometry == SMALL
+    t2.close()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("magic", b"NOTKVHLD"), ("layout_version", 99), ("num_pages", 17), ("page_bytes", 1),
+    ("off_pages", 8), ("total_bytes", 1 << 40),
+])
+def test_attach_rejects_inconsistent_headers(tables, field, value):
+    buf = bytearray(tables._mm[:])
+    header = np.ndarray((), tables.header.dtype, buffer=buf)
+    header[field] = value
+    with pytest.raises(TableFormatError):
+        Tables.attach(buf)
+
+
+def test_attach_rejects_short_buffer(tables):
+    with pytest.raises(TableFormatError):
+        Tables.attach(bytearray(tables._mm[:HEADER_BYTES + 10]))
+    with pytest.raises(TableFormatError):
+        Tables.attach(bytearray(10))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=6000))
+def test_random_bytes_never_crash_the_reader(data):
+    try:
+        Tables.attach(bytearray(data))
+    except TableFormatError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, SMALL.offsets()["total_bytes"] - 1), st.integers(0, 255)),
+                max_size=40))
+def test_random_corruption_of_a_valid_segment(mutations):
+    t = Tables.create(_name(), SMALL, generation=1)
+    try:
+        buf = bytearray(t._mm[:])
+        for offset, byte in mutations:
+            buf[offset] = byte
+        try:
+            t2 = Tables.attach(buf)
+        except TableFormatError:
+            return
+        # a readable segment with garbage records still yields counts, never an exception
+        counts = PageTable(t2).counts()
+        assert sum(counts[k] for k in ("free", "committed", "writing", "quarantined")) >= 0
+    finally:
+        t.unlink()
+
+
+@pytest.mark.parametrize("pool_gib,layers,kv_heads,head_dim", [
+    (8, 32, 8, 128),    # Llama-3-8B, bf16, a small pool
+    (40, 32, 8, 128),
+    (60, 80, 8, 128),   # Llama-3-70B shapes
+    (2, 28, 4, 128),    # Qwen2-7B-like
+])
+def test_metadata_is_under_half_a_percent(pool_gib, layers, kv_heads, head_dim):
+    kv = KvGeometry(layers, kv_heads, head_dim, "bfloat16", 16)
+    g = TableGeometry(kv=kv, num_pages=pool_gib * 2**30 // kv.page_bytes, num_slots=256,
+                      max_seq_len=8192)
+    assert g.metadata_fraction < 0.005
+
+
+def test_geometry_validation():
+    with pytest.raises(ValueError):
+        KvGeometry(0, 2, 8)
+    with pytest.raises(ValueError):
+        KvGeometry(2, 1, 1, "bfloat16")  # a row must be whole 32-bit words
+    with pytest.raises(ValueError):
+        TableGeometry(kv=SMALL.kv, num_pages=0)
+
+
+def test_seqlock_publish_and_snapshot(tables):
+    pt = PageTable(tables)
+    pt.assign([1, 2], owner=42, logical=[0, 1], epoch=3)
+    pt.publish([1], 4, 999, epoch=3)
+    rec = pt.record(1)
+    assert (rec.owner, rec.num_tokens, rec.checksum, rec.writing) == (42, 4, 999, False)
+    assert rec.version % 2 == 0 and rec.version > 0
+    tables.pages["version"][2] += 1           # a writer died mid-update
+    assert pt.record(2).writing
+    assert pt.counts()["writing"] == 1
+    pt.repair_versions([2])
+    assert not pt.record(2).writing
+    pt.set_flags([2], PageFlag.QUARANTINED, epoch=3)
+    assert pt.counts()["quarantined"] == 1
+    pt.release([1, 2])
+    assert pt.counts()["free"] == SMALL.num_pages

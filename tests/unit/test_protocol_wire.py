@@ -1,0 +1,85 @@
+"""Wire codec: round trips, schema enforcement, and fuzzing of the one decoder."""
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvhold.protocol import messages as m
+from kvhold.protocol.errors import ErrorCode, InvalidParams, error_from_code
+from kvhold.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, decode, encode, registered_types
+
+
+def test_round_trip_every_message():
+    samples = [m.Attach(token="t", pid=1), m.Generate(tag=1, params={"max_tokens": 3}, prompt="hi"),
+               m.Generate(tag=2, params={}, prompt_ids=[1, 2]), m.Tokens(request_id=5, start=0, ids=[1],
+               texts=["a"]), m.Promote(epoch=3, pending_epochs=[1, 2]), m.Wake(), m.Keepalive()]
+    for msg in samples:
+        assert decode(encode(msg)) == msg
+    assert {"attach", "generate", "tokens", "done", "error"} <= registered_types()
+
+
+@pytest.mark.parametrize("payload,code", [
+    (b"", ErrorCode.BAD_MESSAGE),
+    (b"\xc1", ErrorCode.BAD_MESSAGE),
+    (msgpack.packb({"a": 1}), ErrorCode.BAD_MESSAGE),
+    (msgpack.packb([PROTOCOL_VERSION + 1, "ping", {"tag": 1}]), ErrorCode.BAD_VERSION),
+    (msgpack.packb([True, "ping", {"tag": 1}]), ErrorCode.BAD_VERSION),
+    (msgpack.packb([PROTOCOL_VERSION, "nope", {}]), ErrorCode.UNKNOWN_TYPE),
+    (msgpack.packb([PROTOCOL_VERSION, "ping", []]), ErrorCode.BAD_FIELD),
+    (msgpack.packb([PROTOCOL_VERSION, "ping", {}]), ErrorCode.BAD_FIELD),
+    (msgpack.packb([PROTOCOL_VERSION, "ping", {"tag": "1"}]), ErrorCode.BAD_FIELD),
+    (msgpack.packb([PROTOCOL_VERSION, "ping", {"tag": True}]), ErrorCode.BAD_FIELD),
+    (msgpack.packb([PROTOCOL_VERSION, "ping", {"tag": 1, "x": 1}]), ErrorCode.BAD_FIELD),
+    (msgpack.packb([PROTOCOL_VERSION, "generate", {"tag": 1, "params": {}, "prompt_ids": [1, "x"]}]),
+     ErrorCode.BAD_FIELD),
+    (b"\x00" * (MAX_FRAME_BYTES + 1), ErrorCode.TOO_LARGE),
+])
+def test_bad_frames_get_codes(payload, code):
+    with pytest.raises(WireError) as info:
+        decode(payload)
+    assert info.value.code == code
+
+
+def test_allowed_types_restrict_a_socket():
+    with pytest.raises(WireError) as info:
+        decode(encode(m.Attach(token="x", pid=1)), allowed=m.CLIENT_IN)
+    assert info.value.code == ErrorCode.UNKNOWN_TYPE
+
+
+def test_error_codes_map_to_typed_exceptions():
+    exc = error_from_code(ErrorCode.PROMPT_TOO_LONG, "too long")
+    assert isinstance(exc, InvalidParams) and exc.code == ErrorCode.PROMPT_TOO_LONG
+    assert error_from_code(9999, "?").code == ErrorCode.INTERNAL
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_wire_errors(data):
+    try:
+        decode(data)
+    except WireError:
+        pass
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.sampled_from(sorted(registered_types())), st.dictionaries(
+    st.sampled_from(["tag", "params", "prompt", "prompt_ids", "token", "pid", "slot", "epoch",
+                     "request_id", "ids", "texts", "start", "code", "message", "x"]), _values,
+    max_size=6))
+def test_structured_garbage_is_rejected_or_typed(type_name, body):
+    data = msgpack.packb([PROTOCOL_VERSION, type_name, body], use_bin_type=True)
+    try:
+        msg = decode(data)
+    except WireError:
+        return
+    for f in dataclasses.fields(msg):  # whatever passed has the declared types
+        value = getattr(msg, f.name)
+        assert value is None or not isinstance(value, bytes) or "bytes" in str(f.type)
