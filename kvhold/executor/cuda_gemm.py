@@ -1,6 +1,6 @@
 """Weight GEMMs of a small decode batch on CUDA (Triton): `x @ w.T`, optionally + residual.
 
-At batch 1..16 a decode step's projections are matrix-vector products bound by reading
+At batch 1..64 a decode step's projections are matrix-vector products bound by reading
 the weights once, and cuBLAS's choices for them reach only 64-77% of the copy bandwidth
 at Llama-3-8B's o_proj, q|k|v and down_proj shapes (split-K plus a separate reduce
 kernel for down_proj; see bench/results/decode_profile_cuda.json). This kernel streams
@@ -8,14 +8,16 @@ each weight row block once:
 
 * one program per BLOCK_N output columns reads its [BLOCK_N, K] slice of `w` (row-major,
   K contiguous, as nn.Linear stores it) in BLOCK_K tiles and multiplies the batch,
-  padded to 16 rows, on the tensor cores, accumulating in float32;
+  padded to a block of 16, 32 or 64 rows (`block_m`), on the tensor cores, accumulating in
+  float32;
 * every row's sum runs over K in the same order whatever the other rows hold, so a
-  row's result does not depend on the batch (DESIGN.md s4), and there is no split-K and
-  no atomics: the result is deterministic;
+  row's result does not depend on the batch or its padding (decode graphs per bucket of
+  16/32/64 rows give a row the same bits, and so does a takeover that regroups the batch),
+  and there is no split-K and no atomics: the result is deterministic;
 * `residual` adds into a tensor in the epilogue (float32, rounded once), as
   `addmm_(beta=1)` does: o_proj and down_proj write the residual stream in place.
 
-`linear` takes this path only when it applies (CUDA, bf16/fp16, at most 16 rows, N and
+`linear` takes this path only when it applies (CUDA, bf16/fp16, at most 64 rows, N and
 K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
 `KVHOLD_SKINNY_GEMM=0` turns it off (tools/bench_decode measures both). The tile sizes
 were chosen on the H200 by tools/bench_gemm (bench/results/gemm_cuda.json).

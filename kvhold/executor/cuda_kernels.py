@@ -15,7 +15,8 @@ launches per layer:
 * `silu_mul`: `silu(gate) * up` from the fused gate|up rows.
 
 Every program reads only its own row, so a row's result never depends on what
-else is batched with it (decode determinism, DESIGN.md s4). Products are taken
+else is batched with it: a takeover that regroups the batch computes the same bits
+(docs/ARCHITECTURE.md, section 9). Products are taken
 in float32 and rounded once, so the bits differ from the eager composition; the
 fused path is used for prefill and decode alike, and eager and graph replay run
 these same kernels, so an executor and its replacement agree to the bit.

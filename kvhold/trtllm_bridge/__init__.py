@@ -1,4 +1,4 @@
-"""kvhold behind engines that own their memory (TensorRT-LLM first; issue 7).
+"""kvhold behind TensorRT-LLM, an engine that owns its memory.
 
 Engine-agnostic layer, tested on CPU against real third-party model code:
 
@@ -12,5 +12,5 @@ The TensorRT-LLM 1.2 glue builds on these two: `trtllm_connector` (KV Cache Conn
 classes over the mirror), `trtllm_weights` (checkpoint loader + rebind of parameters to
 the weights region) and `launcher` (`python -m kvhold.trtllm_bridge.launcher`, an executor running
 a TensorRT-LLM LLM). Its TensorRT-LLM-facing parts import `tensorrt_llm` lazily and have not
-run against it (README.md).
+run against it (docs/TRTLLM_BRIDGE.md).
 """

@@ -1,4 +1,4 @@
-"""TensorRT-LLM KV Cache Connector that mirrors the engine's KV pool into kvhold (issue 7).
+"""TensorRT-LLM KV Cache Connector that mirrors the engine's KV pool into kvhold.
 
 Written against TensorRT-LLM 1.2 (repository NVIDIA/TensorRT-LLM). Sources read, by path;
 the stored versions were commit 00fdcbff (kv_cache_connector.py: the `llm_args: TorchLlmArgs`

@@ -1,4 +1,4 @@
-"""Foreign-pool mode end to end (issue 7 item 1): the reference engine keeps its own private KV
+"""Foreign-pool mode end to end: the reference engine keeps its own private KV
 pool and is protected only by the KV mirror. Real sidecar, real executors, real SIGKILLs; the
 continuation must equal an uninterrupted run of the native engine."""
 import os

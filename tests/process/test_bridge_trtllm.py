@@ -1,4 +1,4 @@
-"""TensorRT-LLM glue (issue 7 item 2).
+"""TensorRT-LLM glue.
 
 CPU part (runs everywhere): the connector's logic over a TensorRT-LLM-shaped block pool
 ([blocks, layers, 2, tokens*heads*dim], HND) against real kvhold tables, driven the way
