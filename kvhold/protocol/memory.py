@@ -4,12 +4,12 @@ A region is a named block of memory owned by the sidecar (`weights`, `kv`). The
 sidecar hands executors a file descriptor per region over SCM_RIGHTS (kvhold.protocol.fdpass);
 executors never open regions by name. Two backends:
 
-* `host` (here): a POSIX shm object, 0600, named per instance. A read-only
+* `host` (`HostRegion`): a POSIX shm object, 0600, named per instance. A read-only
   recipient gets a descriptor opened O_RDONLY, so it cannot map the memory
   writable even by mistake; writes through a PROT_READ mapping raise SIGSEGV.
-* `cuda` (executor/cuda_memory.py, later issue): physical memory from
+* `cuda` (`CudaRegion`, over kvhold.protocol.cuda_vmm): physical memory from
   cuMemCreate with the POSIX-fd handle type; the exported fd travels the same
-  way and the importer maps it at a stable virtual address, read-only for weights.
+  way and the importer maps it at a deterministic virtual address, read-only for weights.
 
 `Mapping.tensor` wraps mapped memory as a torch tensor without copying.
 """
