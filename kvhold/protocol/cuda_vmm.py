@@ -3,7 +3,7 @@
 Sidecar side (`VmmAllocation`): cuInit, then cuMemCreate with the POSIX-fd handle
 type and cuMemExportToShareableHandle. No context is created: the physical memory
 belongs to the allocation handle, which the sidecar holds until it exits, so the
-memory outlives every executor that imported it (see DESIGN.md s1 and the GPU
+memory outlives every executor that imported it (see the GPU
 tests). Executor side (`VmmMapping`): import the fd, reserve a virtual range at a
 deterministic hint (so the same region has the same address in every executor
 when the driver honours the hint; `stable` says whether it did), map, set access
@@ -148,12 +148,6 @@ class VmmMapping:
             self._tensor = torch.as_tensor(_CudaArray(self.va, self.size, False),
                                            device=f"cuda:{self.device}")
         return self._tensor
-
-    def unmap(self) -> None:
-        cu = driver()
-        check(cu.cuMemUnmap(self.va, self.size), "cuMemUnmap")
-        check(cu.cuMemAddressFree(self.va, self.size), "cuMemAddressFree")
-        check(cu.cuMemRelease(self.handle), "cuMemRelease")
 
 
 def va_hint(region_index: int) -> int:
