@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import openai
 import pytest
 
 from kvhold.client.client import Client
+from tests.process.helpers import free_port
 
 KEY = "sk-test-kvhold"
 MAX_SEQ = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -9,7 +9,7 @@ import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.protocol.errors import ShuttingDown
-from tests.process.test_recovery_e2e import FLAGS, ids, reference, submit  # noqa: F401 (fixture)
+from tests.process.helpers import FLAGS, ids, submit
 
 
 def _recording(tmp_path, entries) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import sidecar_log
+from tests.process.helpers import sidecar_log
 from kvhold.testing.sidecar_process import SidecarProcess
 
 IDLE = ["--workload", "idle", "--lease-ms", "300", "--log-level", "INFO"]
