@@ -39,5 +39,11 @@ def wait_until(cond, timeout_s: float = 10.0, interval_s: float = 0.01, what: st
     return value
 
 
+def wait_stopped(pid: int, timeout_s: float = 20.0) -> None:
+    """Until `pid` is in the stopped state (after SIGSTOP), as /proc shows it."""
+    wait_until(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "T",
+               timeout_s, what=f"pid {pid} to stop")
+
+
 def sidecar_log(sc: SidecarProcess) -> str:
     return sc.log_path.read_text() if sc.log_path and sc.log_path.exists() else ""

@@ -27,6 +27,7 @@ def test_reference_is_batch_independent(tiny_model, reference, start_sidecar):
     assert alone == reference
 
 
+@pytest.mark.slow
 def test_kills_at_random_moments(tiny_model, reference, start_sidecar):
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS])
     rng = random.Random(42)
@@ -55,6 +56,7 @@ def test_kills_at_random_moments(tiny_model, reference, start_sidecar):
     assert all(r["requests_lost"] + r["requests_damaged"] == 0 for r in recoveries)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["commit_begin:6:kill", "commit_pages:2:kill", "commit_pages:9:kill",
                                    "commit_journal:8:kill", "commit_finish:20:kill",
                                    "commit_journal:4:segv"])
