@@ -242,6 +242,7 @@ class Resume:
     request_ids: list[int]
     next_indices: list[int]
 
+
 # ------------------------------------------------------------------ admissions (kvhold.sidecar.health_responder)
 
 
