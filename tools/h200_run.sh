@@ -26,7 +26,7 @@ case "${1:-smoke}" in
 smoke)
   python3 -m tools.gpu_probe_vmm --size-mb 4096 > "$OUT/vmm_probe.json" 2> "$OUT/vmm_probe.err"; echo "probe rc=$?"
   cat "$OUT/vmm_probe.json"
-  timeout 300 python3 -m pytest -x -q tests/gpu/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt"
+  timeout 300 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt"
   python3 -m kvhold.testing.make_model --preset llama3-8b-4l --out /tmp/l4 --device cuda 2>&1 | tail -2
   timeout 200 python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l4 --requests 16 --prompt-len 256,1024 \
       --max-tokens 32 --max-seq-len 2048 --max-batch-tokens 4096 --kv-memory 8GiB --kills 4 --tiers standby \
@@ -40,14 +40,14 @@ bench)
   timeout 200 python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
   ;;
 verify)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py tests/process/test_sidecar_health.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sidecar_health.py \
       -k "recovery or zygote or nvml or context" 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
   timeout 90 python3 -m tools.probe_first_kernels --out "$OUT/first_kernels_cuda.json" 2>&1 | tail -40
   timeout $((${BUDGET_S:-400} - SECONDS)) python3 -m tools.bench_pool_restart --device cuda:0 --restarts 3 \
       --out "$OUT/pool_restart_cuda.json" 2>&1 | tail -30
   ;;
 tiers)
-  timeout 240 python3 -m pytest -x -q tests/gpu/test_gpu.py -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  timeout 240 python3 -m pytest -x -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout ${TIERS_TIMEOUT:-300} python3 -m tools.bench_recovery --device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 \
       --max-tokens 64 --max-seq-len 2304 --max-batch-tokens 8192 --kv-memory 24GiB --kills ${KILLS:-8} \
@@ -55,14 +55,14 @@ tiers)
   for f in "$OUT"/recovery_cuda_zygote.*.log; do tail -80 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
 decode)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --out "$OUT/decode_cuda.json" 2>&1 | tail -30
   timeout 200 python3 -m tools.profile_decode --model /tmp/l8b --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -60
   ;;
 check)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py tests/process/test_executor_triton_aot.py \
-      tests/process/test_bridge_foreign_pool.py tests/unit/test_bridge_kv_mirror.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_executor_triton_aot.py \
+      tests/test_bridge_foreign_pool.py tests/test_bridge_kv_mirror.py 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
   timeout 150 python3 -m tools.probe_first_kernels --out "$OUT/first_kernels_cuda.json" 2>&1 | tail -30
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 100 python3 -m tools.bench_decode --model /tmp/l8b --layers fused --out "$OUT/decode_cuda.json" 2>&1 | tail -12
@@ -84,8 +84,8 @@ final)     # mirror cost, recovery through the mirror, and the native standby ti
   gzip -f "$OUT"/*.log 2>/dev/null
   ;;
 last)      # GPU tests of the newest paths, mirror cost, a short native standby run on a cold machine
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_sampler.py tests/gpu/test_gpu.py \
-      tests/process/test_bridge_foreign_pool.py -k "sampled or runner or decode_step or bf16" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_sampler.py tests/test_gpu.py \
+      tests/test_bridge_foreign_pool.py -k "sampled or runner or decode_step or bf16" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 75 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches ${MIRROR_BATCHES:-8,64} --rounds 2 \
       --out "$OUT/mirror_cuda.json" 2>&1 | tail -4
@@ -97,11 +97,11 @@ last)      # GPU tests of the newest paths, mirror cost, a short native standby 
 gemm)
   timeout 100 python3 -m tools.probe_prefill_attention --out "$OUT/prefill_attention_cuda.json" 2>&1 | cut -c1-600
   timeout 280 python3 -m tools.bench_gemm --sweep --out "$OUT/gemm_cuda.json" 2>&1 | tail -24
-  timeout $((${BUDGET_S:-580} - SECONDS)) python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_gpu.py 2>&1 \
+  timeout $((${BUDGET_S:-580} - SECONDS)) python3 -m pytest -x -q -p no:cacheprovider tests/test_gpu.py 2>&1 \
       | tail -15 | tee "$OUT/pytest_gpu.txt"
   ;;
 buckets)  # decode buckets on the skinny GEMM: GPU tests, then Llama-3-8B decode cost and profile
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu.py tests/gpu/test_gpu_sampler.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
       2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 240 python3 -m tools.bench_decode --model /tmp/l8b --layers ${LAYERS:-fused,fused-cublas} --batches 1,8,64 \
@@ -110,7 +110,7 @@ buckets)  # decode buckets on the skinny GEMM: GPU tests, then Llama-3-8B decode
       --batches 8,64 --out "$OUT/decode_profile_cuda.json" 2>&1 | tail -40
   ;;
 final2)   # the final code: GPU tests, then Llama-3-8B decode cost (executor layers vs cuBLAS projections)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu.py tests/gpu/test_gpu_sampler.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
       -k "not recovery" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout $((${BUDGET_S:-300} - SECONDS)) python3 -m tools.bench_decode --model /tmp/l8b --layers fused,fused-cublas \
@@ -125,7 +125,7 @@ recovery2)   # Llama-3-8B recovery on the final code: hot standby (KILLS) and zy
   gzip -f "$OUT"/*.log 2>/dev/null
   ;;
 mirror2)   # foreign-pool mode on the final code: GPU tests, mirror cost at batch 8 and 64, recovery through it
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/process/test_bridge_foreign_pool.py tests/unit/test_bridge_kv_mirror.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bridge_foreign_pool.py tests/test_bridge_kv_mirror.py \
       -m gpu 2>&1 | tail -12 | tee "$OUT/pytest_mirror_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 120 python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 8,64 --rounds 2 \
@@ -136,7 +136,7 @@ mirror2)   # foreign-pool mode on the final code: GPU tests, mirror cost at batc
   gzip -f "$OUT"/*.log 2>/dev/null
   ;;
 final3)   # the final code with pipelined commits: GPU tests, decode cost, a short hot-standby recovery run
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu.py tests/gpu/test_gpu_sampler.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_gpu.py tests/test_gpu_sampler.py \
       2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout 120 python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 1,8,64 --rounds 3 \
@@ -160,7 +160,7 @@ recovery)
   for f in "$OUT"/recovery_cuda.*.log; do tail -60 "$f" > "$f.tail"; rm -f "$f"; done
   ;;
 mirror)   # MIRROR_TESTS="bf16 or token_exact" also runs the tiny-model sidecar kill test (~1 min more)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/process/test_bridge_foreign_pool.py -m gpu \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bridge_foreign_pool.py -m gpu \
       -k "${MIRROR_TESTS:-bf16}" 2>&1 | tail -20 | tee "$OUT/pytest_mirror_gpu.txt"
   [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset llama3-8b --out /tmp/l8b --device cuda 2>&1 | tail -1
   timeout ${MIRROR_TIMEOUT:-200} python3 -m tools.bench_mirror --model /tmp/l8b --device cuda:0 --batches 1,8,64 \

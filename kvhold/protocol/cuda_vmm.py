@@ -3,7 +3,7 @@
 Sidecar side (`VmmAllocation`): cuInit, then cuMemCreate with the POSIX-fd handle
 type and cuMemExportToShareableHandle. No context is created: the physical memory
 belongs to the allocation handle, which the sidecar holds until it exits, so the
-memory outlives every executor that imported it (see the GPU
+memory outlives every executor that imported it (see DESIGN.md s1 and the GPU
 tests). Executor side (`VmmMapping`): import the fd, reserve a virtual range at a
 deterministic hint (so the same region has the same address in every executor
 when the driver honours the hint; `stable` says whether it did), map, set access
