@@ -9,10 +9,11 @@
     kvhold top         live view of a running sidecar: executors, page pool, recoveries
     kvhold keygen      write a CurveZMQ key pair for the TCP client transport
     kvhold pool-restart  drain, journal requests to disk, restart the pool (driver upgrade)
+    kvhold admissions  whether new requests are admitted; --reopen after a health action
     kvhold registry    list the sidecars registered in etcd (`kvhold registry list`)
 
 Each part defines its own flags (`kvhold.sidecar.flags`, `kvhold.serving.flags`,
-`kvhold.cli.pool_restart`); this module only assembles the subcommands.
+`kvhold.cli.pool_restart`, `kvhold.cli.admissions`); this module only assembles the subcommands.
 """
 from __future__ import annotations
 
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvhold.cli.pool_restart import add_pool_restart_parser
     add_pool_restart_parser(sub)
+
+    from kvhold.cli.admissions import add_admissions_parser
+    add_admissions_parser(sub)
 
     p = sub.add_parser("keygen", help="write a CurveZMQ key pair (NAME.key, NAME.key_secret)")
     p.add_argument("--out", type=Path, required=True, help="directory for the key files (made 0700)")

@@ -218,6 +218,13 @@ class Client:
         self._send(m.PoolRestart(tag=tag, hold=hold, client_grace_s=client_grace_s))
         return self._wait_reply(tag)
 
+    def admissions(self, reopen: bool = False) -> m.AdmissionsReply:
+        """Whether the sidecar admits new requests, and who closed them; `reopen` lifts a
+        health action's closure first (local socket only; see `kvhold admissions`)."""
+        tag = next(self._tags)
+        self._send(m.Admissions(tag=tag, reopen=reopen))
+        return self._wait_reply(tag)
+
     def close(self) -> None:
         self._sock.close(0)
         if self._own_ctx:
@@ -311,7 +318,7 @@ class Client:
     _HANDLERS = {m.Tokens: _on_tokens, m.Done: _on_done, m.Error: _on_error,
                  m.Accepted: _on_reply, m.Cancelled: _on_reply, m.StatusReply: _on_reply,
                  m.Pong: _on_reply, m.Keepalive: _on_keepalive, m.Restarting: _on_restarting,
-                 m.PoolRestartReply: _on_reply}
+                 m.PoolRestartReply: _on_reply, m.AdmissionsReply: _on_reply}
 
 
 def wait_all(streams: list[Stream], on_event=None) -> list[GenerationResult]:

@@ -32,7 +32,6 @@ from kvhold.protocol.logs import set_log_context
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
-EXIT_ERROR = 1
 EXIT_SIDECAR_GONE = 69
 EXIT_FENCED = 75
 

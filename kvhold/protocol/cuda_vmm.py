@@ -149,12 +149,6 @@ class VmmMapping:
                                            device=f"cuda:{self.device}")
         return self._tensor
 
-    def unmap(self) -> None:
-        cu = driver()
-        check(cu.cuMemUnmap(self.va, self.size), "cuMemUnmap")
-        check(cu.cuMemAddressFree(self.va, self.size), "cuMemAddressFree")
-        check(cu.cuMemRelease(self.handle), "cuMemRelease")
-
 
 def va_hint(region_index: int) -> int:
     """A deterministic address per region, far from where the driver usually places things."""

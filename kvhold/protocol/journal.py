@@ -179,10 +179,6 @@ class Journal:
         r["finished_ns"][slot] = now_ns()
         r["exec_state"][slot] = ExecState.FINISHED
 
-    def set_page(self, slot: int, index: int, page: int) -> None:
-        self.page_lists[slot, index] = page
-        self.req["num_pages"][slot] = index + 1
-
     def set_num_pages(self, slot: int, count: int) -> None:
         self.req["num_pages"][slot] = count
 

@@ -57,9 +57,6 @@ class LeaseTable:
         free = (self.leases["role"] == Role.FREE).nonzero()[0]
         return int(free[0]) if len(free) else None
 
-    def slots_with(self, *roles: Role) -> list[int]:
-        return [i for i in range(len(self.leases)) if self.role(i) in roles]
-
     def _move(self, slot: int, new: Role) -> None:
         old = self.role(slot)
         if new not in TRANSITIONS[old]:

@@ -142,10 +142,6 @@ class CudaMapping:
     def size(self) -> int:
         return self.info.size
 
-    @property
-    def stable_address(self) -> bool:
-        return self.vmm.stable
-
     def tensor(self, dtype, shape, offset: int = 0):
         import torch
 

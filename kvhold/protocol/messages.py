@@ -5,7 +5,8 @@ Two sockets, two vocabularies:
   bye; and from the sidecar: promote, wake, reaped, shutdown.
 * client (SDK <-> sidecar): generate/accepted, tokens, done, cancel/cancelled,
   status/status_reply, ping/pong, keepalive; for pool restarts pool_restart/
-  pool_restart_reply, restarting and resume.
+  pool_restart_reply, restarting and resume; for an operator's view of admissions
+  admissions/admissions_reply.
 Both use `error` (code from kvhold.protocol.errors.ErrorCode). Client requests carry a `tag`
 chosen by the client and echoed in the reply, so replies can be matched.
 """
@@ -241,6 +242,26 @@ class Resume:
     request_ids: list[int]
     next_indices: list[int]
 
+
+# ------------------------------------------------------------------ admissions (kvhold.sidecar.health_responder)
+
+
+@message("admissions")
+class Admissions:
+    """Operator (local socket only): report whether new requests are admitted and who closed
+    them; `reopen`: first lift the closure of a health action (the operator checked the GPU)."""
+    tag: int
+    reopen: bool = False
+
+
+@message("admissions_reply")
+class AdmissionsReply:
+    tag: int
+    open: bool
+    closed_by: dict                 # who keeps admissions closed -> why (empty when open)
+
+
 CONTROL_IN = frozenset({"attach", "ready", "weights_loading", "weights_sealed", "step",
                         "recovered", "bye"})
-CLIENT_IN = frozenset({"generate", "cancel", "status", "ping", "pool_restart", "resume"})
+CLIENT_IN = frozenset({"generate", "cancel", "status", "ping", "pool_restart", "resume",
+                       "admissions"})

@@ -64,7 +64,8 @@ class Frontend:
         self._handlers = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
                           m.Status: self.on_status, m.Ping: self.on_ping,
                           m.PoolRestart: lambda i, msg: self.sidecar.pool_restart.on_request(i, msg),
-                          m.Resume: lambda i, msg: self.sidecar.restore.on_resume(i, msg)}
+                          m.Resume: lambda i, msg: self.sidecar.restore.on_resume(i, msg),
+                          m.Admissions: lambda i, msg: self.sidecar.health.on_admissions(i, msg)}
         self.records: dict[int, dict] = {}   # request id -> its durable journal record (admission)
 
     @staticmethod
@@ -90,7 +91,8 @@ class Frontend:
     # ------------------------------------------------------------------ admission
     def close_admissions(self, by: str, reason: str) -> None:
         """Refuse new requests (SHUTTING_DOWN, retryable elsewhere) until `by` reopens;
-        requests already admitted run to completion. Health escalation and drains use it."""
+        requests already admitted run to completion. Health actions (reopened by the operator,
+        `kvhold admissions --reopen`) and pool restarts (which re-execute the sidecar) use it."""
         if by not in self.closed:
             log.warning("admissions closed by %s: %s", by, reason)
         self.closed[by] = reason

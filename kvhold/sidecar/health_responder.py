@@ -7,12 +7,18 @@
   `kvhold pool-restart` (or the unit restarts), which brings a new pool generation.
 * drain: the GPU cannot be trusted or reached. Admissions close, /health turns 503
   and the registry entry says so, so routers move new work away.
+Admissions a health action closed stay closed until the operator, having checked the
+GPU, runs `kvhold admissions --reopen` (an `Admissions` message on the local socket):
+the closure lifts and the policy starts afresh, so the next fault closes them again.
+A pool restart re-executes the sidecar, which starts with admissions open.
 The monitor thread only posts; every action runs on the sidecar's loop thread.
 """
 from __future__ import annotations
 
 import logging
 
+from kvhold.protocol import messages as m
+from kvhold.protocol.errors import ErrorCode
 from kvhold.sidecar.health import Action, EscalationPolicy, HealthEvent, HealthMonitor, make_source
 
 log = logging.getLogger(__name__)
@@ -55,6 +61,21 @@ class HealthResponder:
                                                    "run `kvhold pool-restart`")
         elif event.action == Action.DRAIN:
             sc.frontend.close_admissions("health", f"node drained ({event.reason})")
+        self._record(taken)
+
+    def on_admissions(self, identity: bytes, msg: m.Admissions):
+        """The operator's view of admissions; `reopen` lifts a health action's closure."""
+        if identity[:1] != b"u":
+            return m.Error(code=ErrorCode.UNAUTHORIZED, tag=msg.tag,
+                           message="admissions are managed only on the local ipc socket")
+        fe = self.sidecar.frontend
+        if msg.reopen and "health" in fe.closed:
+            self.monitor.policy.clear()
+            fe.open_admissions("health")
+            self._record({"action": "reopen_admissions", "reason": "operator", "kind": "operator"})
+        return m.AdmissionsReply(tag=msg.tag, open=not fe.closed, closed_by=dict(fe.closed))
+
+    def _record(self, taken: dict) -> None:
         self.actions_taken.append(taken)
         del self.actions_taken[:-32]
 

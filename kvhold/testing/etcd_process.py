@@ -2,7 +2,6 @@
 
     with EtcdProcess(data_dir) as etcd:       # etcd.url == "etcd://127.0.0.1:PORT"
         ...
-        etcd.restart()                        # SIGKILL, then start again on the same data
 
 Uses the `etcd` binary (Debian's etcd-server, 3.4+); `find_etcd()` says where it is or why not.
 """
@@ -72,10 +71,6 @@ class EtcdProcess:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-    def restart(self) -> "EtcdProcess":
-        self.kill()
-        return self.start()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.helpers import plan as _plan
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -125,19 +127,6 @@ def tiny_on_gpu(tiny_model):
     return spec, LlamaModel(spec, w, torch.float32, torch.device("cuda"), 512), \
         LlamaModel(spec, load_file(str(tiny_model / "model.safetensors")), torch.float64,
                    torch.device("cpu"), 512)
-
-
-def _plan(seq_specs):
-    from kvhold.executor.scheduler import Scheduled
-    from kvhold.executor.sequence import Sequence
-
-    plan = []
-    for slot, (tokens, computed, n, pages) in enumerate(seq_specs):
-        seq = Sequence(slot=slot, request_id=slot + 1, prompt_len=len(tokens), tokens=tokens, max_tokens=9,
-                       seed=0, temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True)
-        seq.num_computed, seq.pages = computed, pages
-        plan.append(Scheduled(seq, n))
-    return plan
 
 
 def test_cuda_runner_matches_the_cpu_reference_and_graphs_match_eager(tiny_on_gpu):

@@ -3,6 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.helpers import plan as _plan
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -43,8 +45,6 @@ def _bf16_region(weights):
 
 
 def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model):
-    from test_gpu import _plan
-
     from kvhold.executor.cuda_runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel

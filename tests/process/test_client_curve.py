@@ -10,7 +10,7 @@ import sys
 import pytest
 import zmq
 
-from conftest import sidecar_log
+from tests.process.helpers import sidecar_log
 from kvhold.protocol import messages as m, wire
 from kvhold.client.client import Client
 from kvhold.protocol.curve import load_public_key, write_keypair

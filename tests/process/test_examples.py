@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process.test_serve_http import free_port
+from tests.process.helpers import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fastapi_app.py"
 

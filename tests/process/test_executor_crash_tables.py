@@ -14,6 +14,7 @@ import pytest
 from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
 from kvhold.protocol.validation import PageClass, classify_host
+from tests.process.helpers import wait_stopped
 
 CHURN = ["--workload", "churn", "--no-spawn", "--lease-ms", "400", "--kv-pages", "48",
          "--page-tokens", "8", "--max-seq-len", "64", "--log-level", "WARNING"]
@@ -50,6 +51,7 @@ def _wait_gone(sc, pid):
     sc.wait_for(lambda st: all(e["pid"] != pid for e in st["executors"]), timeout=20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_signals_leave_classifiable_tables(start_sidecar, seed):
     rng = random.Random(seed)
@@ -60,11 +62,11 @@ def test_random_signals_leave_classifiable_tables(start_sidecar, seed):
     for trial in range(8):
         proc = _executor(sc)
         _wait_active(sc, proc.pid)
-        time.sleep(rng.uniform(0.02, 0.3))
+        time.sleep(rng.uniform(0.02, 0.3))   # the point: a signal at a random moment of its work
         sig = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGSEGV, signal.SIGSTOP, signal.SIGTERM])
         os.kill(proc.pid, sig)
         if sig == signal.SIGSTOP:
-            time.sleep(0.05)                 # frozen mid-whatever: classify while it is stopped
+            wait_stopped(proc.pid)           # frozen mid-whatever: classify while it is stopped
         else:
             proc.wait(10)
         classes = classify_host(tables, kv)

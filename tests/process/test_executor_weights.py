@@ -2,7 +2,7 @@
 import os
 import signal
 
-from conftest import sidecar_log
+from tests.process.helpers import sidecar_log
 
 
 def test_loaded_once_then_mapped_by_every_replacement(tiny_model, start_sidecar):

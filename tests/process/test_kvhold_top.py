@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from kvhold.protocol.layout import PAGE_DTYPE, PageFlag
 from kvhold.protocol.page_map import page_map
 from kvhold.cli.top import render
 from kvhold.testing.sidecar_process import SidecarProcess
+from tests.process.helpers import wait_stopped
 
 # The active executor stops itself (SIGSTOP) at its 20th step, its request in flight and its
 # pages committed; the long lease keeps it unfenced while we look, then we SIGKILL it.
@@ -31,13 +31,6 @@ def _frame(status, width=140) -> str:
     console = Console(record=True, width=width, force_terminal=False)
     console.print(render(status))
     return console.export_text()
-
-
-def wait_stopped(pid: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "T":
-        assert time.monotonic() < deadline, f"pid {pid} did not stop"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

@@ -11,35 +11,7 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
-from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
-
-FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
-         "--log-level", "INFO"]
-LONG_PROMPT = list(range(2, 202))       # 200 tokens: a prefill of several 64-token chunks
-REQUESTS = [
-    dict(prompt="The sidecar keeps the memory", max_tokens=40, temperature=0.0),
-    dict(prompt="Once upon a time", max_tokens=40, temperature=0.8, seed=7),
-    dict(prompt_ids=LONG_PROMPT, max_tokens=30, temperature=1.0, top_p=0.9, seed=3),
-    dict(prompt="One two three four", max_tokens=40, temperature=0.7, top_k=20, seed=11),
-    dict(prompt="Never lose a stream", max_tokens=35, temperature=1.1, seed=5),
-]
-
-
-def submit(client, requests=REQUESTS):
-    return submit_requests(client, requests)
-
-
-def ids(results):
-    return [r.token_ids for r in results]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    with SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0"]) as sc:
-        sc.wait_steady(standbys=0)
-        with sc.new_client() as client:
-            return ids(wait_all(submit(client)))
-
+from tests.process.helpers import FLAGS, REQUESTS, ids, submit
 
 def _kill_active(sc, sig=signal.SIGKILL):
     pid = sc.wait_steady(standbys=0)["pid"]
@@ -55,6 +27,7 @@ def test_reference_is_batch_independent(tiny_model, reference, start_sidecar):
     assert alone == reference
 
 
+@pytest.mark.slow
 def test_kills_at_random_moments(tiny_model, reference, start_sidecar):
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS])
     rng = random.Random(42)
@@ -83,6 +56,7 @@ def test_kills_at_random_moments(tiny_model, reference, start_sidecar):
     assert all(r["requests_lost"] + r["requests_damaged"] == 0 for r in recoveries)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["commit_begin:6:kill", "commit_pages:2:kill", "commit_pages:9:kill",
                                    "commit_journal:8:kill", "commit_finish:20:kill",
                                    "commit_journal:4:segv"])

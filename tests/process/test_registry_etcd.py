@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ from kvhold.client.client import wait_all as client_wait_all
 from kvhold.routing.registry_client import EtcdGateway, RegistryView, SidecarEntry, service_prefix
 from kvhold.routing.router import RoutedClient, wait_all
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+from tests.process.helpers import DATA
 
 pytestmark = [pytest.mark.etcd,
               pytest.mark.skipif(os.environ.get("KVHOLD_SKIP_ETCD") == "1", reason="KVHOLD_SKIP_ETCD=1")]
@@ -103,7 +103,7 @@ def test_sidecars_register_and_the_router_spreads_requests(cluster):
 def test_a_draining_sidecar_is_avoided(cluster, etcd, tmp_path):
     sidecars, view, reference = cluster
     drained = SidecarProcess(["--workload", "idle", *FLAGS, "--registry", etcd.url, "--health",
-                              "replay:" + str(Path(__file__).parent / "data/health/gpu_lost.json"),
+                              "replay:" + str(DATA / "health" / "gpu_lost.json"),
                               "--health-interval", "0.05"], instance="reg-drain",
                              log_path=tmp_path / "drain.log")
     with drained:

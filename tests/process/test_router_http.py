@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvhold.testing.etcd_process import free_port
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+from tests.process.helpers import DATA
 
 pytestmark = [pytest.mark.etcd,
               pytest.mark.skipif(os.environ.get("KVHOLD_SKIP_ETCD") == "1", reason="KVHOLD_SKIP_ETCD=1")]
@@ -134,7 +134,7 @@ def test_requests_spread_over_both_sidecars(cluster):
 def test_a_draining_sidecar_is_avoided(cluster, etcd, tmp_path):
     sidecars, base, refs = cluster
     drained = SidecarProcess(["--workload", "idle", *FLAGS, "--registry", etcd.url, "--health",
-                              "replay:" + str(Path(__file__).parent / "data/health/gpu_lost.json"),
+                              "replay:" + str(DATA / "health" / "gpu_lost.json"),
                               "--health-interval", "0.05"], instance="rh-drain",
                              log_path=tmp_path / "drain.log")
     with drained:

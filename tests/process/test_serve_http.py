@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import openai
 import pytest
 
 from kvhold.client.client import Client
+from tests.process.helpers import free_port, wait_until
 
 KEY = "sk-test-kvhold"
 MAX_SEQ = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -268,7 +262,7 @@ def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path):
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            wait_until(lambda: srv.health().status_code == 503, what="the drain to start")
             late = srv.post("/v1/completions", {"prompt": "late", "max_tokens": 2})
             assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
             assert srv.health().status_code == 503

@@ -198,7 +198,7 @@ class BrokenSource:
             raise HealthSourceError("NVML init failed (Driver Not Loaded)")
 
     def poll(self, timeout_s):
-        time.sleep(0.01)
+        time.sleep(0.01)             # a poll takes time, as NVML's does
         raise RuntimeError("poll exploded")
 
     def describe(self):
@@ -340,7 +340,7 @@ class FakeNvml:
     def nvmlEventSetWait_v2(self, event_set, timeout_ms):
         self._get("nvmlEventSetWait_v2", None)
         if not self.xids:
-            time.sleep(timeout_ms / 1000)
+            time.sleep(timeout_ms / 1000)    # NVML's wait: no event within the timeout
             raise self.NVMLError_Timeout()
         return type("Event", (), {"eventType": 8, "eventData": self.xids.pop(0)})
 

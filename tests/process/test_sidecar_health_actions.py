@@ -1,15 +1,17 @@
 """Health events acted on by a real sidecar: signals replayed from a recording drive the
 policy (on a GPU the same code reads NVML). An application Xid restarts the active
 executor with no request lost; a lost GPU or a double-bit ECC error closes admissions
-while requests in flight complete."""
+while requests in flight complete, until the operator reopens them (`kvhold admissions`)."""
 import json
+import subprocess
+import sys
 import time
 
 import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.protocol.errors import ShuttingDown
-from tests.process.test_recovery_e2e import FLAGS, ids, reference, submit  # noqa: F401 (fixture)
+from tests.process.helpers import DATA, FLAGS, ids, submit
 
 
 def _recording(tmp_path, entries) -> str:
@@ -74,3 +76,30 @@ def test_a_hardware_fault_closes_admissions_and_in_flight_requests_finish(
     event_ns = st["health"]["events"][0]["ns"]
     assert last_token_ns[0] > event_ns, "no request was in flight when admissions closed"
     assert all(r.finish_reason == "length" and len(r.token_ids) == 400 for r in results)
+
+
+def _admissions(sc, *flags):
+    return subprocess.run([sys.executable, "-m", "kvhold", "admissions", "--instance", sc.instance,
+                           "--runtime-root", str(sc.runtime_root), "--json", *flags],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_the_operator_reopens_admissions_a_drain_closed(tiny_model, reference, start_sidecar):
+    replay = DATA / "health" / "gpu_lost.json"
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--health", f"replay:{replay}",
+                        "--health-interval", "0.05"])
+    sc.wait_steady(timeout=60)
+    sc.wait_for(lambda st: not st["admissions"]["open"], timeout=30)
+    with sc.new_client(timeout=60) as client:
+        with pytest.raises(ShuttingDown, match="not admitting"):
+            client.generate("refused", max_tokens=4)
+        closed = _admissions(sc)
+        assert closed.returncode == 3, closed.stderr
+        assert "node drained" in json.loads(closed.stdout)["closed_by"]["health"]
+        reopened = _admissions(sc, "--reopen")
+        assert reopened.returncode == 0, reopened.stderr
+        assert json.loads(reopened.stdout) == {"open": True, "closed_by": {}}
+        assert ids(wait_all(submit(client))) == reference
+    st = sc.status()
+    assert st["admissions"]["open"] and st["health"]["action"] == "none"
+    assert st["health"]["actions_taken"][-1]["action"] == "reopen_admissions"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import sidecar_log
+from tests.process.helpers import sidecar_log
 from kvhold.testing.sidecar_process import SidecarProcess
 
 IDLE = ["--workload", "idle", "--lease-ms", "300", "--log-level", "INFO"]
@@ -126,7 +126,7 @@ def test_two_sidecars_side_by_side(start_sidecar):
     b_pids = {e["pid"] for e in b.status()["executors"]}
     os.kill(a_active["pid"], signal.SIGKILL)
     _new_active(a, a_active["pid"])
-    time.sleep(0.5)
+    time.sleep(0.5)          # the point: a window in which b must see nothing of a's recovery
     assert {e["pid"] for e in b.status()["executors"]} == b_pids
     assert not [e for e in b.status()["events"] if e["kind"] == "fence"]
     assert b.wait_steady()["pid"] == b_active["pid"]

@@ -5,7 +5,7 @@ import os
 import signal
 
 from kvhold.client.client import wait_all
-from tests.process.test_recovery_e2e import FLAGS, ids, reference, submit  # noqa: F401 (fixture)
+from tests.process.helpers import FLAGS, ids, submit
 
 
 def _zygote_ready(st):

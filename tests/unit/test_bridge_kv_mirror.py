@@ -254,7 +254,7 @@ def test_sigkilled_writer_loses_no_committed_block(pool, kill_after, fast):
             assert chunk, "the writer died on its own"
             *lines, buf = (buf + chunk).split(b"\n")
             reported = int(lines[-1]) if lines else reported
-        time.sleep(random.Random(kill_after).uniform(0, 0.002))
+        time.sleep(random.Random(kill_after).uniform(0, 0.002))   # the point: a random moment
         os.kill(pid, signal.SIGKILL)                       # somewhere inside a later step
         _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL

@@ -1,5 +1,5 @@
 """The zygote's Triton AOT path against a stub libcuda (stub_libcuda.c), on a machine
-without a GPU: run by tests/test_executor_triton_aot.py, prints one JSON line.
+without a GPU: run by tests/process/test_executor_triton_aot.py, prints one JSON line.
 
 The parent preloads like the zygote (stub: CUDA never initialised), checks a launch of an
 unprepared specialization goes to the JIT, forks children that play an executor with a
