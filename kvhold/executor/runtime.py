@@ -1,7 +1,8 @@
 """The executor process: attach, map, warm up, then serve as standby or active.
 
-Life of an executor: attach with the token and get a lease (slot, epoch); fetch the
-region descriptors; map tables, KV pool and weights; prepare the workload (load
+Life of an executor: attach with the token and get a lease (slot, epoch) and its
+settings (kvhold.protocol.settings.ExecutorSettings); fetch the region descriptors;
+map tables, KV pool and weights; prepare the workload (kvhold.executor.workload: load
 or verify weights, warm up); report ready (the sidecar makes it a standby); on
 `promote`, take over the page table and journal (recovery) and run steps until
 shutdown. The main loop writes the heartbeat; a hung loop therefore stops
