@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from kvhold.executor import faults
+from kvhold.executor.workload import WorkloadBase
 from kvhold.protocol.checksum import words_checksum_np
 from kvhold.protocol.page_table import PageTable
 
 
-class ChurnWorkload:
+class ChurnWorkload(WorkloadBase):
     def __init__(self, ctx):
-        self.ctx = ctx
+        super().__init__(ctx)
         g = ctx.tables.geometry
         self.page_tokens = g.kv.page_tokens
         shape = (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4)
@@ -30,29 +31,19 @@ class ChurnWorkload:
         self.owned: dict[int, tuple[int, int]] = {}   # page -> (num_tokens, checksum)
         self.counter = 0
 
-    def prepare(self) -> None:
-        pass
-
     def promote(self, msg) -> dict:
         """Take the table over: repair interrupted versions, free every page (no requests)."""
-        pages = self.ctx.tables.pages
-        odd = ((pages["version"] & 1) == 1).nonzero()[0]
+        odd = self.page_table.interrupted_pages()
         self.page_table.repair_versions(odd)
-        owned = (pages["owner"] != 0).nonzero()[0]
+        owned = self.page_table.owned_pages()
         self.page_table.release(owned)
         return {"pages_interrupted": int(len(odd)), "pages_released": int(len(owned))}
 
     def has_work(self) -> bool:
         return True
 
-    def on_wake(self) -> None:
-        pass
-
-    def on_reaped(self, epochs) -> None:
-        pass
-
     def _allocate(self) -> None:
-        free = (self.ctx.tables.pages["owner"] == 0).nonzero()[0]
+        free = self.page_table.unowned_pages()
         if not len(free):
             return
         page = int(free[self.rng.integers(len(free))])

@@ -20,6 +20,7 @@ from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
 from kvhold.executor.weights import WeightsRegion, wait_until_sealed
+from kvhold.executor.workload import WorkloadBase
 from kvhold.protocol import messages as m
 from kvhold.protocol.checkpoint import Manifest
 from kvhold.protocol.memory import Mapping, RegionInfo, map_region
@@ -30,15 +31,13 @@ DEFAULT_CUDA_PREFILL_CHUNK = 512
 DEFERRED_CAPTURE_STEPS = 8    # an urgent executor captures its decode graph after this many steps
 
 
-class EngineWorkload:
+class EngineWorkload(WorkloadBase):
     cold_first_step = True     # the first step may load kernels: longer lease until it is done
 
     def __init__(self, ctx):
-        self.ctx = ctx
+        super().__init__(ctx)
         self.engine: Engine | None = None
         self.runner = None
-        self.private_mib = 0.0
-        self.phases: dict[str, float] = {}      # warm-up parts in ms, reported in Ready
         self._t = time.monotonic()
         self._active_steps = 0
 
@@ -52,23 +51,22 @@ class EngineWorkload:
     def prepare(self) -> None:
         ctx, s = self.ctx, self.ctx.settings
         self._t = time.monotonic()
-        device = torch.device(s["device"])
+        device = torch.device(s.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
             torch.cuda.init()
             self._phase("cuda_context")
         if device.type == "cpu":
-            torch.set_num_threads(int(s.get("cpu_threads") or max(1, (os.cpu_count() or 2) // 2)))
-        spec = ModelSpec.from_dir(s["model"])
+            torch.set_num_threads(s.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
+        spec = ModelSpec.from_dir(s.model)
         weights = self._weights(spec)
         self._phase("weights")
         geometry = ctx.tables.geometry
-        dtype = TORCH_DTYPES[s["compute_dtype"]]
+        dtype = TORCH_DTYPES[s.compute_dtype]
         model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
         kv = self._kv_cache(geometry, device)
-        max_batch, max_tokens = int(s["max_batch"]), int(s["max_batch_tokens"])
-        chunk = int(s.get("prefill_chunk") or 0) or None
+        max_batch, max_tokens, chunk = s.max_batch, s.max_batch_tokens, s.prefill_chunk
         runner = checksum = None
         if device.type == "cuda":
             from kvhold.executor.cuda_checksum import TritonChecksum
@@ -76,7 +74,7 @@ class EngineWorkload:
 
             chunk = chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_tokens - max_batch)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
-                                use_graph=not s.get("extra", {}).get("no_cuda_graph"),
+                                use_graph=s.cuda_graph,
                                 slot_hashes=self.slot_hashes)
             self._phase("model")
             # loads kernels and captures the decode graph; an urgent executor (taking over with
@@ -115,12 +113,12 @@ class EngineWorkload:
         manifest = Manifest.from_wire(info["manifest"])
         if manifest.fingerprint != info["fingerprint"]:
             raise RuntimeError("the manifest does not match the sidecar's fingerprint")
-        region = WeightsRegion(ctx.mappings["weights"], manifest, ctx.settings["model"])
+        region = WeightsRegion(ctx.mappings["weights"], manifest, ctx.settings.model)
         designated = info["loader"] or not wait_until_sealed(ctx.tables, manifest.fingerprint,
                                                               ctx.epoch, ctx.beat)
         if designated:
             if not info["loader"]:  # designated after attach: our mapping is read-only
-                region = WeightsRegion(self._writable_weights(), manifest, ctx.settings["model"])
+                region = WeightsRegion(self._writable_weights(), manifest, ctx.settings.model)
             ctx.channel.send(m.WeightsLoading(slot=ctx.attached.slot, epoch=ctx.epoch))
             load_ms = region.load(beat=ctx.beat)
             faults.point("weights_loaded")     # crash tests: a loader dying before it seals
@@ -185,9 +183,6 @@ class EngineWorkload:
         """The first step after a takeover: its parts (ns), once."""
         marks, self.engine.first_step_marks = self.engine.first_step_marks, {}
         return marks
-
-    def on_wake(self) -> None:
-        pass  # has_work() looks at the journal itself
 
     def on_reaped(self, epochs) -> None:
         released = self.engine.release_quarantined(epochs)

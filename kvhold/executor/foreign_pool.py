@@ -175,7 +175,7 @@ class ForeignEngine(Engine):
 
 
 class ForeignEngineWorkload(EngineWorkload):
-    """EngineWorkload whose engine computes into a private pool (settings["kv_mode"] == "foreign").
+    """EngineWorkload whose engine computes into a private pool (settings.kv_mode == "foreign").
 
     The private pool has as many blocks as kvhold's pool (so whatever fits in kvhold's pages
     fits in the engine); it is this process's memory and dies with it. kvhold's pool is

@@ -5,14 +5,10 @@ the executor is real and its death is real, but it needs no torch.
 """
 from __future__ import annotations
 
+from kvhold.executor.workload import WorkloadBase
 
-class IdleWorkload:
-    def __init__(self, ctx):
-        self.ctx = ctx
 
-    def prepare(self) -> None:
-        pass
-
+class IdleWorkload(WorkloadBase):
     def promote(self, msg) -> dict:
         return {"fenced_epoch": msg.fenced_epoch}  # nothing to recover; tells the sidecar we are done
 
@@ -21,9 +17,3 @@ class IdleWorkload:
 
     def step(self) -> list[int]:
         return []
-
-    def on_wake(self) -> None:
-        pass
-
-    def on_reaped(self, epochs) -> None:
-        pass

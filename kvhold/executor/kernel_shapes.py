@@ -2,10 +2,10 @@
 
 The zygote compiles the executor's Triton kernels ahead of time (kvhold.executor.triton_aot)
 without a model loaded and without a CUDA context; this value tells it what to
-compile for. The sidecar sends it as JSON (its executor settings plus the table
-geometry, see `from_settings`); the kernel modules' warm-ups read it to build meta
-tensors shaped like the ones the executor will pass. A shape that turns out wrong
-costs speed only: launches that do not match a prepared specialization take the JIT.
+compile for. The sidecar sends it as JSON (a kvhold.protocol.settings.KernelShapesRequest:
+its executor settings plus the table geometry, see `from_settings`); the kernel
+modules' warm-ups read it to build meta tensors shaped like the ones the executor
+will pass. A shape that turns out wrong costs speed only: launches that do not match a prepared specialization take the JIT.
 """
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kvhold.protocol.layout import TableGeometry
+from kvhold.protocol.settings import ExecutorSettings, KernelShapesRequest
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
@@ -66,35 +69,34 @@ class KernelShapes:
         return (self.num_pages, self.num_layers, 2, self.page_tokens, self.num_kv_heads, self.head_dim)
 
     @classmethod
-    def from_settings(cls, settings: dict) -> "KernelShapes | None":
-        """From the sidecar's executor settings plus `page_tokens`, `num_pages` and `max_seq_len`
-        of its table geometry (and optionally `kv_dtype`). None when there is no model."""
-        if not settings.get("model") or not str(settings.get("device", "cuda")).startswith("cuda"):
+    def from_settings(cls, settings: ExecutorSettings, geometry: TableGeometry) -> "KernelShapes | None":
+        """From the sidecar's executor settings and its table geometry. None when there is no
+        model or the executors do not run on CUDA."""
+        if not settings.model or not settings.device.startswith("cuda"):
             return None
         from kvhold.executor.engine_workload import DEFAULT_CUDA_PREFILL_CHUNK
         from kvhold.protocol.model_spec import ModelSpec
 
-        spec = ModelSpec.from_dir(settings["model"])
-        max_batch = int(settings["max_batch"])
-        chunk = int(settings.get("prefill_chunk") or 0) or min(
-            DEFAULT_CUDA_PREFILL_CHUNK, int(settings["max_batch_tokens"]) - max_batch)
-        page_tokens = int(settings["page_tokens"])
-        return cls(dtype=settings.get("compute_dtype") or spec.dtype, num_layers=spec.num_layers,
+        spec = ModelSpec.from_dir(settings.model)
+        chunk = settings.prefill_chunk or min(DEFAULT_CUDA_PREFILL_CHUNK,
+                                              settings.max_batch_tokens - settings.max_batch)
+        return cls(dtype=settings.compute_dtype or spec.dtype, num_layers=spec.num_layers,
                    num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                    hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-                   vocab_size=spec.vocab_size, page_tokens=page_tokens,
-                   num_pages=int(settings["num_pages"]), max_seq_len=int(settings["max_seq_len"]),
-                   max_batch=max_batch, prefill_chunk=chunk, kv_dtype=settings.get("kv_dtype") or "")
+                   vocab_size=spec.vocab_size, page_tokens=geometry.kv.page_tokens,
+                   num_pages=geometry.num_pages, max_seq_len=geometry.max_seq_len,
+                   max_batch=settings.max_batch, prefill_chunk=chunk, kv_dtype=geometry.kv.dtype)
 
     @classmethod
     def from_json(cls, text: str) -> "KernelShapes | None":
-        """Either a KernelShapes' own fields or `from_settings`' input."""
+        """Either a KernelShapes' own fields or a KernelShapesRequest (`from_settings`' input)."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("kernel shapes: expected a JSON object")
         if "num_heads" in data:
             return cls(**data)
-        return cls.from_settings(data)
+        request = KernelShapesRequest.from_wire(data)
+        return cls.from_settings(request.settings, request.geometry)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,7 +1,8 @@
 """The executor process: attach, map, warm up, then serve as standby or active.
 
-Life of an executor: attach with the token and get a lease (slot, epoch); fetch the
-region descriptors; map tables, KV pool and weights; prepare the workload (load
+Life of an executor: attach with the token and get a lease (slot, epoch) and its
+settings (kvhold.protocol.settings.ExecutorSettings); fetch the region descriptors;
+map tables, KV pool and weights; prepare the workload (kvhold.executor.workload: load
 or verify weights, warm up); report ready (the sidecar makes it a standby); on
 `promote`, take over the page table and journal (recovery) and run steps until
 shutdown. The main loop writes the heartbeat; a hung loop therefore stops
@@ -25,8 +26,10 @@ from kvhold.protocol import messages as m
 from kvhold.protocol.leases import Fenced, Lease
 from kvhold.protocol.memory import Mapping, RegionInfo, map_region
 from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables
 from kvhold.executor.channel import Channel
+from kvhold.executor.workload import Workload
 from kvhold.protocol.logs import set_log_context
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ class ExecutorConfig:
     runtime_root: Path | None = None
     token_file: Path | None = None
     urgent: bool = False          # spawned to take over at once: defer what can wait (graph capture)
-    workload_factory: Callable | None = None   # (name, ctx) -> workload; an engine bridge's own (launcher)
+    workload_factory: Callable[[str, "ExecutorContext"], Workload] | None = None   # an engine bridge's own (launcher)
 
     @property
     def paths(self) -> InstancePaths:
@@ -56,7 +59,7 @@ class ExecutorContext:
                  channel: Channel, lease: Lease, urgent: bool = False):
         self.attached = attached
         self.urgent = urgent
-        self.settings = attached.settings
+        self.settings: ExecutorSettings = attached.settings
         self.tables = tables
         self.mappings = mappings
         self.channel = channel
@@ -120,19 +123,18 @@ class ExecutorRuntime:
         tables.liveness_mutex(attached.slot).hold()  # released by the kernel when we die
         lease = Lease(tables, attached.slot, attached.epoch)
         set_log_context(role="standby", epoch=attached.epoch)
-        self._watch_sidecar(int(tables.header["sidecar_pid"]))
+        self._watch_sidecar(tables.sidecar_pid)
         ctx = ExecutorContext(attached, tables, mappings, channel, lease, urgent=self.config.urgent)
         log.info("attached: lease %d epoch %d generation %d", attached.slot, attached.epoch,
                  attached.generation)
         t0 = time.monotonic()
         mapped_ms = round((t0 - t_attach) * 1e3, 2)
-        workload = (self.config.workload_factory or make_workload)(attached.settings["workload"], ctx)
+        workload = (self.config.workload_factory or make_workload)(attached.settings.workload, ctx)
         workload.prepare()
         ctx.beat()
         channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
-                             warm_ms=(time.monotonic() - t0) * 1e3,
-                             private_mib=float(getattr(workload, "private_mib", 0.0)),
-                             phases={"attach_and_map": mapped_ms, **getattr(workload, "phases", {})}))
+                             warm_ms=(time.monotonic() - t0) * 1e3, private_mib=float(workload.private_mib),
+                             phases={"attach_and_map": mapped_ms, **workload.phases}))
         return self._loop(ctx, workload)
 
     def _watch_sidecar(self, pid: int) -> None:
@@ -144,8 +146,8 @@ class ExecutorRuntime:
     def _sidecar_gone(self) -> bool:
         return self.sidecar_pidfd >= 0 and bool(select.select([self.sidecar_pidfd], [], [], 0)[0])
 
-    def _loop(self, ctx: ExecutorContext, workload) -> int:
-        heartbeat_ms = int(ctx.settings["heartbeat_ms"])
+    def _loop(self, ctx: ExecutorContext, workload: Workload) -> int:
+        heartbeat_ms = ctx.settings.heartbeat_ms
         handlers = {
             m.Promote: lambda msg: self._promote(ctx, workload, msg),
             m.Wake: lambda msg: workload.on_wake(),
@@ -181,21 +183,19 @@ class ExecutorRuntime:
                 if ctx.steps == 1:
                     ctx.lease.mark_warm()
                 if slots:
-                    marks = workload.take_marks() if hasattr(workload, "take_marks") else {}
                     ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots,
-                                                marks=marks))
+                                                marks=workload.take_marks()))
 
-    def _flush(self, ctx: ExecutorContext, workload) -> None:
+    def _flush(self, ctx: ExecutorContext, workload: Workload) -> None:
         """On a graceful stop, publish the commit the last step left pending (kvhold.executor.pending_commit)
         so that the successor need not recompute it."""
-        flush = getattr(workload, "flush", None)
-        if not self.active or flush is None:
+        if not self.active:
             return
-        slots = flush()       # Fenced propagates: the run ends EXIT_FENCED, the successor recomputes
+        slots = workload.flush()       # Fenced propagates: the run ends EXIT_FENCED, the successor recomputes
         if slots:
             ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots, marks={}))
 
-    def _promote(self, ctx: ExecutorContext, workload, msg: m.Promote) -> None:
+    def _promote(self, ctx: ExecutorContext, workload: Workload, msg: m.Promote) -> None:
         if msg.epoch != ctx.epoch:
             log.warning("ignored promote for epoch %d (mine is %d)", msg.epoch, ctx.epoch)
             return
@@ -203,21 +203,21 @@ class ExecutorRuntime:
         self.active = True
         set_log_context(role="active")
         report = workload.promote(msg)
-        if not getattr(workload, "cold_first_step", False):
+        if not workload.cold_first_step:
             ctx.lease.mark_warm()
         log.info("active (lease %d, epoch %d)", ctx.attached.slot, ctx.epoch)
         if report is not None:
             ctx.channel.send(m.Recovered(slot=ctx.attached.slot, epoch=ctx.epoch, report=report))
 
 
-def make_workload(name: str, ctx: ExecutorContext):
+def make_workload(name: str, ctx: ExecutorContext) -> Workload:
     if name == "idle":
         from kvhold.executor.idle import IdleWorkload
         return IdleWorkload(ctx)
     if name == "churn":
         from kvhold.executor.churn import ChurnWorkload
         return ChurnWorkload(ctx)
-    if name == "engine" and ctx.settings.get("kv_mode", "native") == "foreign":
+    if name == "engine" and ctx.settings.kv_mode == "foreign":
         from kvhold.executor.foreign_pool import ForeignEngineWorkload
         return ForeignEngineWorkload(ctx)
     if name == "engine":

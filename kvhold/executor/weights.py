@@ -103,15 +103,14 @@ def wait_until_sealed(tables, fingerprint: str, my_epoch: int, beat, timeout_s: 
     """Wait for another executor to seal the weights. Returns True when sealed, False when
     this executor was designated to load them instead."""
     deadline = time.monotonic() + timeout_s
-    header = tables.header
     while time.monotonic() < deadline:
-        state = WeightsState(int(header["weights_state"]))
+        state = tables.weights_state
         if state == WeightsState.SEALED:
-            sealed = bytes(header["weights_fingerprint"]).ljust(32, b"\0").hex()  # numpy strips NULs
+            sealed = tables.weights_fingerprint
             if sealed != fingerprint:
                 raise RuntimeError(f"weights sealed with fingerprint {sealed[:12]}, expected {fingerprint[:12]}")
             return True
-        if state == WeightsState.LOADING and int(header["weights_epoch"]) == my_epoch:
+        if state == WeightsState.LOADING and tables.weights_epoch == my_epoch:
             return False
         beat()
         time.sleep(0.01)

@@ -163,8 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sidecar-pid", type=int, required=True, help="the only pid served")
     parser.add_argument("--device", default="cpu", help="preload the CUDA kernels' modules for cuda:N")
     parser.add_argument("--kernel-shapes", default="",
-                        help="JSON: the executors' settings plus page_tokens, num_pages and max_seq_len "
-                             "(see kvhold.executor.kernel_shapes); their Triton kernels are then compiled here")
+                        help="JSON: the executors' settings and the table geometry (a KernelShapesRequest, "
+                             "see kvhold.executor.kernel_shapes); their Triton kernels are then compiled here")
     parser.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     from kvhold.protocol.logs import setup_logging

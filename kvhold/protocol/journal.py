@@ -187,3 +187,17 @@ class Journal:
 
     def add_counter(self, slot: int, field: str, amount: int) -> None:
         self.req[field][slot] += amount
+
+    def untaken_slots(self) -> np.ndarray:
+        """Slots admitted (or cancelled) whose request no executor has taken yet."""
+        r = self.req
+        return ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])).nonzero()[0]
+
+    def cancelled(self, slot: int) -> bool:
+        """Whether the client cancelled the request in `slot`."""
+        return bool(self.req["admit_state"][slot] == AdmitState.CANCELLED)
+
+    def set_pages(self, slot: int, pages) -> None:
+        """List `pages` as the slot's KV pages, then publish their count."""
+        self.page_lists[slot, :len(pages)] = pages
+        self.req["num_pages"][slot] = len(pages)

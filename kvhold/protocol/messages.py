@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.wire import message
 
 # ------------------------------------------------------------------ shared
@@ -93,7 +94,7 @@ class Attached:
     generation: int
     nonce: str
     regions: list[dict]
-    settings: dict
+    settings: ExecutorSettings
     weights: dict
 
 

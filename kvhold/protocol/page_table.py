@@ -141,3 +141,15 @@ class PageTable:
             "quarantined": int(quarantined.sum()),
             "bad": int(bad.sum()),
         }
+
+    def interrupted_pages(self) -> np.ndarray:
+        """Indices of pages whose last write did not finish (odd version)."""
+        return ((self.pages["version"] & 1) == 1).nonzero()[0]
+
+    def owned_pages(self) -> np.ndarray:
+        """Indices of pages that belong to a request."""
+        return (self.pages["owner"] != 0).nonzero()[0]
+
+    def unowned_pages(self) -> np.ndarray:
+        """Indices of pages that belong to no request (free, or quarantined)."""
+        return (self.pages["owner"] == 0).nonzero()[0]

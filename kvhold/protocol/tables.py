@@ -18,7 +18,7 @@ import posix_ipc
 
 from kvhold.protocol.layout import (HEADER_BYTES, HEADER_DTYPE, LAYOUT_VERSION, LEASE_DTYPE, LIVENESS_BYTES, MAGIC,
                         MAX_TABLE_BYTES, PAGE_DTYPE, REQUEST_DTYPE, PoolState, TableGeometry,
-                        fill_header, geometry_from_header, header_crc)
+                        WeightsState, fill_header, geometry_from_header, header_crc)
 
 
 class TableFormatError(ValueError):
@@ -121,6 +121,25 @@ class Tables:
     @property
     def generation(self) -> int:
         return int(self.header["generation"])
+
+    @property
+    def sidecar_pid(self) -> int:
+        """The pid of the sidecar that created the segment."""
+        return int(self.header["sidecar_pid"])
+
+    @property
+    def weights_state(self) -> WeightsState:
+        return WeightsState(int(self.header["weights_state"]))
+
+    @property
+    def weights_epoch(self) -> int:
+        """The epoch of the executor designated to load the weights (while LOADING)."""
+        return int(self.header["weights_epoch"])
+
+    @property
+    def weights_fingerprint(self) -> str:
+        """The fingerprint the weights were sealed with, as hex (meaningful once SEALED)."""
+        return bytes(self.header["weights_fingerprint"]).ljust(32, b"\0").hex()  # numpy strips NULs
 
     def next_epoch(self) -> int:
         """A new globally increasing epoch (sidecar only)."""

@@ -5,8 +5,11 @@ Frame = one ZeroMQ frame holding msgpack ``[PROTOCOL_VERSION, type, body]`` wher
 `decode` is the only way bytes become messages. It enforces, in order: the frame
 size limit, msgpack's own length limits, the envelope shape, the version, a known
 type, and the schema (every required field present, no unknown field, each value
-of the declared type). Every failure raises `WireError` carrying the error code
-the peer is sent back; nothing else escapes for any input bytes.
+of the declared type). A field may be typed as a struct: a class with `to_wire()` (to
+a map) and a `from_wire(map)` classmethod that validates it, raising TypeError or
+ValueError (kvhold.protocol.settings.ExecutorSettings); it travels as that map. Every
+failure raises `WireError` carrying the error code the peer is sent back; nothing
+else escapes for any input bytes.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ class WireError(Exception):
 
 _REGISTRY: dict[str, type] = {}
 _CHECKERS: dict[str, dict[str, Callable[[Any], Any]]] = {}
+_STRUCT_FIELDS: dict[str, tuple[str, ...]] = {}
+
+
+def _is_struct(tp) -> bool:
+    return isinstance(tp, type) and callable(getattr(tp, "from_wire", None)) \
+        and callable(getattr(tp, "to_wire", None))
 
 
 def _checker(tp) -> Callable[[Any], Any]:
@@ -42,6 +51,8 @@ def _checker(tp) -> Callable[[Any], Any]:
     args = typing.get_args(tp)
     if tp is Any:
         return lambda v: v
+    if _is_struct(tp):
+        return tp.from_wire
     if origin is typing.Union or origin is types.UnionType:
         inner = [_checker(a) for a in args if a is not type(None)]
         allow_none = type(None) in args
@@ -110,12 +121,15 @@ def message(type_name: str):
         cls.TYPE = type_name
         _REGISTRY[type_name] = cls
         _CHECKERS[type_name] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+        _STRUCT_FIELDS[type_name] = tuple(f.name for f in dataclasses.fields(cls) if _is_struct(hints[f.name]))
         return cls
     return register
 
 
 def encode(msg) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    for name in _STRUCT_FIELDS[msg.TYPE]:
+        body[name] = body[name].to_wire()
     data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.TOO_LARGE, f"{msg.TYPE} encodes to {len(data)} bytes")

@@ -7,11 +7,12 @@ attach reply, so one place configures the whole instance.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
 from kvhold.protocol.naming import InstancePaths, validate_instance
+from kvhold.protocol.settings import ExecutorSettings
 
 WORKLOADS = ("engine", "idle", "churn")
 BACKENDS = ("host", "cuda")
@@ -75,7 +76,6 @@ class SidecarConfig:
     service: str = "default"          # registry key prefix /kvhold/<service>/sidecars/
     registry_ttl_s: int = 5           # etcd lease: a dead sidecar's entry vanishes after this
     journal_dir: Path | None = None   # durable request journal (kvhold.sidecar.durable_journal)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         validate_instance(self.instance)
@@ -214,11 +214,11 @@ class SidecarConfig:
         return TableGeometry(kv=kv, num_pages=pages, num_slots=self.max_requests,
                              max_seq_len=max_seq, num_leases=self.num_leases)
 
-    def executor_settings(self, spec=None) -> dict:
-        return {"workload": self.workload, "device": self.device,
-                "heartbeat_ms": self.heartbeat_ms, "lease_ms": self.lease_ms,
-                "model": str(self.model) if self.model else "", "max_batch": self.max_batch,
-                "max_batch_tokens": self.max_batch_tokens, "prefill_chunk": self.prefill_chunk or 0,
-                "compute_dtype": self.compute_dtype_for(spec) if spec else "",
-                "cpu_threads": self.cpu_threads or 0,
-                "kv_mode": self.kv_mode, "extra": dict(self.extra)}
+    def executor_settings(self, spec=None) -> ExecutorSettings:
+        return ExecutorSettings(
+            workload=self.workload, device=self.device, heartbeat_ms=self.heartbeat_ms,
+            lease_ms=self.lease_ms, model=str(self.model) if self.model else None,
+            max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens,
+            prefill_chunk=self.prefill_chunk or None,
+            compute_dtype=self.compute_dtype_for(spec) if spec else None,
+            cpu_threads=self.cpu_threads or None, kv_mode=self.kv_mode)

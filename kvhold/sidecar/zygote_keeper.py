@@ -7,7 +7,6 @@ no sooner than `RESTART_DELAY_NS` after the previous start.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -16,6 +15,7 @@ import subprocess
 import sys
 
 from kvhold.protocol import fdpass
+from kvhold.protocol.settings import KernelShapesRequest
 
 log = logging.getLogger(__name__)
 FORK_TIMEOUT_S = 1.0
@@ -57,10 +57,7 @@ class ZygoteKeeper:
         """What executors will run their kernels at (kvhold.executor.kernel_shapes.from_settings), so
         the zygote can compile them before forking: their settings plus the table geometry."""
         try:
-            g = self.sidecar.tables.geometry
-            return json.dumps({**self.sidecar.executor_settings, "page_tokens": g.kv.page_tokens,
-                               "num_pages": g.num_pages, "max_seq_len": g.max_seq_len,
-                               "kv_dtype": g.kv.dtype})
+            return KernelShapesRequest(self.sidecar.executor_settings, self.sidecar.tables.geometry).to_json()
         except (AttributeError, TypeError, ValueError) as exc:    # an optimisation: never fatal
             log.warning("zygote gets no kernel shapes (%s): executors JIT-compile Triton kernels", exc)
             return ""

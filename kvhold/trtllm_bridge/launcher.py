@@ -44,6 +44,7 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.settings import ExecutorSettings
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, install
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,14 @@ CONNECTOR = {"connector_module": "kvhold.trtllm_bridge.trtllm_connector",
 REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED}
 
 
-def llm_kwargs(settings: dict, geometry, options: dict | None = None) -> dict:
+def llm_kwargs(settings: ExecutorSettings, geometry, options: dict | None = None) -> dict:
     """Keyword arguments for `tensorrt_llm.LLM`, as plain values (objects made in `build_llm`).
 
     KV blocks hold exactly kvhold's `page_tokens`; block reuse is off (a reused block is
     shared by requests, while a kvhold page belongs to one). `options` (a YAML mapping, as
     for trtllm-serve's --extra_llm_api_options) is applied last, except for these keys."""
-    kw = {"model": settings["model"], "max_batch_size": int(settings["max_batch"]),
-          "max_num_tokens": int(settings["max_batch_tokens"]), "max_seq_len": geometry.max_seq_len,
+    kw = {"model": settings.model, "max_batch_size": settings.max_batch,
+          "max_num_tokens": settings.max_batch_tokens, "max_seq_len": geometry.max_seq_len,
           "kv_cache_config": {"tokens_per_block": geometry.kv.page_tokens, "enable_block_reuse": False},
           "kv_connector_config": dict(CONNECTOR)}
     fixed = {"kv_connector_config", "checkpoint_loader", "tensor_parallel_size"}
@@ -109,10 +110,10 @@ class TrtllmWorkload(EngineWorkload):
     def prepare(self) -> None:
         os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
         s, tables = self.ctx.settings, self.ctx.tables
-        if s.get("kv_mode") != "foreign":
+        if s.kv_mode != "foreign":
             raise RuntimeError("TensorRT-LLM keeps its own KV pool: run the sidecar with --kv-mode foreign")
-        torch.cuda.set_device(torch.device(s["device"]))
-        weights = self._weights(ModelSpec.from_dir(s["model"]))
+        torch.cuda.set_device(torch.device(s.device))
+        weights = self._weights(ModelSpec.from_dir(s.model))
         kv = KvCache.from_mapping(self.ctx.mappings["kv"], tables.geometry.kv, tables.geometry.num_pages)
         self.bridge = Bridge(tables, kv.pool, self.ctx.lease, head_major=self.head_major)
         install(self.bridge)
@@ -162,8 +163,7 @@ class TrtllmWorkload(EngineWorkload):
             self.events.put((slot, list(c.token_ids), step.finished, c.finish_reason))
 
     def _admit(self) -> None:
-        r = self.ctx.tables.requests
-        for slot in ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])).nonzero()[0]:
+        for slot in self.journal.untaken_slots():
             e = self.journal.entry(int(slot))
             self.ctx.lease.check()
             self.journal.take(e.slot, e.request_id, self.ctx.epoch)
@@ -173,9 +173,7 @@ class TrtllmWorkload(EngineWorkload):
                 self._submit(self.journal.entry(e.slot))
 
     def has_work(self) -> bool:
-        r = self.ctx.tables.requests
-        return bool(self.live) or bool(((r["admit_state"] != AdmitState.FREE)
-                                        & (r["exec_request_id"] != r["request_id"])).any())
+        return bool(self.live) or len(self.journal.untaken_slots()) > 0
 
     def step(self) -> list[int]:
         self._admit()
@@ -195,7 +193,7 @@ class TrtllmWorkload(EngineWorkload):
         """Abort the engine requests whose journal entry the client cancelled."""
         done = []
         for slot, out in list(self.live.items()):
-            if self.ctx.tables.requests["admit_state"][slot] == AdmitState.CANCELLED:
+            if self.journal.cancelled(slot):
                 out.abort()
                 self._commit(slot, [], True, "cancelled")
                 done.append(slot)
@@ -224,11 +222,10 @@ class TrtllmWorkload(EngineWorkload):
         return bool(new) or finished
 
     def _list_pages(self, e) -> None:
-        n = 0
-        while (page := self.bridge.mirror.page_of(e.request_id, n)) is not None:
-            self.journal.page_lists[e.slot, n] = page
-            n += 1
-        self.journal.set_num_pages(e.slot, n)
+        pages = []
+        while (page := self.bridge.mirror.page_of(e.request_id, len(pages))) is not None:
+            pages.append(page)
+        self.journal.set_pages(e.slot, pages)
 
     def on_reaped(self, epochs) -> None:
         with self.bridge.lock:

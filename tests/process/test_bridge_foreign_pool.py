@@ -131,7 +131,7 @@ def test_native_mode_is_untouched(tiny_model):
     from kvhold.sidecar.config import SidecarConfig
 
     native = SidecarConfig(model=tiny_model).executor_settings()
-    assert native["kv_mode"] == "native"
+    assert native.kv_mode == "native"
     with pytest.raises(ValueError, match="--kv-mode"):
         SidecarConfig(model=tiny_model, kv_mode="borrowed")
 

@@ -24,6 +24,7 @@ from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease
 from kvhold.protocol.memory import HostRegion
 from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables
 from kvhold.trtllm_bridge.launcher import llm_kwargs, sampling_kwargs
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, MirrorExecutor, MirrorPlanner
@@ -155,7 +156,7 @@ def test_unfused_parameters_become_views_of_the_region():
 
 
 def test_llm_arguments_pin_what_the_bridge_owns():
-    settings = {"model": "/m", "max_batch": 8, "max_batch_tokens": 256}
+    settings = ExecutorSettings(model="/m", max_batch=8, max_batch_tokens=256)
     kw = llm_kwargs(settings, GEOM, {"kv_cache_config": {"free_gpu_memory_fraction": 0.5},
                                      "cuda_graph_config": None})
     assert kw["kv_cache_config"] == {"free_gpu_memory_fraction": 0.5, "tokens_per_block": 4,

@@ -4,6 +4,7 @@ only; arming the kernels and launching them needs a libcuda, here a stub
 (tests/data/triton_aot) that records what reaches the driver. Launch times, results
 bit-identical to the JIT's and CUDA graph capture are checked on the GPU by
 tools/probe_first_kernels.py."""
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from kvhold.executor.kernel_shapes import KernelShapes
+from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.settings import ExecutorSettings, KernelShapesRequest
 
 SHAPES = dict(dtype="bfloat16", num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512,
               intermediate_size=1024, vocab_size=1000, page_tokens=16, num_pages=40, max_seq_len=500,
@@ -25,17 +28,22 @@ def test_kernel_shapes_come_from_the_sidecars_executor_settings(tiny_model):
     from kvhold.protocol.model_spec import ModelSpec
 
     spec = ModelSpec.from_dir(tiny_model)
-    settings = {"device": "cuda:0", "model": str(tiny_model), "compute_dtype": "bfloat16", "max_batch": 8,
-                "max_batch_tokens": 256, "prefill_chunk": 0, "page_tokens": 16, "num_pages": 100,
-                "max_seq_len": 1000, "extra": {}}
-    shapes = KernelShapes.from_json(json.dumps(settings))
+    settings = ExecutorSettings(device="cuda:0", model=str(tiny_model), compute_dtype="bfloat16", max_batch=8,
+                                max_batch_tokens=256)
+    geometry = TableGeometry(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16),
+                             num_pages=100, max_seq_len=1000)
+
+    def request(**changes) -> str:
+        return KernelShapesRequest(dataclasses.replace(settings, **changes), geometry).to_json()
+
+    shapes = KernelShapes.from_json(request())
     assert (shapes.num_layers, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim) == \
         (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     assert (shapes.max_pages_per_seq, shapes.prefill_chunk, shapes.dtype) == (63, 248, "bfloat16")
     assert shapes.kv_pool_shape == (100, spec.num_layers, 2, 16, spec.num_kv_heads, spec.head_dim)
     assert KernelShapes.from_json(shapes.to_json()) == shapes
-    assert KernelShapes.from_json(json.dumps({**settings, "device": "cpu"})) is None
-    assert KernelShapes.from_json(json.dumps({**settings, "model": ""})) is None
+    assert KernelShapes.from_json(request(device="cpu")) is None
+    assert KernelShapes.from_json(request(model=None)) is None
     with pytest.raises(ValueError):
         KernelShapes(**{**SHAPES, "num_kv_heads": 3})
 

@@ -136,3 +136,29 @@ def test_seqlock_publish_and_snapshot(tables):
     assert pt.counts()["quarantined"] == 1
     pt.release([1, 2])
     assert pt.counts()["free"] == SMALL.num_pages
+
+
+def test_named_readers_of_the_header_pages_and_journal(tables):
+    from kvhold.protocol.journal import Journal
+    from kvhold.protocol.layout import WeightsState
+
+    assert tables.sidecar_pid == os.getpid()
+    tables.header["weights_epoch"] = 5
+    tables.header["weights_state"] = WeightsState.LOADING
+    tables.header["weights_fingerprint"] = bytes.fromhex("ab" * 31 + "00")
+    assert (tables.weights_state, tables.weights_epoch) == (WeightsState.LOADING, 5)
+    assert tables.weights_fingerprint == "ab" * 31 + "00"
+    pt = PageTable(tables)
+    pt.assign([2, 5], owner=9, logical=[0, 1], epoch=3)
+    tables.pages["version"][5] += 1            # a writer died mid-update
+    assert pt.owned_pages().tolist() == [2, 5] and pt.interrupted_pages().tolist() == [5]
+    assert len(pt.unowned_pages()) == SMALL.num_pages - 2
+    journal = Journal(tables)
+    for slot, request_id in ((0, 11), (1, 12)):
+        journal.admit(slot, request_id, [1, 2, 3], max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    journal.take(0, 11, epoch=3)
+    journal.cancel(1)
+    assert journal.untaken_slots().tolist() == [1]
+    assert journal.cancelled(1) and not journal.cancelled(0)
+    journal.set_pages(0, [7, 4])
+    assert journal.pages_of(0, 2).tolist() == [7, 4] and journal.entry(0).num_pages == 2

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode, InvalidParams, error_from_code
+from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, decode, encode, registered_types
 
 
@@ -39,6 +40,25 @@ def test_bad_frames_get_codes(payload, code):
     with pytest.raises(WireError) as info:
         decode(payload)
     assert info.value.code == code
+
+
+def test_executor_settings_travel_typed_and_are_checked_on_decode():
+    settings = ExecutorSettings(workload="idle", heartbeat_ms=40, lease_ms=200, prefill_chunk=32)
+    msg = m.Attached(slot=1, epoch=2, generation=3, nonce="n", regions=[], settings=settings, weights={})
+    assert decode(encode(msg)) == msg and decode(encode(msg)).settings.cpu_threads is None
+
+    def attached(**settings_body):
+        body = {**{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}, "settings": settings_body}
+        return msgpack.packb([PROTOCOL_VERSION, "attached", body], use_bin_type=True)
+    assert decode(attached(workload="churn")).settings == ExecutorSettings(workload="churn")
+    for bad, words in [({"max_batch": "8"}, "max_batch must be int"), ({"cuda_graph": 1}, "cuda_graph"),
+                       ({"prefill_chunk": 0}, "prefill_chunk must be positive"),
+                       ({"workload": "nope"}, "workload"), ({"no_cuda_graph": True}, "unknown field")]:
+        with pytest.raises(WireError, match=words) as info:
+            decode(attached(**bad))
+        assert info.value.code == ErrorCode.BAD_FIELD
+    with pytest.raises(TypeError, match="heartbeat_ms"):
+        ExecutorSettings(heartbeat_ms=1.5)
 
 
 def test_allowed_types_restrict_a_socket():
