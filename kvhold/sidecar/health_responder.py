@@ -8,10 +8,13 @@
 * drain: the GPU cannot be trusted or reached. Admissions close, /health turns 503
   and the registry entry says so, so routers move new work away.
 The monitor thread only posts; every action runs on the sidecar's loop thread.
+The responder gets the health config section, the device, the loop's `post`, and
+the two actions it takes: restart the active executor, close admissions.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from kvhold.sidecar.health import Action, EscalationPolicy, HealthEvent, HealthMonitor, make_source
 
@@ -28,11 +31,15 @@ def resolve_spec(spec: str, device: str) -> str:
 
 
 class HealthResponder:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
-        spec = resolve_spec(sidecar.config.health, sidecar.config.device)
+    def __init__(self, config, device: str, post: Callable[[Callable[[], None]], None],
+                 restart_executor: Callable[[str], int | None],
+                 close_admissions: Callable[[str, str], None]):
+        self.post = post
+        self.restart_executor = restart_executor      # Supervisor.restart_active
+        self.close_admissions = close_admissions      # Frontend.close_admissions
+        spec = resolve_spec(config.source, device)    # config: SidecarConfig.health
         self.monitor = HealthMonitor(make_source(spec), EscalationPolicy(), self._from_thread,
-                                     interval_s=sidecar.config.health_interval_s)
+                                     interval_s=config.interval_s)
         self.actions_taken: list[dict] = []
 
     def start(self) -> "HealthResponder":
@@ -43,18 +50,17 @@ class HealthResponder:
         self.monitor.stop()
 
     def _from_thread(self, event: HealthEvent) -> None:
-        self.sidecar.post(lambda: self.respond(event))
+        self.post(lambda: self.respond(event))
 
     def respond(self, event: HealthEvent) -> None:
-        sc = self.sidecar
         taken = {"action": event.action.label, "reason": event.reason, "kind": event.signal.kind}
         if event.action == Action.RESTART_EXECUTOR:
-            taken["executor_pid"] = sc.supervisor.restart_active(f"health: {event.reason}")
+            taken["executor_pid"] = self.restart_executor(f"health: {event.reason}")
         elif event.action == Action.RESTART_POOL:
-            sc.frontend.close_admissions("health", f"pool restart required ({event.reason}); "
-                                                   "run `kvhold pool-restart`")
+            self.close_admissions("health", f"pool restart required ({event.reason}); "
+                                            "run `kvhold pool-restart`")
         elif event.action == Action.DRAIN:
-            sc.frontend.close_admissions("health", f"node drained ({event.reason})")
+            self.close_admissions("health", f"node drained ({event.reason})")
         self.actions_taken.append(taken)
         del self.actions_taken[:-32]
 

@@ -22,7 +22,7 @@ ZAP_DOMAIN = b"kvhold"
 
 
 class TcpClientEndpoint:
-    def __init__(self, config):
+    def __init__(self, config):           # config: SidecarConfig.client_tcp
         self.ctx = zmq.Context()
         self.gate: ZapGate | None = None
         self.public_key: bytes | None = None
@@ -36,8 +36,8 @@ class TcpClientEndpoint:
                 self._make_curve_server(config)
             else:
                 log.warning("INSECURE: client TCP endpoint %s serves anyone who can reach it, in "
-                            "plaintext, without authentication (--insecure-tcp)", config.client_tcp)
-            host, port = config.client_tcp_address
+                            "plaintext, without authentication (--insecure-tcp)", config.address)
+            host, port = config.host_port
             if ":" in host:
                 self.socket.setsockopt(zmq.IPV6, 1)
                 host = f"[{host}]"

@@ -1,0 +1,65 @@
+"""The recovery timeline: one record per failover, the one place its marks are stitched.
+
+A failover's marks come from three places, and each reports here:
+* the promoted executor's `Recovered` report (`recovered`): the executor's own
+  marks from the kill's detection to the resumption (detect_ns, promoted_ns,
+  validated_ns, resumed_ns, ...) and its counts per recovery class; a report with
+  no `fenced_epoch` is a first activation, not a failover, and makes no record;
+* the sidecar's receipt of that report (`received_ns`, with the executor's pid and
+  epoch);
+* the first `StepDone` of that executor after a failover that left requests to
+  continue (`step_done`): the step's own `*_ns` marks, `step_received_ns` and
+  `first_token_ns` (when the first resumed token was committed and streamed).
+  `first_token_ns` is absent from a record until then: readers (kvhold top,
+  metrics, tools/bench_recovery.py) take its absence as "still waiting".
+The supervisor's own marks (detection, fencing, exit) are its events
+(kvhold.sidecar.supervisor), keyed by the same fenced epoch. `records()` is what
+`kvhold status --json` shows as `recoveries`.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Mapping
+
+from kvhold.protocol.leases import now_ns
+
+log = logging.getLogger(__name__)
+KEPT = 64          # records kept
+SHOWN = 16         # records in the status
+
+
+def report_of(msg) -> Mapping:
+    """The recovery report a `Recovered` message carries, read as a mapping of its fields."""
+    return msg.report
+
+
+class RecoveryTimeline:
+    def __init__(self):
+        self._records: collections.deque = collections.deque(maxlen=KEPT)
+        self._awaiting_first_token: dict[int, dict] = {}    # executor epoch -> its record
+
+    def recovered(self, pid: int, epoch: int, report: Mapping) -> None:
+        """The executor of `epoch` finished its takeover and sent `report`."""
+        if not report.get("fenced_epoch"):
+            return  # a first activation, not a failover: nothing was recovered
+        rec = dict(report, pid=pid, epoch=epoch, received_ns=now_ns())
+        self._records.append(rec)
+        if rec.get("requests_resumable", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
+            self._awaiting_first_token[epoch] = rec
+        log.info("executor pid %d took over: %s", pid, ", ".join(
+            f"{k}={v}" for k, v in report.items() if not k.endswith("_ns") and k != "requests"))
+
+    def step_done(self, epoch: int, marks: Mapping, received_ns: int) -> None:
+        """A step of the executor of `epoch` was committed and its tokens streamed."""
+        rec = self._awaiting_first_token.pop(epoch, None)
+        if rec is None:
+            return
+        rec.update({k: v for k, v in marks.items() if k.endswith("_ns") and isinstance(v, int)})
+        rec["step_received_ns"] = received_ns
+        rec["first_token_ns"] = now_ns()
+        log.info("recovery complete: first resumed token %.1f ms after detection",
+                 (rec["first_token_ns"] - rec.get("detect_ns", rec["first_token_ns"])) / 1e6)
+
+    def records(self) -> list[dict]:
+        return list(self._records)[-SHOWN:]
