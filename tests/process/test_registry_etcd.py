@@ -103,7 +103,7 @@ def test_sidecars_register_and_the_router_spreads_requests(cluster):
 def test_a_draining_sidecar_is_avoided(cluster, etcd, tmp_path):
     sidecars, view, reference = cluster
     drained = SidecarProcess(["--workload", "idle", *FLAGS, "--registry", etcd.url, "--health",
-                              "replay:" + str(Path(__file__).parent / "data/health/gpu_lost.json"),
+                              "replay:" + str(Path(__file__).parents[1] / "data/health/gpu_lost.json"),
                               "--health-interval", "0.05"], instance="reg-drain",
                              log_path=tmp_path / "drain.log")
     with drained:
