@@ -127,7 +127,7 @@ class Sidecar:
         launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
                                 settings=self.executor_settings)
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
-                                     self.send_executor, launch, zygote)
+                                     self.send_executor, launch, self.timeline.event, zygote)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload == "engine", durable=self.durable,
                                  fingerprint=fingerprint, timeline=self.timeline, host=self)
@@ -374,7 +374,7 @@ class Sidecar:
                 "page_map": page_map(pages.snapshot()),
                 "client_tcp": self.tcp.status() if self.tcp else None,
                 "registry": self.registrar.status() if self.registrar else None,
-                "events": list(self.supervisor.events)[-64:],
+                "events": self.timeline.events(),
                 "pool_restart": self.restore.status(),
                 **self.frontend.status()}
 

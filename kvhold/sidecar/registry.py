@@ -9,7 +9,8 @@ reads a few counters. When etcd is unreachable it logs (first failure, then at m
 30 s) and retries with capped backoff; it never blocks or stops the sidecar. A lease that
 etcd no longer knows (expired while unreachable) is replaced and the entry written again.
 `stop()` revokes the lease so the entry vanishes at once on a clean shutdown; a killed
-sidecar's entry vanishes when the lease expires.
+sidecar's entry vanishes when the lease expires. The entry is read from a
+`SnapshotSource` (the few parts of a sidecar it is made of), never from the sidecar.
 """
 from __future__ import annotations
 
@@ -19,15 +20,22 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from etcd3gw import exceptions as etcd_errors
 
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import WeightsState
+from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.protocol.page_table import PageTable
 from kvhold.routing.registry_client import (EtcdGateway, RegistryUnavailable, SidecarEntry, node_name,
                                  service_prefix)
+
+if TYPE_CHECKING:
+    from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
@@ -172,11 +180,11 @@ def gpu_uuid(device: str) -> str:
 class SnapshotSource:
     """What a registry entry is made of; every read is safe off the loop thread."""
 
-    paths: object                         # kvhold.protocol.naming.InstancePaths
-    model: object                         # the checkpoint directory, or None
-    tables: object                        # kvhold.protocol.tables.Tables
-    weights: object                       # kvhold.sidecar.weights_keeper.WeightsKeeper
-    tcp: object                           # kvhold.sidecar.tcp_endpoint.TcpClientEndpoint or None
+    paths: InstancePaths
+    model: Path | None                    # the checkpoint directory
+    tables: Tables
+    weights: WeightsKeeper
+    tcp: TcpClientEndpoint | None
     admissions_closed: Callable[[], bool]
     active_ready: Callable[[], bool]      # an active executor is attached and ready
     in_flight: Callable[[], int]

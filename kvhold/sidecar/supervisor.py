@@ -24,8 +24,9 @@ they keep dying.
 
 The supervisor holds no sidecar: it gets its config section, the tables, the
 weights keeper, the event loop (fd watches, posting from threads), the region
-exporter, a `send` callable to executors and what a spawned executor is launched
-with (`ExecutorLaunch`).
+exporter, a `send` callable to executors, what a spawned executor is launched
+with (`ExecutorLaunch`) and a sink for its lifecycle events (spawn, attach, ready,
+promote, fence, bye, exit: kvhold.sidecar.timeline keeps them).
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class ExecutorLaunch:
 class Supervisor:
     def __init__(self, config, tables: Tables, weights: WeightsKeeper, loop: Loop,
                  memory: RegionExporter, send: Callable[[ExecutorHandle, object], None],
-                 launch: ExecutorLaunch, zygote=None):
+                 launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None):
         self.config = config              # SidecarConfig.executors
         self.tables = tables
         self.weights = weights
@@ -115,7 +116,7 @@ class Supervisor:
         self.leases = LeaseTable(tables)
         self.handles: dict[int, ExecutorHandle] = {}      # by lease slot
         self.pending_epochs: set[int] = set()              # fenced, process not exited yet
-        self.events: collections.deque = collections.deque(maxlen=512)
+        self.record_event = events        # the sink of lifecycle events (RecoveryTimeline.event)
         self.active_slot: int | None = None
         self.want_active = True
         self._unserved_failover = (0, 0)   # (fenced epoch, detect ns) waiting for an executor
@@ -131,7 +132,7 @@ class Supervisor:
         if h is not None:
             ev.update(slot=h.slot, pid=h.pid, epoch=h.epoch)
         ev.update(extra)
-        self.events.append(ev)
+        self.record_event(ev)
         return ev
 
     # ------------------------------------------------------------------ spawning

@@ -12,9 +12,11 @@ A failover's marks come from three places, and each reports here:
   `first_token_ns` (when the first resumed token was committed and streamed).
   `first_token_ns` is absent from a record until then: readers (kvhold top,
   metrics, tools/bench_recovery.py) take its absence as "still waiting".
-The supervisor's own marks (detection, fencing, exit) are its events
-(kvhold.sidecar.supervisor), keyed by the same fenced epoch. `records()` is what
-`kvhold status --json` shows as `recoveries`.
+The supervisor's marks (detection and fencing in its `fence` event, the promotion,
+the dead process's confirmed exit in its `exit` event) arrive through `event`, the
+sink of every executor lifecycle event; their fenced epoch ties them to the
+record. `records()` is what `kvhold status --json` shows as `recoveries`,
+`events()` what it shows as `events`; both keep their keys as reported.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from kvhold.protocol.leases import now_ns
 log = logging.getLogger(__name__)
 KEPT = 64          # records kept
 SHOWN = 16         # records in the status
+EVENTS_KEPT = 512
+EVENTS_SHOWN = 64
 
 
 def report_of(msg) -> Mapping:
@@ -38,6 +42,22 @@ class RecoveryTimeline:
     def __init__(self):
         self._records: collections.deque = collections.deque(maxlen=KEPT)
         self._awaiting_first_token: dict[int, dict] = {}    # executor epoch -> its record
+        self._events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
+        self._detected: dict[int, int] = {}    # fenced epoch -> detect ns, until its exit
+
+    def event(self, ev: dict) -> None:
+        """An executor lifecycle event from the supervisor (kind, ns, slot, pid, epoch, ...)."""
+        self._events.append(ev)
+        if ev["kind"] == "fence":
+            self._detected[ev["fenced_epoch"]] = ev["detect_ns"]
+            if len(self._detected) > KEPT:     # a fenced process that never exits (not ours to kill)
+                self._detected.pop(next(iter(self._detected)))
+        elif ev["kind"] == "exit" and ev.get("epoch") in self._detected:
+            log.info("executor pid %d (epoch %d) exit confirmed %.1f ms after detection", ev["pid"],
+                     ev["epoch"], (ev["ns"] - self._detected.pop(ev["epoch"])) / 1e6)
+
+    def events(self) -> list[dict]:
+        return list(self._events)[-EVENTS_SHOWN:]
 
     def recovered(self, pid: int, epoch: int, report: Mapping) -> None:
         """The executor of `epoch` finished its takeover and sent `report`."""
