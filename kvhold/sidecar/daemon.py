@@ -93,11 +93,7 @@ class Sidecar:
         self.durable = DurableJournal(cfg.journal_path)
         generation = self._next_generation()
         self.token, self.token_path = self._load_token(stack)
-        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
-        stack.callback(self.tables.unlink)
-        regions = create_regions(self._region_sizes(geometry), cfg.pool, self.paths,
-                                 lambda region: stack.callback(region.unlink))
-        self.memory = PoolMemory(self.tables, regions)
+        self.memory = self._create_memory(stack, geometry, generation)
         self.executor_settings = cfg.executor_settings(self.spec)
         self.weights = WeightsKeeper(self.tables, self.manifest)
         self.loop = EventLoop()
@@ -158,11 +154,16 @@ class Sidecar:
                              active_ready=active_ready, in_flight=lambda: len(self.frontend.streams))
         return start_registrar(self.config.registry, self.config.pool.device, src)
 
-    def _region_sizes(self, geometry) -> dict[str, int]:
+    def _create_memory(self, stack: contextlib.ExitStack, geometry, generation: int) -> PoolMemory:
+        """The tables segment, the KV pool and (with a model) the weights region."""
+        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
+        stack.callback(self.tables.unlink)
         sizes = {"kv": geometry.kv_pool_bytes}
         if self.manifest is not None:
             sizes["weights"] = self.manifest.region_bytes
-        return sizes
+        regions = create_regions(sizes, self.config.pool, self.paths,
+                                 lambda region: stack.callback(region.unlink))
+        return PoolMemory(self.tables, regions)
 
     def _next_generation(self) -> int:
         path = self.paths.runtime_dir / "generation"

@@ -2,6 +2,9 @@
 
 `kvhold sidecar` and `kvhold serve` (which starts a sidecar) both take these; the
 `--instance`/`--runtime-root` pair names a sidecar for every other subcommand too.
+`sidecar_config_from_args` maps the flags onto the config's sections
+(kvhold.sidecar.config); a section's `SettingError` comes out as a ValueError whose
+message names the flags (`FLAGS`) instead of the settings.
 """
 from __future__ import annotations
 

@@ -138,17 +138,7 @@ class Frontend:
                            message="this sidecar runs no model (workload is not 'engine')")
         params = SamplingParams.from_dict(msg.params)
         prompt_ids = self._prompt_ids(msg)
-        max_seq = self.tables.geometry.max_seq_len
-        if len(prompt_ids) >= max_seq:
-            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
-                                f"{max_seq} tokens")
-        if len(prompt_ids) + params.max_tokens > max_seq:
-            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                f"exceeds the context of {max_seq} tokens")
-        vocab = self.spec.vocab_size
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise InvalidTokenId(f"stop token id {t} is outside the vocabulary (size {vocab})")
+        self._check_fits(prompt_ids, params)
         prefix = self._prefix_ids(msg, params)
         slot = self.journal.free_slot()
         if slot is None:
@@ -163,15 +153,32 @@ class Frontend:
                            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                            stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                            prefix_ids=prefix)
+        self._open_stream(request_id, slot, identity, prompt_ids, prefix)
+        self.num_admitted += 1
+        self._wake_executor()
+        return m.Accepted(tag=msg.tag, request_id=request_id, prompt_tokens=len(prompt_ids))
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The request fits the context and its stop ids the vocabulary."""
+        max_seq = self.tables.geometry.max_seq_len
+        if len(prompt_ids) >= max_seq:
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
+                                f"{max_seq} tokens")
+        if len(prompt_ids) + params.max_tokens > max_seq:
+            raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                f"exceeds the context of {max_seq} tokens")
+        vocab = self.spec.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise InvalidTokenId(f"stop token id {t} is outside the vocabulary (size {vocab})")
+
+    def _open_stream(self, request_id: int, slot: int, identity: bytes, prompt_ids, prefix) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
         for token in prefix if detok else ():   # the state of the uninterrupted run: a character
             detok.push(token)                    # the prefix left unfinished completes here
         self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix))
-        self.num_admitted += 1
-        self._wake_executor()
-        return m.Accepted(tag=msg.tag, request_id=request_id, prompt_tokens=len(prompt_ids))
 
     def _prompt_ids(self, msg: m.Generate) -> list[int]:
         if (msg.prompt is None) == (msg.prompt_ids is None):
