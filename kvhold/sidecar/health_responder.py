@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from kvhold.sidecar.config import HealthConfig
 from kvhold.sidecar.health import Action, EscalationPolicy, HealthEvent, HealthMonitor, make_source
 
 log = logging.getLogger(__name__)
@@ -31,13 +32,13 @@ def resolve_spec(spec: str, device: str) -> str:
 
 
 class HealthResponder:
-    def __init__(self, config, device: str, post: Callable[[Callable[[], None]], None],
+    def __init__(self, config: HealthConfig, device: str, post: Callable[[Callable[[], None]], None],
                  restart_executor: Callable[[str], int | None],
                  close_admissions: Callable[[str, str], None]):
         self.post = post
         self.restart_executor = restart_executor      # Supervisor.restart_active
         self.close_admissions = close_admissions      # Frontend.close_admissions
-        spec = resolve_spec(config.source, device)    # config: SidecarConfig.health
+        spec = resolve_spec(config.source, device)
         self.monitor = HealthMonitor(make_source(spec), EscalationPolicy(), self._from_thread,
                                      interval_s=config.interval_s)
         self.actions_taken: list[dict] = []

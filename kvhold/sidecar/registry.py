@@ -29,6 +29,7 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import WeightsState
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.tables import Tables
+from kvhold.sidecar.config import RegistryConfig
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.protocol.page_table import PageTable
 from kvhold.routing.registry_client import (EtcdGateway, RegistryUnavailable, SidecarEntry, node_name,
@@ -222,8 +223,8 @@ def sidecar_snapshot(src: SnapshotSource, node: str, gpu: str) -> SidecarEntry:
         updated=round(time.time(), 3))
 
 
-def start_registrar(config, device: str, src: SnapshotSource) -> Registrar | None:
-    """Start registering a started sidecar when `config` (SidecarConfig.registry) names a registry."""
+def start_registrar(config: RegistryConfig, device: str, src: SnapshotSource) -> Registrar | None:
+    """Start registering a started sidecar when `config` names a registry."""
     if not config.url:
         return None
     node = node_name()

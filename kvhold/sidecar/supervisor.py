@@ -50,6 +50,7 @@ from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.tables import Tables
+from kvhold.sidecar.config import ExecutorsConfig
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
@@ -103,10 +104,10 @@ class ExecutorLaunch:
 
 
 class Supervisor:
-    def __init__(self, config, tables: Tables, weights: WeightsKeeper, loop: Loop,
+    def __init__(self, config: ExecutorsConfig, tables: Tables, weights: WeightsKeeper, loop: Loop,
                  memory: RegionExporter, send: Callable[[ExecutorHandle, object], None],
                  launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None):
-        self.config = config              # SidecarConfig.executors
+        self.config = config
         self.tables = tables
         self.weights = weights
         self.loop = loop
@@ -458,7 +459,7 @@ class Supervisor:
     def status(self) -> list[dict]:
         now = now_ns()
         out = []
-        for slot in range(len(self.tables.leases)):
+        for slot in range(self.tables.geometry.num_leases):
             role = self.leases.role(slot)
             if role == Role.FREE:
                 continue

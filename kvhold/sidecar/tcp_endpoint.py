@@ -15,6 +15,7 @@ import zmq
 
 from kvhold.protocol import wire
 from kvhold.protocol.curve import load_secret_keypair
+from kvhold.sidecar.config import ClientTcpConfig
 from kvhold.sidecar.zap_gate import ZapGate
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ ZAP_DOMAIN = b"kvhold"
 
 
 class TcpClientEndpoint:
-    def __init__(self, config):           # config: SidecarConfig.client_tcp
+    def __init__(self, config: ClientTcpConfig):
         self.ctx = zmq.Context()
         self.gate: ZapGate | None = None
         self.public_key: bytes | None = None
