@@ -82,19 +82,12 @@ def cmd_pool_restart(args) -> int:
     return _report(paths, args, reply.generation)
 
 
-def release_hold(paths: InstancePaths) -> bool:
-    from kvhold.sidecar.pool_restart import HOLD_FILE
-
-    hold = paths.runtime_dir / HOLD_FILE
-    try:
-        generation = json.loads(hold.read_text()).get("generation", 0)
-        hold.unlink()
-    except FileNotFoundError:
+def release_hold(paths: InstancePaths) -> int | bool:
+    """Release a held sidecar: the generation it drained (True if unknown), False if none was held."""
+    record = paths.release_hold()
+    if record is None:
         return False
-    except ValueError:
-        hold.unlink(missing_ok=True)
-        generation = 0
-    return generation or True
+    return record.get("generation", 0) or True
 
 
 def _resume(paths: InstancePaths, args) -> int:
@@ -107,11 +100,9 @@ def _resume(paths: InstancePaths, args) -> int:
 
 
 def _wait_for_hold(paths: InstancePaths, timeout: float) -> bool:
-    from kvhold.sidecar.pool_restart import HOLD_FILE
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (paths.runtime_dir / HOLD_FILE).exists() and not paths.client_socket.exists():
+        if paths.on_hold and not paths.client_socket.exists():
             return True
         time.sleep(POLL_S)
     return False

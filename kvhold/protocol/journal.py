@@ -59,6 +59,15 @@ class Journal:
         free = (self.req["admit_state"] == AdmitState.FREE).nonzero()[0]
         return int(free[0]) if len(free) else None
 
+    def num_free_slots(self) -> int:
+        return int((self.req["admit_state"] == AdmitState.FREE).sum())
+
+    def new_request_id(self) -> int:
+        """A request id never used before: the pool generation above 40 bits of a per-pool
+        counter kept in the table header (generations never repeat, see the sidecar)."""
+        self.tables.header["request_counter"] += 1
+        return (self.tables.generation << 40) | int(self.tables.header["request_counter"])
+
     def admit(self, slot: int, request_id: int, prompt_ids, *, max_tokens: int, seed: int,
               temperature: float, top_p: float, top_k: int, stop_ids=(), ignore_eos=False,
               owner_tag: int = 0, prefix_ids=()) -> None:
@@ -102,6 +111,16 @@ class Journal:
         self.req["admit_state"][slot] = AdmitState.FREE
 
     # ------------------------------------------------------------------ readers
+    def request_id_at(self, slot: int) -> int:
+        """The request id admitted in `slot`, 0 for a slot number outside the journal."""
+        return int(self.req["request_id"][slot]) if 0 <= slot < len(self.req) else 0
+
+    def is_cancelled(self, slot: int) -> bool:
+        return int(self.req["admit_state"][slot]) == AdmitState.CANCELLED
+
+    def recompute_counts(self, slot: int) -> tuple[int, int]:
+        """(times preempted, tokens recomputed) of the request executing in `slot`."""
+        return int(self.req["num_preempted"][slot]), int(self.req["num_recomputed"][slot])
     def entry(self, slot: int) -> JournalEntry:
         r = self.req[slot].copy()
         taken = int(r["exec_request_id"]) == int(r["request_id"]) and int(r["request_id"]) != 0

@@ -97,7 +97,21 @@ class LeaseTable:
         self.leases["exit_code"][slot] = exit_code
 
     def heartbeat_age_ns(self, slot: int, now: int | None = None) -> int:
-        return (now or now_ns()) - int(self.leases["heartbeat_ns"][slot])
+        return (now or now_ns()) - self.heartbeat_ns(slot)
+
+    def heartbeat_ns(self, slot: int) -> int:
+        return int(self.leases["heartbeat_ns"][slot])
+
+    def fenced_ns(self, slot: int) -> int:
+        """When the slot was last fenced (0 if never since its grant)."""
+        return int(self.leases["fenced_ns"][slot])
+
+    def is_warm(self, slot: int) -> bool:
+        """The executor said its steps now come at their steady rate (Lease.mark_warm)."""
+        return bool(int(self.leases["flags"][slot]) & LeaseFlag.WARM)
+
+    def steps(self, slot: int) -> int:
+        return int(self.leases["steps"][slot])
 
 
 class Lease:

@@ -2,11 +2,14 @@
 
 Every name is derived from (uid, instance) so two sidecars on one host, or two
 users, never clash. The runtime directory is owner-only (0700) and holds the
-sockets, the executor token and the instance lock; shm objects are named
+sockets, the executor token, the instance lock and, while a pool restart waits
+for the operator, its hold file (a record the new image waits on until it is
+released); shm objects are named
 ``/kvhold-<uid>-<instance>-<what>`` and created 0600 by the sidecar alone.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -15,6 +18,7 @@ from pathlib import Path
 
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
 SHM_PREFIX = "kvhold"
+HOLD_FILE = "pool-restart.hold"
 
 
 def validate_instance(name: str) -> str:
@@ -100,3 +104,28 @@ class InstancePaths:
     @property
     def client_endpoint(self) -> str:
         return f"ipc://{self.client_socket}"
+
+    @property
+    def hold_file(self) -> Path:
+        return self.runtime_dir / HOLD_FILE
+
+    @property
+    def on_hold(self) -> bool:
+        """A drained sidecar waits for the operator (`kvhold pool-restart --resume`)."""
+        return self.hold_file.exists()
+
+    def write_hold(self, record: dict) -> None:
+        self.hold_file.write_text(json.dumps(record) + "\n")
+
+    def release_hold(self) -> dict | None:
+        """End the hold: the hold record ({} if unreadable), or None when there was none."""
+        try:
+            text = self.hold_file.read_text()
+        except FileNotFoundError:
+            return None
+        self.hold_file.unlink(missing_ok=True)
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}

@@ -1,24 +1,30 @@
 """The sidecar process: owns memory and tables, supervises executors, serves clients.
 
-One thread, one poll loop over: the executor control socket (ZeroMQ ROUTER), the
-client socket (ROUTER), the descriptor socket (SOCK_SEQPACKET listener), every
-executor's pidfd, and a signal wake-up pipe. Deadlines (heartbeat leases,
-keepalives, re-spawn backoff) set the poll timeout. No handler blocks: a bad
-message gets an error reply and the loop goes on; only a broken invariant of the
-sidecar itself ends it, loudly. SIGTERM/SIGINT stop executors, write the requests
-still in flight to the durable journal (kvhold.sidecar.durable_journal: the next start brings
-them back) and unlink every shm object, socket and file the sidecar created. A pool
-restart (kvhold.sidecar.pool_restart, kvhold.sidecar.restore) does the same, then re-execs in place.
+One thread, one poll loop (kvhold.sidecar.event_loop) over: the executor control
+socket (ZeroMQ ROUTER), the client socket (ROUTER), the descriptor socket
+(SOCK_SEQPACKET listener), every executor's pidfd, and a signal wake-up pipe.
+Deadlines (heartbeat leases, keepalives, re-spawn backoff) set the poll timeout.
+No handler blocks: a bad message gets an error reply and the loop goes on; only a
+broken invariant of the sidecar itself ends it, loudly. SIGTERM/SIGINT stop
+executors, write the requests still in flight to the durable journal
+(kvhold.sidecar.durable_journal: the next start brings them back) and unlink every
+shm object, socket and file the sidecar created. A pool restart
+(kvhold.sidecar.pool_restart, kvhold.sidecar.restore) does the same, then re-execs in place.
+
+`Sidecar` wires the components together; each gets only what it uses. Every
+resource registers its cleanup on an ExitStack as it is made, so `close()` (and a
+start that fails half-way) undoes them in reverse order: the registry entry is
+revoked, the health monitor stopped, the executors stopped and the in-flight
+requests journaled, then the state file, sockets, shm regions, tables, a token
+this sidecar created and the instance lock are removed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import queue
 import secrets
-import signal
-import socket
 import sys
 
 import zmq
@@ -27,20 +33,24 @@ from kvhold.protocol import fdpass, messages as m, wire
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
-from kvhold.protocol.memory import CudaRegion, HostRegion
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
+from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.config import SidecarConfig
+from kvhold.sidecar.durable_journal import DurableJournal
+from kvhold.sidecar.event_loop import EventLoop
 from kvhold.sidecar.frontend import Frontend
 from kvhold.sidecar.health_responder import HealthResponder
-from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.instance_lock import InstanceLock
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
+from kvhold.sidecar.regions import PoolMemory, create_regions
 from kvhold.sidecar.restore import Restore
-from kvhold.sidecar.supervisor import Supervisor
+from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
 from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
+from kvhold.sidecar.timeline import RecoveryTimeline, report_of
 from kvhold.sidecar.weights_keeper import WeightsKeeper
+from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0002
@@ -53,13 +63,12 @@ class Sidecar:
         self.paths = config.paths
         self.spec: ModelSpec | None = None
         self.manifest = None
-        self._fd_callbacks: dict[int, callable] = {}
-        self._identities: dict[bytes, object] = {}
-        self._stop = False
-        self._created_token = False
         self.tcp: TcpClientEndpoint | None = None
         self.registrar = None             # kvhold.sidecar.registry.Registrar with --registry
+        self.pool_restart: PoolRestart | None = None
+        self.timeline = RecoveryTimeline()
         self.started_ns = now_ns()
+        self._stack = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
@@ -67,51 +76,97 @@ class Sidecar:
         # The death watcher threads need the GIL the moment the kernel wakes them; the default
         # 5 ms switch interval would let a busy loop iteration delay every failover by that much.
         sys.setswitchinterval(GIL_SWITCH_S)
+        with contextlib.ExitStack() as stack:   # a start that fails undoes what it made
+            self._start(stack)
+            self._stack = stack.pop_all()
+        return self
+
+    def _start(self, stack: contextlib.ExitStack) -> None:
         cfg = self.config
-        if cfg.model is not None:
-            self.spec = ModelSpec.from_dir(cfg.model)
-            self.manifest = build_manifest(cfg.model, self.spec)
+        if cfg.pool.model is not None:
+            self.spec = ModelSpec.from_dir(cfg.pool.model)
+            self.manifest = build_manifest(cfg.pool.model, self.spec)
         geometry = cfg.table_geometry(self.spec)
         self.lock = InstanceLock(self.paths)
+        stack.callback(self.lock.release)
         self.lock.remove_stale(SHM_PARTS)
         self.durable = DurableJournal(cfg.journal_path)
         generation = self._next_generation()
-        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
-        self.regions = self._create_regions(geometry)
-        self.token, self.token_path = self._load_token()
+        self.token, self.token_path = self._load_token(stack)
+        self.memory = self._create_memory(stack, geometry, generation)
         self.executor_settings = cfg.executor_settings(self.spec)
         self.weights = WeightsKeeper(self.tables, self.manifest)
-        self.supervisor = Supervisor(self)
-        self.frontend = Frontend(self)
-        self.pool_restart = PoolRestart(self)
-        self.restore = Restore(self)
+        self.loop = EventLoop()
+        stack.callback(self.loop.close)
+        self._make_components()
         self.restore.restore()          # the previous pool's journaled requests, before any executor
-        self._open_sockets()
-        self.health = HealthResponder(self).start()
-        self._write_state_file()
+        self._open_sockets(stack)
+        self._write_state_file(stack)
+        stack.callback(self._stop_executors)
+        self.health = self._make_health()
+        stack.callback(self.health.stop)
         log.info("sidecar %r generation %d ready: %d KV pages of %d tokens (%.1f MiB), tables %.2f MiB "
                  "(%.3f%% of the pool)", self.paths.instance, generation, geometry.num_pages,
                  geometry.kv.page_tokens, geometry.kv_pool_bytes / 2**20, geometry.total_bytes / 2**20,
                  100 * geometry.metadata_fraction)
         self.supervisor.rearm(now_ns())
-        if self.config.registry:        # its thread only reads a status snapshot
-            from kvhold.sidecar.registry import start_registrar
-            self.registrar = start_registrar(self)
-        return self
+        if cfg.registry.url:            # its thread only reads a status snapshot
+            self.registrar = self._start_registrar()
+            stack.callback(self.registrar.stop)   # first at a stop: routers stop sending here at once
 
-    def _create_regions(self, geometry) -> dict:
+    def _make_components(self) -> None:
+        cfg, fingerprint = self.config, self.manifest.fingerprint if self.manifest is not None else ""
+        zygote = None
+        if cfg.executors.zygote:
+            zygote = ZygoteKeeper(self.paths.runtime_dir / "zygote.sock", cfg.pool.device, self.loop,
+                                  self.executor_settings, self.tables.geometry)
+        launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
+                                settings=self.executor_settings)
+        self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
+                                     self.send_executor, launch, self.timeline.event, zygote)
+        self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
+                                 runs_model=cfg.executors.workload == "engine", durable=self.durable,
+                                 fingerprint=fingerprint, timeline=self.timeline, host=self)
+        self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,
+                                        generation=self.tables.generation, send_client=self.send_client)
+        self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
+                               vocab_size=self.spec.vocab_size if self.spec else 0,
+                               generation=self.tables.generation, started_ns=self.started_ns,
+                               send_client=self.send_client)
+        self.frontend.restored = self.restore
+        self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
+        self.frontend.add_handler(m.Resume, self.restore.on_resume)
+
+    def _make_health(self) -> HealthResponder:
+        health = HealthResponder(self.config.health, self.config.pool.device, self.loop.post,
+                                 self.supervisor.restart_active, self.frontend.close_admissions,
+                                 self.frontend.open_admissions, lambda: self.frontend.closed)
+        self.frontend.add_handler(m.Admissions, health.on_admissions)
+        return health.start()
+
+    def _start_registrar(self):
+        from kvhold.sidecar.registry import SnapshotSource, start_registrar
+
+        def active_ready() -> bool:
+            active = self.supervisor.active
+            return active is not None and getattr(active, "ready", False)
+
+        src = SnapshotSource(paths=self.paths, model=self.config.pool.model, tables=self.tables,
+                             weights=self.weights, tcp=self.tcp,
+                             admissions_closed=lambda: bool(self.frontend.closed),
+                             active_ready=active_ready, in_flight=lambda: len(self.frontend.streams))
+        return start_registrar(self.config.registry, self.config.pool.device, src)
+
+    def _create_memory(self, stack: contextlib.ExitStack, geometry, generation: int) -> PoolMemory:
+        """The tables segment, the KV pool and (with a model) the weights region."""
+        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
+        stack.callback(self.tables.unlink)
         sizes = {"kv": geometry.kv_pool_bytes}
         if self.manifest is not None:
             sizes["weights"] = self.manifest.region_bytes
-        regions = {}
-        if self.config.backend == "cuda":
-            device = int(self.config.device.partition(":")[2] or 0)
-            for index, (name, size) in enumerate(sizes.items()):
-                regions[name] = CudaRegion(name, size, device, index)
-        else:
-            for name, size in sizes.items():
-                regions[name] = HostRegion(self.paths.shm_name(name), name, size)
-        return regions
+        regions = create_regions(sizes, self.config.pool, self.paths,
+                                 lambda region: stack.callback(region.unlink))
+        return PoolMemory(self.tables, regions)
 
     def _next_generation(self) -> int:
         path = self.paths.runtime_dir / "generation"
@@ -125,53 +180,48 @@ class Sidecar:
         self.durable.set_generation(gen)
         return gen
 
-    def _load_token(self) -> tuple[str, os.PathLike]:
-        path = self.config.token_file or self.paths.token_file
-        if self.config.token_file is not None:
-            st = os.stat(path)
+    def _load_token(self, stack: contextlib.ExitStack) -> tuple[str, os.PathLike]:
+        token_file = self.config.executors.token_file
+        if token_file is not None:
+            st = os.stat(token_file)
             if st.st_mode & 0o077:
-                raise PermissionError(f"token file {path} is readable by others; chmod 600 it")
-            return path.read_text().strip(), path
+                raise PermissionError(f"token file {token_file} is readable by others; chmod 600 it")
+            return token_file.read_text().strip(), token_file
+        path = self.paths.token_file
         token = secrets.token_hex(32)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        stack.callback(path.unlink, missing_ok=True)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
-        self._created_token = True
         return token, path
 
-    def _open_sockets(self) -> None:
+    def _open_sockets(self, stack: contextlib.ExitStack) -> None:
         self.zctx = zmq.Context()
-        self.control = self._router(self.paths.control_endpoint, self.paths.control_socket)
-        self.client = self._router(self.paths.client_endpoint, self.paths.client_socket)
-        if self.config.client_tcp:
-            self.tcp = TcpClientEndpoint(self.config)
+        stack.callback(self.zctx.term)
+        self.control = self._router(self.paths.control_endpoint, self.paths.control_socket, stack)
+        self.client = self._router(self.paths.client_endpoint, self.paths.client_socket, stack)
+        if self.config.client_tcp.address:
+            self.tcp = TcpClientEndpoint(self.config.client_tcp)
+            stack.callback(self.tcp.close)
         # A client is known to the frontend by transport + routing id: no TCP peer can pose as
         # a local one (or the reverse) by choosing the same routing id.
         self._client_sockets = {b"u": self.client}
         if self.tcp is not None:
             self._client_sockets[b"t"] = self.tcp.socket
+        stack.callback(_unlink, self.paths.fd_socket)
         self.fd_listener = fdpass.listen(str(self.paths.fd_socket))
+        stack.callback(self.fd_listener.close)
         self.fd_listener.setblocking(False)
-        self._sig_r, self._sig_w = socket.socketpair()
-        self._sig_r.setblocking(False)
-        self._sig_w.setblocking(False)
-        signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        self.poller = zmq.Poller()
-        self.poller.register(self.control, zmq.POLLIN)
-        self.poller.register(self.client, zmq.POLLIN)
+        self.loop.register(self.control)
+        self.loop.register(self.client)
         if self.tcp is not None:
-            self.tcp.register(self.poller)
-        self.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
-        self.watch_fd(self._sig_r.fileno(), self._drain_signals)
-        self._posted: queue.SimpleQueue = queue.SimpleQueue()
-        self._post_r, self._post_w = socket.socketpair()
-        self._post_r.setblocking(False)
-        self.watch_fd(self._post_r.fileno(), self._run_posted)
+            self.tcp.register(self.loop.poller)
+        self.loop.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
 
-    def _router(self, endpoint: str, path) -> zmq.Socket:
+    def _router(self, endpoint: str, path, stack: contextlib.ExitStack) -> zmq.Socket:
         sock = self.zctx.socket(zmq.ROUTER)
+        stack.callback(_unlink, path)     # after the close: the socket file goes last
+        stack.callback(sock.close, 0)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -179,37 +229,16 @@ class Sidecar:
         os.chmod(path, 0o600)
         return sock
 
-    def _write_state_file(self) -> None:
+    def _write_state_file(self, stack: contextlib.ExitStack) -> None:
         state = {"pid": os.getpid(), "generation": self.tables.generation,
                  "client_endpoint": self.paths.client_endpoint,
                  "client_tcp": self.tcp.status() if self.tcp else None,
                  "tables": self.paths.shm_name("tables"),
-                 "model": str(self.config.model) if self.config.model else None}
+                 "model": str(self.config.pool.model) if self.config.pool.model else None}
+        stack.callback(_unlink, self.paths.state_file)
         self.paths.state_file.write_text(json.dumps(state) + "\n")
 
     # ------------------------------------------------------------------ fd plumbing
-    def watch_fd(self, fd: int, callback) -> None:
-        self._fd_callbacks[fd] = callback
-        self.poller.register(fd, zmq.POLLIN)
-
-    def unwatch_fd(self, fd: int) -> None:
-        if self._fd_callbacks.pop(fd, None) is not None:
-            self.poller.unregister(fd)
-
-    def region_infos(self, writable_weights: bool = False) -> list[dict]:
-        infos = [{"name": "tables", "size": self.tables.geometry.total_bytes, "backend": "host",
-                  "readonly": False}]
-        for name, region in self.regions.items():
-            infos.append(region.info(readonly=name == "weights" and not writable_weights).to_wire())
-        return infos
-
-    def export_region_fds(self, writable_weights: bool) -> tuple[list[str], list[int]]:
-        names, fds = ["tables"], [os.dup(self.tables.fd)]
-        for name, region in self.regions.items():
-            names.append(name)
-            fds.append(region.export_fd(readonly=name == "weights" and not writable_weights))
-        return names, fds
-
     def _accept_fd_request(self) -> None:
         try:
             conn, _ = self.fd_listener.accept()
@@ -218,44 +247,7 @@ class Sidecar:
         conn.settimeout(0.5)
         self.supervisor.on_fd_request(conn)
 
-    def post(self, callback) -> None:
-        """Run `callback` on the loop thread soon; safe to call from any thread."""
-        self._posted.put(callback)
-        try:
-            self._post_w.send(b"!")
-        except (BlockingIOError, OSError):
-            pass  # the loop is already due to wake
-
-    def _run_posted(self) -> None:
-        try:
-            while self._post_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                callback = self._posted.get_nowait()
-            except queue.Empty:
-                return
-            callback()
-
-    def _on_signal(self, signum, frame) -> None:
-        self._stop = True
-
-    def _drain_signals(self) -> None:
-        try:
-            while self._sig_r.recv(64):
-                pass
-        except BlockingIOError:
-            pass
-
     # ------------------------------------------------------------------ executor channel
-    def register_executor_identity(self, identity: bytes, handle) -> None:
-        self._identities[identity] = handle
-
-    def forget_executor_identity(self, identity: bytes | None) -> None:
-        self._identities.pop(identity, None)
-
     def send_executor(self, handle, msg) -> None:
         if handle.identity is None:
             return
@@ -263,6 +255,12 @@ class Sidecar:
             self.control.send_multipart([handle.identity, wire.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not send %s to executor pid %d: %s", msg.TYPE, handle.pid, exc)
+
+    def wake_executor(self) -> None:
+        """New work in the journal: wake the active executor if it sleeps."""
+        active = self.supervisor.active
+        if active is not None:
+            self.send_executor(active, m.Wake())
 
     def _reply(self, sock: zmq.Socket, identity: bytes, msg) -> None:
         try:
@@ -307,7 +305,7 @@ class Sidecar:
     }
 
     def _on_recovered(self, h, msg) -> None:
-        self.frontend.on_recovered(h, msg)
+        self.timeline.recovered(h.pid, h.epoch, report_of(msg))
         self.supervisor.takeover_done()
 
     def _on_client(self, identity: bytes, frame: bytes, via: bytes = b"u") -> None:
@@ -341,7 +339,7 @@ class Sidecar:
             handler(frames[0], frames[1])
 
     def serve_forever(self) -> None:
-        while not self._stop and not self.pool_restart.draining:
+        while not self.loop.stop_requested and not self.pool_restart.draining:
             self.run_once()
             if self.pool_restart.due:
                 self.pool_restart.start_drain()   # close() then stops executors and journals
@@ -351,11 +349,7 @@ class Sidecar:
         now = now_ns()
         deadline = min(self.supervisor.next_deadline_ns(), self.frontend.next_deadline_ns())
         timeout_ms = max(0, -(-(deadline - now) // 1_000_000))
-        events = dict(self.poller.poll(min(timeout_ms, 1000)))
-        for fd in [fd for fd in events if isinstance(fd, int)]:
-            callback = self._fd_callbacks.get(fd)
-            if callback is not None:
-                callback()
+        events = self.loop.poll(min(timeout_ms, 1000))
         if self.control in events:
             self._drain(self.control, self._on_control)
         if self.client in events:
@@ -370,8 +364,7 @@ class Sidecar:
         self.frontend.tick(now)
 
     def status(self) -> dict:
-        from kvhold.protocol.page_table import PageTable
-
+        pages = PageTable(self.tables)
         return {"instance": self.paths.instance, "pid": os.getpid(),
                 "generation": self.tables.generation,
                 "uptime_s": (now_ns() - self.started_ns) / 1e9,
@@ -379,67 +372,45 @@ class Sidecar:
                             "fingerprint": self.weights.fingerprint, "load_ms": self.weights.load_ms},
                 "executors": self.supervisor.status(),
                 "zygote": self.supervisor.zygote.status() if self.supervisor.zygote else None,
-                "takeover": self.config.takeover,
+                "takeover": self.config.executors.takeover,
                 "health": self.health.status(),
-                "pages": PageTable(self.tables).counts(),
-                "page_map": page_map(PageTable(self.tables).snapshot()),
+                "pages": pages.counts(),
+                "page_map": page_map(pages.snapshot()),
                 "client_tcp": self.tcp.status() if self.tcp else None,
                 "registry": self.registrar.status() if self.registrar else None,
-                "events": list(self.supervisor.events)[-64:],
+                "events": self.timeline.events(),
                 "pool_restart": self.restore.status(),
                 **self.frontend.status()}
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Stop executors, then remove everything this sidecar created."""
-        if self.registrar is not None:   # first: routers stop sending here at once
-            self.registrar.stop()
-        if getattr(self, "health", None) is not None:
-            self.health.stop()
-        if getattr(self, "supervisor", None) is not None:
-            self.supervisor.stop_all()
-        self._journal_on_stop()
-        for sock in ("control", "client"):
-            if hasattr(self, sock):
-                getattr(self, sock).close(0)
-        if self.tcp is not None:
-            self.tcp.close()
-        if hasattr(self, "zctx"):
-            self.zctx.term()
-        if hasattr(self, "fd_listener"):
-            self.fd_listener.close()
-            signal.set_wakeup_fd(-1)
-        for region in getattr(self, "regions", {}).values():
-            region.unlink()
-        if getattr(self, "tables", None) is not None:
-            self.tables.unlink()
-        for path in (self.paths.control_socket, self.paths.client_socket, self.paths.fd_socket,
-                     self.paths.state_file):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-        if self._created_token:
-            self.paths.token_file.unlink(missing_ok=True)
-        if getattr(self, "lock", None) is not None:
-            self.lock.release()
+        """Undo what start() made, newest first (see the module docstring for the order)."""
+        self._stack.close()
         log.info("sidecar %r stopped and cleaned up", self.paths.instance)
 
+    def _stop_executors(self) -> None:
+        """Stop the executors (the shm journal is then still), then journal what is in flight."""
+        self.supervisor.stop_all()
+        self._journal_on_stop()
 
     def _journal_on_stop(self) -> None:
         """A stop (SIGTERM) keeps in-flight requests too: the next start brings them back."""
-        pool_restart = getattr(self, "pool_restart", None)
-        if pool_restart is None:
-            return
         try:
-            if pool_restart.draining:
-                pool_restart.finish_drain()
+            if self.pool_restart.draining:
+                self.pool_restart.finish_drain()
                 return
             n = journal_in_flight(self.frontend, self.durable)
             if n:
                 log.warning("%d in-flight requests journaled to %s for the next start", n, self.durable.dir)
         except Exception:
             log.exception("could not journal the in-flight requests")
+
+
+def _unlink(path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def run_sidecar(config: SidecarConfig) -> int:
@@ -451,6 +422,6 @@ def run_sidecar(config: SidecarConfig) -> int:
         sidecar.serve_forever()
     finally:
         sidecar.close()
-    if getattr(sidecar, "pool_restart", None) is not None and sidecar.pool_restart.drained:
+    if sidecar.pool_restart is not None and sidecar.pool_restart.drained:
         return reexec()                     # returns only if the exec failed
     return 0

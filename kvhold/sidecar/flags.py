@@ -2,6 +2,9 @@
 
 `kvhold sidecar` and `kvhold serve` (which starts a sidecar) both take these; the
 `--instance`/`--runtime-root` pair names a sidecar for every other subcommand too.
+`sidecar_config_from_args` maps the flags onto the config's sections
+(kvhold.sidecar.config); a section's `SettingError` comes out as a ValueError whose
+message names the flags (`FLAGS`) instead of the settings.
 """
 from __future__ import annotations
 
@@ -140,24 +143,66 @@ def add_tcp_args(p: argparse.ArgumentParser) -> None:
                         "a network you fully trust")
 
 
-def sidecar_config_from_args(args):
-    from kvhold.sidecar.config import SidecarConfig
+# setting path (kvhold.sidecar.config) -> the flag that sets it, for error messages
+FLAGS = {
+    "pool.model": "--model", "pool.backend": "--backend", "pool.device": "--device",
+    "pool.kv_pages": "--kv-pages", "pool.kv_memory_bytes": "--kv-memory",
+    "pool.page_tokens": "--page-tokens", "pool.max_seq_len": "--max-seq-len",
+    "pool.max_requests": "--max-requests", "pool.compute_dtype": "--compute-dtype",
+    "executors.workload": "--workload", "executors.standbys": "--standbys",
+    "executors.lease_ms": "--lease-ms", "executors.startup_lease_ms": "--startup-lease-ms",
+    "executors.restart_backoff_ms": "--restart-backoff-ms", "executors.takeover": "--takeover",
+    "executors.kv_mode": "--kv-mode", "executors.max_batch": "--max-batch",
+    "executors.max_batch_tokens": "--max-batch-tokens", "executors.prefill_chunk": "--prefill-chunk",
+    "executors.cpu_threads": "--cpu-threads", "executors.token_file": "--token-file",
+    "health.source": "--health", "health.interval_s": "--health-interval",
+    "client_tcp.address": "--client-tcp", "client_tcp.curve_secret_key": "--curve-secret-key",
+    "client_tcp.curve_authorized_keys": "--curve-authorized-keys", "client_tcp.insecure": "--insecure-tcp",
+    "registry.url": "--registry", "registry.service": "--service", "registry.ttl_s": "--registry-ttl",
+    "journal.dir": "--journal-dir",
+}
 
-    workload = args.workload or ("engine" if args.model else "idle")
-    return SidecarConfig(
-        instance=args.instance, runtime_root=args.runtime_root, model=args.model,
-        backend=args.backend, device=args.device, workload=workload,
-        kv_pages=args.kv_pages, kv_memory_bytes=args.kv_memory, page_tokens=args.page_tokens,
-        max_seq_len=args.max_seq_len, max_requests=args.max_requests, max_batch=args.max_batch,
+
+def flag_message(exc: ValueError) -> str:
+    """A config error as the command line should say it: settings named by their flags."""
+    from kvhold.sidecar.config import SettingError
+
+    if isinstance(exc, SettingError):
+        return exc.renamed(lambda path: FLAGS.get(path, path))
+    return str(exc)
+
+
+def sidecar_config_from_args(args):
+    """The SidecarConfig the flags describe; a bad value is a ValueError naming its flag."""
+    from kvhold.sidecar.config import SettingError
+
+    try:
+        return _sections_from_args(args)
+    except SettingError as exc:
+        raise ValueError(flag_message(exc)) from None
+
+
+def _sections_from_args(args):
+    from kvhold.sidecar.config import (ClientTcpConfig, ExecutorsConfig, HealthConfig, JournalConfig,
+                                       PoolConfig, RegistryConfig, SidecarConfig)
+
+    pool = PoolConfig(
+        model=args.model, backend=args.backend, device=args.device, kv_pages=args.kv_pages,
+        kv_memory_bytes=args.kv_memory, page_tokens=args.page_tokens, max_seq_len=args.max_seq_len,
+        max_requests=args.max_requests, compute_dtype=args.compute_dtype)
+    executors = ExecutorsConfig(
+        workload=args.workload or ("engine" if args.model else "idle"), standbys=args.standbys,
+        lease_ms=args.lease_ms, startup_lease_ms=args.startup_lease_ms, kill_fenced=args.kill_fenced,
+        spawn_executors=args.spawn_executors, max_batch=args.max_batch,
         max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-        compute_dtype=args.compute_dtype,
-        cpu_threads=args.cpu_threads, standbys=args.standbys, lease_ms=args.lease_ms,
-        startup_lease_ms=args.startup_lease_ms, kill_fenced=args.kill_fenced,
-        spawn_executors=args.spawn_executors, token_file=args.token_file,
+        cpu_threads=args.cpu_threads, token_file=args.token_file,
         restart_backoff_ms=parse_pair(args.restart_backoff_ms, "--restart-backoff-ms"),
-        zygote=args.zygote, takeover=args.takeover, health=args.health, kv_mode=args.kv_mode,
-        health_interval_s=args.health_interval,
-        client_tcp=args.client_tcp, curve_secret_key=args.curve_secret_key,
-        curve_authorized_keys=args.curve_authorized_keys, insecure_tcp=args.insecure_tcp,
-        registry=args.registry, service=args.service, registry_ttl_s=args.registry_ttl,
-        journal_dir=args.journal_dir)
+        zygote=args.zygote, takeover=args.takeover, kv_mode=args.kv_mode)
+    return SidecarConfig(
+        instance=args.instance, runtime_root=args.runtime_root, pool=pool, executors=executors,
+        health=HealthConfig(source=args.health, interval_s=args.health_interval),
+        client_tcp=ClientTcpConfig(address=args.client_tcp, curve_secret_key=args.curve_secret_key,
+                                   curve_authorized_keys=args.curve_authorized_keys,
+                                   insecure=args.insecure_tcp),
+        registry=RegistryConfig(url=args.registry, service=args.service, ttl_s=args.registry_ttl),
+        journal=JournalConfig(dir=args.journal_dir))

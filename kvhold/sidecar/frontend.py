@@ -8,6 +8,12 @@ each stream remembers how many tokens it has sent. That is why a stream crosses
 an executor crash with no duplicate and no gap: the replacement continues the
 journal, the stream continues from its own count. Idle streams get keepalives so
 a client can tell a recovery pause from a dead sidecar.
+
+The frontend holds no sidecar: it gets the tables, the model's spec and tokenizer
+directory, the durable journal, the weights fingerprint, the recovery timeline it
+reports first tokens to, and a `FrontendHost` (send to a client, wake the active
+executor, the sidecar's status). Handlers of other components' requests are added
+with `add_handler`; the pool restart's restored streams are `restored`.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -26,6 +33,7 @@ from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import SamplingParams
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
+from kvhold.sidecar.timeline import RecoveryTimeline
 
 log = logging.getLogger(__name__)
 KEEPALIVE_NS = 500_000_000
@@ -47,26 +55,47 @@ class Stream:
     restored_from: int | None = None    # tokens it was restored with, until the first new one
 
 
+class FrontendHost(Protocol):
+    """What the frontend needs of the sidecar around it."""
+
+    def send_client(self, client_key: bytes, msg) -> None: ...
+    def wake_executor(self) -> None: ...
+    def status(self) -> dict: ...
+
+
+class RestoredStreams(Protocol):
+    """The streams a pool restart brought back (kvhold.sidecar.restore.Restore)."""
+
+    def on_first_token(self) -> None: ...
+    def park(self, st: Stream, ids: list[int], done: m.Done) -> None: ...
+    def tick(self, now: int) -> None: ...
+
+
 class Frontend:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
-        self.tables = sidecar.tables
-        self.journal = Journal(sidecar.tables)
-        self.spec = sidecar.spec
-        self.tokenizer = self._load_tokenizer(sidecar.config.model)
+    def __init__(self, tables, spec, model_dir, *, runs_model: bool, durable, fingerprint: str,
+                 timeline: RecoveryTimeline, host: FrontendHost):
+        self.tables = tables
+        self.journal = Journal(tables)
+        self.spec = spec
+        self.runs_model = runs_model        # the engine workload: executors serve requests
+        self.durable = durable              # kvhold.sidecar.durable_journal.DurableJournal
+        self.fingerprint = fingerprint
+        self.timeline = timeline
+        self.host = host
+        self.restored: RestoredStreams | None = None
+        self.tokenizer = self._load_tokenizer(model_dir)
         self.streams: dict[int, Stream] = {}
-        self.recoveries: collections.deque = collections.deque(maxlen=64)
-        self._awaiting_first_token: dict[int, dict] = {}
         self._next_pump_ns = 0
         self.num_admitted = 0
         self.num_finished = collections.Counter()
         self.closed: dict[str, str] = {}    # why admissions are closed, by who closed them
-        self._handlers = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
-                          m.Status: self.on_status, m.Ping: self.on_ping,
-                          m.PoolRestart: lambda i, msg: self.sidecar.pool_restart.on_request(i, msg),
-                          m.Resume: lambda i, msg: self.sidecar.restore.on_resume(i, msg),
-                          m.Admissions: lambda i, msg: self.sidecar.health.on_admissions(i, msg)}
+        self._handlers: dict[type, Callable] = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
+                                                m.Status: self.on_status, m.Ping: self.on_ping}
         self.records: dict[int, dict] = {}   # request id -> its durable journal record (admission)
+
+    def add_handler(self, msg_type: type, handler: Callable) -> None:
+        """Route client messages of `msg_type` to `handler(client_key, msg)`."""
+        self._handlers[msg_type] = handler
 
     @staticmethod
     def _load_tokenizer(model_dir):
@@ -105,11 +134,33 @@ class Frontend:
         if self.closed:
             return m.Error(code=ErrorCode.SHUTTING_DOWN, tag=msg.tag,
                            message="not admitting new requests: " + "; ".join(self.closed.values()))
-        if self.sidecar.config.workload != "engine":
+        if not self.runs_model:
             return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
                            message="this sidecar runs no model (workload is not 'engine')")
         params = SamplingParams.from_dict(msg.params)
         prompt_ids = self._prompt_ids(msg)
+        self._check_fits(prompt_ids, params)
+        prefix = self._prefix_ids(msg, params)
+        slot = self.journal.free_slot()
+        if slot is None:
+            return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
+                           message=f"all {self.tables.geometry.num_slots} request slots are in use")
+        request_id = self.journal.new_request_id()
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        error = self._write_durable(msg.tag, request_id, identity, prompt_ids, prefix, params, seed)
+        if error is not None:
+            return error
+        self.journal.admit(slot, request_id, prompt_ids, max_tokens=params.max_tokens, seed=seed,
+                           temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                           stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                           prefix_ids=prefix)
+        self._open_stream(request_id, slot, identity, prompt_ids, prefix)
+        self.num_admitted += 1
+        self._wake_executor()
+        return m.Accepted(tag=msg.tag, request_id=request_id, prompt_tokens=len(prompt_ids))
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The request fits the context and its stop ids the vocabulary."""
         max_seq = self.tables.geometry.max_seq_len
         if len(prompt_ids) >= max_seq:
             raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
@@ -121,30 +172,14 @@ class Frontend:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise InvalidTokenId(f"stop token id {t} is outside the vocabulary (size {vocab})")
-        prefix = self._prefix_ids(msg, params)
-        slot = self.journal.free_slot()
-        if slot is None:
-            return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
-                           message=f"all {len(self.tables.requests)} request slots are in use")
-        self.tables.header["request_counter"] += 1
-        request_id = (self.tables.generation << 40) | int(self.tables.header["request_counter"])
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        error = self._write_durable(msg.tag, request_id, identity, prompt_ids, prefix, params, seed)
-        if error is not None:
-            return error
-        self.journal.admit(slot, request_id, prompt_ids, max_tokens=params.max_tokens, seed=seed,
-                           temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                           stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                           prefix_ids=prefix)
+
+    def _open_stream(self, request_id: int, slot: int, identity: bytes, prompt_ids, prefix) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
         for token in prefix if detok else ():   # the state of the uninterrupted run: a character
             detok.push(token)                    # the prefix left unfinished completes here
         self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix))
-        self.num_admitted += 1
-        self._wake_executor()
-        return m.Accepted(tag=msg.tag, request_id=request_id, prompt_tokens=len(prompt_ids))
 
     def _prompt_ids(self, msg: m.Generate) -> list[int]:
         if (msg.prompt is None) == (msg.prompt_ids is None):
@@ -179,16 +214,15 @@ class Frontend:
         """Record the request on disk before it is admitted (kvhold.sidecar.durable_journal); an error
         reply if the disk refuses, so that no accepted request lacks its record."""
         f32 = lambda x: float(np.float32(x))  # what the shm journal stores and the engine samples with
-        manifest = self.sidecar.manifest
         body = {"request_id": request_id, "generation": int(self.tables.generation),
                 "client": identity.hex(), "prompt_ids": list(prompt_ids), "prefix": len(prefix),
                 "generated": list(prefix), "max_tokens": params.max_tokens, "seed": seed,
                 "temperature": f32(params.temperature), "top_p": f32(params.top_p),
                 "top_k": params.top_k, "stop_ids": list(params.stop_token_ids),
                 "ignore_eos": params.ignore_eos, "admitted_unix_ns": time.time_ns(),
-                "fingerprint": manifest.fingerprint if manifest is not None else ""}
+                "fingerprint": self.fingerprint}
         try:
-            self.sidecar.durable.write(body)
+            self.durable.write(body)
         except OSError as exc:
             log.error("cannot write the durable journal record of a new request: %s", exc)
             return m.Error(code=ErrorCode.OVERLOADED, tag=tag,
@@ -207,12 +241,10 @@ class Frontend:
 
     def _send(self, st: Stream, msg) -> None:
         if not st.awaiting_resume:   # a restored stream's client may not be connected yet
-            self.sidecar.send_client(st.identity, msg)
+            self.host.send_client(st.identity, msg)
 
     def _wake_executor(self) -> None:
-        active = self.sidecar.supervisor.active
-        if active is not None:
-            self.sidecar.send_executor(active, m.Wake())
+        self.host.wake_executor()
 
     # ------------------------------------------------------------------ other requests
     def on_cancel(self, identity: bytes, msg: m.Cancel):
@@ -225,7 +257,7 @@ class Frontend:
         return m.Cancelled(tag=msg.tag, request_id=msg.request_id)
 
     def on_status(self, identity: bytes, msg: m.Status):
-        return m.StatusReply(tag=msg.tag, status=self.sidecar.status())
+        return m.StatusReply(tag=msg.tag, status=self.host.status())
 
     def on_ping(self, identity: bytes, msg: m.Ping):
         return m.Pong(tag=msg.tag, generation=self.tables.generation)
@@ -234,34 +266,16 @@ class Frontend:
     def on_step(self, h, msg: m.StepDone):
         received_ns = now_ns()
         for slot in msg.slots:
-            request_id = int(self.tables.requests["request_id"][slot]) if 0 <= slot < len(self.tables.requests) else 0
-            st = self.streams.get(request_id)
+            st = self.streams.get(self.journal.request_id_at(slot))
             if st is not None:
                 self._pump(st)
-        rec = self._awaiting_first_token.pop(h.epoch, None)
-        if rec is not None:
-            rec.update({k: v for k, v in msg.marks.items() if k.endswith("_ns") and isinstance(v, int)})
-            rec["step_received_ns"] = received_ns
-            rec["first_token_ns"] = now_ns()
-            log.info("recovery complete: first resumed token %.1f ms after detection",
-                     (rec["first_token_ns"] - rec.get("detect_ns", rec["first_token_ns"])) / 1e6)
-
-    def on_recovered(self, h, msg: m.Recovered):
-        if not msg.report.get("fenced_epoch"):
-            return None  # a first activation, not a failover: nothing was recovered
-        rec = dict(msg.report, pid=h.pid, epoch=h.epoch, received_ns=now_ns())
-        self.recoveries.append(rec)
-        if rec.get("requests_resumable", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
-            self._awaiting_first_token[h.epoch] = rec
-        log.info("executor pid %d took over: %s", h.pid, ", ".join(
-            f"{k}={v}" for k, v in msg.report.items() if not k.endswith("_ns") and k != "requests"))
-        return None
+        self.timeline.step_done(h.epoch, msg.marks, received_ns)
 
     def _pump(self, st: Stream) -> None:
         state, count, reason = self.journal.progress(st.slot, st.request_id)
         if st.restored_from is not None and count > st.restored_from:
             st.restored_from = None
-            self.sidecar.restore.on_first_token()
+            self.restored.on_first_token()
         if count > st.sent:
             ids = self.journal.generated(st.slot, st.sent, count)
             texts = [st.detok.push(t) for t in ids] if st.detok else [""] * len(ids)
@@ -273,16 +287,16 @@ class Frontend:
         if state == ExecState.FINISHED:
             if st.detok:
                 st.text.append(st.detok.flush())
-            r = self.tables.requests[st.slot]
+            preempted, recomputed = self.journal.recompute_counts(st.slot)
             done = m.Done(
                 request_id=st.request_id, finish_reason=reason.name.lower(),
                 prompt_tokens=st.prompt_len, completion_tokens=count - st.prefix, text="".join(st.text),
-                preemptions=int(r["num_preempted"]), recomputed_tokens=int(r["num_recomputed"]))
+                preemptions=preempted, recomputed_tokens=recomputed)
             self._send(st, done)
             if st.awaiting_resume:
-                self.sidecar.restore.park(st, self.journal.generated(st.slot, st.prefix, count), done)
+                self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done)
             self.journal.release(st.slot)
-            self.sidecar.durable.remove(st.request_id)
+            self.durable.remove(st.request_id)
             self.records.pop(st.request_id, None)
             del self.streams[st.request_id]
             self.num_finished[reason.name.lower()] += 1
@@ -299,8 +313,8 @@ class Frontend:
                     idle[st.identity].append(st.request_id)
                 st.last_send_ns = now
         for identity, ids in idle.items():
-            self.sidecar.send_client(identity, m.Keepalive(request_ids=ids))
-        self.sidecar.restore.tick(now)
+            self.host.send_client(identity, m.Keepalive(request_ids=ids))
+        self.restored.tick(now)
 
     def next_deadline_ns(self) -> int:
         deadline = self._next_pump_ns if self.streams else now_ns() + 1_000_000_000
@@ -311,6 +325,6 @@ class Frontend:
     def status(self) -> dict:
         return {"requests": {"in_flight": len(self.streams), "admitted_total": self.num_admitted,
                              "finished": dict(self.num_finished)},
-                "recoveries": list(self.recoveries)[-16:],
+                "recoveries": self.timeline.records(),
                 "admissions": {"open": not self.closed, "closed_by": dict(self.closed)}}
 

@@ -12,13 +12,18 @@ GPU, runs `kvhold admissions --reopen` (an `Admissions` message on the local soc
 the closure lifts and the policy starts afresh, so the next fault closes them again.
 A pool restart re-executes the sidecar, which starts with admissions open.
 The monitor thread only posts; every action runs on the sidecar's loop thread.
+The responder gets the health config section, the device, the loop's `post`, and
+the actions it takes: restart the active executor, close admissions (and reopen them
+on the operator's word).
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
+from kvhold.sidecar.config import HealthConfig
 from kvhold.sidecar.health import Action, EscalationPolicy, HealthEvent, HealthMonitor, make_source
 
 log = logging.getLogger(__name__)
@@ -34,11 +39,18 @@ def resolve_spec(spec: str, device: str) -> str:
 
 
 class HealthResponder:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
-        spec = resolve_spec(sidecar.config.health, sidecar.config.device)
+    def __init__(self, config: HealthConfig, device: str, post: Callable[[Callable[[], None]], None],
+                 restart_executor: Callable[[str], int | None],
+                 close_admissions: Callable[[str, str], None], open_admissions: Callable[[str], None],
+                 admissions_closed: Callable[[], dict[str, str]]):
+        self.post = post
+        self.restart_executor = restart_executor      # Supervisor.restart_active
+        self.close_admissions = close_admissions      # Frontend.close_admissions
+        self.open_admissions = open_admissions        # Frontend.open_admissions
+        self.admissions_closed = admissions_closed    # who closed admissions, and why
+        spec = resolve_spec(config.source, device)
         self.monitor = HealthMonitor(make_source(spec), EscalationPolicy(), self._from_thread,
-                                     interval_s=sidecar.config.health_interval_s)
+                                     interval_s=config.interval_s)
         self.actions_taken: list[dict] = []
 
     def start(self) -> "HealthResponder":
@@ -49,18 +61,17 @@ class HealthResponder:
         self.monitor.stop()
 
     def _from_thread(self, event: HealthEvent) -> None:
-        self.sidecar.post(lambda: self.respond(event))
+        self.post(lambda: self.respond(event))
 
     def respond(self, event: HealthEvent) -> None:
-        sc = self.sidecar
         taken = {"action": event.action.label, "reason": event.reason, "kind": event.signal.kind}
         if event.action == Action.RESTART_EXECUTOR:
-            taken["executor_pid"] = sc.supervisor.restart_active(f"health: {event.reason}")
+            taken["executor_pid"] = self.restart_executor(f"health: {event.reason}")
         elif event.action == Action.RESTART_POOL:
-            sc.frontend.close_admissions("health", f"pool restart required ({event.reason}); "
-                                                   "run `kvhold pool-restart`")
+            self.close_admissions("health", f"pool restart required ({event.reason}); "
+                                            "run `kvhold pool-restart`")
         elif event.action == Action.DRAIN:
-            sc.frontend.close_admissions("health", f"node drained ({event.reason})")
+            self.close_admissions("health", f"node drained ({event.reason})")
         self._record(taken)
 
     def on_admissions(self, identity: bytes, msg: m.Admissions):
@@ -68,12 +79,12 @@ class HealthResponder:
         if identity[:1] != b"u":
             return m.Error(code=ErrorCode.UNAUTHORIZED, tag=msg.tag,
                            message="admissions are managed only on the local ipc socket")
-        fe = self.sidecar.frontend
-        if msg.reopen and "health" in fe.closed:
+        if msg.reopen and "health" in self.admissions_closed():
             self.monitor.policy.clear()
-            fe.open_admissions("health")
+            self.open_admissions("health")
             self._record({"action": "reopen_admissions", "reason": "operator", "kind": "operator"})
-        return m.AdmissionsReply(tag=msg.tag, open=not fe.closed, closed_by=dict(fe.closed))
+        closed = self.admissions_closed()
+        return m.AdmissionsReply(tag=msg.tag, open=not closed, closed_by=dict(closed))
 
     def _record(self, taken: dict) -> None:
         self.actions_taken.append(taken)

@@ -22,10 +22,11 @@ over HTTP: retry), and on its next loop turn:
 If the re-exec itself fails the process exits with EXIT_POOL_RESTART (76), which a
 unit restarts (`RestartForceExitStatus=76`). The new image (kvhold.sidecar.restore) reloads
 the weights into a pool of the next generation and re-admits the journaled requests.
+`PoolRestart` gets the frontend (admissions, streams), the durable journal, the
+instance's paths (the hold file), the pool generation and a `send_client` callable.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -34,18 +35,20 @@ import time
 
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
-from kvhold.protocol.layout import AdmitState
 from kvhold.protocol.leases import now_ns
 
 log = logging.getLogger(__name__)
 EXIT_POOL_RESTART = 76
-HOLD_FILE = "pool-restart.hold"
 HOLD_POLL_S = 0.2
 
 
 class PoolRestart:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
+    def __init__(self, frontend, durable, paths, *, generation: int, send_client):
+        self.frontend = frontend
+        self.durable = durable
+        self.paths = paths            # kvhold.protocol.naming.InstancePaths: the hold file
+        self.generation = generation
+        self.send_client = send_client
         self.request: m.PoolRestart | None = None
         self.draining = False     # clients told: the loop stops, close() stops the executors
         self.drained = False      # every in-flight request is on disk: re-exec
@@ -66,16 +69,16 @@ class PoolRestart:
         if not msg.client_grace_s > 0:
             return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
                            message="client_grace_s must be positive")
-        fe = self.sidecar.frontend
+        fe = self.frontend
         self.request = msg
         fe.close_admissions("pool_restart", "a pool restart is in progress; retry in a few seconds")
-        self.report = {"generation": self.sidecar.tables.generation, "hold": msg.hold,
+        self.report = {"generation": self.generation, "hold": msg.hold,
                        "drain_start_ns": now_ns(), "drain_start_unix_ns": time.time_ns(),
                        "in_flight": len(fe.streams)}
         log.warning("pool restart requested: draining %d in-flight requests%s", len(fe.streams),
                     " (then holding for the operator)" if msg.hold else "")
-        return m.PoolRestartReply(tag=msg.tag, generation=self.sidecar.tables.generation,
-                                  in_flight=len(fe.streams), journal_dir=str(self.sidecar.durable.dir))
+        return m.PoolRestartReply(tag=msg.tag, generation=self.generation,
+                                  in_flight=len(fe.streams), journal_dir=str(self.durable.dir))
 
     def start_drain(self) -> None:
         """On the loop, after the reply went out: tell the clients, then let the loop end."""
@@ -85,29 +88,28 @@ class PoolRestart:
 
     def finish_drain(self) -> None:
         """From Sidecar.close(), once the executors are stopped: journal everything to disk."""
-        sc = self.sidecar
         self.report["executors_stopped_ns"] = now_ns()
-        self.report["requests_journaled"] = journal_in_flight(sc.frontend, sc.durable)
+        self.report["requests_journaled"] = journal_in_flight(self.frontend, self.durable)
         self.report["journaled_ns"] = now_ns()
-        sc.durable.write_json("last-drain.json", self.report)
+        self.durable.write_json("last-drain.json", self.report)
         if self.request.hold:
             hold = {"pid": os.getpid(), "since_unix_ns": time.time_ns(),
-                    "journal_dir": str(sc.durable.dir), **self.report}
-            (sc.paths.runtime_dir / HOLD_FILE).write_text(json.dumps(hold) + "\n")
+                    "journal_dir": str(self.durable.dir), **self.report}
+            self.paths.write_hold(hold)
         self.drained = True
         log.warning("pool restart: %d requests journaled to %s in %.1f ms; restarting the sidecar",
-                    self.report["requests_journaled"], sc.durable.dir,
+                    self.report["requests_journaled"], self.durable.dir,
                     (self.report["journaled_ns"] - self.report["drain_start_ns"]) / 1e6)
 
     def _notify_clients(self) -> None:
-        fe, msg = self.sidecar.frontend, self.request
+        fe, msg = self.frontend, self.request
         by_client: dict[bytes, list[int]] = {}
         for st in fe.streams.values():
             by_client.setdefault(st.identity, []).append(st.request_id)
         for identity, ids in by_client.items():
-            self.sidecar.send_client(identity, m.Restarting(
+            self.send_client(identity, m.Restarting(
                 request_ids=ids, resume_within_s=msg.client_grace_s,
-                generation=self.sidecar.tables.generation))
+                generation=self.generation))
 
 
 def journal_in_flight(frontend, durable) -> int:
@@ -122,7 +124,7 @@ def journal_in_flight(frontend, durable) -> int:
         if base is None:
             continue
         _, count, _ = frontend.journal.progress(st.slot, st.request_id)
-        cancelled = int(frontend.tables.requests["admit_state"][st.slot]) == AdmitState.CANCELLED
+        cancelled = frontend.journal.is_cancelled(st.slot)
         durable.write(dict(base, generated=frontend.journal.generated(st.slot, 0, count),
                            cancelled=cancelled, state="drained"))
         written += 1
@@ -135,16 +137,15 @@ def journal_in_flight(frontend, durable) -> int:
 def wait_while_held(paths) -> bool:
     """Before a new pool is created: wait while the hold file exists. False if a SIGTERM/SIGINT
     asked to stop instead (the journal stays on disk for the next start)."""
-    hold = paths.runtime_dir / HOLD_FILE
-    if not hold.exists():
+    if not paths.on_hold:
         return True
     stop = []
     previous = {s: signal.signal(s, lambda *a: stop.append(a)) for s in (signal.SIGTERM, signal.SIGINT)}
     log.warning("pool restart on hold: the pool is released (no device memory is held). Do the "
                 "upgrade, then run `kvhold pool-restart --resume --instance %s` (hold file %s)",
-                paths.instance, hold)
+                paths.instance, paths.hold_file)
     try:
-        while hold.exists() and not stop:
+        while paths.on_hold and not stop:
             time.sleep(HOLD_POLL_S)
     finally:
         for s, handler in previous.items():

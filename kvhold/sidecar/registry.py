@@ -9,7 +9,8 @@ reads a few counters. When etcd is unreachable it logs (first failure, then at m
 30 s) and retries with capped backoff; it never blocks or stops the sidecar. A lease that
 etcd no longer knows (expired while unreachable) is replaced and the entry written again.
 `stop()` revokes the lease so the entry vanishes at once on a clean shutdown; a killed
-sidecar's entry vanishes when the lease expires.
+sidecar's entry vanishes when the lease expires. The entry is read from a
+`SnapshotSource` (the few parts of a sidecar it is made of), never from the sidecar.
 """
 from __future__ import annotations
 
@@ -18,14 +19,24 @@ import os
 import socket
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from etcd3gw import exceptions as etcd_errors
 
-from kvhold.protocol.layout import AdmitState, WeightsState
+from kvhold.protocol.journal import Journal
+from kvhold.protocol.layout import WeightsState
+from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.config import RegistryConfig
+from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.protocol.page_table import PageTable
 from kvhold.routing.registry_client import (EtcdGateway, RegistryUnavailable, SidecarEntry, node_name,
                                  service_prefix)
+
+if TYPE_CHECKING:
+    from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
@@ -166,47 +177,59 @@ def gpu_uuid(device: str) -> str:
         return device
 
 
-def _health(sc) -> str:
-    if sc.frontend.closed:
+@dataclass(frozen=True, slots=True)
+class SnapshotSource:
+    """What a registry entry is made of; every read is safe off the loop thread."""
+
+    paths: InstancePaths
+    model: Path | None                    # the checkpoint directory
+    tables: Tables
+    weights: WeightsKeeper
+    tcp: TcpClientEndpoint | None
+    admissions_closed: Callable[[], bool]
+    active_ready: Callable[[], bool]      # an active executor is attached and ready
+    in_flight: Callable[[], int]
+
+
+def _health(src: SnapshotSource) -> str:
+    if src.admissions_closed():
         return "drain"
-    if sc.weights.state != WeightsState.SEALED:
+    if src.weights.state != WeightsState.SEALED:
         return "starting"
-    active = sc.supervisor.active
-    return "ok" if active is not None and getattr(active, "ready", False) else "recovering"
+    return "ok" if src.active_ready() else "recovering"
 
 
-def _tcp_endpoint(sc) -> tuple[str | None, str | None]:
-    if sc.tcp is None:
+def _tcp_endpoint(src: SnapshotSource) -> tuple[str | None, str | None]:
+    if src.tcp is None:
         return None, None
-    status = sc.tcp.status()
+    status = src.tcp.status()
     host, _, port = status["endpoint"][len("tcp://"):].rpartition(":")
     if host in ("0.0.0.0", "[::]", "*"):     # a wildcard bind: name the node instead
         host = socket.getfqdn()
     return f"tcp://{host}:{port}", status.get("public_key")
 
 
-def sidecar_snapshot(sc, node: str, gpu: str) -> SidecarEntry:
+def sidecar_snapshot(src: SnapshotSource, node: str, gpu: str) -> SidecarEntry:
     """The registry entry of a running sidecar, from reads that are safe off the loop thread."""
-    free_slots = int((sc.tables.requests["admit_state"] == AdmitState.FREE).sum())
-    tcp, public_key = _tcp_endpoint(sc)
-    model = os.path.basename(os.path.normpath(str(sc.config.model))) if sc.config.model else ""
+    free_slots = Journal(src.tables).num_free_slots()
+    tcp, public_key = _tcp_endpoint(src)
+    model = os.path.basename(os.path.normpath(str(src.model))) if src.model else ""
     return SidecarEntry(
-        key="", node=node, instance=sc.paths.instance, pid=os.getpid(), gpu=gpu, model=model,
-        fingerprint=sc.weights.fingerprint or "", generation=int(sc.tables.generation),
-        health=_health(sc), in_flight=len(sc.frontend.streams),
-        free_pages=PageTable(sc.tables).counts()["free"], free_slots=free_slots,
-        endpoint=sc.paths.client_endpoint, tcp_endpoint=tcp, curve_public_key=public_key,
+        key="", node=node, instance=src.paths.instance, pid=os.getpid(), gpu=gpu, model=model,
+        fingerprint=src.weights.fingerprint or "", generation=int(src.tables.generation),
+        health=_health(src), in_flight=src.in_flight(),
+        free_pages=PageTable(src.tables).counts()["free"], free_slots=free_slots,
+        endpoint=src.paths.client_endpoint, tcp_endpoint=tcp, curve_public_key=public_key,
         updated=round(time.time(), 3))
 
 
-def start_registrar(sc) -> Registrar | None:
-    """Start registering `sc` (a started Sidecar) when its config names a registry."""
-    cfg = sc.config
-    if not cfg.registry:
+def start_registrar(config: RegistryConfig, device: str, src: SnapshotSource) -> Registrar | None:
+    """Start registering a started sidecar when `config` names a registry."""
+    if not config.url:
         return None
     node = node_name()
-    key = f"{service_prefix(cfg.service)}{node}-{sc.paths.instance}"
-    gpu = gpu_uuid(cfg.device)
-    gateway = EtcdGateway.from_url(cfg.registry, timeout=min(2.0, cfg.registry_ttl_s / 2))
-    return Registrar(gateway, key, lambda: replace(sidecar_snapshot(sc, node, gpu), key=key),
-                     ttl_s=cfg.registry_ttl_s).start()
+    key = f"{service_prefix(config.service)}{node}-{src.paths.instance}"
+    gpu = gpu_uuid(device)
+    gateway = EtcdGateway.from_url(config.url, timeout=min(2.0, config.ttl_s / 2))
+    return Registrar(gateway, key, lambda: replace(sidecar_snapshot(src, node, gpu), key=key),
+                     ttl_s=config.ttl_s).start()

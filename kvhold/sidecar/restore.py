@@ -21,11 +21,15 @@ Only the client key recorded at admission (transport + routing id) may resume.
   reported failed: in the status (`pool_restart.failed`, with the reason), in the log,
   kept under failed/ on disk, and as a `NotFound` error naming the reason to a client
   that resumes it. Nothing is dropped silently.
+`Restore` gets the frontend (whose journal and streams it fills), the durable
+journal, the new pool's weights fingerprint, vocabulary size and generation, when
+the sidecar started, and a `send_client` callable.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
@@ -47,17 +51,23 @@ class Unclaimed:
 
 
 class Restore:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
+    def __init__(self, frontend, durable, *, fingerprint: str, vocab_size: int, generation: int,
+                 started_ns: int, send_client: Callable[[bytes, object], None]):
+        self.frontend = frontend
+        self.durable = durable
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        self.generation = generation
+        self.started_ns = started_ns
+        self.send_client = send_client
         self.failed: dict[int, FailedRecord] = {}
         self.unclaimed: dict[int, Unclaimed] = {}
         self.report: dict = {}
 
     # ------------------------------------------------------------------ start-up
     def restore(self) -> None:
-        sc = self.sidecar
         t0 = now_ns()
-        records, failed = sc.durable.load()
+        records, failed = self.durable.load()
         self.failed.update((f.request_id, f) for f in failed)
         restored = 0
         for body in records:
@@ -65,26 +75,26 @@ class Restore:
             if reason is None:
                 restored += 1
             else:
-                path = sc.durable.path_for(body["request_id"])
-                self.failed[body["request_id"]] = sc.durable.fail(path, body["request_id"], reason)
+                path = self.durable.path_for(body["request_id"])
+                self.failed[body["request_id"]] = self.durable.fail(path, body["request_id"], reason)
         if not records and not failed:
             return
-        self.report = {"sidecar_started_ns": sc.started_ns, "start_ns": t0, "restored_ns": now_ns(),
+        self.report = {"sidecar_started_ns": self.started_ns, "start_ns": t0, "restored_ns": now_ns(),
                        "requests_restored": restored,
                        "requests_failed": len(self.failed), "first_token_ns": 0,
-                       "previous_drain": sc.durable.read_json("last-drain.json")}
+                       "previous_drain": self.durable.read_json("last-drain.json")}
         log.warning("pool generation %d: restored %d journaled requests (%d failed) from %s",
-                    sc.tables.generation, restored, len(self.failed), sc.durable.dir)
+                    self.generation, restored, len(self.failed), self.durable.dir)
 
     def _admit(self, body: dict) -> str | None:
         """Re-admit one record; the reason it cannot be, or None."""
-        fe, sc = self.sidecar.frontend, self.sidecar
-        fingerprint = sc.manifest.fingerprint if sc.manifest is not None else ""
+        fe = self.frontend
+        fingerprint = self.fingerprint
         if body.get("fingerprint", "") != fingerprint:
             return (f"the model changed across the restart (weights fingerprint "
                     f"{str(body.get('fingerprint'))[:12]} -> {fingerprint[:12]})")
         prompt, generated = body["prompt_ids"], body["generated"]
-        vocab = sc.spec.vocab_size
+        vocab = self.vocab_size
         if any(t >= vocab for t in prompt + generated + body["stop_ids"]):
             return f"a token id is outside the vocabulary (size {vocab})"
         need = len(prompt) + max(body["max_tokens"], len(generated))
@@ -92,7 +102,7 @@ class Restore:
             return f"needs {need} tokens, the context is now {fe.tables.geometry.max_seq_len}"
         slot = fe.journal.free_slot()
         if slot is None:
-            return f"no free request slot (--max-requests {len(fe.tables.requests)})"
+            return f"no free request slot (--max-requests {fe.tables.geometry.num_slots})"
         rid = int(body["request_id"])
         fe.journal.admit(slot, rid, prompt, max_tokens=body["max_tokens"], seed=body["seed"],
                          temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
@@ -132,14 +142,14 @@ class Restore:
             if error is None:
                 resumed.append(rid)
             else:
-                self.sidecar.send_client(identity, m.Error(code=ErrorCode.NOT_FOUND, request_id=rid,
+                self.send_client(identity, m.Error(code=ErrorCode.NOT_FOUND, request_id=rid,
                                                            message=error))
         # a keepalive tells the SDK a sidecar serves its streams again: the announced pause ends
-        self.sidecar.send_client(identity, m.Keepalive(request_ids=resumed))
+        self.send_client(identity, m.Keepalive(request_ids=resumed))
         return None
 
     def _resume_one(self, identity: bytes, rid: int, index: int) -> str | None:
-        fe = self.sidecar.frontend
+        fe = self.frontend
         st = fe.streams.get(rid)
         if st is not None and st.identity == identity:
             if not 0 <= index <= st.sent:
@@ -147,7 +157,7 @@ class Restore:
             was_waiting, st.awaiting_resume = st.awaiting_resume, False
             if index < st.sent:
                 ids = fe.journal.generated(st.slot, index, st.sent)
-                self.sidecar.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
+                self.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
                                                             texts=st.text[index:st.sent]))
             st.last_send_ns = now_ns()
             if was_waiting:
@@ -158,14 +168,14 @@ class Restore:
         if parked is not None and parked.identity == identity:
             del self.unclaimed[rid]
             index = min(max(0, index), len(parked.ids))
-            self.sidecar.send_client(identity, m.Tokens(request_id=rid, start=index,
+            self.send_client(identity, m.Tokens(request_id=rid, start=index,
                                                         ids=parked.ids[index:], texts=parked.texts[index:]))
-            self.sidecar.send_client(identity, parked.done)
+            self.send_client(identity, parked.done)
             return None
         if rid in self.failed:
             return f"request {rid:#x} could not be restored after the pool restart: {self.failed[rid].reason}"
         return (f"request {rid:#x} is unknown to this sidecar (pool generation "
-                f"{self.sidecar.tables.generation}); it is not in its durable journal")
+                f"{self.generation}); it is not in its durable journal")
 
     def tick(self, now: int) -> None:
         expired = [rid for rid, u in self.unclaimed.items() if now - u.finished_ns > UNCLAIMED_KEEP_S * 1e9]
@@ -179,5 +189,5 @@ class Restore:
                 "failed": [f.to_dict() for f in self.failed.values()],
                 "unclaimed": [{"request_id": rid, "tokens": len(u.ids), "finish_reason": u.done.finish_reason}
                               for rid, u in self.unclaimed.items()],
-                "awaiting_resume": sorted(st.request_id for st in self.sidecar.frontend.streams.values()
+                "awaiting_resume": sorted(st.request_id for st in self.frontend.streams.values()
                                           if st.awaiting_resume)}

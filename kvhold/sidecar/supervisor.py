@@ -1,17 +1,32 @@
 """Executor supervision: spawn, attach, lease, detect death, fence, promote, re-arm.
 
-Death is detected two ways. An exit or kill makes the executor's pidfd readable,
-which wakes the sidecar's poll loop at once. A hang (SIGSTOP, a spin) stops the
-heartbeat the executor writes into its lease; the sidecar checks lease ages at the
-nearest deadline on CLOCK_MONOTONIC. Either way the executor is fenced (its epoch
-replaced, so its writes are refused and it exits if it ever runs again), killed if
-it is hung and ours to kill, and, if it was active, the best standby is promoted
-at once. The promotion names the fenced epochs whose process has not exited yet:
-the new active must not reuse pages those writers could still touch until a later
-`reaped` message says they are gone (`--takeover wait-exit` instead holds the
-promotion until the dead process has fully exited, for comparison). Executors are
-then re-spawned, forked from the zygote when one is ready (torch already
-imported) or started cold, with capped exponential backoff when they keep dying.
+Three signals detect a dead or stuck executor, each for what it sees first:
+* the robust futex of its lease slot (kvhold.protocol.liveness): a watcher thread,
+  started once the executor has fetched its region descriptors, wakes with
+  EOWNERDEAD when the executor's main thread dies, before the kernel tears its
+  address space down (~0.2 ms after a SIGKILL). This is the main path of a crash:
+  the executor is fenced and a standby promoted from it;
+* its pidfd: readable once the process has fully exited. It fences an executor
+  that died before it had a watcher (during start-up), confirms the exit of one
+  already fenced (its lease is released, the new active is told `reaped`, and a
+  `--takeover wait-exit` failover is promoted only then), and reaps the process;
+* the heartbeat in its lease: a hang (SIGSTOP, a spin) keeps the process alive and
+  the futex held, so lease ages are checked at the nearest deadline on
+  CLOCK_MONOTONIC; an executor silent for its lease is fenced as hung.
+A fenced executor's epoch is replaced, so its writes are refused and it exits if
+it ever runs again; it is killed if it is hung and ours to kill, and, if it was
+active, the best standby is promoted at once. The promotion names the fenced
+epochs whose process has not exited yet: the new active must not reuse pages
+those writers could still touch until a later `reaped` message says they are
+gone. Executors are then re-spawned, forked from the zygote when one is ready
+(torch already imported) or started cold, with capped exponential backoff when
+they keep dying.
+
+The supervisor holds no sidecar: it gets its config section, the tables, the
+weights keeper, the event loop (fd watches, posting from threads), the region
+exporter, a `send` callable to executors, what a spawned executor is launched
+with (`ExecutorLaunch`) and a sink for its lifecycle events (spawn, attach, ready,
+promote, fence, bye, exit: kvhold.sidecar.timeline keeps them).
 """
 from __future__ import annotations
 
@@ -25,12 +40,18 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
 
 from kvhold.protocol import fdpass, messages as m
 from kvhold.protocol.errors import ErrorCode
-from kvhold.protocol.layout import LeaseFlag, Role
+from kvhold.protocol.layout import Role
 from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.liveness import DeathWatcher
+from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.config import ExecutorsConfig
+from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
@@ -57,15 +78,46 @@ class ExecutorHandle:
     info: dict = field(default_factory=dict)
 
 
+class Loop(Protocol):
+    """The sidecar's event loop, as the supervisor and the zygote keeper use it."""
+
+    def watch_fd(self, fd: int, callback: Callable[[], None]) -> None: ...
+    def unwatch_fd(self, fd: int) -> None: ...
+    def post(self, callback: Callable[[], None]) -> None: ...
+
+
+class RegionExporter(Protocol):
+    """The memory regions executors map (kvhold.sidecar.regions.PoolMemory)."""
+
+    def infos(self, writable_weights: bool = False) -> list[dict]: ...
+    def export_fds(self, writable_weights: bool) -> tuple[list[str], list[int]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorLaunch:
+    """What an executor is started and attached with."""
+
+    paths: InstancePaths
+    token: str
+    token_path: Path
+    settings: dict
+
+
 class Supervisor:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
-        self.config = sidecar.config
-        self.tables = sidecar.tables
-        self.leases = LeaseTable(sidecar.tables)
+    def __init__(self, config: ExecutorsConfig, tables: Tables, weights: WeightsKeeper, loop: Loop,
+                 memory: RegionExporter, send: Callable[[ExecutorHandle, object], None],
+                 launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None):
+        self.config = config
+        self.tables = tables
+        self.weights = weights
+        self.loop = loop
+        self.memory = memory
+        self.send = send
+        self.launch = launch
+        self.leases = LeaseTable(tables)
         self.handles: dict[int, ExecutorHandle] = {}      # by lease slot
         self.pending_epochs: set[int] = set()              # fenced, process not exited yet
-        self.events: collections.deque = collections.deque(maxlen=512)
+        self.record_event = events        # the sink of lifecycle events (RecoveryTimeline.event)
         self.active_slot: int | None = None
         self.want_active = True
         self._unserved_failover = (0, 0)   # (fenced epoch, detect ns) waiting for an executor
@@ -73,7 +125,7 @@ class Supervisor:
         self._next_spawn_ns = 0
         self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
         self._stopping = False
-        self.zygote = ZygoteKeeper(sidecar) if self.config.zygote else None
+        self.zygote: ZygoteKeeper | None = zygote
 
     # ------------------------------------------------------------------ events
     def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
@@ -81,7 +133,7 @@ class Supervisor:
         if h is not None:
             ev.update(slot=h.slot, pid=h.pid, epoch=h.epoch)
         ev.update(extra)
-        self.events.append(ev)
+        self.record_event(ev)
         return ev
 
     # ------------------------------------------------------------------ spawning
@@ -96,9 +148,9 @@ class Supervisor:
         if slot is None:
             log.error("no free lease slot to spawn an executor (%d in use)", len(self.handles))
             return None
-        paths = self.sidecar.paths
+        paths = self.launch.paths
         argv = ["--instance", paths.instance, "--runtime-root", str(paths.runtime_dir.parent),
-                "--token-file", str(self.sidecar.token_path),
+                "--token-file", str(self.launch.token_path),
                 "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                 *self.config.executor_args]
         if self.active_slot is None and self._unserved_failover[0]:
@@ -117,7 +169,7 @@ class Supervisor:
         h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=popen,
                            spawned_ns=now_ns(), via=via)
         self.handles[slot] = h
-        self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+        self.loop.watch_fd(pidfd, lambda h=h: self.on_exit(h))
         self._event("spawn", h, via=via)
         log.info("spawned executor pid %d (%s, lease %d, epoch %d)", h.pid, via, slot, epoch)
         return h
@@ -142,7 +194,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ attach
     def on_attach(self, identity: bytes, msg: m.Attach):
-        if not hmac.compare_digest(msg.token.encode(), self.sidecar.token.encode()):
+        if not hmac.compare_digest(msg.token.encode(), self.launch.token.encode()):
             log.warning("refused attach from pid %d: wrong executor token", msg.pid)
             self._event("refused", pid=msg.pid, reason="bad token")
             return m.Error(code=ErrorCode.UNAUTHORIZED, message="bad executor token")
@@ -155,12 +207,11 @@ class Supervisor:
             return m.Error(code=ErrorCode.UNAUTHORIZED, message="pid already attached")
         h.identity = identity
         h.nonce = secrets.token_hex(16)
-        self.sidecar.register_executor_identity(identity, h)
         self._event("attach", h)
-        weights = self.sidecar.weights.attach_info(h)
+        weights = self.weights.attach_info(h)
         return m.Attached(slot=h.slot, epoch=h.epoch, generation=self.tables.generation,
-                          nonce=h.nonce, regions=self.sidecar.region_infos(weights["loader"]),
-                          settings=self.sidecar.executor_settings, weights=weights)
+                          nonce=h.nonce, regions=self.memory.infos(weights["loader"]),
+                          settings=self.launch.settings, weights=weights)
 
     def _adopt(self, pid: int) -> ExecutorHandle | None:
         """An executor we did not spawn (systemd, a test): lease it and watch its pidfd."""
@@ -176,7 +227,7 @@ class Supervisor:
         h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=None,
                            spawned_ns=now_ns(), via="adopted")
         self.handles[slot] = h
-        self.sidecar.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+        self.loop.watch_fd(pidfd, lambda h=h: self.on_exit(h))
         log.info("adopted external executor pid %d (lease %d, epoch %d)", pid, slot, epoch)
         return h
 
@@ -194,8 +245,8 @@ class Supervisor:
                 log.warning("refused region descriptors to pid %d (no matching lease)", pid)
                 fdpass.send(conn, {"ok": False, "error": "no matching lease"})
                 return
-            writable_weights = self.sidecar.weights.may_write(h)
-            names, fds = self.sidecar.export_region_fds(writable_weights)
+            writable_weights = self.weights.may_write(h)
+            names, fds = self.memory.export_fds(writable_weights)
             try:
                 fdpass.send(conn, {"ok": True, "regions": names}, fds)
             finally:
@@ -214,7 +265,7 @@ class Supervisor:
 
         def died(h=h, epoch=h.epoch):
             ns = now_ns()
-            self.sidecar.post(lambda: self.on_liveness_lost(h, epoch, ns))
+            self.loop.post(lambda: self.on_liveness_lost(h, epoch, ns))
 
         h.watcher = DeathWatcher(self.tables.liveness_mutex(h.slot), died, name=f"liveness-{h.slot}")
         h.watcher.start()
@@ -260,7 +311,7 @@ class Supervisor:
         self.leases.set_role(h.slot, Role.ACTIVE)
         self.active_slot = h.slot
         self._event("promote", h, fenced_epoch=fenced_epoch)
-        self.sidecar.send_executor(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
+        self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
                                                 fenced_epoch=fenced_epoch, detect_ns=detect_ns))
         log.info("promoted executor pid %d (lease %d, epoch %d) to active", h.pid, h.slot, h.epoch)
 
@@ -287,10 +338,10 @@ class Supervisor:
         old_epoch = self.leases.fence(h.slot)
         h.fenced = True
         self.pending_epochs.add(old_epoch)
-        fenced_ns = int(self.tables.leases["fenced_ns"][h.slot])
+        fenced_ns = self.leases.fenced_ns(h.slot)
         self._event("fence", h, reason=reason, role=role.name, detect_ns=detect_ns,
                     fenced_ns=fenced_ns, fenced_epoch=old_epoch)
-        self.sidecar.weights.on_fenced(h, [x for x in self.live_handles() if x.identity is not None])
+        self.weights.on_fenced(h, [x for x in self.live_handles() if x.identity is not None])
         if (kill or reason == "hang") and self.config.kill_fenced:
             try:
                 signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
@@ -322,7 +373,7 @@ class Supervisor:
 
     def on_exit(self, h: ExecutorHandle) -> None:
         detect_ns = now_ns()
-        self.sidecar.unwatch_fd(h.pidfd)
+        self.loop.unwatch_fd(h.pidfd)
         if h.watcher is not None:
             h.watcher.cancel()
         exit_code = self._reap(h)
@@ -334,11 +385,10 @@ class Supervisor:
         self.leases.release(h.slot, exit_code)
         os.close(h.pidfd)
         del self.handles[h.slot]
-        self.sidecar.forget_executor_identity(h.identity)
         self._event("exit", h, exit_code=exit_code)
         log.info("executor pid %d exited with code %d", h.pid, exit_code)
         if released and self.active is not None:
-            self.sidecar.send_executor(self.active, m.Reaped(epochs=released))
+            self.send(self.active, m.Reaped(epochs=released))
         if h.deferred_failover is not None and not self._stopping:
             self.failover(*h.deferred_failover)
         self.rearm(now_ns())
@@ -356,7 +406,7 @@ class Supervisor:
         role = self.leases.role(h.slot)
         if role == Role.STARTING:
             return self.config.startup_lease_ms
-        if role == Role.ACTIVE and not int(self.tables.leases["flags"][h.slot]) & LeaseFlag.WARM:
+        if role == Role.ACTIVE and not self.leases.is_warm(h.slot):
             return self.config.lease_ms * FIRST_STEP_GRACE
         return self.config.lease_ms
 
@@ -369,7 +419,7 @@ class Supervisor:
         deadline = now_ns() + 1_000_000_000
         for h in self.handles.values():
             if not h.fenced:
-                last = int(self.tables.leases["heartbeat_ns"][h.slot])
+                last = self.leases.heartbeat_ns(h.slot)
                 deadline = min(deadline, last + int(self._lease_ms(h) * 1e6))
         for t in (self._next_spawn_ns, self._takeover_until_ns):
             if t:
@@ -384,7 +434,7 @@ class Supervisor:
         for h in self.handles.values():
             h.stopping = True
             if h.identity is not None:
-                self.sidecar.send_executor(h, m.Shutdown(reason="sidecar stopping"))
+                self.send(h, m.Shutdown(reason="sidecar stopping"))
         deadline = now_ns() + int(timeout_s * 1e9)
         for h in list(self.handles.values()):
             self._wait_or_kill(h, deadline)
@@ -409,7 +459,7 @@ class Supervisor:
     def status(self) -> list[dict]:
         now = now_ns()
         out = []
-        for slot in range(len(self.tables.leases)):
+        for slot in range(self.tables.geometry.num_leases):
             role = self.leases.role(slot)
             if role == Role.FREE:
                 continue
@@ -417,7 +467,7 @@ class Supervisor:
             out.append({"slot": slot, "pid": self.leases.pid(slot), "role": role.name.lower(),
                         "epoch": self.leases.epoch(slot),
                         "heartbeat_age_ms": self.leases.heartbeat_age_ns(slot, now) / 1e6,
-                        "steps": int(self.tables.leases["steps"][slot]),
+                        "steps": self.leases.steps(slot),
                         "ready": bool(h and h.ready), "via": h.via if h else "",
                         **(h.info if h else {})})
         return out

@@ -15,6 +15,7 @@ import zmq
 
 from kvhold.protocol import wire
 from kvhold.protocol.curve import load_secret_keypair
+from kvhold.sidecar.config import ClientTcpConfig
 from kvhold.sidecar.zap_gate import ZapGate
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ ZAP_DOMAIN = b"kvhold"
 
 
 class TcpClientEndpoint:
-    def __init__(self, config):
+    def __init__(self, config: ClientTcpConfig):
         self.ctx = zmq.Context()
         self.gate: ZapGate | None = None
         self.public_key: bytes | None = None
@@ -36,8 +37,8 @@ class TcpClientEndpoint:
                 self._make_curve_server(config)
             else:
                 log.warning("INSECURE: client TCP endpoint %s serves anyone who can reach it, in "
-                            "plaintext, without authentication (--insecure-tcp)", config.client_tcp)
-            host, port = config.client_tcp_address
+                            "plaintext, without authentication (--insecure-tcp)", config.address)
+            host, port = config.host_port
             if ":" in host:
                 self.socket.setsockopt(zmq.IPV6, 1)
                 host = f"[{host}]"

@@ -3,7 +3,9 @@
 The zygote is an optimisation, never a dependency: while it is starting (importing
 torch takes seconds), dead, or slow to answer, `fork()` returns None and the
 supervisor starts the executor cold instead. A zygote that dies is restarted,
-no sooner than `RESTART_DELAY_NS` after the previous start.
+no sooner than `RESTART_DELAY_NS` after the previous start. The keeper gets the
+socket path, the device, the event loop (to watch the zygote's pidfd) and the
+settings and table geometry executors will run with (for the kernel shapes).
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ RESTART_DELAY_NS = 2_000_000_000
 
 
 class ZygoteKeeper:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
-        self.socket_path = str(sidecar.paths.runtime_dir / "zygote.sock")
+    def __init__(self, socket_path, device: str, loop, settings: dict, geometry):
+        self.socket_path = str(socket_path)
+        self.device = device
+        self.loop = loop                  # watch_fd / unwatch_fd (kvhold.sidecar.event_loop)
+        self.settings = settings
+        self.geometry = geometry
         self.popen: subprocess.Popen | None = None
         self.pidfd = -1
         self.started_ns = 0
@@ -43,12 +48,12 @@ class ZygoteKeeper:
         except FileNotFoundError:
             pass
         cmd = [sys.executable, "-m", "kvhold.executor.zygote", "--socket", self.socket_path,
-               "--sidecar-pid", str(os.getpid()), "--device", self.sidecar.config.device,
+               "--sidecar-pid", str(os.getpid()), "--device", self.device,
                "--kernel-shapes", self._kernel_shapes(),
                "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
         self.pidfd = os.pidfd_open(self.popen.pid)
-        self.sidecar.watch_fd(self.pidfd, self._on_exit)
+        self.loop.watch_fd(self.pidfd, self._on_exit)
         self.started_ns = now
         self.restarts += 1
         log.info("started zygote pid %d", self.popen.pid)
@@ -57,13 +62,13 @@ class ZygoteKeeper:
         """What executors will run their kernels at (kvhold.executor.kernel_shapes.from_settings), so
         the zygote can compile them before forking: their settings plus the table geometry."""
         try:
-            return KernelShapesRequest(self.sidecar.executor_settings, self.sidecar.tables.geometry).to_json()
+            return KernelShapesRequest(self.settings, self.geometry).to_json()
         except (AttributeError, TypeError, ValueError) as exc:    # an optimisation: never fatal
             log.warning("zygote gets no kernel shapes (%s): executors JIT-compile Triton kernels", exc)
             return ""
 
     def _on_exit(self) -> None:
-        self.sidecar.unwatch_fd(self.pidfd)
+        self.loop.unwatch_fd(self.pidfd)
         os.close(self.pidfd)
         code = self.popen.wait()
         log.warning("zygote pid %d exited with code %d; executors start cold until it is back",
@@ -73,7 +78,7 @@ class ZygoteKeeper:
     def stop(self) -> None:
         if self.popen is None:
             return
-        self.sidecar.unwatch_fd(self.pidfd)
+        self.loop.unwatch_fd(self.pidfd)
         self.popen.send_signal(signal.SIGTERM)
         if not select.select([self.pidfd], [], [], 2.0)[0]:
             self.popen.kill()

@@ -128,12 +128,18 @@ def test_damaged_mirror_page_recomputes_from_the_first_bad_block(tiny_model, ref
 
 def test_native_mode_is_untouched(tiny_model):
     """Without --kv-mode foreign, executors run the native workload (settings say so)."""
-    from kvhold.sidecar.config import SidecarConfig
+    import argparse
 
-    native = SidecarConfig(model=tiny_model).executor_settings()
+    from kvhold.sidecar.flags import add_sidecar_args, sidecar_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_sidecar_args(parser)
+    native = sidecar_config_from_args(parser.parse_args(["--model", str(tiny_model)])).executor_settings()
     assert native.kv_mode == "native"
+    borrowed = parser.parse_args(["--model", str(tiny_model)])
+    borrowed.kv_mode = "borrowed"           # past argparse's choices: the config's own check
     with pytest.raises(ValueError, match="--kv-mode"):
-        SidecarConfig(model=tiny_model, kv_mode="borrowed")
+        sidecar_config_from_args(borrowed)
 
 
 ON_GPU = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

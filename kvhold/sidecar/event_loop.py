@@ -1,0 +1,94 @@
+"""The sidecar's event loop: one poller over sockets and file descriptors, one thread.
+
+`watch_fd` runs a callback when a descriptor is readable (pidfds, the descriptor
+listener); ZeroMQ sockets are `register`ed and their events returned by `poll` for
+the owner to drain. `post` hands a callback to the loop thread from any thread
+(death watchers, the health monitor): it is queued and a byte on a socket pair
+wakes the poll. SIGTERM and SIGINT set `stop_requested` and wake the poll through
+the signal wake-up descriptor, so a signal is never lost between two polls.
+`close` detaches the signal wake-up and closes the loop's own descriptors.
+"""
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+from typing import Callable
+
+import zmq
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class EventLoop:
+    def __init__(self):
+        self.poller = zmq.Poller()
+        self.stop_requested = False
+        self._fd_callbacks: dict[int, Callable[[], None]] = {}
+        self._posted: queue.SimpleQueue = queue.SimpleQueue()
+        self._sig_r, self._sig_w = socket.socketpair()
+        self._sig_r.setblocking(False)
+        self._sig_w.setblocking(False)
+        self._post_r, self._post_w = socket.socketpair()
+        self._post_r.setblocking(False)
+        signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        self.watch_fd(self._sig_r.fileno(), self._drain_signals)
+        self.watch_fd(self._post_r.fileno(), self._run_posted)
+
+    def register(self, sock: zmq.Socket) -> None:
+        self.poller.register(sock, zmq.POLLIN)
+
+    def watch_fd(self, fd: int, callback: Callable[[], None]) -> None:
+        self._fd_callbacks[fd] = callback
+        self.poller.register(fd, zmq.POLLIN)
+
+    def unwatch_fd(self, fd: int) -> None:
+        if self._fd_callbacks.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop thread soon; safe to call from any thread."""
+        self._posted.put(callback)
+        try:
+            self._post_w.send(b"!")
+        except (BlockingIOError, OSError):
+            pass  # the loop is already due to wake
+
+    def poll(self, timeout_ms: int) -> dict:
+        """Wait up to `timeout_ms`, run the callbacks of readable watched fds, return all events."""
+        events = dict(self.poller.poll(timeout_ms))
+        for fd in [fd for fd in events if isinstance(fd, int)]:
+            callback = self._fd_callbacks.get(fd)
+            if callback is not None:
+                callback()
+        return events
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sock in (self._sig_r, self._sig_w, self._post_r, self._post_w):
+            sock.close()
+
+    def _run_posted(self) -> None:
+        try:
+            while self._post_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                callback = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            callback()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _drain_signals(self) -> None:
+        try:
+            while self._sig_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
