@@ -10,11 +10,16 @@ the commit protocol is broken.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kvhold.executor import faults
 from kvhold.protocol.checksum import words_checksum_np
 from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.recovery_report import RecoveryReport
+
+log = logging.getLogger(__name__)
 
 
 class ChurnWorkload:
@@ -33,14 +38,16 @@ class ChurnWorkload:
     def prepare(self) -> None:
         pass
 
-    def promote(self, msg) -> dict:
+    def promote(self, msg) -> RecoveryReport:
         """Take the table over: repair interrupted versions, free every page (no requests)."""
         pages = self.ctx.tables.pages
         odd = ((pages["version"] & 1) == 1).nonzero()[0]
         self.page_table.repair_versions(odd)
         owned = (pages["owner"] != 0).nonzero()[0]
         self.page_table.release(owned)
-        return {"pages_interrupted": int(len(odd)), "pages_released": int(len(owned))}
+        log.info("took over the page table: %d interrupted records repaired, %d pages released",
+                 len(odd), len(owned))
+        return RecoveryReport(pages_interrupted=int(len(odd)))
 
     def has_work(self) -> bool:
         return True

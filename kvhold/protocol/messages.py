@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvhold.protocol.recovery_report import RecoveryReport
 from kvhold.protocol.wire import message
 
 # ------------------------------------------------------------------ shared
@@ -70,9 +71,10 @@ class StepDone:
 
 @message("recovered")
 class Recovered:
+    """The takeover is done (kvhold.protocol.recovery_report)."""
     slot: int
     epoch: int
-    report: dict
+    report: RecoveryReport
 
 
 @message("bye")

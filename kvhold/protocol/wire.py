@@ -7,6 +7,8 @@ size limit, msgpack's own length limits, the envelope shape, the version, a know
 type, and the schema (every required field present, no unknown field, each value
 of the declared type). Every failure raises `WireError` carrying the error code
 the peer is sent back; nothing else escapes for any input bytes.
+A field may hold a `nested` dataclass: it travels as a map of its fields and is
+checked like a message body (required fields, no unknown field, declared types).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class WireError(Exception):
 
 _REGISTRY: dict[str, type] = {}
 _CHECKERS: dict[str, dict[str, Callable[[Any], Any]]] = {}
+_NESTED: dict[type, dict[str, Callable[[Any], Any]]] = {}
 
 
 def _checker(tp) -> Callable[[Any], Any]:
@@ -42,6 +45,12 @@ def _checker(tp) -> Callable[[Any], Any]:
     args = typing.get_args(tp)
     if tp is Any:
         return lambda v: v
+    if tp in _NESTED:
+        def check_nested(v):
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise TypeError(f"expected a {tp.__name__} map")
+            return tp(**_check_fields(tp, _NESTED[tp], v))
+        return check_nested
     if origin is typing.Union or origin is types.UnionType:
         inner = [_checker(a) for a in args if a is not type(None)]
         allow_none = type(None) in args
@@ -114,9 +123,24 @@ def message(type_name: str):
     return register
 
 
+def nested(cls):
+    """Register a frozen dataclass as a value that message fields (or other nested types) may hold."""
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    hints = typing.get_type_hints(cls)
+    _NESTED[cls] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+    return cls
+
+
+def _fields_map(obj):
+    """msgpack's hook for a nested value: the map of its fields."""
+    if type(obj) not in _NESTED:
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
 def encode(msg) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
+    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True, default=_fields_map)
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.TOO_LARGE, f"{msg.TYPE} encodes to {len(data)} bytes")
     return data
@@ -148,22 +172,28 @@ def decode(data: bytes, allowed: frozenset[str] | None = None):
 
 def _build(type_name: str, body: dict):
     cls = _REGISTRY[type_name]
-    checkers = _CHECKERS[type_name]
+    try:
+        return cls(**_check_fields(cls, _CHECKERS[type_name], body))
+    except (TypeError, ValueError) as exc:
+        raise WireError(ErrorCode.BAD_FIELD, f"{type_name}: {exc}") from None
+
+
+def _check_fields(cls, checkers: dict[str, Callable[[Any], Any]], body: dict) -> dict:
+    """The checked values of `body` for the fields of `cls`; TypeError or ValueError if it does not fit."""
     unknown = set(body) - set(checkers)
     if unknown:
-        raise WireError(ErrorCode.BAD_FIELD,
-                        f"{type_name}: unknown field {sorted(map(str, unknown))[0][:64]!r}")
+        raise ValueError(f"unknown field {sorted(map(str, unknown))[0][:64]!r}")
     values = {}
     for f in dataclasses.fields(cls):
         if f.name not in body:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise WireError(ErrorCode.BAD_FIELD, f"{type_name}: missing field {f.name!r}")
+                raise ValueError(f"missing field {f.name!r}")
             continue
         try:
             values[f.name] = checkers[f.name](body[f.name])
         except (TypeError, ValueError) as exc:
-            raise WireError(ErrorCode.BAD_FIELD, f"{type_name}.{f.name}: {exc}") from None
-    return cls(**values)
+            raise type(exc)(f"{f.name}: {exc}") from None
+    return values
 
 
 def registered_types() -> frozenset[str]:

@@ -245,14 +245,15 @@ class Frontend:
                      (rec["first_token_ns"] - rec.get("detect_ns", rec["first_token_ns"])) / 1e6)
 
     def on_recovered(self, h, msg: m.Recovered):
-        if not msg.report.get("fenced_epoch"):
+        if not msg.report.fenced_epoch:
             return None  # a first activation, not a failover: nothing was recovered
-        rec = dict(msg.report, pid=h.pid, epoch=h.epoch, received_ns=now_ns())
+        report = msg.report.to_dict()
+        rec = dict(report, pid=h.pid, epoch=h.epoch, received_ns=now_ns())
         self.recoveries.append(rec)
-        if rec.get("requests_resumable", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
+        if msg.report.requests_waiting:
             self._awaiting_first_token[h.epoch] = rec
         log.info("executor pid %d took over: %s", h.pid, ", ".join(
-            f"{k}={v}" for k, v in msg.report.items() if not k.endswith("_ns") and k != "requests"))
+            f"{k}={v}" for k, v in report.items() if not k.endswith("_ns") and k != "requests"))
         return None
 
     def _pump(self, st: Stream) -> None:
