@@ -31,13 +31,7 @@ import math
 from kvhold.executor.engine import Engine
 from kvhold.executor.engine_workload import EngineWorkload
 from kvhold.executor.kv_cache import KvCache
-from kvhold.executor.kv_mirror import (
-    Committed,
-    DecodeBatch,
-    KvMirror,
-    PooledBlocks,
-    Restored,
-)
+from kvhold.executor.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks, Restored
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
 from kvhold.executor.sequence import Sequence
 from kvhold.executor.takeover import PageFigures, RequestPlan

@@ -41,11 +41,7 @@ from kvhold.executor.sequence import Sequence
 from kvhold.protocol.journal import JournalEntry
 from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
 from kvhold.protocol.leases import now_ns
-from kvhold.protocol.recovery_report import (
-    REQUEST_CLASSES,
-    RecoveryReport,
-    RequestRecovery,
-)
+from kvhold.protocol.recovery_report import REQUEST_CLASSES, RecoveryReport, RequestRecovery
 
 MAX_REPORTED_REQUESTS = 64
 
