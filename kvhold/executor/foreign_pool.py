@@ -1,7 +1,7 @@
 """Foreign-pool mode: the reference engine keeps its own KV pool, protected only by the mirror.
 
 This is how kvhold sits behind an engine that allocates its own KV memory (TensorRT-LLM's
-`KVCacheManager`; issue 7): the engine computes into a private pool with its own block
+`KVCacheManager`): the engine computes into a private pool with its own block
 ids, and after each step's device work the KV mirror (kvhold.executor.kv_mirror) copies the
 newly committed rows into kvhold pages, published with version and checksum. Enabled by
 `kvhold sidecar --kv-mode foreign`; with the default `native` nothing here runs.

@@ -83,3 +83,21 @@ def test_structured_garbage_is_rejected_or_typed(type_name, body):
     for f in dataclasses.fields(msg):  # whatever passed has the declared types
         value = getattr(msg, f.name)
         assert value is None or not isinstance(value, bytes) or "bytes" in str(f.type)
+
+
+def test_nested_report_round_trips_and_is_checked():
+    from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
+
+    report = RecoveryReport(pages_checked=3, requests_damaged=1, kv_mode="foreign", fenced_epoch=2,
+                            requests=[RequestRecovery(request_id=7, klass="damaged", first_bad_page=1,
+                                                      kv_kept=16, tokens_recomputed=4)])
+    msg = m.Recovered(slot=0, epoch=3, report=report)
+    assert decode(encode(msg)) == msg
+    record = report.to_dict()
+    assert record["requests"] == [{"request_id": 7, "class": "damaged", "first_bad_page": 1,
+                                   "kv_kept": 16, "tokens_recomputed": 4}]
+    assert "tails_dropped" not in record and record["kv_mode"] == "foreign"
+    for bad in ({"requests": [{"request_id": 1}]}, {"pages_bad": "1"}, {"nope": 1}, []):
+        with pytest.raises(WireError) as info:
+            decode(msgpack.packb([PROTOCOL_VERSION, "recovered", {"slot": 0, "epoch": 1, "report": bad}]))
+        assert info.value.code == ErrorCode.BAD_FIELD
