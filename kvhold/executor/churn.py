@@ -10,12 +10,17 @@ the commit protocol is broken.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kvhold.executor import faults
 from kvhold.executor.workload import WorkloadBase
 from kvhold.protocol.checksum import words_checksum_np
 from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.recovery_report import RecoveryReport
+
+log = logging.getLogger(__name__)
 
 
 class ChurnWorkload(WorkloadBase):
@@ -31,13 +36,15 @@ class ChurnWorkload(WorkloadBase):
         self.owned: dict[int, tuple[int, int]] = {}   # page -> (num_tokens, checksum)
         self.counter = 0
 
-    def promote(self, msg) -> dict:
+    def promote(self, msg) -> RecoveryReport:
         """Take the table over: repair interrupted versions, free every page (no requests)."""
         odd = self.page_table.interrupted_pages()
         self.page_table.repair_versions(odd)
         owned = self.page_table.owned_pages()
         self.page_table.release(owned)
-        return {"pages_interrupted": int(len(odd)), "pages_released": int(len(owned))}
+        log.info("took over the page table: %d interrupted records repaired, %d pages released",
+                 len(odd), len(owned))
+        return RecoveryReport(pages_interrupted=int(len(odd)))
 
     def has_work(self) -> bool:
         return True

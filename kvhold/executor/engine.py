@@ -19,12 +19,13 @@ import logging
 import numpy as np
 import torch
 
-from kvhold.executor import faults, recovery
+from kvhold.executor import faults, takeover
 from kvhold.executor.block_manager import BlockManager
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import PageAllocator
 from kvhold.executor.pending_commit import PendingCommit
+from kvhold.executor.recovery import NativeTakeover
 from kvhold.executor.sampler import sample
 from kvhold.executor.step_runner import CpuRunner
 from kvhold.executor.scheduler import Scheduled, Scheduler
@@ -34,6 +35,7 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, FinishReason
 from kvhold.protocol.leases import Lease, now_ns
 from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.recovery_report import RecoveryReport
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -120,10 +122,15 @@ class Engine:
         return self.scheduler.has_work or self._pending is not None or len(self.pending_admissions()) > 0
 
     # ------------------------------------------------------------------ takeover
-    def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
+    def take_over(self, pending_epochs, detect_ns: int = 0) -> RecoveryReport:
+        """Continue every request a dead executor left (kvhold.executor.takeover)."""
         self._just_took_over = True
         self.first_step_marks = {}
-        return recovery.take_over(self, pending_epochs, detect_ns)
+        return takeover.take_over(self, self.takeover_strategy(), pending_epochs, detect_ns)
+
+    def takeover_strategy(self) -> takeover.TakeoverStrategy:
+        """The takeover steps for where this engine's KV lives: kvhold's shared pages."""
+        return NativeTakeover(self)
 
     def release_quarantined(self, epochs) -> int:
         """The writers of these epochs have exited: their quarantined pages are free again."""

@@ -4,11 +4,12 @@ prepare() (as a standby-to-be): load the weights if this executor is the designa
 loader, otherwise wait for them to be sealed and check the fingerprint; map the
 weights read-only and the KV pool, build the model, and warm it up on a private
 scratch pool (a standby must not write shared pages). promote(): take over the
-page table and journal (kvhold.executor.recovery) and report the figures. step(): one
-engine step.
+page table and journal (kvhold.executor.takeover) and return the RecoveryReport, with
+the fenced epoch it recovers from. step(): one engine step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from kvhold.protocol import messages as m
 from kvhold.protocol.checkpoint import Manifest
 from kvhold.protocol.memory import Mapping, RegionInfo, map_region
 from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.recovery_report import RecoveryReport
 
 log = logging.getLogger(__name__)
 DEFAULT_CUDA_PREFILL_CHUNK = 512
@@ -153,13 +155,12 @@ class EngineWorkload(WorkloadBase):
         model.forward(step, scratch)
 
     # ------------------------------------------------------------------ workload interface
-    def promote(self, msg: m.Promote) -> dict:
+    def promote(self, msg: m.Promote) -> RecoveryReport:
         report = self.engine.take_over(msg.pending_epochs, msg.detect_ns)
-        report["fenced_epoch"] = msg.fenced_epoch
+        report = dataclasses.replace(report, fenced_epoch=msg.fenced_epoch)
         log.info("took over: %d resumable, %d damaged, %d lost, %d pages checked (%d bad), "
-                 "%d tokens recomputed", report["requests_resumable"], report["requests_damaged"],
-                 report["requests_lost"], report["pages_checked"], report["pages_bad"],
-                 report["tokens_recomputed"])
+                 "%d tokens recomputed", report.requests_resumable, report.requests_damaged,
+                 report.requests_lost, report.pages_checked, report.pages_bad, report.tokens_recomputed)
         return report
 
     def has_work(self) -> bool:

@@ -1,7 +1,7 @@
 """Foreign-pool mode: the reference engine keeps its own KV pool, protected only by the mirror.
 
 This is how kvhold sits behind an engine that allocates its own KV memory (TensorRT-LLM's
-`KVCacheManager`; issue 7): the engine computes into a private pool with its own block
+`KVCacheManager`): the engine computes into a private pool with its own block
 ids, and after each step's device work the KV mirror (kvhold.executor.kv_mirror) copies the
 newly committed rows into kvhold pages, published with version and checksum. Enabled by
 `kvhold sidecar --kv-mode foreign`; with the default `native` nothing here runs.
@@ -14,30 +14,31 @@ Commit order of a step (DESIGN.md s3, with the mirror in place of stage 1):
   2. the journal's page list names those kvhold pages (prefix, in block order), so the
      tables describe where each request's committed KV lives, as in native mode;
   3. journal tokens, finish, then pages released (journal list shortened first).
-Takeover (`take_over_foreign`): the new executor rebuilds every live request from the
-journal, gives it fresh private blocks, and `KvMirror.restore` validates the mirrored
-pages and copies each request's intact prefix into them; a request with a damaged
-block recomputes from that block, one with nothing usable re-prefills. Sampling is
-keyed by (seed, position), so the continuation equals an uninterrupted run.
+Takeover (kvhold.executor.takeover with `ForeignTakeover`): the new executor rebuilds
+every live request from the journal, gives it fresh private blocks, and `KvMirror.restore`
+validates the mirrored pages (quarantining those of a writer not yet reaped) and copies
+each request's intact prefix into them; a request with a damaged block recomputes from
+that block, one with nothing usable re-prefills. There is no tail step: the private
+blocks are this process's own, and the mirror writes kvhold's pages only for the active
+executor. Sampling is keyed by (seed, position), so the continuation equals an
+uninterrupted run.
 """
 from __future__ import annotations
 
 import logging
 import math
 
-
 from kvhold.executor.engine import Engine
 from kvhold.executor.engine_workload import EngineWorkload
 from kvhold.executor.kv_cache import KvCache
+from kvhold.executor.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks, Restored
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
 from kvhold.executor.sequence import Sequence
-from kvhold.protocol.layout import AdmitState, ExecState, FinishReason, PageFlag
-from kvhold.protocol.leases import now_ns
-from kvhold.executor.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks
+from kvhold.executor.takeover import PageFigures, RequestPlan
+from kvhold.protocol.layout import PageFlag
 
 log = logging.getLogger(__name__)
 KV_MODES = ("native", "foreign")
-MAX_REPORTED_REQUESTS = 64
 
 
 def engine_blocks(kv: KvCache) -> PooledBlocks:
@@ -165,10 +166,8 @@ class ForeignEngine(Engine):
         self.mirror.release(seq.request_id)
 
     # ------------------------------------------------------------------ takeover
-    def take_over(self, pending_epochs, detect_ns: int = 0) -> dict:
-        self._just_took_over = True
-        self.first_step_marks = {}
-        return take_over_foreign(self, pending_epochs, detect_ns)
+    def takeover_strategy(self) -> ForeignTakeover:
+        return ForeignTakeover(self)
 
     def release_quarantined(self, epochs) -> int:
         return self.mirror.release_quarantined(epochs)
@@ -209,18 +208,51 @@ def foreign_engine_like(engine: Engine, shared_kv: KvCache) -> ForeignEngine:
                          prefill_chunk=sched.prefill_chunk)
 
 
-def _live_sequences(engine: ForeignEngine) -> tuple[list[Sequence], int]:
-    """Sequences of every taken, unfinished request, rebuilt from the journal."""
-    journal, seqs, finished = engine.journal, [], 0
-    for slot in journal.live_slots():
-        e = journal.entry(int(slot))
-        if not e.taken:
-            continue                                   # queued: normal admission takes it
-        if e.exec_state == ExecState.FINISHED:
-            finished += 1
-            continue
-        seqs.append(Sequence.from_journal(e, journal.all_tokens(e.slot, e.num_tokens).tolist()))
-    return seqs, finished
+class ForeignTakeover:
+    """TakeoverStrategy of a ForeignEngine: restore each request's intact KV from kvhold's
+    mirrored pages into fresh private blocks (module docstring)."""
+    kv_mode = "foreign"
+
+    def __init__(self, engine: ForeignEngine):
+        self.engine = engine
+        self.blocks: dict[int, list[int]] = {}        # request id -> private blocks, logical order
+        self.restored: dict[int, Restored] = {}
+
+    def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
+        """Give every request the private blocks its KV needs, then `KvMirror.restore`."""
+        engine = self.engine
+        recorded = _recorded_tokens(engine)
+        allocator = engine.blocks.allocator
+        for plan in plans:     # the last journal token is the next input: its KV is recomputed
+            need = math.ceil(max(0, plan.entry.num_tokens - 1) / engine.page_tokens)
+            self.blocks[plan.entry.request_id] = allocator.allocate(min(need, allocator.num_free))
+        self.restored = engine.mirror.restore(self.blocks, engine.target, pending)
+        for plan in plans:
+            r = self.restored[plan.entry.request_id]
+            plan.valid_tokens, plan.first_bad = r.tokens_restored, r.first_bad
+            plan.recorded_tokens = recorded.get(plan.entry.request_id, 0)
+
+    def clear(self, plans: list[RequestPlan], pending: set[int]) -> None:
+        pass                    # `restore` released or quarantined every page nothing keeps
+
+    def place_tails(self, plans: list[RequestPlan], pending: set[int]) -> None:
+        pass                    # restored tails are copies in private blocks already
+
+    def attach(self, plan: RequestPlan) -> list[int]:
+        """Keep the restored blocks, free the others; the kvhold pages are the mirror's."""
+        rid = plan.entry.request_id
+        own, kept = self.blocks[rid], self.restored[rid].blocks_restored
+        self.engine.blocks.allocator.free(own[kept:])
+        plan.seq.pages = own[:kept]
+        pages = []
+        while (page := self.engine.mirror.page_of(rid, len(pages))) is not None:
+            pages.append(page)
+        return pages
+
+    def figures(self) -> PageFigures:
+        stats = self.engine.mirror.last_restore
+        return PageFigures(checked=stats["pages_checked"], bad=stats["pages_bad"],
+                           quarantined=stats["pages_quarantined"], interrupted=0, copied=0)
 
 
 def _recorded_tokens(engine: ForeignEngine) -> dict[int, int]:
@@ -231,61 +263,3 @@ def _recorded_tokens(engine: ForeignEngine) -> dict[int, int]:
     for owner, count in zip(records["owner"][live].tolist(), records["num_tokens"][live].tolist()):
         out[int(owner)] = out.get(int(owner), 0) + int(count)
     return out
-
-
-def take_over_foreign(engine: ForeignEngine, pending_epochs, detect_ns: int = 0) -> dict:
-    """Restore every live request's intact KV from kvhold's pages into the private pool.
-
-    Runs in the promoted executor before its first step; the dead writer is fenced. The
-    report carries the same keys as kvhold.executor.recovery.take_over."""
-    t_start = now_ns()
-    seqs, finished = _live_sequences(engine)
-    recorded = _recorded_tokens(engine)
-    blocks = engine.blocks
-    wanted: dict[int, list[int]] = {}
-    for seq in seqs:           # the last journal token is the next input: its KV is recomputed
-        need = math.ceil(max(0, seq.num_tokens - 1) / engine.page_tokens)
-        wanted[seq.request_id] = blocks.allocator.allocate(min(need, blocks.allocator.num_free))
-    restored = engine.mirror.restore(wanted, engine.target, pending_epochs)
-    t_validated = now_ns()
-    classes = {"resumable": 0, "damaged": 0, "lost": 0}
-    rows, recomputed, kept = [], 0, 0
-    for seq in seqs:
-        r = restored[seq.request_id]
-        own = wanted[seq.request_id]
-        blocks.allocator.free(own[r.blocks_restored:])
-        seq.pages = own[:r.blocks_restored]
-        seq.num_computed = min(r.tokens_restored, seq.num_tokens - 1)
-        lost_tokens = max(0, min(recorded.get(seq.request_id, 0), seq.num_tokens - 1) - seq.num_computed)
-        klass = ("resumable" if r.first_bad is None else "damaged" if seq.num_computed else "lost")
-        classes[klass] += 1
-        recomputed, kept = recomputed + lost_tokens, kept + seq.num_computed
-        if len(rows) < MAX_REPORTED_REQUESTS:
-            rows.append({"request_id": seq.request_id, "class": klass, "first_bad_page": r.first_bad,
-                         "kv_kept": seq.num_computed, "tokens_recomputed": lost_tokens})
-        _resume(engine, seq, lost_tokens)
-    stats = engine.mirror.last_restore
-    return {"detect_ns": detect_ns, "promoted_ns": t_start, "validated_ns": t_validated,
-            "cleared_ns": t_validated, "tails_ns": t_validated, "resumed_ns": now_ns(),
-            "pages_checked": stats["pages_checked"], "pages_bad": stats["pages_bad"],
-            "pages_interrupted": 0, "pages_copied": 0, "pages_quarantined": stats["pages_quarantined"],
-            "requests_finished": finished, "requests_resumable": classes["resumable"],
-            "requests_damaged": classes["damaged"], "requests_lost": classes["lost"],
-            "tokens_recomputed": recomputed, "tokens_kept": kept, "requests": rows,
-            "kv_mode": "foreign"}
-
-
-def _resume(engine: ForeignEngine, seq: Sequence, lost_tokens: int) -> None:
-    """List the kept kvhold pages in the journal, then schedule the sequence (or finish it)."""
-    journal = engine.journal
-    pages = []
-    while (page := engine.mirror.page_of(seq.request_id, len(pages))) is not None:
-        pages.append(page)
-    journal.page_lists[seq.slot, :len(pages)] = pages
-    journal.set_num_pages(seq.slot, len(pages))
-    if lost_tokens:
-        journal.add_counter(seq.slot, "num_recomputed", lost_tokens)
-    reason = engine.finish_reason(seq, seq.tokens[-1]) if seq.num_generated else None
-    engine.add(seq)
-    if reason is not None or journal.req["admit_state"][seq.slot] == AdmitState.CANCELLED:
-        engine.finish(seq, reason or FinishReason.CANCELLED)     # frees its blocks and pages

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvhold.protocol.recovery_report import RecoveryReport
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.wire import message
 
@@ -72,9 +73,10 @@ class StepDone:
 
 @message("recovered")
 class Recovered:
+    """The takeover is done (kvhold.protocol.recovery_report)."""
     slot: int
     epoch: int
-    report: dict
+    report: RecoveryReport
 
 
 @message("bye")

@@ -1,12 +1,14 @@
 """ExecutorSettings: what the sidecar tells each executor to run, and how.
 
 The sidecar builds one value (kvhold.sidecar.config: `SidecarConfig.executor_settings()`)
-and sends it in every `Attached` reply (kvhold.protocol.messages). Every field is
-named and typed; `None` means "not set: the executor picks its default". A value is
-checked when it is made, so a decoded one is as valid as a built one: `from_wire`
-rejects a body that is not a map, an unknown field, a value of the wrong type and an
-out-of-range value, each with a `TypeError` or `ValueError` that names the field (the
-wire decoder turns it into a BAD_FIELD error). Missing fields take their defaults.
+and sends it in every `Attached` reply (kvhold.protocol.messages) as a nested wire value
+(kvhold.protocol.wire.nested: a map of its fields, each checked against its declared
+type on decode). Every field is named and typed; `None` means "not set: the executor
+picks its default". A value is checked when it is made, so a decoded one is as valid as
+a built one: a value of the wrong type or out of range raises a `TypeError` or
+`ValueError` that names the field (the wire decoder turns it into a BAD_FIELD error).
+Missing fields take their defaults. `to_wire`/`from_wire` give the same map for JSON
+(the zygote's command line), with the same checks.
 
 `KernelShapesRequest` is the zygote's form of the same settings: the settings plus
 the pool's table geometry, as JSON on its command line (kvhold.executor.kernel_shapes).
@@ -20,12 +22,13 @@ import typing
 from dataclasses import dataclass
 
 from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
+from kvhold.protocol.wire import nested
 
 WORKLOADS = ("engine", "idle", "churn")
 KV_MODES = ("native", "foreign")
 
 
-@dataclass(frozen=True, slots=True)
+@nested
 class ExecutorSettings:
     workload: str = "engine"          # engine (the model), idle (nothing) or churn (synthetic KV)
     device: str = "cpu"               # cpu or cuda[:N]

@@ -5,11 +5,10 @@ Frame = one ZeroMQ frame holding msgpack ``[PROTOCOL_VERSION, type, body]`` wher
 `decode` is the only way bytes become messages. It enforces, in order: the frame
 size limit, msgpack's own length limits, the envelope shape, the version, a known
 type, and the schema (every required field present, no unknown field, each value
-of the declared type). A field may be typed as a struct: a class with `to_wire()` (to
-a map) and a `from_wire(map)` classmethod that validates it, raising TypeError or
-ValueError (kvhold.protocol.settings.ExecutorSettings); it travels as that map. Every
-failure raises `WireError` carrying the error code the peer is sent back; nothing
-else escapes for any input bytes.
+of the declared type). Every failure raises `WireError` carrying the error code
+the peer is sent back; nothing else escapes for any input bytes.
+A field may hold a `nested` dataclass: it travels as a map of its fields and is
+checked like a message body (required fields, no unknown field, declared types).
 """
 from __future__ import annotations
 
@@ -37,12 +36,7 @@ class WireError(Exception):
 
 _REGISTRY: dict[str, type] = {}
 _CHECKERS: dict[str, dict[str, Callable[[Any], Any]]] = {}
-_STRUCT_FIELDS: dict[str, tuple[str, ...]] = {}
-
-
-def _is_struct(tp) -> bool:
-    return isinstance(tp, type) and callable(getattr(tp, "from_wire", None)) \
-        and callable(getattr(tp, "to_wire", None))
+_NESTED: dict[type, dict[str, Callable[[Any], Any]]] = {}
 
 
 def _checker(tp) -> Callable[[Any], Any]:
@@ -51,8 +45,12 @@ def _checker(tp) -> Callable[[Any], Any]:
     args = typing.get_args(tp)
     if tp is Any:
         return lambda v: v
-    if _is_struct(tp):
-        return tp.from_wire
+    if tp in _NESTED:
+        def check_nested(v):
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise TypeError(f"expected a {tp.__name__} map")
+            return tp(**_check_fields(tp, _NESTED[tp], v))
+        return check_nested
     if origin is typing.Union or origin is types.UnionType:
         inner = [_checker(a) for a in args if a is not type(None)]
         allow_none = type(None) in args
@@ -121,16 +119,28 @@ def message(type_name: str):
         cls.TYPE = type_name
         _REGISTRY[type_name] = cls
         _CHECKERS[type_name] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
-        _STRUCT_FIELDS[type_name] = tuple(f.name for f in dataclasses.fields(cls) if _is_struct(hints[f.name]))
         return cls
     return register
 
 
+def nested(cls):
+    """Register a frozen dataclass as a value that message fields (or other nested types) may hold."""
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    hints = typing.get_type_hints(cls)
+    _NESTED[cls] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+    return cls
+
+
+def _fields_map(obj):
+    """msgpack's hook for a nested value: the map of its fields."""
+    if type(obj) not in _NESTED:
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
 def encode(msg) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    for name in _STRUCT_FIELDS[msg.TYPE]:
-        body[name] = body[name].to_wire()
-    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True)
+    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True, default=_fields_map)
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.TOO_LARGE, f"{msg.TYPE} encodes to {len(data)} bytes")
     return data
@@ -162,22 +172,28 @@ def decode(data: bytes, allowed: frozenset[str] | None = None):
 
 def _build(type_name: str, body: dict):
     cls = _REGISTRY[type_name]
-    checkers = _CHECKERS[type_name]
+    try:
+        return cls(**_check_fields(cls, _CHECKERS[type_name], body))
+    except (TypeError, ValueError) as exc:
+        raise WireError(ErrorCode.BAD_FIELD, f"{type_name}: {exc}") from None
+
+
+def _check_fields(cls, checkers: dict[str, Callable[[Any], Any]], body: dict) -> dict:
+    """The checked values of `body` for the fields of `cls`; TypeError or ValueError if it does not fit."""
     unknown = set(body) - set(checkers)
     if unknown:
-        raise WireError(ErrorCode.BAD_FIELD,
-                        f"{type_name}: unknown field {sorted(map(str, unknown))[0][:64]!r}")
+        raise ValueError(f"unknown field {sorted(map(str, unknown))[0][:64]!r}")
     values = {}
     for f in dataclasses.fields(cls):
         if f.name not in body:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise WireError(ErrorCode.BAD_FIELD, f"{type_name}: missing field {f.name!r}")
+                raise ValueError(f"missing field {f.name!r}")
             continue
         try:
             values[f.name] = checkers[f.name](body[f.name])
         except (TypeError, ValueError) as exc:
-            raise WireError(ErrorCode.BAD_FIELD, f"{type_name}.{f.name}: {exc}") from None
-    return cls(**values)
+            raise type(exc)(f"{f.name}: {exc}") from None
+    return values
 
 
 def registered_types() -> frozenset[str]:

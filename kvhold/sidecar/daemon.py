@@ -48,7 +48,7 @@ from kvhold.sidecar.regions import PoolMemory, create_regions
 from kvhold.sidecar.restore import Restore
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
 from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
-from kvhold.sidecar.timeline import RecoveryTimeline, report_of
+from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
@@ -305,7 +305,7 @@ class Sidecar:
     }
 
     def _on_recovered(self, h, msg) -> None:
-        self.timeline.recovered(h.pid, h.epoch, report_of(msg))
+        self.timeline.recovered(h.pid, h.epoch, msg.report)
         self.supervisor.takeover_done()
 
     def _on_client(self, identity: bytes, frame: bytes, via: bytes = b"u") -> None:

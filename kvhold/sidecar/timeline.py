@@ -1,7 +1,7 @@
 """The recovery timeline: one record per failover, the one place its marks are stitched.
 
 A failover's marks come from three places, and each reports here:
-* the promoted executor's `Recovered` report (`recovered`): the executor's own
+* the promoted executor's `RecoveryReport` (`recovered`): the executor's own
   marks from the kill's detection to the resumption (detect_ns, promoted_ns,
   validated_ns, resumed_ns, ...) and its counts per recovery class; a report with
   no `fenced_epoch` is a first activation, not a failover, and makes no record;
@@ -25,17 +25,13 @@ import logging
 from collections.abc import Mapping
 
 from kvhold.protocol.leases import now_ns
+from kvhold.protocol.recovery_report import RecoveryReport
 
 log = logging.getLogger(__name__)
 KEPT = 64          # records kept
 SHOWN = 16         # records in the status
 EVENTS_KEPT = 512
 EVENTS_SHOWN = 64
-
-
-def report_of(msg) -> Mapping:
-    """The recovery report a `Recovered` message carries, read as a mapping of its fields."""
-    return msg.report
 
 
 class RecoveryTimeline:
@@ -59,16 +55,17 @@ class RecoveryTimeline:
     def events(self) -> list[dict]:
         return list(self._events)[-EVENTS_SHOWN:]
 
-    def recovered(self, pid: int, epoch: int, report: Mapping) -> None:
+    def recovered(self, pid: int, epoch: int, report: RecoveryReport) -> None:
         """The executor of `epoch` finished its takeover and sent `report`."""
-        if not report.get("fenced_epoch"):
+        if not report.fenced_epoch:
             return  # a first activation, not a failover: nothing was recovered
-        rec = dict(report, pid=pid, epoch=epoch, received_ns=now_ns())
+        fields = report.to_dict()
+        rec = dict(fields, pid=pid, epoch=epoch, received_ns=now_ns())
         self._records.append(rec)
-        if rec.get("requests_resumable", 0) + rec.get("requests_damaged", 0) + rec.get("requests_lost", 0):
+        if report.requests_waiting:
             self._awaiting_first_token[epoch] = rec
         log.info("executor pid %d took over: %s", pid, ", ".join(
-            f"{k}={v}" for k, v in report.items() if not k.endswith("_ns") and k != "requests"))
+            f"{k}={v}" for k, v in fields.items() if not k.endswith("_ns") and k != "requests"))
 
     def step_done(self, epoch: int, marks: Mapping, received_ns: int) -> None:
         """A step of the executor of `epoch` was committed and its tokens streamed."""

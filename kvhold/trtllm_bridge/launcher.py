@@ -44,6 +44,7 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.recovery_report import RecoveryReport
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, install
 
@@ -122,7 +123,7 @@ class TrtllmWorkload(EngineWorkload):
         self._phase("llm")
 
     # ------------------------------------------------------------------ takeover
-    def promote(self, msg) -> dict:
+    def promote(self, msg) -> RecoveryReport:
         t0, bt = now_ns(), self.ctx.tables.geometry.kv.page_tokens
         entries = [e for e in map(self.journal.entry, map(int, self.journal.live_slots()))
                    if e.taken and e.exec_state != ExecState.FINISHED]
@@ -135,13 +136,14 @@ class TrtllmWorkload(EngineWorkload):
             self._submit(e)
         stats = self.bridge.mirror.last_restore
         kept = sum(p.restored.tokens_restored for p in plans.values())
-        return {"detect_ns": msg.detect_ns, "promoted_ns": t0, "validated_ns": now_ns(),
-                "resumed_ns": now_ns(), "fenced_epoch": msg.fenced_epoch, "kv_mode": "foreign-trtllm",
-                "pages_checked": stats["pages_checked"], "pages_bad": stats["pages_bad"],
-                "pages_quarantined": stats["pages_quarantined"], "tokens_kept": kept,
-                "requests_resumable": sum(p.restored.first_bad is None for p in plans.values()),
-                "requests_damaged": sum(p.restored.first_bad is not None for p in plans.values()),
-                "requests_lost": 0, "tokens_recomputed": 0, "requests": []}
+        return RecoveryReport(
+            detect_ns=msg.detect_ns, promoted_ns=t0, validated_ns=now_ns(), resumed_ns=now_ns(),
+            fenced_epoch=msg.fenced_epoch, kv_mode="foreign-trtllm",
+            pages_checked=stats["pages_checked"], pages_bad=stats["pages_bad"],
+            pages_quarantined=stats["pages_quarantined"], tokens_kept=kept,
+            requests_resumable=sum(p.restored.first_bad is None for p in plans.values()),
+            requests_damaged=sum(p.restored.first_bad is not None for p in plans.values()),
+            requests_lost=0, tokens_recomputed=0, requests=[])
 
     # ------------------------------------------------------------------ serving
     def _submit(self, entry) -> None:

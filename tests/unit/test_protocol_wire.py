@@ -51,7 +51,7 @@ def test_executor_settings_travel_typed_and_are_checked_on_decode():
         body = {**{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}, "settings": settings_body}
         return msgpack.packb([PROTOCOL_VERSION, "attached", body], use_bin_type=True)
     assert decode(attached(workload="churn")).settings == ExecutorSettings(workload="churn")
-    for bad, words in [({"max_batch": "8"}, "max_batch must be int"), ({"cuda_graph": 1}, "cuda_graph"),
+    for bad, words in [({"max_batch": "8"}, "max_batch.*int"), ({"cuda_graph": 1}, "cuda_graph"),
                        ({"prefill_chunk": 0}, "prefill_chunk must be positive"),
                        ({"workload": "nope"}, "workload"), ({"no_cuda_graph": True}, "unknown field")]:
         with pytest.raises(WireError, match=words) as info:
@@ -103,3 +103,21 @@ def test_structured_garbage_is_rejected_or_typed(type_name, body):
     for f in dataclasses.fields(msg):  # whatever passed has the declared types
         value = getattr(msg, f.name)
         assert value is None or not isinstance(value, bytes) or "bytes" in str(f.type)
+
+
+def test_nested_report_round_trips_and_is_checked():
+    from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
+
+    report = RecoveryReport(pages_checked=3, requests_damaged=1, kv_mode="foreign", fenced_epoch=2,
+                            requests=[RequestRecovery(request_id=7, klass="damaged", first_bad_page=1,
+                                                      kv_kept=16, tokens_recomputed=4)])
+    msg = m.Recovered(slot=0, epoch=3, report=report)
+    assert decode(encode(msg)) == msg
+    record = report.to_dict()
+    assert record["requests"] == [{"request_id": 7, "class": "damaged", "first_bad_page": 1,
+                                   "kv_kept": 16, "tokens_recomputed": 4}]
+    assert "tails_dropped" not in record and record["kv_mode"] == "foreign"
+    for bad in ({"requests": [{"request_id": 1}]}, {"pages_bad": "1"}, {"nope": 1}, []):
+        with pytest.raises(WireError) as info:
+            decode(msgpack.packb([PROTOCOL_VERSION, "recovered", {"slot": 0, "epoch": 1, "report": bad}]))
+        assert info.value.code == ErrorCode.BAD_FIELD

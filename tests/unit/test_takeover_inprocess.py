@@ -125,7 +125,7 @@ def test_takeover_with_a_full_pool_drops_tails_instead_of_failing(model, referen
         assert all(s.num_computed % PAGE_TOKENS for s in dead.seqs.values())   # partial tails
         epoch = pool.fence(dead)
         survivor = pool.engine()
-        report = survivor.take_over([epoch], 0)
+        report = survivor.take_over([epoch], 0).to_dict()
         assert report["tails_dropped"] == 3 and report["pages_copied"] == 0
         assert report["requests_lost"] == report["requests_damaged"] == 0
         assert report["tokens_recomputed"] > 0
@@ -146,7 +146,7 @@ def test_takeover_copies_tails_when_pages_are_free(model, reference):
         decode_until(dead, 3)
         epoch = pool.fence(dead)
         survivor = pool.engine()
-        report = survivor.take_over([epoch], 0)
+        report = survivor.take_over([epoch], 0).to_dict()
         assert report["pages_copied"] == 3 and report["tails_dropped"] == 0
         assert report["tokens_recomputed"] == 0
         run_to_end(survivor)
@@ -203,7 +203,7 @@ def test_death_at_every_commit_stage_of_every_step(model, reference, monkeypatch
                 continue                        # fewer commits than steps: nothing to kill
             epoch = pool.fence(dead)
             survivor = pool.engine()
-            report = survivor.take_over([epoch], 0)
+            report = survivor.take_over([epoch], 0).to_dict()
             assert report["requests_lost"] == report["requests_damaged"] == 0, (point, k)
             survivor.step()
             survivor.release_quarantined([epoch])
@@ -241,7 +241,7 @@ def test_death_between_a_prompts_pages_and_its_first_token_recomputes_the_last_c
         monkeypatch.undo()
         epoch = pool.fence(dead)
         survivor = pool.engine()
-        report = survivor.take_over([epoch], 0)
+        report = survivor.take_over([epoch], 0).to_dict()
         assert report["prompts_realigned"] == len(completing) > 0
         chunk = survivor.scheduler.prefill_chunk
         rows: dict[int, list[int]] = {}
