@@ -187,7 +187,7 @@ class ExecutorRuntime:
                                                 marks=marks))
 
     def _flush(self, ctx: ExecutorContext, workload) -> None:
-        """On a graceful stop, publish the commit the last step left pending (kvhold.executor.pending_commit)
+        """On a graceful stop, publish the commit the last step left pending (kvhold.executor.commit)
         so that the successor need not recompute it."""
         flush = getattr(workload, "flush", None)
         if not self.active or flush is None:

@@ -120,6 +120,15 @@ class Journal:
         """Slots admitted (or cancelled) but not yet released."""
         return (self.req["admit_state"] != AdmitState.FREE).nonzero()[0]
 
+    def untaken_slots(self) -> np.ndarray:
+        """Slots admitted (or cancelled) that no executor has taken yet."""
+        r = self.req
+        return ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])).nonzero()[0]
+
+    def cancelled(self, slots: np.ndarray) -> np.ndarray:
+        """Those of `slots` whose request the sidecar cancelled."""
+        return slots[self.req["admit_state"][slots] == AdmitState.CANCELLED]
+
     def progress(self, slot: int, request_id: int) -> tuple[ExecState, int, FinishReason]:
         """(state, tokens generated, finish reason) for a streaming reader; state first."""
         r = self.req
