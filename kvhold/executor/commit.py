@@ -273,7 +273,6 @@ class CommitProtocol:
 class NoCommit(CommitProtocol):
     """Benchmark baseline (what the protocol costs): the engine advances as under the protocol
     and finished sequences free their pages, but no step publishes pages or journal tokens."""
-    pipelined = False
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
                may_defer: bool = True) -> None:
