@@ -201,9 +201,9 @@ class CommitProtocol:
         """The scheduler is about to take pages back (Scheduler.on_preempt)."""
         self.publish_pending()
 
-    def before_run(self, plan) -> None:
+    def before_run(self, decode_only: bool) -> None:
         """A step that is not decode-only takes the immediate path, or nothing runs: publish now."""
-        if not plan or any(p.n != 1 for p in plan):
+        if not decode_only:
             self.publish_pending()
 
     def after_forward(self, plan) -> None:
@@ -217,11 +217,11 @@ class CommitProtocol:
         self.publish_pending()
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
-               may_defer: bool = True) -> None:
-        """Commit a step: its pages at once and then the rest, or (`may_defer`, a decode step
-        whose pages the stage can defer) all of it left pending, published under the next step."""
-        decode = may_defer and self.pipelined and all(p.n == 1 for p in plan)
-        update = self.pages.defer(plan, slot_hashes) if decode else None
+               may_defer: bool = False) -> None:
+        """Commit a step: its pages at once and then the rest, or (`may_defer`: a decode-only step
+        that need not be committed at once, whose pages the stage can defer) all of it left
+        pending, published under the next step."""
+        update = self.pages.defer(plan, slot_hashes) if may_defer and self.pipelined else None
         if update is None:
             faults.point("commit_begin")
             self.pages.publish(plan, slot_hashes)
@@ -275,7 +275,7 @@ class NoCommit(CommitProtocol):
     and finished sequences free their pages, but no step publishes pages or journal tokens."""
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
-               may_defer: bool = True) -> None:
+               may_defer: bool = False) -> None:
         for seq, _ in self.engine.advance(plan, sampling, tokens):
             self.engine.forget(seq)
 

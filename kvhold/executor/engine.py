@@ -137,7 +137,8 @@ class Engine:
         self.commits.before_schedule()
         plan = self.scheduler.schedule(decode_only=first)
         self._just_took_over = False
-        self.commits.before_run(plan)
+        decode_only = bool(plan) and all(p.n == 1 for p in plan)
+        self.commits.before_run(decode_only)
         if not plan:
             return changed + self.commits.take_published()
         sampling = [p.seq for p in plan if p.samples]
@@ -146,7 +147,8 @@ class Engine:
         self.commits.after_run()
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
-        self.commits.commit(plan, sampling, tokens, slot_hashes, may_defer=not first)
+        self.commits.commit(plan, sampling, tokens, slot_hashes,
+                            may_defer=decode_only and not first)   # a takeover's first step: at once
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
