@@ -93,6 +93,7 @@ class PagesStage:
         return None
 
     def publish_deferred(self, update: PageUpdate) -> None:
+        """Publish what `defer` returned, the lease checked first."""
         raise NotImplementedError
 
 
@@ -110,7 +111,8 @@ class NativePages(PagesStage):
 
     def publish(self, plan, slot_hashes: dict[int, int]) -> None:
         update = self._slot_update(plan, slot_hashes) or self._range_update(plan)
-        self.publish_deferred(update)
+        self.lease.check()
+        self.page_table.publish(*update, self.lease.epoch)
         self._keep(*update)
 
     def defer(self, plan, slot_hashes: dict[int, int]) -> PageUpdate | None:
@@ -120,6 +122,7 @@ class NativePages(PagesStage):
         return update
 
     def publish_deferred(self, update: PageUpdate) -> None:
+        """Publish what `defer` returned, the lease checked first."""
         self.lease.check()
         self.page_table.publish(*update, self.lease.epoch)
 
