@@ -2,7 +2,10 @@
 
 Creates a private tables segment and lease, loads a checkpoint straight onto the
 device (no kvhold region), and returns an Engine with the device's runner and
-checksum. `admit` writes requests into the journal the way the sidecar does.
+checksum. With `commit=False` the engine commits through NoCommit
+(kvhold.executor.commit: the engine advances, nothing is published) and the CUDA runner
+hashes no slots: the baseline the commit protocol's cost is measured against. `admit`
+writes requests into the journal the way the sidecar does.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kvhold.executor.commit import CommitProtocol, NoCommit
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import LlamaModel
@@ -71,7 +75,8 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
         checksum = TritonChecksum(kv.pool)
     timeline["graphs_captured"] = time.monotonic()
     engine = Engine(model, kv, tables, lease, max_batch, max_batch_tokens, runner=runner,
-                    checksum=checksum, prefill_chunk=prefill_chunk, commit=commit)
+                    checksum=checksum, prefill_chunk=prefill_chunk,
+                    protocol=CommitProtocol if commit else NoCommit)
     engine.take_over([], 0)              # empty journal: builds the free list
     return engine, tables
 

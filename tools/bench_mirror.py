@@ -123,14 +123,15 @@ def measure_batch(args, weights, batch: int, vocab: int) -> list[dict]:
         for mode, (engine, tables) in built.items():
             admit(tables, reqs)
             until_decoding(engine)
-        published0 = engines["foreign"].mirrored_blocks
+        mirror_pages = engines["foreign"].commits.pages
+        published0 = mirror_pages.mirrored_blocks
         rounds: dict[str, list[float]] = {mode: [] for mode in MODES}
         for _ in range(args.rounds):
             for mode in MODES:
                 rounds[mode].append(timed(engines[mode], args.steps))
         check = check_mirror(engines["foreign"])
         same = tokens(engines["native"]) == tokens(engines["foreign"]) == tokens(engines["no-commit"])
-        published = (engines["foreign"].mirrored_blocks - published0) / (args.rounds * args.steps)
+        published = (mirror_pages.mirrored_blocks - published0) / (args.rounds * args.steps)
     finally:
         for _, tables in built.values():
             tables.unlink()

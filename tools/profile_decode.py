@@ -28,7 +28,7 @@ from tools.bench_engine_setup import admit, build_engine, load_weights
 def profile_steps(args, weights, batch: int, layers: str, use_graph: bool, steps: int = 5) -> dict:
     os.environ.update(LAYERS[layers])
     engine, tables = build_engine(args.model, args.device, args.kv_pages, args.max_seq_len, max(64, batch),
-                                  8192, 512, commit=True, weights=weights, use_graph=use_graph)
+                                  8192, 512, weights=weights, use_graph=use_graph)
     try:
         admit(tables, [dict(prompt_ids=list(range(3, 3 + args.prompt_len)), max_tokens=200) for _ in range(batch)])
         while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):

@@ -1,16 +1,13 @@
-"""Engine: one step of continuous batching, and the commit protocol of DESIGN.md s3.
+"""Engine: one step of continuous batching over kvhold's pages.
 
-step(): take newly admitted requests from the journal, schedule, run the model,
-sample, then commit in this order, each stage published before the next begins:
-  1. KV pages: for every page written this step, (count, checksum) under the seqlock;
-     the checksum grows by the hash of the newly written token slots only;
-  2. journal: each sampled token stored, then its request's generated count bumped;
-  3. finished requests marked finished, then their pages freed.
-The device work of the step is complete before stage 1 (tensors are read back to
-the host to compute the checksums). A token reaches a client only through the
-journal, i.e. after stage 2. Fault points mark the stage boundaries for crash tests.
-A decode-only step publishes its commit while the next step's forward runs
-(kvhold.executor.pending_commit): same stages, same order, the GPU kept busy.
+step(): take newly admitted requests from the journal, schedule, run the model, sample,
+then commit. The commit's stage order (pages, journal, finished; immediate or pipelined
+under the next step's forward) lives in kvhold.executor.commit: the engine asks its
+CommitProtocol (`self.commits`) at named points of the step and knows nothing of the
+order. The engine owns its own state: sequences, the scheduler, the counts and checksums
+it keeps per page (BlockManager), and `advance`, which moves a step's results into them.
+The device work of a step is complete before its commit (tensors are read back to the
+host to compute the checksums). A token reaches a client only through the journal.
 """
 from __future__ import annotations
 
@@ -19,18 +16,18 @@ import logging
 import numpy as np
 import torch
 
-from kvhold.executor import faults, takeover
+from kvhold.executor import takeover
 from kvhold.executor.block_manager import BlockManager
+from kvhold.executor.commit import CommitProtocol, NativePages
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import PageAllocator
-from kvhold.executor.pending_commit import PendingCommit
 from kvhold.executor.recovery import NativeTakeover
 from kvhold.executor.sampler import sample
 from kvhold.executor.step_runner import CpuRunner
 from kvhold.executor.scheduler import Scheduled, Scheduler
 from kvhold.executor.sequence import Sequence
-from kvhold.protocol.checksum import TorchChecksum, to_u64
+from kvhold.protocol.checksum import TorchChecksum
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, FinishReason
 from kvhold.protocol.leases import Lease, now_ns
@@ -39,15 +36,13 @@ from kvhold.protocol.recovery_report import RecoveryReport
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
-_M64 = (1 << 64) - 1
 
 
 class Engine:
-    defer_publish = True        # a decode step's commit is published under the next forward
-
     def __init__(self, model: LlamaModel, kv: KvCache, tables: Tables, lease: Lease,
                  max_batch: int, max_batch_tokens: int, runner=None, checksum=None,
-                 prefill_chunk: int | None = None, commit: bool = True):
+                 prefill_chunk: int | None = None, protocol: type[CommitProtocol] = CommitProtocol):
+        """`protocol`: the commit protocol's class (kvhold.executor.commit.NoCommit in benchmarks)."""
         self.model = model
         self.kv = kv
         self.runner = runner or CpuRunner(model, kv)
@@ -67,19 +62,15 @@ class Engine:
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
         self.tokens_generated = 0
-        self.commit = commit      # False only in tools/bench_decode: measures what the protocol costs
         self._just_took_over = False
         self.first_step_marks: dict[str, int] = {}
-        self._slot_hashes: dict[int, int] = {}     # page -> hash of the slot the runner saw written
-        self._pending: PendingCommit | None = None
-        self._published: list[int] = []            # slots a pending commit published, not yet reported
-        self.scheduler.on_preempt = self.publish_pending   # before the scheduler takes pages back
+        self.commits = protocol(self, NativePages(self.blocks, self.page_table, self.checksum, lease,
+                                                  self.device))
+        self.scheduler.on_preempt = self.commits.before_preempt   # before the scheduler takes pages back
 
     # ------------------------------------------------------------------ admission
     def pending_admissions(self) -> np.ndarray:
-        r = self.tables.requests
-        untaken = (r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])
-        return untaken.nonzero()[0]
+        return self.journal.untaken_slots()
 
     def admit(self) -> None:
         for slot in self.pending_admissions():
@@ -104,8 +95,7 @@ class Engine:
 
     def cancel_requested(self) -> list[int]:
         cancelled = self._cancelled()
-        if cancelled and self._pending is not None:
-            self.publish_pending()                  # its sequences' pages stay theirs until then
+        if cancelled and self.commits.before_cancel():      # a pending commit may have finished some
             cancelled = self._cancelled()
         for slot in cancelled:
             self.finish(self.seqs[slot], FinishReason.CANCELLED)
@@ -115,11 +105,11 @@ class Engine:
         if not self.seqs:
             return []
         slots = np.fromiter(self.seqs, dtype=np.int64, count=len(self.seqs))
-        return slots[self.tables.requests["admit_state"][slots] == AdmitState.CANCELLED].tolist()
+        return self.journal.cancelled(slots).tolist()
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._pending is not None or len(self.pending_admissions()) > 0
+        return self.scheduler.has_work or self.commits.pending is not None or len(self.pending_admissions()) > 0
 
     # ------------------------------------------------------------------ takeover
     def take_over(self, pending_epochs, detect_ns: int = 0) -> RecoveryReport:
@@ -145,170 +135,55 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[int]:
-        """Run one step; returns the journal slots whose progress changed."""
+        """Run one step; returns the journal slots whose progress changed. The commit protocol
+        (self.commits) is asked at each named point; it alone knows the stage order."""
         self.admit()
         changed = self.cancel_requested()
         first = self._just_took_over
         t0 = now_ns()
-        if self._pending is not None and self._pending.finished:
-            self.publish_pending()      # finished sequences free their pages for this schedule
+        self.commits.before_schedule()
         plan = self.scheduler.schedule(decode_only=first)
         self._just_took_over = False
         decode_only = bool(plan) and all(p.n == 1 for p in plan)
-        if not decode_only:
-            self.publish_pending()      # the general commit path follows, or nothing runs
+        self.commits.before_run(decode_only)
         if not plan:
-            return changed + self._take_published()
+            return changed + self.commits.take_published()
         sampling = [p.seq for p in plan if p.samples]
-        tokens, self._slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat,
-                                                               after_forward=self._forward_queued)
-        self.publish_pending()          # where the runner did not call the hook
+        tokens, slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat,
+                                                         after_forward=self.after_forward)
+        self.commits.after_run()
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
-        self._commit(plan, sampling, tokens, defer=self.defer_publish and decode_only and not first)
+        self.commits.commit(plan, sampling, tokens, slot_hashes,
+                            may_defer=decode_only and not first)   # a takeover's first step: at once
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
-        return changed + self._take_published()
+        return changed + self.commits.take_published()
 
-    def _forward_queued(self, plan: list[Scheduled]) -> None:
-        self.after_forward(plan)
-        self.publish_pending()          # the previous step's commit, while this forward runs
+    def after_forward(self, plan: list[Scheduled]) -> None:
+        """Runner hook: the step's device work is queued, its results not yet read back."""
+        self.commits.after_forward(plan)
 
     def flush(self) -> list[int]:
         """Publish a pending commit now (a graceful stop); returns the slots that progressed."""
-        self.publish_pending()
-        return self._take_published()
+        return self.commits.flush()
 
-    def _take_published(self) -> list[int]:
-        published, self._published = self._published, []
-        return published
-
-    def after_forward(self, plan: list[Scheduled]) -> None:
-        """Runner hook: the step's device work is queued, its results not yet read back (the
-        foreign-pool engine queues its KV mirror copy here, kvhold.executor.foreign_pool)."""
-
-    def publish_pending(self) -> None:
-        """Publish the commit left pending (kvhold.executor.pending_commit), in the commit's order;
-        its pages are already published unless it carries them."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        if pending.pages is not None:
-            faults.point("commit_begin")
-            self.lease.check()
-            self.page_table.publish(pending.pages, pending.counts, pending.checksums, self.lease.epoch)
-        faults.point("commit_pages")
-        if len(pending.slots):
-            self.lease.check()          # fenced since the pages: a successor may own these slots now
-            self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated)
-            faults.point("commit_journal")
-        for seq, reason in pending.finished:
-            self._release(seq, reason)
-        faults.point("commit_finish")
-        self._published.extend(pending.slots.tolist())
-
-    # ------------------------------------------------------------------ commit
-    def _commit(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int],
-                defer: bool = False) -> None:
-        """Commit the step: the pages at once and then the rest, or (`defer`, a decode step
-        whose slots the runner hashed) all of it left pending, published under the next
-        step's forward (kvhold.executor.pending_commit)."""
-        if not self.commit:                     # benchmark baseline: nothing published
-            for seq, _ in self._advance(plan, sampling, tokens).finished:
-                self.blocks.free(seq)
-                del self.seqs[seq.slot]
-            return
-        hashes = self._slot_hashes
-        update = self._slot_update(plan, hashes) if defer and len(hashes) == len(plan) else None
-        if update is None:
-            faults.point("commit_begin")
-            self._publish_pages(plan)
-        else:
-            self._slot_hashes = {}
-            self._keep(*update)
-        self._pending = self._advance(plan, sampling, tokens, update)
-        if update is None:
-            self.publish_pending()
-
-    def _advance(self, plan: list[Scheduled], sampling: list[Sequence], tokens: list[int],
-                 update=None) -> PendingCommit:
+    def advance(self, plan: list[Scheduled], sampling: list[Sequence],
+                tokens: list[int]) -> list[tuple[Sequence, FinishReason]]:
         """The engine's own state after the step (counts, tokens; finished sequences leave the
-        scheduler), and what the journal is to receive."""
+        scheduler); returns the finished sequences, to be released by the commit."""
         for p in plan:
             p.seq.num_computed += p.n
-        slots = np.array([s.slot for s in sampling], dtype=np.int64)
-        positions = np.array([s.num_tokens for s in sampling], dtype=np.int64)
-        generated = np.array([s.num_generated + 1 for s in sampling], dtype=np.uint32)
         finished = []
         for seq, token in zip(sampling, tokens):
             seq.tokens.append(token)
             reason = self.finish_reason(seq, token)
             if reason is not None:
-                self.scheduler.remove(seq)          # released (pages freed) once published
+                self.scheduler.remove(seq)
                 finished.append((seq, reason))
         self.tokens_generated += len(sampling)
-        pages, counts, checksums = update if update is not None else (None, None, None)
-        return PendingCommit(pages, counts, checksums, slots, positions, np.array(tokens, dtype=np.int32),
-                             generated, finished)
-
-    def _publish_pages(self, plan: list[Scheduled]) -> None:
-        """Extend each written page's committed range: count, and checksum += hash(new rows)."""
-        hashes, self._slot_hashes = self._slot_hashes, {}
-        if len(hashes) == len(plan) and self._publish_slots(plan, hashes):
-            return
-        pt = self.page_tokens
-        ends: dict[int, int] = {}
-        for p in plan:
-            s = p.seq
-            for i in range(s.num_computed // pt, (s.num_computed + p.n - 1) // pt + 1):
-                ends[s.pages[i]] = min(pt, s.num_computed + p.n - i * pt)
-        pages = np.fromiter(ends, dtype=np.int64, count=len(ends))
-        counts = np.fromiter(ends.values(), dtype=np.int64, count=len(ends))
-        starts = np.array([self.blocks.counts[p] for p in ends], dtype=np.int64)
-        dev = self.device
-        added = to_u64(self.checksum.ranges(torch.from_numpy(pages).to(dev), torch.from_numpy(starts).to(dev),
-                                            torch.from_numpy(counts).to(dev)))
-        old = np.array([self.blocks.checksums[p] for p in ends], dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            new_checksums = old + added
-        self.lease.check()
-        self.page_table.publish(pages, counts.astype(np.uint32), new_checksums, self.lease.epoch)
-        self._keep(pages, counts, new_checksums)
-
-    def _publish_slots(self, plan: list[Scheduled], hashes: dict[int, int]) -> bool:
-        """The decode-step case of _publish_pages: each row wrote the next slot of one page and
-        the runner hashed it. Returns False (nothing published) if a row does not fit that."""
-        update = self._slot_update(plan, hashes)
-        if update is None:
-            return False
-        self.lease.check()
-        self.page_table.publish(*update, self.lease.epoch)
-        self._keep(*update)
-        return True
-
-    def _slot_update(self, plan: list[Scheduled], hashes: dict[int, int]):
-        """(pages, counts, checksums) a decode step's commit publishes, or None if a row did not
-        write the next slot of one page, hashed by the runner."""
-        pt, counts, sums = self.page_tokens, self.blocks.counts, self.blocks.checksums
-        pages, new_counts, new_sums = [], [], []
-        for p in plan:
-            s = p.seq
-            page = s.pages[s.num_computed // pt] if p.n == 1 else -1
-            h = hashes.get(page)
-            if h is None or counts[page] != s.num_computed % pt:
-                return None
-            pages.append(page)
-            new_counts.append(counts[page] + 1)
-            new_sums.append((sums[page] + h) & _M64)
-        return (np.array(pages, dtype=np.int64), np.array(new_counts, dtype=np.uint32),
-                np.array(new_sums, dtype=np.uint64))
-
-    def _keep(self, pages: np.ndarray, counts: np.ndarray, checksums: np.ndarray) -> None:
-        """The engine's own copy of each page's committed (count, checksum)."""
-        for page, count, checksum in zip(pages.tolist(), counts.tolist(), checksums.tolist()):
-            self.blocks.checksums[page] = checksum
-            self.blocks.counts[page] = count
+        return finished
 
     def _beat(self) -> None:
         self.lease.beat(self.num_steps)
@@ -333,11 +208,9 @@ class Engine:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
-        self._release(seq, reason)
+        self.commits.release(seq, reason)
 
-    def _release(self, seq: Sequence, reason: FinishReason) -> None:
-        """Mark a sequence that left the scheduler finished, then free its pages."""
-        self.lease.check()
-        self.journal.finish(seq.slot, reason)
+    def forget(self, seq: Sequence) -> None:
+        """A released sequence: its pages freed, the engine done with it."""
         self.blocks.free(seq)
         del self.seqs[seq.slot]

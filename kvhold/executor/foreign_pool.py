@@ -6,7 +6,7 @@ ids, and after each step's device work the KV mirror (kvhold.executor.kv_mirror)
 newly committed rows into kvhold pages, published with version and checksum. Enabled by
 `kvhold sidecar --kv-mode foreign`; with the default `native` nothing here runs.
 
-Commit order of a step (DESIGN.md s3, with the mirror in place of stage 1):
+Commit order of a step (kvhold.executor.commit; MirrorPages is its pages stage here):
   1. mirror: kvhold page records assigned (owner = request id, logical = block index),
      bytes copied, then, once the copy has landed, (count, checksum) published under the
      seqlock (a decode step: KvMirror.queue_decode / publish_decode; the copy may be queued
@@ -14,6 +14,7 @@ Commit order of a step (DESIGN.md s3, with the mirror in place of stage 1):
   2. the journal's page list names those kvhold pages (prefix, in block order), so the
      tables describe where each request's committed KV lives, as in native mode;
   3. journal tokens, finish, then pages released (journal list shortened first).
+The mirror's commit is never pipelined: each step commits at once.
 Takeover (kvhold.executor.takeover with `ForeignTakeover`): the new executor rebuilds
 every live request from the journal, gives it fresh private blocks, and `KvMirror.restore`
 validates the mirrored pages (quarantining those of a writer not yet reaped) and copies
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 
+from kvhold.executor.commit import PagesStage
 from kvhold.executor.engine import Engine
 from kvhold.executor.engine_workload import EngineWorkload
 from kvhold.executor.kv_cache import KvCache
@@ -76,27 +78,22 @@ class PrivateBlocks:
             seq.pages = []
 
 
-class ForeignEngine(Engine):
-    """Engine over a private KV pool; `mirror` writes kvhold's pool (see module docstring)."""
-    defer_publish = False       # the mirror publishes from the plan as it stood: commit at once
+class MirrorPages(PagesStage):
+    """The commit's pages stage in foreign-pool mode: the mirror copies the rows a step wrote
+    into kvhold pages and publishes them (count, checksum), then the journal's page lists name
+    those pages. Never deferred: the mirror publishes from the plan as it stood, at once."""
 
-    def __init__(self, model, private_kv: KvCache, tables, lease, max_batch: int,
-                 max_batch_tokens: int, mirror: KvMirror, runner=None, checksum=None,
-                 prefill_chunk=None):
-        super().__init__(model, private_kv, tables, lease, max_batch, max_batch_tokens,
-                         runner=runner, checksum=checksum, prefill_chunk=prefill_chunk)
+    def __init__(self, mirror: KvMirror, journal, page_tokens: int):
         self.mirror = mirror
-        self.target = mirror.layout             # the private pool, as the mirror reads it
-        self.blocks = PrivateBlocks(private_kv.num_pages, self.journal, self.page_tokens, self._drop)
-        self.scheduler.blocks = self.blocks
+        self.journal = journal
+        self.page_tokens = page_tokens
         self.mirrored_blocks = 0
         self._queued = None             # (plan, _queue_decode(plan)) queued by after_forward
 
-    # ------------------------------------------------------------------ commit stage 1
     def after_forward(self, plan) -> None:
-        """Runner hook: the step's forward is queued and its results not yet read back. Queue
-        the mirror's copy of a decode step now, behind the forward: the step's read-back then
-        waits for it too, and the commit only publishes (no wait of its own)."""
+        """The step's forward is queued and its results not yet read back. Queue the mirror's
+        copy of a decode step now, behind the forward: the step's read-back then waits for it
+        too, and the commit only publishes (no wait of its own)."""
         self._queued = (plan, self._queue_decode(plan))
 
     def _queue_decode(self, plan) -> tuple[DecodeBatch, list[int]] | None:
@@ -117,13 +114,12 @@ class ForeignEngine(Engine):
         batch = self.mirror.queue_decode(rids, indices, blocks, rows)
         return None if batch is None else (batch, started)
 
-    def _publish_pages(self, plan) -> None:
+    def publish(self, plan, slot_hashes) -> None:
         """Mirror every block this step wrote, then list the new kvhold pages in the journal.
 
-        A CUDA decode step hashes the one slot it wrote in each private block (Engine.step keeps
-        them in `_slot_hashes`, by block); the mirror reuses those for the copied rows. A decode
-        step takes the mirror's fast path (queued by `after_forward` if the runner calls it)."""
-        slot_hashes, self._slot_hashes = self._slot_hashes, {}
+        A CUDA decode step hashes the one slot it wrote in each private block (`slot_hashes`,
+        by block); the mirror reuses those for the copied rows. A decode step takes the
+        mirror's fast path (queued by `after_forward` if the runner calls it)."""
         queued, self._queued = self._queued, None
         fast = queued[1] if queued is not None and queued[0] is plan else self._queue_decode(plan)
         if fast is None:
@@ -159,6 +155,22 @@ class ForeignEngine(Engine):
             n += 1
         if n != listed:
             self.journal.set_num_pages(seq.slot, n)
+
+
+class ForeignEngine(Engine):
+    """Engine over a private KV pool; its commit's pages stage is the mirror (MirrorPages), which
+    writes kvhold's pool (see module docstring)."""
+
+    def __init__(self, model, private_kv: KvCache, tables, lease, max_batch: int,
+                 max_batch_tokens: int, mirror: KvMirror, runner=None, checksum=None,
+                 prefill_chunk=None):
+        super().__init__(model, private_kv, tables, lease, max_batch, max_batch_tokens,
+                         runner=runner, checksum=checksum, prefill_chunk=prefill_chunk)
+        self.mirror = mirror
+        self.target = mirror.layout             # the private pool, as the mirror reads it
+        self.blocks = PrivateBlocks(private_kv.num_pages, self.journal, self.page_tokens, self._drop)
+        self.scheduler.blocks = self.blocks
+        self.commits.pages = MirrorPages(mirror, self.journal, self.page_tokens)
 
     def _drop(self, seq: Sequence) -> None:
         self.lease.check()

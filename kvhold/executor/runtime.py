@@ -187,7 +187,7 @@ class ExecutorRuntime:
                                                 marks=workload.take_marks()))
 
     def _flush(self, ctx: ExecutorContext, workload: Workload) -> None:
-        """On a graceful stop, publish the commit the last step left pending (kvhold.executor.pending_commit)
+        """On a graceful stop, publish the commit the last step left pending (kvhold.executor.commit)
         so that the successor need not recompute it."""
         if not self.active:
             return

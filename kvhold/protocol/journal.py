@@ -116,11 +116,13 @@ class Journal:
         return int(self.req["request_id"][slot]) if 0 <= slot < len(self.req) else 0
 
     def is_cancelled(self, slot: int) -> bool:
+        """Whether the client cancelled the request in `slot`."""
         return int(self.req["admit_state"][slot]) == AdmitState.CANCELLED
 
     def recompute_counts(self, slot: int) -> tuple[int, int]:
         """(times preempted, tokens recomputed) of the request executing in `slot`."""
         return int(self.req["num_preempted"][slot]), int(self.req["num_recomputed"][slot])
+
     def entry(self, slot: int) -> JournalEntry:
         r = self.req[slot].copy()
         taken = int(r["exec_request_id"]) == int(r["request_id"]) and int(r["request_id"]) != 0
@@ -138,6 +140,15 @@ class Journal:
     def live_slots(self) -> np.ndarray:
         """Slots admitted (or cancelled) but not yet released."""
         return (self.req["admit_state"] != AdmitState.FREE).nonzero()[0]
+
+    def untaken_slots(self) -> np.ndarray:
+        """Slots admitted (or cancelled) that no executor has taken yet."""
+        r = self.req
+        return ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])).nonzero()[0]
+
+    def cancelled(self, slots: np.ndarray) -> np.ndarray:
+        """Those of `slots` whose request the sidecar cancelled."""
+        return slots[self.req["admit_state"][slots] == AdmitState.CANCELLED]
 
     def progress(self, slot: int, request_id: int) -> tuple[ExecState, int, FinishReason]:
         """(state, tokens generated, finish reason) for a streaming reader; state first."""
@@ -206,15 +217,6 @@ class Journal:
 
     def add_counter(self, slot: int, field: str, amount: int) -> None:
         self.req[field][slot] += amount
-
-    def untaken_slots(self) -> np.ndarray:
-        """Slots admitted (or cancelled) whose request no executor has taken yet."""
-        r = self.req
-        return ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] != r["request_id"])).nonzero()[0]
-
-    def cancelled(self, slot: int) -> bool:
-        """Whether the client cancelled the request in `slot`."""
-        return bool(self.req["admit_state"][slot] == AdmitState.CANCELLED)
 
     def set_pages(self, slot: int, pages) -> None:
         """List `pages` as the slot's KV pages, then publish their count."""

@@ -195,7 +195,7 @@ class TrtllmWorkload(EngineWorkload):
         """Abort the engine requests whose journal entry the client cancelled."""
         done = []
         for slot, out in list(self.live.items()):
-            if self.journal.cancelled(slot):
+            if self.journal.is_cancelled(slot):
                 out.abort()
                 self._commit(slot, [], True, "cancelled")
                 done.append(slot)

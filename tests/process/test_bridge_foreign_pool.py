@@ -261,7 +261,7 @@ def test_decode_fast_path_commits_what_the_general_path_does(tiny_model):
                 return _publish(*args)
 
             engine.mirror.publish_decode = counted
-        engines["general"][0]._queue_decode = lambda plan: None
+        engines["general"][0].commits.pages._queue_decode = lambda plan: None
         unhooked, run_and_sample = engines["fast"][0], engines["fast"][0].runner.run_and_sample
 
         def without_hook(plan, sampling, beat=None, after_forward=None):   # the copy queued in the commit

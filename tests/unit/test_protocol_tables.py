@@ -159,6 +159,6 @@ def test_named_readers_of_the_header_pages_and_journal(tables):
     journal.take(0, 11, epoch=3)
     journal.cancel(1)
     assert journal.untaken_slots().tolist() == [1]
-    assert journal.cancelled(1) and not journal.cancelled(0)
+    assert journal.is_cancelled(1) and not journal.is_cancelled(0)
     journal.set_pages(0, [7, 4])
     assert journal.pages_of(0, 2).tolist() == [7, 4] and journal.entry(0).num_pages == 2

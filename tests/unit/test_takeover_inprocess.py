@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvhold.executor import faults
+from kvhold.executor.commit import CommitProtocol, NativePages
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
@@ -225,17 +226,17 @@ def test_death_between_a_prompts_pages_and_its_first_token_recomputes_the_last_c
         dead = pool.engine()
         dead.take_over([], 0)
         ids = admit(pool.tables, REQUESTS)
-        publish = Engine._publish_pages
+        publish = NativePages.publish
         completing = []
 
-        def publish_then_die(self, plan):
-            publish(self, plan)
+        def publish_then_die(self, plan, slot_hashes):
+            publish(self, plan, slot_hashes)
             done = [p.seq.slot for p in plan if p.samples and p.seq.num_generated == 0]
             if done:
                 completing.extend(done)
                 raise _Killed()
 
-        monkeypatch.setattr(Engine, "_publish_pages", publish_then_die)
+        monkeypatch.setattr(NativePages, "publish", publish_then_die)
         with pytest.raises(_Killed):
             run_to_end(dead)
         monkeypatch.undo()
@@ -264,7 +265,7 @@ def test_death_between_a_prompts_pages_and_its_first_token_recomputes_the_last_c
 
 
 def test_a_decode_commit_is_published_while_the_next_step_runs(model, reference):
-    """kvhold.executor.pending_commit: a decode step's tokens and KV counts reach the tables when the
+    """kvhold.executor.commit: a decode step's tokens and KV counts reach the tables when the
     next step's forward is queued (or on flush), in the commit's order, and never later."""
     pool = Pool(model, 64)
     try:
@@ -281,7 +282,7 @@ def test_a_decode_commit_is_published_while_the_next_step_runs(model, reference)
             return seq.num_generated, engine.blocks.counts[tail]
 
         engine.step()                                   # a decode step: its commit is left pending
-        assert engine._pending is not None and engine.has_work
+        assert engine.commits.pending is not None and engine.has_work
         for seq in engine.seqs.values():                # one token and one KV slot behind
             (tokens, slots), (want_tokens, want_slots) = published(seq), kept(seq)
             assert tokens == want_tokens - 1 and slots == want_slots - 1
@@ -290,7 +291,7 @@ def test_a_decode_commit_is_published_while_the_next_step_runs(model, reference)
         assert sorted(changed) == sorted(before)
         for seq in engine.seqs.values():
             assert published(seq) == before[seq.slot]
-        assert sorted(engine.flush()) == sorted(before) and engine._pending is None
+        assert sorted(engine.flush()) == sorted(before) and engine.commits.pending is None
         for seq in engine.seqs.values():
             assert published(seq) == kept(seq)
         run_to_end(engine)
@@ -305,17 +306,17 @@ def test_a_preemption_publishes_the_pending_commit_before_it_frees_pages(model, 
     pool = Pool(model, 1 + 6)
     try:
         engine, ids = pool.started()
-        publish, published = engine.publish_pending, [0]
+        publish, published = engine.commits.publish_pending, [0]
 
         def checked():          # every page a pending commit names is still its sequence's, as kept
-            pending = engine._pending
+            pending = engine.commits.pending
             if pending is not None and pending.pages is not None:     # a deferred decode commit
                 for page, count in zip(pending.pages.tolist(), pending.counts.tolist()):
                     assert engine.blocks.counts.get(page) == count, f"page {page} changed hands"
                 published[0] += 1
             publish()
 
-        engine.publish_pending = engine.scheduler.on_preempt = checked
+        engine.commits.publish_pending = engine.scheduler.on_preempt = checked
         run_to_end(engine, limit=2000)
         assert engine.scheduler.num_preemptions > 0 and published[0] > 0
         assert pool.outputs(ids) == reference
@@ -331,7 +332,7 @@ def test_a_cancellation_publishes_the_pending_commit_before_finishing(model):
         engine, ids = pool.started()
         decode_until(engine, 2)
         engine.step()
-        assert engine._pending is not None
+        assert engine.commits.pending is not None
         req = pool.tables.requests
         slot = int((req["request_id"] == ids[0]).nonzero()[0][0])
         generated = engine.seqs[slot].num_generated
@@ -353,7 +354,7 @@ def test_pipelined_commits_preempt_no_more_than_immediate_ones(model, monkeypatc
             dict(prompt_ids=[7 + i for i in range(15)], max_tokens=17, seed=2)]
     preempted = {}
     for defer in (True, False):
-        monkeypatch.setattr(Engine, "defer_publish", defer)
+        monkeypatch.setattr(CommitProtocol, "pipelined", defer)
         pool = Pool(model, 5)
         try:
             engine = pool.engine(max_batch=4, max_batch_tokens=40, prefill_chunk=32)
@@ -376,7 +377,7 @@ def test_a_fenced_executor_writes_no_journal_entry_of_its_pending_commit(model, 
         engine, ids = pool.started()
         decode_until(engine, 2)
         engine.step()
-        assert engine._pending is not None
+        assert engine.commits.pending is not None
         before = pool.tables.requests["num_generated"].copy()
 
         def point(name):
