@@ -156,9 +156,9 @@ class AsyncClient:
         sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
         ids = list(prompt_ids) if prompt_ids is not None else None
         prefix = list(prefix_generated) if prefix_generated else None
-        reply = await self._request(lambda tag: m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
-                                                           prompt_ids=ids, prefix_generated=prefix))
-        return AsyncStream(self, self._streams[reply.request_id])
+        _, state = await self._request(lambda tag: m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
+                                                              prompt_ids=ids, prefix_generated=prefix))
+        return AsyncStream(self, state)
 
     async def cancel(self, request_id: int) -> None:
         await self._request(lambda tag: m.Cancel(tag=tag, request_id=request_id))
@@ -273,9 +273,14 @@ class AsyncClient:
         self._streams.clear()
 
     def _on_accepted(self, msg: m.Accepted) -> None:
-        # Registered here, not in generate(): tokens may follow before generate() resumes.
-        self._streams[msg.request_id] = _StreamState(msg.request_id, msg.prompt_tokens)
-        self._on_reply(msg)
+        # Registered here, not in generate(): tokens, and the Done of a short request, may
+        # follow before generate() resumes. generate() gets the state with the reply, since
+        # a Done handled by then has already taken it out of _streams.
+        state = _StreamState(msg.request_id, msg.prompt_tokens)
+        self._streams[msg.request_id] = state
+        fut = self._replies.get(msg.tag)
+        if fut is not None and not fut.done():
+            fut.set_result((msg, state))
 
     def _on_tokens(self, msg: m.Tokens) -> None:
         st = self._streams.get(msg.request_id)

@@ -43,13 +43,6 @@ class _TrackedAsyncClient(AsyncClient):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.accepted: dict = {}      # request_id -> state: its Done may come before submit() resumes
-
-    def _on_accepted(self, msg: m.Accepted) -> None:
-        super()._on_accepted(msg)
-        self.accepted[msg.request_id] = self._streams[msg.request_id]
-
-    _HANDLERS = {**AsyncClient._HANDLERS, m.Accepted: _on_accepted}
 
     @property
     def last_heard(self) -> float:
@@ -170,7 +163,7 @@ class AsyncRoutedClient(RouterCore):
             deadline = time.monotonic() + self.submit_timeout_s
             while True:
                 try:
-                    reply = await client._wait(asyncio.shield(fut))
+                    _, state = await client._wait(asyncio.shield(fut))     # (Accepted, its stream)
                     break
                 except SidecarUnavailable:
                     reason = await self.check(conn)
@@ -180,7 +173,7 @@ class AsyncRoutedClient(RouterCore):
             raise SidecarUnavailable(f"cannot queue a message to {conn.entry.key}") from None
         finally:
             client._replies.pop(tag, None)
-        return AsyncStream(client, client.accepted.pop(reply.request_id))
+        return AsyncStream(client, state)
 
 
 class AsyncRoutedStream(StreamLog):

@@ -63,6 +63,21 @@ def test_concurrent_streams_match_the_sync_sdk(sidecar, reference):
     assert status["generation"] == generation
 
 
+def test_hundreds_of_one_token_requests_all_get_their_stream(sidecar):
+    """A short request's Done can arrive before generate() resumes after its Accepted: the
+    stream must still be there, finished, with its one or two tokens."""
+    async def main():
+        async with aclient(sidecar, timeout=30) as client:
+            async def one(i):
+                stream = await client.generate(f"short {i}", max_tokens=1 + i % 2, seed=i)
+                return await stream.result()
+            return await asyncio.gather(*(one(i) for i in range(300)))
+
+    results = asyncio.run(main())
+    assert len(results) == 300
+    assert [len(r.token_ids) for r in results] == [1 + i % 2 for i in range(300)]
+
+
 def test_typed_errors_and_the_client_keeps_working(sidecar):
     async def main():
         async with aclient(sidecar) as client:
