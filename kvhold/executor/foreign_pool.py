@@ -148,7 +148,7 @@ class MirrorPages(PagesStage):
 
     def _list_pages(self, seq: Sequence) -> None:
         """Journal page list := the kvhold pages of the request's mirrored prefix."""
-        listed = int(self.journal.req["num_pages"][seq.slot])
+        listed = self.journal.num_pages(seq.slot)
         n = listed
         while (page := self.mirror.page_of(seq.request_id, n)) is not None:
             self.journal.page_lists[seq.slot, n] = page

@@ -55,7 +55,7 @@ class NativeTakeover:
 
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
         engine = self.engine
-        self.records = engine.tables.pages.copy()
+        self.records = engine.page_table.records()
         odd = ((self.records["version"] & 1) == 1).nonzero()[0]
         engine.page_table.repair_versions(odd)       # the writer is fenced: versions are stable now
         self.interrupted = len(odd)

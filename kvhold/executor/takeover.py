@@ -39,7 +39,7 @@ from typing import Protocol
 
 from kvhold.executor.sequence import Sequence
 from kvhold.protocol.journal import JournalEntry
-from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
+from kvhold.protocol.layout import ExecState, FinishReason
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.recovery_report import REQUEST_CLASSES, RecoveryReport, RequestRecovery
 
@@ -159,5 +159,5 @@ def _resume(engine, strategy: TakeoverStrategy, plan: RequestPlan) -> None:
     # a request whose last token was committed but not yet marked finished
     reason = engine.finish_reason(seq, seq.tokens[-1]) if seq.num_generated else None
     engine.add(seq)
-    if reason is not None or journal.req["admit_state"][slot] == AdmitState.CANCELLED:
+    if reason is not None or journal.is_cancelled(slot):
         engine.finish(seq, reason or FinishReason.CANCELLED)      # frees its pages

@@ -209,6 +209,10 @@ class Journal:
         r["finished_ns"][slot] = now_ns()
         r["exec_state"][slot] = ExecState.FINISHED
 
+    def num_pages(self, slot: int) -> int:
+        """How many KV pages the slot's page list names."""
+        return int(self.req["num_pages"][slot])
+
     def set_num_pages(self, slot: int, count: int) -> None:
         self.req["num_pages"][slot] = count
 

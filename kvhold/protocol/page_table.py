@@ -107,6 +107,11 @@ class PageTable:
                           logical=int(r["logical"]), num_tokens=int(r["num_tokens"]),
                           checksum=int(r["checksum"]), flags=int(r["flags"]), epoch=int(r["epoch"]))
 
+    def records(self) -> np.ndarray:
+        """A plain copy of every record, for a reader that fenced the only writer (a takeover):
+        nothing changes them meanwhile, and odd versions are interrupted writes to repair."""
+        return self.pages.copy()
+
     def snapshot(self, retries: int = 100) -> np.ndarray:
         """A consistent copy of the whole table while a writer may be live.
 
