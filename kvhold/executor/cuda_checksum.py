@@ -6,7 +6,7 @@ one launch: whole committed ranges when validating after a crash, the few new
 slots of each touched page when committing a step. The grid is
 (range, layer x k/v, block of the range's words); each program reduces its block
 and writes a partial sum; partials are added with wrapping int64 arithmetic,
-which is order-free, so the result is the CPU's to the bit (tests/test_gpu.py).
+which is order-free, so the result is the CPU's to the bit (tests/gpu/test_gpu.py).
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
 def decode_buckets(max_batch: int) -> list[int]:
     """The row counts a decode step is padded to, one CUDA graph each: 16, 32, 64 up to
     max_batch, and max_batch. The kernel's rows are bit-identical at every count (each
-    row's sum runs over K in the same order; tests/test_gpu_gemm.py), so a row's result
+    row's sum runs over K in the same order; tests/gpu/test_gpu_gemm.py), so a row's result
     does not depend on which bucket its step ran in. Past MAX_ROWS cuBLAS takes over and
     that holds no longer: one bucket."""
     if max_batch > MAX_ROWS:
