@@ -67,10 +67,12 @@ def test_hundreds_of_one_token_requests_all_get_their_stream(sidecar):
     """A short request's Done can arrive before generate() resumes after its Accepted: the
     stream must still be there, finished, with its one or two tokens."""
     async def main():
+        in_flight = asyncio.Semaphore(128)      # under the sidecar's 256 request slots
         async with aclient(sidecar, timeout=30) as client:
             async def one(i):
-                stream = await client.generate(f"short {i}", max_tokens=1 + i % 2, seed=i)
-                return await stream.result()
+                async with in_flight:
+                    stream = await client.generate(f"short {i}", max_tokens=1 + i % 2, seed=i)
+                    return await stream.result()
             return await asyncio.gather(*(one(i) for i in range(300)))
 
     results = asyncio.run(main())
