@@ -40,11 +40,10 @@ class BlockManager:
         pages = self.allocator.allocate(n)
         first = len(seq.pages)
         self.page_table.assign(pages, seq.request_id, list(range(first, first + n)), self.epoch)
-        for i, page in enumerate(pages):
-            self.journal.page_lists[seq.slot, first + i] = page
+        for page in pages:
             self.checksums[page] = 0
             self.counts[page] = 0
-        self.journal.set_num_pages(seq.slot, first + n)
+        self.journal.set_pages(seq.slot, pages, first)
         seq.pages.extend(pages)
 
     def adopt(self, seq: Sequence, pages: list[int], counts: list[int], checksums: list[int]) -> None:

@@ -149,12 +149,11 @@ class MirrorPages(PagesStage):
     def _list_pages(self, seq: Sequence) -> None:
         """Journal page list := the kvhold pages of the request's mirrored prefix."""
         listed = self.journal.num_pages(seq.slot)
-        n = listed
-        while (page := self.mirror.page_of(seq.request_id, n)) is not None:
-            self.journal.page_lists[seq.slot, n] = page
-            n += 1
-        if n != listed:
-            self.journal.set_num_pages(seq.slot, n)
+        new = []
+        while (page := self.mirror.page_of(seq.request_id, listed + len(new))) is not None:
+            new.append(page)
+        if new:
+            self.journal.set_pages(seq.slot, new, listed)
 
 
 class ForeignEngine(Engine):

@@ -140,8 +140,7 @@ def live_requests(journal) -> tuple[list[RequestPlan], int]:
         if e.exec_state == ExecState.FINISHED:
             finished += 1
             continue
-        n = max(0, min(e.num_pages, journal.page_lists.shape[1]))
-        pages = [int(p) for p in journal.pages_of(e.slot, n)]
+        pages = journal.pages_of(e.slot, e.num_pages).tolist()
         seq = Sequence.from_journal(e, journal.all_tokens(e.slot, e.num_tokens).tolist())
         plans.append(RequestPlan(entry=e, seq=seq, pages=pages))
     return plans, finished
@@ -151,8 +150,7 @@ def _resume(engine, strategy: TakeoverStrategy, plan: RequestPlan) -> None:
     """List the kept pages in the journal, then schedule the sequence (or finish it)."""
     journal, seq, slot = engine.journal, plan.seq, plan.entry.slot
     pages = strategy.attach(plan)
-    journal.page_lists[slot, :len(pages)] = pages
-    journal.set_num_pages(slot, len(pages))
+    journal.set_pages(slot, pages)
     if plan.tokens_recomputed:
         journal.add_counter(slot, "num_recomputed", plan.tokens_recomputed)
     seq.num_computed = plan.kv_valid

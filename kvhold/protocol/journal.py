@@ -217,12 +217,14 @@ class Journal:
         self.req["num_pages"][slot] = count
 
     def pages_of(self, slot: int, count: int) -> np.ndarray:
+        """The first `count` pages of the slot's list (all of it if `count` exceeds it)."""
         return self.page_lists[slot, :count].astype(np.int64)
 
     def add_counter(self, slot: int, field: str, amount: int) -> None:
         self.req[field][slot] += amount
 
-    def set_pages(self, slot: int, pages) -> None:
-        """List `pages` as the slot's KV pages, then publish their count."""
-        self.page_lists[slot, :len(pages)] = pages
-        self.req["num_pages"][slot] = len(pages)
+    def set_pages(self, slot: int, pages, first: int = 0) -> None:
+        """List `pages` as the slot's KV pages from position `first` on (those before it stay),
+        then publish the new count."""
+        self.page_lists[slot, first:first + len(pages)] = pages
+        self.req["num_pages"][slot] = first + len(pages)

@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass
 
 from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
-from kvhold.protocol.wire import nested
+from kvhold.protocol.wire import from_map, nested, to_map
 
 WORKLOADS = ("engine", "idle", "churn")
 KV_MODES = ("native", "foreign")
@@ -69,16 +69,12 @@ class ExecutorSettings:
                 raise ValueError(f"executor settings: {name} must be positive, got {value}")
 
     def to_wire(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return to_map(self)
 
     @classmethod
     def from_wire(cls, body) -> "ExecutorSettings":
-        if not isinstance(body, dict):
-            raise TypeError(f"executor settings: expected a map, got {type(body).__name__}")
-        unknown = set(body) - set(_FIELD_TYPES)
-        if unknown:
-            raise ValueError(f"executor settings: unknown field {str(sorted(map(str, unknown))[0])[:64]!r}")
-        return cls(**body)
+        """From `to_wire`'s map (e.g. decoded JSON), checked as the wire decoder checks it."""
+        return from_map(cls, body)
 
 
 def _allowed_types(tp) -> tuple[type, ...]:

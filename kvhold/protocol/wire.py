@@ -46,11 +46,7 @@ def _checker(tp) -> Callable[[Any], Any]:
     if tp is Any:
         return lambda v: v
     if tp in _NESTED:
-        def check_nested(v):
-            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-                raise TypeError(f"expected a {tp.__name__} map")
-            return tp(**_check_fields(tp, _NESTED[tp], v))
-        return check_nested
+        return lambda v: from_map(tp, v)
     if origin is typing.Union or origin is types.UnionType:
         inner = [_checker(a) for a in args if a is not type(None)]
         allow_none = type(None) in args
@@ -131,16 +127,24 @@ def nested(cls):
     return cls
 
 
-def _fields_map(obj):
-    """msgpack's hook for a nested value: the map of its fields."""
+def to_map(obj) -> dict:
+    """A nested value as the map of its fields (msgpack's hook for one, and JSON's)."""
     if type(obj) not in _NESTED:
         raise TypeError(f"cannot encode {type(obj).__name__}")
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
+def from_map(cls, data):
+    """The nested value of type `cls` that `data` (a map of its fields) describes, checked as a
+    message body is; TypeError or ValueError naming the field when it does not fit."""
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise TypeError(f"expected a {cls.__name__} map")
+    return cls(**_check_fields(cls, _NESTED[cls], data))
+
+
 def encode(msg) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True, default=_fields_map)
+    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True, default=to_map)
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.TOO_LARGE, f"{msg.TYPE} encodes to {len(data)} bytes")
     return data

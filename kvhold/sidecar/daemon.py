@@ -149,7 +149,7 @@ class Sidecar:
 
         def active_ready() -> bool:
             active = self.supervisor.active
-            return active is not None and getattr(active, "ready", False)
+            return active is not None and active.ready
 
         src = SnapshotSource(paths=self.paths, model=self.config.pool.model, tables=self.tables,
                              weights=self.weights, tcp=self.tcp,

@@ -143,24 +143,29 @@ def add_tcp_args(p: argparse.ArgumentParser) -> None:
                         "a network you fully trust")
 
 
-# setting path (kvhold.sidecar.config) -> the flag that sets it, for error messages
-FLAGS = {
-    "pool.model": "--model", "pool.backend": "--backend", "pool.device": "--device",
-    "pool.kv_pages": "--kv-pages", "pool.kv_memory_bytes": "--kv-memory",
-    "pool.page_tokens": "--page-tokens", "pool.max_seq_len": "--max-seq-len",
-    "pool.max_requests": "--max-requests", "pool.compute_dtype": "--compute-dtype",
-    "executors.workload": "--workload", "executors.standbys": "--standbys",
-    "executors.lease_ms": "--lease-ms", "executors.startup_lease_ms": "--startup-lease-ms",
-    "executors.restart_backoff_ms": "--restart-backoff-ms", "executors.takeover": "--takeover",
-    "executors.kv_mode": "--kv-mode", "executors.max_batch": "--max-batch",
-    "executors.max_batch_tokens": "--max-batch-tokens", "executors.prefill_chunk": "--prefill-chunk",
-    "executors.cpu_threads": "--cpu-threads", "executors.token_file": "--token-file",
-    "health.source": "--health", "health.interval_s": "--health-interval",
-    "client_tcp.address": "--client-tcp", "client_tcp.curve_secret_key": "--curve-secret-key",
-    "client_tcp.curve_authorized_keys": "--curve-authorized-keys", "client_tcp.insecure": "--insecure-tcp",
-    "registry.url": "--registry", "registry.service": "--service", "registry.ttl_s": "--registry-ttl",
-    "journal.dir": "--journal-dir",
+# setting path (kvhold.sidecar.config) -> the argparse dest of the flag that sets it; the
+# flag is "--" + dest with dashes, but for the negated ones (FLAGS). One table builds the
+# config and names the flags in its errors.
+SETTINGS = {
+    "pool.model": "model", "pool.backend": "backend", "pool.device": "device",
+    "pool.kv_pages": "kv_pages", "pool.kv_memory_bytes": "kv_memory", "pool.page_tokens": "page_tokens",
+    "pool.max_seq_len": "max_seq_len", "pool.max_requests": "max_requests",
+    "pool.compute_dtype": "compute_dtype",
+    "executors.workload": "workload", "executors.standbys": "standbys", "executors.lease_ms": "lease_ms",
+    "executors.startup_lease_ms": "startup_lease_ms", "executors.kill_fenced": "kill_fenced",
+    "executors.spawn_executors": "spawn_executors", "executors.max_batch": "max_batch",
+    "executors.max_batch_tokens": "max_batch_tokens", "executors.prefill_chunk": "prefill_chunk",
+    "executors.cpu_threads": "cpu_threads", "executors.token_file": "token_file",
+    "executors.restart_backoff_ms": "restart_backoff_ms", "executors.zygote": "zygote",
+    "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
+    "health.source": "health", "health.interval_s": "health_interval",
+    "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",
+    "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",
+    "registry.url": "registry", "registry.service": "service", "registry.ttl_s": "registry_ttl",
+    "journal.dir": "journal_dir",
 }
+_NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn"}   # store_false flags
+FLAGS = {path: _NEGATED.get(dest, "--" + dest.replace("_", "-")) for path, dest in SETTINGS.items()}
 
 
 def flag_message(exc: ValueError) -> str:
@@ -186,23 +191,14 @@ def _sections_from_args(args):
     from kvhold.sidecar.config import (ClientTcpConfig, ExecutorsConfig, HealthConfig, JournalConfig,
                                        PoolConfig, RegistryConfig, SidecarConfig)
 
-    pool = PoolConfig(
-        model=args.model, backend=args.backend, device=args.device, kv_pages=args.kv_pages,
-        kv_memory_bytes=args.kv_memory, page_tokens=args.page_tokens, max_seq_len=args.max_seq_len,
-        max_requests=args.max_requests, compute_dtype=args.compute_dtype)
-    executors = ExecutorsConfig(
-        workload=args.workload or ("engine" if args.model else "idle"), standbys=args.standbys,
-        lease_ms=args.lease_ms, startup_lease_ms=args.startup_lease_ms, kill_fenced=args.kill_fenced,
-        spawn_executors=args.spawn_executors, max_batch=args.max_batch,
-        max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-        cpu_threads=args.cpu_threads, token_file=args.token_file,
-        restart_backoff_ms=parse_pair(args.restart_backoff_ms, "--restart-backoff-ms"),
-        zygote=args.zygote, takeover=args.takeover, kv_mode=args.kv_mode)
-    return SidecarConfig(
-        instance=args.instance, runtime_root=args.runtime_root, pool=pool, executors=executors,
-        health=HealthConfig(source=args.health, interval_s=args.health_interval),
-        client_tcp=ClientTcpConfig(address=args.client_tcp, curve_secret_key=args.curve_secret_key,
-                                   curve_authorized_keys=args.curve_authorized_keys,
-                                   insecure=args.insecure_tcp),
-        registry=RegistryConfig(url=args.registry, service=args.service, ttl_s=args.registry_ttl),
-        journal=JournalConfig(dir=args.journal_dir))
+    sections = {"pool": PoolConfig, "executors": ExecutorsConfig, "health": HealthConfig,
+                "client_tcp": ClientTcpConfig, "registry": RegistryConfig, "journal": JournalConfig}
+    values: dict[str, dict] = {name: {} for name in sections}
+    for path, dest in SETTINGS.items():
+        section, field = path.split(".")
+        values[section][field] = getattr(args, dest)
+    executors = values["executors"]
+    executors["workload"] = executors["workload"] or ("engine" if args.model else "idle")
+    executors["restart_backoff_ms"] = parse_pair(executors["restart_backoff_ms"], "--restart-backoff-ms")
+    return SidecarConfig(instance=args.instance, runtime_root=args.runtime_root,
+                         **{name: cls(**values[name]) for name, cls in sections.items()})
