@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvhold.executor import faults
 from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention
 from kvhold.executor.cuda_checksum import TritonChecksum
 from kvhold.executor.cuda_gemm import decode_buckets
@@ -278,6 +279,7 @@ class CudaRunner:
             logits = self.run(plan, beat)
             return (sample(logits, sampling, self.max_batch) if sampling else []), {}
         logits, out = self._decode(plan)
+        faults.point("decode_queued", lambda: (self.kv.pool, [p.seq.pages[0] for p in plan if p.seq.pages]))
         if after_forward is not None:
             after_forward(plan)          # queued behind the forward; the read-back waits for it too
         host = out.cpu()

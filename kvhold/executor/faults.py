@@ -4,17 +4,28 @@
 it reaches `point` (1-based), e.g. `commit_pages:3:kill` SIGKILLs itself between
 publishing KV page checksums and committing tokens on its third commit. Actions
 are real: `kill` (SIGKILL), `segv` (SIGSEGV, default handler), `stop` (SIGSTOP),
-`spin` (busy loop forever), `exit` (exit code 3). With `KVHOLD_FAULT_ONCE=<path>`
-only the first process to reach its fault fires it (it creates <path> with O_EXCL),
-so replacements spawned with the same environment run clean. With no variable
-set, a fault point costs one dict lookup.
+`spin` (busy loop forever), `exit` (exit code 3), and `cuda_illegal`: a kernel in
+the executor's own CUDA context overwrites the start of some KV pages (the ones the
+point names, see kvhold.executor.cuda_faults) and then stores to an illegal address,
+the classic engine crash (Xid 13/31/43). The fault is asynchronous, as a real one is:
+the step goes on until its next synchronisation raises, and the context is lost.
+`cuda_illegal` fires only where a point passes its target (the CUDA decode step,
+`decode_queued`).
+
+A fault fires at the n-th hit or, if it could not fire then, at the first hit after.
+With `KVHOLD_FAULT_ONCE=<path>` only the first process to reach its fault fires it
+(it creates <path> with O_EXCL and writes its pid and
+CLOCK_MONOTONIC ns there), so replacements spawned with the same environment
+run clean; creating <path> beforehand disarms the fault, removing it arms it again.
+With no variable set, a fault point costs one dict lookup.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
-_ACTIONS = ("kill", "segv", "stop", "spin", "exit")
+_ACTIONS = ("kill", "segv", "stop", "spin", "exit", "cuda_illegal")
 _plan: dict[str, tuple[int, str]] = {}
 _hits: dict[str, int] = {}
 
@@ -36,19 +47,22 @@ def configure(spec: str | None) -> None:
         _plan.update(parse(spec))
 
 
-def point(name: str) -> None:
+def point(name: str, target=None) -> None:
+    """`target()` gives what an action acts on where one needs it: (KV pool, pages)."""
     if not _plan or name not in _plan:
         return
     _hits[name] = _hits.get(name, 0) + 1
     n, action = _plan[name]
-    if _hits[name] != n:
+    if _hits[name] < n:
         return
     once = os.environ.get("KVHOLD_FAULT_ONCE")
     if once:
         try:
-            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             return
+        os.write(fd, f"{os.getpid()} {time.monotonic_ns()}\n".encode())   # who fired, and when
+        os.close(fd)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "segv":
@@ -61,6 +75,11 @@ def point(name: str) -> None:
             pass
     elif action == "exit":
         os._exit(3)
+    elif action == "cuda_illegal":
+        if target is None:
+            raise RuntimeError(f"fault point {name!r} has no CUDA target for cuda_illegal")
+        from kvhold.executor.cuda_faults import scribble_then_fault
+        scribble_then_fault(*target())
 
 
 configure(os.environ.get("KVHOLD_FAULT"))

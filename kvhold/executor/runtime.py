@@ -17,6 +17,7 @@ import logging
 import os
 import select
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,15 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_SIDECAR_GONE = 69
 EXIT_FENCED = 75
+EXIT_CUDA_FAULT = 70      # the device context faulted (an illegal address, a kernel's trap)
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """A CUDA error raised at a synchronisation: the context is lost, every later call fails."""
+    accel = getattr(sys.modules.get("torch"), "AcceleratorError", None)   # torch >= 2.8
+    if accel is not None and isinstance(exc, accel):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +140,32 @@ class ExecutorRuntime:
         t0 = time.monotonic()
         mapped_ms = round((t0 - t_attach) * 1e3, 2)
         workload = (self.config.workload_factory or make_workload)(attached.settings.workload, ctx)
-        workload.prepare()
-        ctx.beat()
-        channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
-                             warm_ms=(time.monotonic() - t0) * 1e3, private_mib=float(workload.private_mib),
-                             phases={"attach_and_map": mapped_ms, **workload.phases}))
-        return self._loop(ctx, workload)
+        try:
+            workload.prepare()
+            ctx.beat()
+            channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
+                                 warm_ms=(time.monotonic() - t0) * 1e3, private_mib=float(workload.private_mib),
+                                 phases={"attach_and_map": mapped_ms, **workload.phases}))
+            return self._loop(ctx, workload)
+        except Exception as exc:
+            if not is_device_fault(exc):
+                raise
+            self._die_of_device_fault(ctx, exc)
+
+    @staticmethod
+    def _die_of_device_fault(ctx: ExecutorContext, exc: BaseException) -> None:
+        """Nothing more may run in a faulted context: say so, and exit without tearing down.
+
+        The fault raised before this step's commit, so nothing of it was published; the
+        sidecar fences this lease on `Failing` (or on the exit) and the standby takes over."""
+        reason = " ".join(str(exc).split())[:300]
+        log.error("CUDA context lost (%s); exiting without publishing", reason)
+        try:
+            ctx.channel.send(m.Failing(slot=ctx.attached.slot, epoch=ctx.epoch, reason=reason))
+        except Exception as send_exc:      # the exit fences us just the same, a moment later
+            log.warning("could not tell the sidecar: %s", send_exc)
+        logging.shutdown()
+        os._exit(EXIT_CUDA_FAULT)
 
     def _watch_sidecar(self, pid: int) -> None:
         try:

@@ -2,7 +2,7 @@
 
 Two sockets, two vocabularies:
 * control (executor <-> sidecar): attach/attached, ready, weights_*, step, recovered,
-  bye; and from the sidecar: promote, wake, reaped, shutdown.
+  bye, failing; and from the sidecar: promote, wake, reaped, shutdown.
 * client (SDK <-> sidecar): generate/accepted, tokens, done, cancel/cancelled,
   status/status_reply, ping/pong, keepalive; for pool restarts pool_restart/
   pool_restart_reply, restarting and resume; for an operator's view of admissions
@@ -81,6 +81,17 @@ class Recovered:
 
 @message("bye")
 class Bye:
+    slot: int
+    epoch: int
+    reason: str = ""
+
+
+@message("failing")
+class Failing:
+    """The executor's device context is lost (a CUDA fault): fence it now, it exits at once.
+
+    Sent on the way out, before the process is torn down, so the standby takes over
+    without waiting for the kernel to release a faulted context."""
     slot: int
     epoch: int
     reason: str = ""

@@ -140,7 +140,8 @@ class Sidecar:
     def _make_health(self) -> HealthResponder:
         health = HealthResponder(self.config.health, self.config.pool.device, self.loop.post,
                                  self.supervisor.restart_active, self.frontend.close_admissions,
-                                 self.frontend.open_admissions, lambda: self.frontend.closed)
+                                 self.frontend.open_admissions, lambda: self.frontend.closed,
+                                 recent_context_fault=self.supervisor.recent_context_fault)
         self.frontend.add_handler(m.Admissions, health.on_admissions)
         return health.start()
 
@@ -298,6 +299,7 @@ class Sidecar:
     _control_handlers = {
         m.Ready: lambda self, h, msg: self.supervisor.on_ready(h, msg),
         m.Bye: lambda self, h, msg: self.supervisor.on_bye(h, msg),
+        m.Failing: lambda self, h, msg: self.supervisor.on_failing(h, msg),
         m.WeightsLoading: lambda self, h, msg: None,
         m.WeightsSealed: lambda self, h, msg: self.weights.on_sealed(h, msg),
         m.StepDone: lambda self, h, msg: self.frontend.on_step(h, msg),

@@ -11,6 +11,10 @@ Admissions a health action closed stay closed until the operator, having checked
 GPU, runs `kvhold admissions --reopen` (an `Admissions` message on the local socket):
 the closure lifts and the policy starts afresh, so the next fault closes them again.
 A pool restart re-executes the sidecar, which starts with admissions open.
+An executor whose CUDA context faults (an illegal address: Xid 13, 31, 43 or 45 follows)
+says so on its way out (`Failing`) and is fenced and replaced at once; the driver's Xid
+for that fault, arriving within `CONTEXT_XID_WINDOW_NS`, is attributed to it and does
+not restart its successor.
 The monitor thread only posts; every action runs on the sidecar's loop thread.
 The responder gets the health config section, the device, the loop's `post`, and
 the actions it takes: restart the active executor, close admissions (and reopen them
@@ -28,6 +32,9 @@ from kvhold.sidecar.health import Action, EscalationPolicy, HealthEvent, HealthM
 
 log = logging.getLogger(__name__)
 
+CONTEXT_XIDS = frozenset((13, 31, 43, 45))   # faults confined to the context that caused them
+CONTEXT_XID_WINDOW_NS = 10_000_000_000       # an Xid this soon after a context fault is that fault's
+
 
 def resolve_spec(spec: str, device: str) -> str:
     """'auto' means NVML on a CUDA device and nothing on CPU."""
@@ -42,8 +49,10 @@ class HealthResponder:
     def __init__(self, config: HealthConfig, device: str, post: Callable[[Callable[[], None]], None],
                  restart_executor: Callable[[str], int | None],
                  close_admissions: Callable[[str, str], None], open_admissions: Callable[[str], None],
-                 admissions_closed: Callable[[], dict[str, str]]):
+                 admissions_closed: Callable[[], dict[str, str]],
+                 recent_context_fault: Callable[[int], int | None] = lambda window_ns: None):
         self.post = post
+        self.recent_context_fault = recent_context_fault   # Supervisor.recent_context_fault
         self.restart_executor = restart_executor      # Supervisor.restart_active
         self.close_admissions = close_admissions      # Frontend.close_admissions
         self.open_admissions = open_admissions        # Frontend.open_admissions
@@ -65,7 +74,13 @@ class HealthResponder:
 
     def respond(self, event: HealthEvent) -> None:
         taken = {"action": event.action.label, "reason": event.reason, "kind": event.signal.kind}
-        if event.action == Action.RESTART_EXECUTOR:
+        faulted = (self.recent_context_fault(CONTEXT_XID_WINDOW_NS)
+                   if event.signal.kind == "xid" and event.signal.detail.get("xid") in CONTEXT_XIDS else None)
+        if event.action == Action.RESTART_EXECUTOR and faulted is not None:
+            # The driver reports the fault of a context whose executor already said so and
+            # was replaced: restarting its successor would only interrupt the requests again.
+            taken.update(action="none", attributed_to_pid=faulted)
+        elif event.action == Action.RESTART_EXECUTOR:
             taken["executor_pid"] = self.restart_executor(f"health: {event.reason}")
         elif event.action == Action.RESTART_POOL:
             self.close_admissions("health", f"pool restart required ({event.reason}); "

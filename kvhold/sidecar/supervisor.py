@@ -126,6 +126,7 @@ class Supervisor:
         self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
         self._stopping = False
         self.zygote: ZygoteKeeper | None = zygote
+        self.context_faults: list[tuple[int, int]] = []   # (ns, pid) of executors whose CUDA context faulted
 
     # ------------------------------------------------------------------ events
     def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
@@ -304,6 +305,20 @@ class Supervisor:
     def on_bye(self, h: ExecutorHandle, msg: m.Bye) -> None:
         h.stopping = True
         self._event("bye", h, reason=msg.reason)
+
+    def on_failing(self, h: ExecutorHandle, msg: m.Failing) -> None:
+        """The executor's device context faulted: fence and kill it now (a standby takes
+        over), and remember the fault so the driver's Xid for it is not taken for a new one."""
+        self.context_faults.append((now_ns(), h.pid))
+        del self.context_faults[:-8]
+        log.error("executor pid %d lost its device context: %s", h.pid, msg.reason)
+        self.fence(h, "cuda_fault", now_ns(), kill=True)
+
+    def recent_context_fault(self, window_ns: int, now: int | None = None) -> int | None:
+        """The pid of an executor whose device context faulted within `window_ns`, if any."""
+        now = now_ns() if now is None else now
+        recent = [pid for ns, pid in self.context_faults if now - ns <= window_ns]
+        return recent[-1] if recent else None
 
     def promote(self, h: ExecutorHandle, fenced_epoch: int, detect_ns: int) -> None:
         if fenced_epoch:  # a failover: give the takeover the CPU before starting a new standby
