@@ -18,6 +18,8 @@
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
+#   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
+#                                                                                  -> cuda_fault_cuda.json
 #
 # BUDGET_S (default 585) bounds the whole call: the last phase gets what is left of it.
 set -uo pipefail
@@ -85,6 +87,12 @@ for phase in "${@:-tests}"; do
   cold-restart)
     model_8b
     timeout $(left) python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
+    ;;
+  cuda-fault)
+    [ -d /tmp/tiny ] || python3 -m kvhold.testing.make_model --preset tiny --out /tmp/tiny 2>&1 | tail -1
+    timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny --trials ${FAULT_TRIALS:-5} --requests 8 \
+        --out "$OUT/cuda_fault_cuda.json" 2>&1 | tail -40
+    gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   *)
     echo "unknown phase: $phase (see the head of tools/h200_run.sh)"; exit 2
