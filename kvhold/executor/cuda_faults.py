@@ -2,7 +2,7 @@
 
 The classic engine crash is a kernel bug: it writes through a bad index into memory it
 can reach (here the start of some KV pages of the shared pool, which already carry
-published checksums) and then through an address no allocation covers. The GPU raises
+published checksums: the runner names the last sealed page of every other row) and then through an address no allocation covers. The GPU raises
 an illegal-address fault (Xid 13/31/43); the launch returns at once, and the error
 surfaces at the process's next synchronisation with its context lost for good. Every
 later call in that context fails: nothing the executor does afterwards can publish a

@@ -269,6 +269,11 @@ class CudaRunner:
         rows = [logits[id(p)] for p in plan if p.samples]
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)
 
+    def _fault_target(self, plan):
+        """What the `cuda_illegal` fault corrupts: the last sealed page of every other row."""
+        pt = self.kv.page_tokens
+        return self.kv.pool, [p.seq.pages[max(0, p.seq.num_computed // pt - 1)] for p in plan[::2] if p.seq.pages]
+
     def run_and_sample(self, plan, sampling, beat=None, after_forward=None) -> tuple[list[int], dict[int, int]]:
         """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
         one slot this step wrote there}) for the engine's commit. A decode-only step reads its
@@ -279,7 +284,7 @@ class CudaRunner:
             logits = self.run(plan, beat)
             return (sample(logits, sampling, self.max_batch) if sampling else []), {}
         logits, out = self._decode(plan)
-        faults.point("decode_queued", lambda: (self.kv.pool, [p.seq.pages[0] for p in plan if p.seq.pages]))
+        faults.point("decode_queued", lambda: self._fault_target(plan))
         if after_forward is not None:
             after_forward(plan)          # queued behind the forward; the read-back waits for it too
         host = out.cpu()
