@@ -162,7 +162,8 @@ class ExecutorRuntime:
         log.error("CUDA context lost (%s); exiting without publishing", reason)
         try:
             ctx.channel.send(m.Failing(slot=ctx.attached.slot, epoch=ctx.epoch, reason=reason))
-            ctx.channel.sock.close(200)    # let ZeroMQ's I/O thread deliver it (at most 200 ms)
+            ctx.channel.sock.close(200)    # term() waits while ZeroMQ's I/O thread delivers it (<= 200 ms)
+            ctx.channel.ctx.term()
         except Exception as send_exc:      # the exit fences us just the same, a moment later
             log.warning("could not tell the sidecar: %s", send_exc)
         logging.shutdown()
