@@ -114,10 +114,12 @@ def kv_layout(options: dict | None, override: str | None = None) -> str:
     """Token order inside a TensorRT-LLM KV block: "hnd" or "nhd".
 
     TensorRT-LLM's pool is [blocks, layers, 2, tokens*heads*dim] and each attention backend
-    reads it its own way (`KVCacheManager.get_buffers(layer, kv_layout=...)`): the TRTLLM
-    backend (the default) through its kernels' [heads][tokens][dim] blocks, the VANILLA and
-    FLASHINFER backends as NHD. `override` (--kv-layout) wins; an unknown backend without one
-    is refused rather than guessed."""
+    lays a block out its own way: the TRTLLM backend (the default) as [heads][tokens][dim]
+    (the KV cache manager's partial-block copy, cpp/tensorrt_llm/kernels/kvCachePartialCopy.cu
+    at a90a0166, indexes it so), VANILLA through `KVCacheManager.get_buffers(layer)`'s
+    [blocks, 2, tokens, heads, dim] view (resource_manager.py, b35ac1b6) and FLASHINFER with
+    `FlashInferAttentionMetadata.kv_layout = "NHD"` (attention_backend/flashinfer.py). `override`
+    (--kv-layout) wins; an unknown backend without one is refused rather than guessed."""
     backend = str((options or {}).get("attn_backend", "TRTLLM")).upper()
     if override:
         return override

@@ -24,12 +24,21 @@ in its source at the commit named (b35ac1b6 is the tree whose tensorrt_llm/versi
   Blocks matched in the radix tree may be shared with other requests; blocks allocated after
   the match (where the connector's tokens go) belong to this request; a partially matched
   block is copied or claimed, so it is private too.
-* tensorrt_llm/_torch/pyexecutor/py_executor.py (`_maybe_init_kv_connector_manager`):
-  `worker.register_kv_caches(kv_cache_manager.get_unique_primary_pool())` once, decoder-layer
-  hooks calling `wait_for_layer_load` / `save_kv_layer`.
-* tensorrt_llm/_torch/pyexecutor/resource_manager.py: the primary pool is
-  [blocks, layers, 2, tokens*heads*dim]; `get_buffers(layer, kv_layout="NHD"|"HND")` views it
-  either way, "different attention backend/implementation can have different KV layouts".
+* tensorrt_llm/_torch/pyexecutor/py_executor.py (several stored versions; commit not
+  determined): `_maybe_init_kv_connector_manager` calls
+  `worker.register_kv_caches(kv_cache_manager.get_unique_primary_pool())` once and hooks every
+  `DecoderLayer` (pre: `wait_for_layer_load`, post: `save_kv_layer`); `_kv_connector_start_batch`
+  runs `handle_metadata()` (build_connector_meta, bind) then `start_load_kv(current_stream())`;
+  `_forward_step` calls `wait_for_save(current_stream())` right after the model's forward, in
+  the plain and the overlap loop alike.
+* tensorrt_llm/_torch/pyexecutor/resource_manager.py (b35ac1b6): `get_unique_primary_pool()`
+  is one tensor for all layers, [blocks, layers, 2, tokens*heads*dim]; `get_buffers(layer)`
+  views a layer as [blocks, 2, tokens, heads, dim] (NHD), what the VANILLA backend reads and
+  writes. Newer trees add `get_buffers(layer, kv_layout="NHD"|"HND")`: "different attention
+  backend/implementation can have different KV layouts". The KV cache manager's own
+  partial-block copy (cpp/tensorrt_llm/kernels/kvCachePartialCopy.cu, a90a0166) indexes a
+  block as (head * tokensPerBlock + token) * headDim + d: HND, the TRTLLM backend's layout.
+  The launcher picks the layout from `attn_backend` (launcher.kv_layout).
 
 How it protects the engine. After each forward pass (`wait_for_save`, stream synchronized)
 the worker mirrors the rows the pass wrote (kvhold.executor.kv_mirror: versioned, checksummed
@@ -185,6 +194,7 @@ class MirrorPlanner:
     def __init__(self, bridge: Bridge, block_tokens: int):
         self.bridge, self.block_tokens = bridge, block_tokens
         self.tracked: dict[int, _Tracked] = {}
+        self.warned = False
 
     def matched_tokens(self, request_id: int, kvhold_id: int | None, num_prompt: int,
                        num_computed: int, request=None) -> int:
@@ -208,6 +218,10 @@ class MirrorPlanner:
     def build(self, new_requests, cached_requests) -> ConnectorMeta:
         meta = ConnectorMeta()
         for data in new_requests:
+            if data.request_id not in self.tracked and not self.warned:
+                self.warned = True           # its kvhold id can never be resolved: nothing mirrored
+                log.error("request %s was scheduled without get_num_new_matched_tokens: is "
+                          "kv_cache_config.enable_block_reuse off? Its KV is not mirrored", data.request_id)
             t = self.tracked.setdefault(data.request_id, _Tracked(None))
             t.blocks.extend(data.new_block_ids)
             start = data.computed_position   # TensorRT-LLM subtracted the connector's tokens

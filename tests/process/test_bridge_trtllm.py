@@ -7,19 +7,25 @@ num_scheduled_tokens / new_block_ids; save after the pass; load on a resubmitted
 the weights rebind; the LLM arguments. The engine part runs only where `tensorrt_llm`
 imports and a CUDA GPU and a checkpoint (KVHOLD_TRTLLM_MODEL) are present.
 """
+import inspect
 import math
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from kvhold.executor.kv_cache import KvCache
+from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease
 from kvhold.protocol.memory import HostRegion
@@ -348,6 +354,8 @@ def test_load_then_rebind_keeps_the_signature_tensorrt_llm_inspects():
         model = Model()
         weights = loader.load_weights("/ckpt")
         mapper = loader.get_initialized_weight_mapper(model, config=None)
+        assert inspect.getfullargspec(model.load_weights).args == ["weights", "weight_mapper",
+                                                                   "allow_partial_loading"]
         call_load_weights(model.load_weights, weights, mapper)
         assert model.got == (mapper, False)
         assert loader.rebound == ["w.weight"] and model.w.weight.data_ptr() == region["w.weight"].data_ptr()
@@ -423,3 +431,102 @@ def test_block_layout_follows_the_attention_backend(pool):
         launcher.kv_layout({"attn_backend": "SOMETHING"})
     tables, kv = pool
     takeover(tables, kv, llm_kwargs(SETTINGS, GEOM), head_major=False)       # NHD engine, NHD mirror
+
+
+class HarnessLLM:
+    """`tensorrt_llm.LLM` over a ConnectorEngine stepping on its own thread, as the LLM API's
+    PyExecutor does: generate_async(tokens, sampling_params, streaming=True) -> output whose
+    iteration ends with the finished request."""
+
+    def __init__(self, engine):
+        self.engine, self.lock, self.next_id, self.stop = engine, threading.Lock(), 100, False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while not self.stop:
+            with self.lock:
+                self.engine.step()
+            time.sleep(0.001)
+
+    def generate_async(self, tokens, sampling_params, streaming=True):
+        with self.lock:
+            self.next_id += 1
+            cid = self.next_id
+            self.engine.add_request(cid + 5000, tokens, sampling_params["max_tokens"], client_id=cid)
+        return HarnessOutput(self, cid)
+
+
+class HarnessOutput:
+    def __init__(self, llm, cid):
+        self.llm, self.request_id = llm, cid
+
+    def __iter__(self):
+        while (tokens := self.llm.engine.finished.get(self.request_id + 5000)) is None:
+            time.sleep(0.002)
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, finish_reason="length")], finished=True)
+
+
+def test_promote_reports_what_the_connector_loaded(pool):
+    """The launcher's promote, over a real journal and mirror, with the engine on its own
+    thread: tokens_kept counts the blocks start_load_kv copied, tokens_recomputed the mirrored
+    KV the new engine computes again; a prefix the new engine's radix tree already had is
+    neither kept from kvhold nor recomputed."""
+    tables, kv = pool
+    journal = Journal(tables)
+    max_new = 12
+    with fake_tensorrt_llm("1.2"):
+        sys.modules["tensorrt_llm"].SamplingParams = lambda **kw: kw
+        kw = llm_kwargs(SETTINGS, GEOM)
+        rid = journal.new_request_id()
+        b1 = Bridge(tables, kv, lease(tables, 0))
+        e1 = engine_for(b1, kw)
+        b1.client_ids[1] = rid
+        e1.add_request(1001, PROMPT, max_new, client_id=1)
+        for _ in range(6):
+            e1.step()
+        generated = e1.requests[1001].tokens[len(PROMPT):]
+        journal.admit(0, rid, PROMPT, max_tokens=max_new, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+        journal.take(0, rid, int(tables.leases["epoch"][0]))
+        for i, token in enumerate(generated):
+            journal.commit_tokens(np.array([0]), np.array([len(PROMPT) + i]), np.array([token], dtype=np.int32),
+                                  np.array([i + 1], dtype=np.uint32))
+        pages = []
+        while (page := b1.mirror.page_of(rid, len(pages))) is not None:
+            pages.append(page)
+        journal.set_pages(0, pages)
+        mirrored = min(len(PROMPT) + len(generated) - 1, sum(min(int(b1.mirror.counts[p]), 4) for p in pages))
+
+        b2 = Bridge(tables, kv, lease(tables, 1))
+        e2 = engine_for(b2, kw)                      # the standby, warm
+        e2.add_request(3003, PROMPT[:8] + [1, 2, 3], 2)       # another request sharing 2 blocks
+        e2.run()
+        w = launcher.TrtllmWorkload.__new__(launcher.TrtllmWorkload)
+        w.ctx = SimpleNamespace(tables=tables, lease=b2.lease, beat=lambda: None)
+        w.bridge, w.journal, w.llm = b2, journal, HarnessLLM(e2)
+        w.events, w.live, w.offsets, w.marks = queue.Queue(), {}, {}, {}
+        try:
+            report = w.promote(SimpleNamespace(detect_ns=1, fenced_epoch=1, pending_epochs=()))
+        finally:
+            w.llm.stop = True
+    full = 4 * ((len(PROMPT) + len(generated) - 1) // 4)       # intact full blocks, prompt -1 token
+    assert report.kv_mode == "foreign-trtllm" and report.requests_resumable == 1
+    assert report.tokens_kept == full - 8                    # the first 8 came from the radix tree
+    assert report.tokens_recomputed == mirrored - full
+    assert journal.recompute_counts(0)[1] == mirrored - full
+
+
+def test_with_block_reuse_off_the_connector_is_never_asked_and_says_so(pool, caplog):
+    """What the bridge avoids by pinning reuse on: kvCacheManager.cpp's addSequence without
+    reuse ignores the connector, so no request is resolved to kvhold and nothing is mirrored."""
+    tables, kv = pool
+    kw = llm_kwargs(SETTINGS, GEOM)
+    kw["kv_cache_config"] = {**kw["kv_cache_config"], "enable_block_reuse": False}
+    with fake_tensorrt_llm("1.2"):
+        bridge = Bridge(tables, kv, lease(tables, 0))
+        engine = engine_for(bridge, kw)
+        bridge.client_ids[1] = 7
+        engine.add_request(1001, PROMPT, 4, client_id=1)
+        engine.run()
+    assert engine.connector_asked == 0 and bridge.mirror.page_of(7, 0) is None
+    assert "enable_block_reuse off" in caplog.text
