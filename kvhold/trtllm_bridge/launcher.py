@@ -17,10 +17,12 @@ holds a lease, maps the tables, the weights region and the KV region, and follow
 standby -> active lifecycle (kvhold.executor.runtime). Its workload (`TrtllmWorkload`):
 * prepare: weights from the region (the designated loader fills and seals it first), an
   `LLM` built with `KvholdCheckpointLoader` (trtllm_weights) and the kvhold connector
-  (trtllm_connector), KV blocks of `page_tokens` tokens; a standby is fully warmed.
+  (trtllm_connector), KV blocks of `page_tokens` tokens, block reuse on and the
+  GUARANTEED_NO_EVICT scheduler (`llm_kwargs` says why); a standby is fully warmed.
 * promote: validate the mirrored pages of every live journal request
   (`KvMirror.plan_restore`, full blocks only), then resubmit each (prompt plus committed
-  tokens); the connector loads the intact blocks instead of prefilling them.
+  tokens); the connector loads the intact blocks instead of prefilling them, and the
+  recovery report, made once those loads are done, counts what was loaded.
 * step: admit new journal requests, then commit streamed tokens to the journal (their KV was
   mirrored by the connector at the end of the forward pass that produced them).
 Continuations after a takeover equal an uninterrupted run for greedy requests; TensorRT-LLM's
