@@ -249,23 +249,25 @@ def greedy(tokens, n):
     return tokens
 
 
-def takeover(tables, kv, kw, steps=6, max_new=12, overlap=True, before=None, head_major=True):
+def takeover(tables, kv, kw, steps=6, max_new=12, overlap=True, before=None, head_major=True,
+             engine_head_major=None):
     """kvhold request 7 runs `steps` iterations in one engine, which then dies; a new engine
     takes over, as the launcher's promote does, and finishes it. Returns (bridge, plans, engine)."""
     with fake_tensorrt_llm("1.2"):
-        return _takeover(tables, kv, kw, steps, max_new, overlap, before, head_major)
+        return _takeover(tables, kv, kw, steps, max_new, overlap, before, head_major,
+                         head_major if engine_head_major is None else engine_head_major)
 
 
-def _takeover(tables, kv, kw, steps, max_new, overlap, before, head_major):
+def _takeover(tables, kv, kw, steps, max_new, overlap, before, head_major, engine_head_major):
     b1 = Bridge(tables, kv, lease(tables, 0), head_major=head_major)
-    e1 = engine_for(b1, kw, overlap=overlap, head_major=head_major)
+    e1 = engine_for(b1, kw, overlap=overlap, head_major=engine_head_major)
     b1.client_ids[1] = 7
     e1.add_request(1001, PROMPT, max_new, client_id=1)
     for _ in range(steps):
         e1.step()
     committed = e1.requests[1001].tokens            # every sampled token reached the journal
     b2 = Bridge(tables, kv, lease(tables, 1), head_major=head_major)
-    e2 = engine_for(b2, kw, overlap=overlap, head_major=head_major)      # the warm standby
+    e2 = engine_for(b2, kw, overlap=overlap, head_major=engine_head_major)   # the warm standby
     if before:
         before(b2, e2)
     plans = b2.mirror.plan_restore({7: math.ceil((len(committed) - 1) / 4)}, full_blocks_only=True)
@@ -431,6 +433,14 @@ def test_block_layout_follows_the_attention_backend(pool):
         launcher.kv_layout({"attn_backend": "SOMETHING"})
     tables, kv = pool
     takeover(tables, kv, llm_kwargs(SETTINGS, GEOM), head_major=False)       # NHD engine, NHD mirror
+
+
+def test_a_wrong_block_layout_is_caught_by_the_harness(pool):
+    """The same run with the mirror reading NHD blocks as HND: rows are copied before the
+    engine wrote them, and the new engine's attention reads a wrong row."""
+    tables, kv = pool
+    with pytest.raises(AssertionError, match="KV row"):
+        takeover(tables, kv, llm_kwargs(SETTINGS, GEOM), head_major=True, engine_head_major=False)
 
 
 class HarnessLLM:
