@@ -17,10 +17,12 @@ holds a lease, maps the tables, the weights region and the KV region, and follow
 standby -> active lifecycle (kvhold.executor.runtime). Its workload (`TrtllmWorkload`):
 * prepare: weights from the region (the designated loader fills and seals it first), an
   `LLM` built with `KvholdCheckpointLoader` (trtllm_weights) and the kvhold connector
-  (trtllm_connector), KV blocks of `page_tokens` tokens; a standby is fully warmed.
+  (trtllm_connector), KV blocks of `page_tokens` tokens, block reuse on and the
+  GUARANTEED_NO_EVICT scheduler (`llm_kwargs` says why); a standby is fully warmed.
 * promote: validate the mirrored pages of every live journal request
   (`KvMirror.plan_restore`, full blocks only), then resubmit each (prompt plus committed
-  tokens); the connector loads the intact blocks instead of prefilling them.
+  tokens); the connector loads the intact blocks instead of prefilling them, and the
+  recovery report, made once those loads are done, counts what was loaded.
 * step: admit new journal requests, then commit streamed tokens to the journal (their KV was
   mirrored by the connector at the end of the forward pass that produced them).
 Continuations after a takeover equal an uninterrupted run for greedy requests; TensorRT-LLM's
@@ -34,17 +36,20 @@ import math
 import os
 import queue
 import threading
+import time
 
 import numpy as np
 import torch
 
 from kvhold.executor.engine_workload import EngineWorkload
 from kvhold.executor.kv_cache import KvCache
+from kvhold.executor.takeover import MAX_REPORTED_REQUESTS
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
-from kvhold.protocol.recovery_report import RecoveryReport
+from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, install
 
@@ -55,24 +60,75 @@ CONNECTOR = {"connector_module": "kvhold.trtllm_bridge.trtllm_connector",
 REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED}
 
 
+# Keys of the LLM arguments the bridge owns: an --llm-options file setting one is refused.
+OWNED = {
+    "model": "the sidecar's --model",
+    "checkpoint_loader": "the bridge loads weights from the sidecar's region",
+    "checkpoint_format": "TensorRT-LLM ignores checkpoint_loader when checkpoint_format is set "
+                         "(TorchLlmArgs.validate_checkpoint_format), which would bypass the sidecar's weights",
+    "kv_connector_config": "the bridge's connector mirrors the KV pool",
+    "connector_config": "the TensorRT-LLM 1.0 name of kv_connector_config; 1.0 is not supported",
+    "tensor_parallel_size": "one kvhold pool per GPU: TP=1 only",
+    "speculative_config": "TensorRT-LLM refuses a KV connector with speculative decoding "
+                          "(py_executor_creator.py: 'KV connector is not supported with speculative decoding')",
+}
+# attention backend -> token order inside a KV block (resource_manager.get_buffers' kv_layout)
+BACKEND_LAYOUTS = {"TRTLLM": "hnd", "VANILLA": "nhd", "FLASHINFER": "nhd"}
+NO_EVICT = "GUARANTEED_NO_EVICT"
+
+
 def llm_kwargs(settings: ExecutorSettings, geometry, options: dict | None = None) -> dict:
     """Keyword arguments for `tensorrt_llm.LLM`, as plain values (objects made in `build_llm`).
 
-    KV blocks hold exactly kvhold's `page_tokens`; block reuse is off (a reused block is
-    shared by requests, while a kvhold page belongs to one). `options` (a YAML mapping, as
-    for trtllm-serve's --extra_llm_api_options) is applied last, except for these keys."""
+    KV blocks hold exactly kvhold's `page_tokens`. Block reuse is on: TensorRT-LLM asks the
+    connector for matched tokens only when it is (kvCacheManager.cpp's addSequence), so without
+    it nothing would be loaded after a takeover. The capacity scheduler is GUARANTEED_NO_EVICT,
+    the only policy TensorRT-LLM accepts with a connector. `options` (a YAML mapping, as for
+    trtllm-serve's --extra_llm_api_options) is applied last; a key the bridge owns (`OWNED`),
+    or a value contradicting one it pins, is refused with a ValueError that names it."""
+    kv_cache = {"tokens_per_block": geometry.kv.page_tokens, "enable_block_reuse": True}
     kw = {"model": settings.model, "max_batch_size": settings.max_batch,
           "max_num_tokens": settings.max_batch_tokens, "max_seq_len": geometry.max_seq_len,
-          "kv_cache_config": {"tokens_per_block": geometry.kv.page_tokens, "enable_block_reuse": False},
+          "kv_cache_config": dict(kv_cache), "scheduler_config": {"capacity_scheduler_policy": NO_EVICT},
           "kv_connector_config": dict(CONNECTOR)}
-    fixed = {"kv_connector_config", "checkpoint_loader", "tensor_parallel_size"}
     for key, value in (options or {}).items():
-        if key in fixed:
-            raise ValueError(f"--llm-options may not set {key}: the bridge owns it")
+        if key in OWNED:
+            raise ValueError(f"--llm-options may not set {key}: {OWNED[key]}")
         if key == "kv_cache_config":
-            value = {**value, **kw["kv_cache_config"]}
+            value = _pinned(key, value, kv_cache)
+        elif key == "scheduler_config":
+            value = _pinned(key, value, {"capacity_scheduler_policy": NO_EVICT})
         kw[key] = value
     return kw
+
+
+def _pinned(key: str, value, pinned: dict) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"--llm-options {key} must be a mapping")
+    for name, want in pinned.items():
+        if name in value and str(value[name]).rsplit(".", 1)[-1] != str(want):
+            raise ValueError(f"--llm-options may not set {key}.{name}={value[name]!r}: "
+                             f"the bridge needs {want!r}")
+    return {**value, **pinned}
+
+
+def kv_layout(options: dict | None, override: str | None = None) -> str:
+    """Token order inside a TensorRT-LLM KV block: "hnd" or "nhd".
+
+    TensorRT-LLM's pool is [blocks, layers, 2, tokens*heads*dim] and each attention backend
+    lays a block out its own way: the TRTLLM backend (the default) as [heads][tokens][dim]
+    (the KV cache manager's partial-block copy, cpp/tensorrt_llm/kernels/kvCachePartialCopy.cu
+    at a90a0166, indexes it so), VANILLA through `KVCacheManager.get_buffers(layer)`'s
+    [blocks, 2, tokens, heads, dim] view (resource_manager.py, b35ac1b6) and FLASHINFER with
+    `FlashInferAttentionMetadata.kv_layout = "NHD"` (attention_backend/flashinfer.py). `override`
+    (--kv-layout) wins; an unknown backend without one is refused rather than guessed."""
+    backend = str((options or {}).get("attn_backend", "TRTLLM")).upper()
+    if override:
+        return override
+    if backend not in BACKEND_LAYOUTS:
+        raise ValueError(f"attn_backend {backend!r}: its KV block layout is not known to the bridge; "
+                         "pass --kv-layout hnd|nhd")
+    return BACKEND_LAYOUTS[backend]
 
 
 def sampling_kwargs(entry, num_generated: int) -> dict:
@@ -84,15 +140,25 @@ def sampling_kwargs(entry, num_generated: int) -> dict:
 
 def build_llm(kwargs: dict, weights):                    # pragma: no cover - needs TensorRT-LLM
     from tensorrt_llm import LLM
-    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+    from tensorrt_llm.llmapi.llm_args import (
+        CapacitySchedulerPolicy,
+        KvCacheConfig,
+        KvCacheConnectorConfig,
+        SchedulerConfig,
+        TorchLlmArgs,
+    )
 
     from kvhold.trtllm_bridge.trtllm_weights import KvholdCheckpointLoader
 
+    if "kv_connector_config" not in TorchLlmArgs.model_fields:
+        raise RuntimeError("this TensorRT-LLM has no kv_connector_config (1.0 named it connector_config, "
+                           "with connector classes built from an ExecutorConfig): TensorRT-LLM 1.2 or later is needed")
     kwargs = dict(kwargs)
     kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+    kwargs["scheduler_config"] = SchedulerConfig(**{
+        **kwargs["scheduler_config"], "capacity_scheduler_policy": CapacitySchedulerPolicy.GUARANTEED_NO_EVICT})
     connector = KvCacheConnectorConfig(**kwargs.pop("kv_connector_config"))
-    name = "kv_connector_config" if "kv_connector_config" in TorchLlmArgs.model_fields else "connector_config"
-    return LLM(checkpoint_loader=KvholdCheckpointLoader(weights), **{name: connector}, **kwargs)
+    return LLM(checkpoint_loader=KvholdCheckpointLoader(weights), kv_connector_config=connector, **kwargs)
 
 
 class TrtllmWorkload(EngineWorkload):
@@ -123,31 +189,56 @@ class TrtllmWorkload(EngineWorkload):
         self._phase("llm")
 
     # ------------------------------------------------------------------ takeover
+    settle_timeout_s = 30.0          # how long promote waits for the resubmitted requests' loads
+
     def promote(self, msg) -> RecoveryReport:
+        """Validate the mirror, resubmit every live request, and report what was loaded.
+
+        The report is made once the connector has answered for each resubmitted request and
+        made its load (or `settle_timeout_s` passed: the rest are logged, not counted), so
+        `tokens_kept` is what the engine got from kvhold pages and `tokens_recomputed` what
+        it computes again of the KV the dead executor had mirrored."""
         t0, bt = now_ns(), self.ctx.tables.geometry.kv.page_tokens
         entries = [e for e in map(self.journal.entry, map(int, self.journal.live_slots()))
                    if e.taken and e.exec_state != ExecState.FINISHED]
+        counts = PageTable(self.ctx.tables).snapshot()["num_tokens"]
+        recorded = {e.request_id: min(max(0, e.num_tokens - 1), int(sum(
+            min(int(counts[p]), bt) for p in self.journal.pages_of(e.slot, e.num_pages).tolist())))
+            for e in entries}
         with self.bridge.lock:
             plans = self.bridge.mirror.plan_restore(
                 {e.request_id: math.ceil(max(0, e.num_tokens - 1) / bt) for e in entries},
                 msg.pending_epochs, full_blocks_only=True)
+        validated = now_ns()
         self.bridge.restorable = {rid: p.pages for rid, p in plans.items() if p.pages}
+        self.bridge.await_outcomes(recorded)
         for e in entries:
             self._submit(e)
-        stats = self.bridge.mirror.last_restore
-        kept = sum(p.restored.tokens_restored for p in plans.values())
-        return RecoveryReport(
-            detect_ns=msg.detect_ns, promoted_ns=t0, validated_ns=now_ns(), resumed_ns=now_ns(),
-            fenced_epoch=msg.fenced_epoch, kv_mode="foreign-trtllm",
-            pages_checked=stats["pages_checked"], pages_bad=stats["pages_bad"],
-            pages_quarantined=stats["pages_quarantined"], tokens_kept=kept,
-            requests_resumable=sum(p.restored.first_bad is None for p in plans.values()),
-            requests_damaged=sum(p.restored.first_bad is not None for p in plans.values()),
-            requests_lost=0, tokens_recomputed=0, requests=[])
+        resumed = now_ns()
+        self._await_settled()
+        with self.bridge.lock:
+            outcomes = {rid: self.bridge.outcomes.pop(rid) for rid in recorded}
+        report = recovery_report(msg, self.bridge.mirror.last_restore, plans, recorded, outcomes,
+                                 promoted_ns=t0, validated_ns=validated, resumed_ns=resumed)
+        for e in entries:
+            o = outcomes[e.request_id]
+            if o.settled and recorded[e.request_id] > o.covered:
+                self.journal.add_counter(e.slot, "num_recomputed", recorded[e.request_id] - o.covered)
+        return report
+
+    def _await_settled(self) -> None:
+        deadline = time.monotonic() + self.settle_timeout_s
+        while (waiting := self.bridge.unsettled()) and time.monotonic() < deadline:
+            self.ctx.beat()
+            self.ctx.lease.check()
+            time.sleep(0.002)
+        if waiting:
+            log.warning("%d resubmitted requests not scheduled within %.0f s: their loads are not "
+                        "in the recovery report", len(waiting), self.settle_timeout_s)
 
     # ------------------------------------------------------------------ serving
     def _submit(self, entry) -> None:
-        from tensorrt_llm import SamplingParams          # pragma: no cover - needs TensorRT-LLM
+        from tensorrt_llm import SamplingParams  # pragma: no cover - needs TensorRT-LLM
 
         tokens = self.journal.all_tokens(entry.slot, entry.num_tokens).tolist()
         self.bridge.expect(tokens, entry.request_id)
@@ -238,6 +329,32 @@ class TrtllmWorkload(EngineWorkload):
         return marks
 
 
+def recovery_report(msg, stats: dict, plans: dict, recorded: dict, outcomes: dict, *,
+                    promoted_ns: int, validated_ns: int, resumed_ns: int) -> RecoveryReport:
+    """The takeover's report from what the connector loaded (`Outcome`s), not from the plan.
+
+    Per request: kept = tokens copied from kvhold pages into the engine; recomputed = KV the dead
+    executor had mirrored (`recorded`) that the engine computes again, i.e. beyond what it got
+    from kvhold or its own radix tree. A request not settled is counted in neither."""
+    rows = []
+    for rid, plan in plans.items():
+        o = outcomes.get(rid)
+        kept = o.loaded if o is not None else 0
+        again = max(0, recorded.get(rid, 0) - o.covered) if o is not None and o.settled else 0
+        klass = "resumable" if plan.restored.first_bad is None else ("damaged" if kept else "lost")
+        rows.append(RequestRecovery(request_id=rid, klass=klass, first_bad_page=plan.restored.first_bad,
+                                    kv_kept=kept, tokens_recomputed=again))
+    return RecoveryReport(
+        detect_ns=msg.detect_ns, promoted_ns=promoted_ns, validated_ns=validated_ns, resumed_ns=resumed_ns,
+        fenced_epoch=msg.fenced_epoch, kv_mode="foreign-trtllm",
+        pages_checked=stats["pages_checked"], pages_bad=stats["pages_bad"],
+        pages_quarantined=stats["pages_quarantined"], tokens_kept=sum(r.kv_kept for r in rows),
+        requests_resumable=sum(r.klass == "resumable" for r in rows),
+        requests_damaged=sum(r.klass == "damaged" for r in rows),
+        requests_lost=sum(r.klass == "lost" for r in rows),
+        tokens_recomputed=sum(r.tokens_recomputed for r in rows), requests=rows[:MAX_REPORTED_REQUESTS])
+
+
 def main(argv=None) -> int:                              # pragma: no cover - needs TensorRT-LLM
     import argparse
     from pathlib import Path
@@ -254,13 +371,15 @@ def main(argv=None) -> int:                              # pragma: no cover - ne
     p.add_argument("--token-file", type=Path, default=None)
     p.add_argument("--llm-options", type=Path, default=None,
                    help="YAML of extra tensorrt_llm.LLM arguments (as trtllm-serve --extra_llm_api_options)")
-    p.add_argument("--kv-layout", choices=("hnd", "nhd"), default="hnd",
-                   help="token order inside a TensorRT-LLM KV block (default hnd: [heads][tokens][dim])")
+    p.add_argument("--kv-layout", choices=("hnd", "nhd"), default=None,
+                   help="token order inside a TensorRT-LLM KV block (default: from attn_backend, "
+                        "hnd for TRTLLM, nhd for VANILLA and FLASHINFER)")
     p.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
     setup_logging(args.log_level, role="trtllm")
     options = yaml.safe_load(args.llm_options.read_text()) if args.llm_options else {}
-    factory = lambda name, ctx: TrtllmWorkload(ctx, options, head_major=args.kv_layout == "hnd")  # noqa: E731
+    head_major = kv_layout(options, args.kv_layout) == "hnd"
+    factory = lambda name, ctx: TrtllmWorkload(ctx, options, head_major=head_major)
     cfg = ExecutorConfig(instance=args.instance, runtime_root=args.runtime_root,
                          token_file=args.token_file, workload_factory=factory)
     return ExecutorRuntime(cfg).run()

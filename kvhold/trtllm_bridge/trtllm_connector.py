@@ -1,39 +1,60 @@
 """TensorRT-LLM KV Cache Connector that mirrors the engine's KV pool into kvhold.
 
-Written against TensorRT-LLM 1.2 (repository NVIDIA/TensorRT-LLM). Sources read, by path;
-the stored versions were commit 00fdcbff (kv_cache_connector.py: the `llm_args: TorchLlmArgs`
-signatures of the 1.2 docs' example, nvidia.github.io/TensorRT-LLM/1.2.0rc0/examples/
-llm_kv_cache_connector.html) and b35ac1b6 (version.py = 1.2.0rc2) where available:
-* tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py: `KvCacheConnectorScheduler(llm_args)`
-  with `build_connector_meta(scheduler_output: SchedulerOutput)`,
-  `get_num_new_matched_tokens(request: LlmRequest, num_computed_tokens: int) -> (int, bool)`,
-  `request_finished(request, cache_block_ids: List[int]) -> bool`,
-  `update_state_after_alloc(request, block_ids: List[int])`; `KvCacheConnectorWorker(llm_args)`
-  with `register_kv_caches(kv_cache_tensor)`, `start_load_kv(stream)`,
-  `wait_for_layer_load(layer_idx, stream)`, `save_kv_layer(layer_idx, stream)`,
-  `wait_for_save(stream)`, `get_finished(finished_gen_req_ids, started_loading_req_ids)`;
-  `bind_connector_meta` / `self._metadata`; `SchedulerOutput.new_requests / cached_requests`
-  of `RequestData(request_id, new_tokens, new_block_ids, computed_position,
-  num_scheduled_tokens)`; `KvCacheConnectorManager.get_num_new_matched_tokens` (raises if
-  0 tokens are returned with async=True) and `KvCacheConnectorSchedulerOutputManager` (it
-  subtracts the connector-matched tokens from a new request's `computed_position`).
-* tensorrt_llm/_torch/pyexecutor/py_executor.py: `PyExecutor.__init__` calls
-  `worker.register_kv_caches(kv_cache_manager.get_unique_primary_pool())` once and hooks
-  every `DecoderLayer` (pre: `wait_for_layer_load`, post: `save_kv_layer`).
-* tensorrt_llm/_torch/pyexecutor/resource_manager.py: `KVCacheManager.get_unique_primary_pool()`
-  (one tensor for all layers: [num_blocks, num_layers, kv_factor=2, tokens*heads*head_dim]),
-  `get_buffers(layer_idx)`.
-* tensorrt_llm/llmapi/llm_args.py: `KvCacheConnectorConfig(connector_module,
-  connector_scheduler_class, connector_worker_class)`; the LLM argument is
-  `kv_connector_config` (`connector_config` in 1.0); examples/llm-api/llm_kv_cache_connector.py.
+Written against TensorRT-LLM 1.2 (repository NVIDIA/TensorRT-LLM); every fact below was read
+in its source at the commit named (b35ac1b6 is the tree whose tensorrt_llm/version.py says
+1.2.0rc2; the other commits' versions were not determined):
+* tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py (00fdcbff, 32779536): the ABCs
+  `KvCacheConnectorScheduler(llm_args)` (`build_connector_meta(scheduler_output)`,
+  `get_num_new_matched_tokens(request, num_computed_tokens) -> (int, bool)`: tokens beyond the
+  `num_computed_tokens` already matched on the device, `request_finished(request,
+  cache_block_ids) -> bool`, `update_state_after_alloc(request, block_ids)`) and
+  `KvCacheConnectorWorker(llm_args)` (`register_kv_caches`, `start_load_kv(stream)`,
+  `wait_for_layer_load`, `save_kv_layer`, `wait_for_save(stream)`, `get_finished`,
+  `bind_connector_meta` -> `self._metadata`); `RequestData(request_id, new_tokens,
+  new_block_ids, computed_position, num_scheduled_tokens)`, where a context request's
+  `computed_position` is `context_current_position` minus the tokens the connector matched
+  in this step and a generation request's is `len(get_tokens(0)) - 1` with one scheduled token.
+  Newer trees moved the module to tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py
+  (035ab91c): both paths are tried, and a tree with neither fails at import.
+* cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp (b35ac1b6): only the block-reuse overload
+  of `WindowBlockManager::addSequence` asks the connector
+  (`getNumNewMatchedTokens(llmRequest, prepopulatedPromptLen)`, after the radix-tree match
+  `loadOrAllocateBlocks`), then `setPrepopulatedPromptLen(reused + matched)`; the overload
+  without reuse logs "The KV Cache Connector will be ignored". So block reuse must be on.
+  Blocks matched in the radix tree may be shared with other requests; blocks allocated after
+  the match (where the connector's tokens go) belong to this request; a partially matched
+  block is copied or claimed, so it is private too.
+* tensorrt_llm/_torch/pyexecutor/py_executor.py (several stored versions; commit not
+  determined): `_maybe_init_kv_connector_manager` calls
+  `worker.register_kv_caches(kv_cache_manager.get_unique_primary_pool())` once and hooks every
+  `DecoderLayer` (pre: `wait_for_layer_load`, post: `save_kv_layer`); `_kv_connector_start_batch`
+  runs `handle_metadata()` (build_connector_meta, bind) then `start_load_kv(current_stream())`;
+  `_forward_step` calls `wait_for_save(current_stream())` right after the model's forward, in
+  the plain and the overlap loop alike.
+* tensorrt_llm/_torch/pyexecutor/resource_manager.py (b35ac1b6): `get_unique_primary_pool()`
+  is one tensor for all layers, [blocks, layers, 2, tokens*heads*dim]; `get_buffers(layer)`
+  views a layer as [blocks, 2, tokens, heads, dim] (NHD), what the VANILLA backend reads and
+  writes. Newer trees add `get_buffers(layer, kv_layout="NHD"|"HND")`: "different attention
+  backend/implementation can have different KV layouts". The KV cache manager's own
+  partial-block copy (cpp/tensorrt_llm/kernels/kvCachePartialCopy.cu, a90a0166) indexes a
+  block as (head * tokensPerBlock + token) * headDim + d: HND, the TRTLLM backend's layout.
+  The launcher picks the layout from `attn_backend` (launcher.kv_layout).
 
-How it protects the engine: after each forward pass (`wait_for_save`, stream synchronized) the
-worker mirrors every block the pass wrote (kvhold.executor.kv_mirror, kvhold's versioned and
-checksummed pages), before the step's tokens reach the launcher and the journal. After a
-takeover the launcher validates the mirrored pages (`KvMirror.plan_restore`, full blocks only)
-and resubmits every journaled request; `get_num_new_matched_tokens` reports the intact
-prefix as externally matched and `start_load_kv` copies it into the blocks TensorRT-LLM just
-allocated, so no intact block is prefilled again.
+How it protects the engine. After each forward pass (`wait_for_save`, stream synchronized)
+the worker mirrors the rows the pass wrote (kvhold.executor.kv_mirror: versioned, checksummed
+pages), before the step's tokens reach the launcher and the journal. A request's first pass
+also mirrors its prefix that came from the radix tree (the kvhold page of a block belongs to
+one request even where the engine shares the block). After a takeover the launcher
+validates the mirrored pages (`KvMirror.plan_restore`, full blocks only) and resubmits every
+journaled request; `get_num_new_matched_tokens` reports the intact full blocks beyond what
+the radix tree already matched, counted from `num_computed_tokens`, and `start_load_kv`
+copies them into the blocks TensorRT-LLM allocated. What was loaded is counted when the
+copy is made (`Bridge.outcomes`), and only that is reported as kept.
+
+Under the overlap scheduler (TensorRT-LLM's default) a generation request's
+`computed_position` is one token behind the row the pass writes: the mirror then claims,
+after each pass, the row the previous pass wrote, never a row not yet written; it lags one
+token, which a takeover recomputes.
 
 The scheduler and the worker share one `Bridge` installed by the launcher in this process
 (TP=1, `TLLM_WORKER_USE_SINGLE_PROCESS=1`). The logic lives in `MirrorPlanner` and
@@ -42,7 +63,6 @@ The scheduler and the worker share one `Bridge` installed by the launcher in thi
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 
@@ -53,16 +73,26 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Outcome:
+    """What the engine did with one resubmitted kvhold request's prefix after a takeover."""
+
+    covered: int = 0        # prompt tokens the engine did not compute: radix-tree hits + loaded
+    loaded: int = 0         # of which loaded from kvhold pages (counted when the copy is made)
+    settled: bool = False   # the connector has answered for it and any load has been made
+
+
+@dataclass
 class Bridge:
     """What the launcher shares with the connector: kvhold's tables, pool and lease, request ids."""
 
     tables: object
     kv_pool: object                          # kvhold's KV region [pages, L, 2, T, H, D]
     lease: object
-    head_major: bool = True                  # TensorRT-LLM blocks are [heads][tokens][dim] (HND)
+    head_major: bool = True                  # blocks are [heads][tokens][dim] (HND), else NHD
     client_ids: dict[int, int] = field(default_factory=dict)   # LLM API client id -> kvhold id
     expected: dict[tuple, list[int]] = field(default_factory=dict)  # submitted tokens -> kvhold ids
     restorable: dict[int, tuple[int, ...]] = field(default_factory=dict)  # kvhold id -> pages
+    outcomes: dict[int, Outcome] = field(default_factory=dict)   # kvhold id -> after a takeover
     mirror: KvMirror | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)   # engine thread vs launcher
 
@@ -82,6 +112,35 @@ class Bridge:
         ids = self.expected.get(tuple(request.get_tokens(0)), [])
         return ids[0] if len(ids) == 1 else None
 
+    # ---------------------------------------------------------------- takeover bookkeeping
+    def await_outcomes(self, kvhold_ids) -> None:
+        """The launcher resubmits these after a takeover: their outcome is to be reported."""
+        with self.lock:
+            for rid in kvhold_ids:
+                self.outcomes[int(rid)] = Outcome()
+
+    def unsettled(self) -> list[int]:
+        with self.lock:
+            return [rid for rid, o in self.outcomes.items() if not o.settled]
+
+    def _matched(self, kvhold_id, computed: int, matched: int) -> None:
+        o = self.outcomes.get(kvhold_id)
+        if o is not None and not o.settled:
+            o.covered = computed + matched
+            o.settled = matched == 0         # otherwise once the load is made
+
+    def _loaded(self, kvhold_id: int, tokens: int) -> None:
+        o = self.outcomes.get(kvhold_id)
+        if o is not None:
+            o.loaded += tokens
+            o.settled = True
+
+    def _finished(self, kvhold_id) -> None:
+        o = self.outcomes.get(kvhold_id)
+        if o is not None and not o.settled:
+            o.covered = o.loaded             # finished (or aborted) before its load was made
+            o.settled = True
+
 
 _BRIDGE: Bridge | None = None
 
@@ -98,10 +157,25 @@ def current() -> Bridge:
 
 
 @dataclass
+class Load:
+    kvhold_id: int
+    tokens: int                              # prompt tokens these pages give the request
+    pages: list[int]
+    blocks: list[int]
+
+
+@dataclass
 class ConnectorMeta:
     save: list[Committed] = field(default_factory=list)
-    load_pages: list[int] = field(default_factory=list)
-    load_blocks: list[int] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+
+    @property
+    def load_pages(self) -> list[int]:
+        return [p for ld in self.loads for p in ld.pages]
+
+    @property
+    def load_blocks(self) -> list[int]:
+        return [b for ld in self.loads for b in ld.blocks]
 
 
 @dataclass
@@ -109,7 +183,9 @@ class _Tracked:
     kvhold_id: int | None
     request: object = None                   # the engine's LlmRequest, to resolve kvhold_id later
     blocks: list[int] = field(default_factory=list)
-    matched_blocks: int = 0                  # blocks the connector loads for this request
+    first_block: int = 0                     # first logical block the connector loads
+    load_blocks: int = 0                     # how many
+    matched: int = 0                         # tokens reported to TensorRT-LLM as matched
 
 
 class MirrorPlanner:
@@ -118,40 +194,53 @@ class MirrorPlanner:
     def __init__(self, bridge: Bridge, block_tokens: int):
         self.bridge, self.block_tokens = bridge, block_tokens
         self.tracked: dict[int, _Tracked] = {}
+        self.warned = False
 
     def matched_tokens(self, request_id: int, kvhold_id: int | None, num_prompt: int,
                        num_computed: int, request=None) -> int:
-        """Tokens beyond the device's own prefix hits that kvhold can load (whole blocks; at least
-        one prompt token is left for the engine to compute)."""
+        """Tokens beyond the `num_computed` that the device already has (radix-tree hits) that
+        kvhold can load: up to the end of the last intact full block, leaving at least one
+        prompt token for the engine to compute (TensorRT-LLM requires prepopulated < prompt).
+
+        Counted from `num_computed`, which need not fall on a block boundary (partial reuse):
+        the block holding it is private to the request then, and is loaded whole."""
         bt = self.block_tokens
         pages = self.bridge.restorable.get(kvhold_id, ()) if kvhold_id else ()
         usable = min(len(pages), max(0, num_prompt - 1) // bt)
-        first = math.ceil(num_computed / bt)
-        matched = max(0, usable - first)
-        self.tracked[request_id] = _Tracked(kvhold_id, request, matched_blocks=matched)
-        return matched * bt
+        matched = max(0, usable * bt - num_computed)
+        first = num_computed // bt
+        self.tracked[request_id] = _Tracked(kvhold_id, request, first_block=first,
+                                            load_blocks=usable - first if matched else 0, matched=matched)
+        with self.bridge.lock:
+            self.bridge._matched(kvhold_id, num_computed, matched)
+        return matched
 
     def build(self, new_requests, cached_requests) -> ConnectorMeta:
         meta = ConnectorMeta()
         for data in new_requests:
+            if data.request_id not in self.tracked and not self.warned:
+                self.warned = True           # its kvhold id can never be resolved: nothing mirrored
+                log.error("request %s was scheduled without get_num_new_matched_tokens: is "
+                          "kv_cache_config.enable_block_reuse off? Its KV is not mirrored", data.request_id)
             t = self.tracked.setdefault(data.request_id, _Tracked(None))
             t.blocks.extend(data.new_block_ids)
-            start = data.computed_position
-            if t.matched_blocks and t.kvhold_id:
-                self._load(meta, t, start // self.block_tokens)
-                start += t.matched_blocks * self.block_tokens
-            self._save(meta, t, start, data.num_scheduled_tokens)
+            start = data.computed_position   # TensorRT-LLM subtracted the connector's tokens
+            if t.load_blocks and t.kvhold_id:
+                self._load(meta, t)
+                start += t.matched
+            # a request's first pass also mirrors the prefix it got from the radix tree
+            self._save(meta, t, 0, start + data.num_scheduled_tokens)
         for data in cached_requests:
             t = self.tracked.setdefault(data.request_id, _Tracked(None))
             t.blocks.extend(data.new_block_ids)
             self._save(meta, t, data.computed_position, data.num_scheduled_tokens)
         return meta
 
-    def _load(self, meta: ConnectorMeta, t: _Tracked, first: int) -> None:
+    def _load(self, meta: ConnectorMeta, t: _Tracked) -> None:
         pages = self.bridge.restorable.pop(t.kvhold_id, ())
-        for i in range(first, first + t.matched_blocks):
-            meta.load_pages.append(pages[i])
-            meta.load_blocks.append(t.blocks[i])
+        span = range(t.first_block, t.first_block + t.load_blocks)
+        meta.loads.append(Load(t.kvhold_id, t.matched, [pages[i] for i in span], [t.blocks[i] for i in span]))
+        t.load_blocks = 0
 
     def _save(self, meta: ConnectorMeta, t: _Tracked, start: int, n: int) -> None:
         if t.kvhold_id is None and t.request is not None:
@@ -164,7 +253,10 @@ class MirrorPlanner:
 
     def finished(self, request_id: int) -> None:
         """Forget it; the launcher releases its pages once the journal no longer lists them."""
-        self.tracked.pop(request_id, None)
+        t = self.tracked.pop(request_id, None)
+        if t is not None and t.kvhold_id:
+            with self.bridge.lock:
+                self.bridge._finished(t.kvhold_id)
 
 
 class MirrorExecutor:
@@ -186,9 +278,13 @@ class MirrorExecutor:
             self.bridge.mirror.layout = self.layout
 
     def load(self, meta: ConnectorMeta | None) -> None:
-        if meta is not None and meta.load_pages:
-            with self.bridge.lock:
-                self.bridge.mirror.load(meta.load_pages, meta.load_blocks, self.layout)
+        """Copy the planned pages into the engine's blocks; what is copied is what counts as kept."""
+        if meta is None or not meta.loads:
+            return
+        with self.bridge.lock:
+            self.bridge.mirror.load(meta.load_pages, meta.load_blocks, self.layout)
+            for ld in meta.loads:
+                self.bridge._loaded(ld.kvhold_id, ld.tokens)
 
     def save(self, meta: ConnectorMeta | None) -> int:
         if meta is None or not meta.save:
@@ -197,11 +293,38 @@ class MirrorExecutor:
             return self.bridge.mirror.mirror_committed(meta.save)
 
 
-try:                                          # the glue proper: only where TensorRT-LLM imports
-    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (KvCacheConnectorScheduler,
-                                                                   KvCacheConnectorWorker)
-except ImportError:                           # pragma: no cover - exercised where it is installed
-    KvCacheConnectorScheduler = KvCacheConnectorWorker = None
+# Where TensorRT-LLM keeps the connector ABCs: 1.2 first, then the newer package.
+CONNECTOR_MODULES = ("tensorrt_llm._torch.pyexecutor.kv_cache_connector",
+                     "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector")
+
+
+def connector_bases() -> tuple[type, type]:
+    """(KvCacheConnectorScheduler, KvCacheConnectorWorker) of the installed TensorRT-LLM.
+
+    Raises ImportError naming every path tried and why each failed: a TensorRT-LLM without
+    either module must fail here, at import, not later when its executor looks the kvhold
+    classes up."""
+    import importlib
+
+    errors = []
+    for name in CONNECTOR_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        try:
+            return module.KvCacheConnectorScheduler, module.KvCacheConnectorWorker
+        except AttributeError as e:
+            errors.append(f"{name}: {e}")
+    raise ImportError("no TensorRT-LLM KV cache connector API found; tried " + "; ".join(errors))
+
+
+def _tensorrt_llm_present() -> bool:
+    import importlib.util
+    import sys
+
+    return "tensorrt_llm" in sys.modules or importlib.util.find_spec("tensorrt_llm") is not None
 
 
 def _geometry(llm_args) -> tuple[int, int, int]:
@@ -213,7 +336,8 @@ def _geometry(llm_args) -> tuple[int, int, int]:
     return tokens, kv.num_kv_heads, kv.head_dim
 
 
-if KvCacheConnectorScheduler is not None:
+def _define_connector_classes():
+    KvCacheConnectorScheduler, KvCacheConnectorWorker = connector_bases()
 
     class KvholdConnectorScheduler(KvCacheConnectorScheduler):
         def __init__(self, llm_args):
@@ -224,9 +348,9 @@ if KvCacheConnectorScheduler is not None:
             return self.planner.build(scheduler_output.new_requests, scheduler_output.cached_requests)
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            prompt = getattr(request, "prompt_len", None) or len(request.get_tokens(0))
             tokens = self.planner.matched_tokens(request.request_id, current().kvhold_id(request),
-                                                 len(request.get_tokens(0)), num_computed_tokens,
-                                                 request)
+                                                 int(prompt), num_computed_tokens, request)
             return tokens, False             # loaded synchronously in start_load_kv
 
         def request_finished(self, request, cache_block_ids):
@@ -259,3 +383,18 @@ if KvCacheConnectorScheduler is not None:
 
         def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
             return [], []
+
+    return KvholdConnectorScheduler, KvholdConnectorWorker
+
+
+_MISSING = None
+if _tensorrt_llm_present():                  # TensorRT-LLM is installed: its API must be found
+    KvholdConnectorScheduler, KvholdConnectorWorker = _define_connector_classes()
+else:
+    _MISSING = "tensorrt_llm is not installed"
+
+
+def __getattr__(name):                       # the classes TensorRT-LLM looks up, where it is absent
+    if name in ("KvholdConnectorScheduler", "KvholdConnectorWorker") and _MISSING:
+        raise ImportError(f"kvhold.trtllm_bridge.trtllm_connector.{name} needs TensorRT-LLM: {_MISSING}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,14 +1,20 @@
 """TensorRT-LLM weights from the sidecar's region: no checkpoint read, and views where possible.
 
 Written against TensorRT-LLM 1.2 (repository NVIDIA/TensorRT-LLM; the checkpoints/ files read
-at commit b35ac1b6, whose version.py says 1.2.0rc2; model_loader.py at commit 004b733e):
+at commit b35ac1b6, whose version.py says 1.2.0rc2; model_loader.py at commits 004b733e and
+b51992a3; tensorrt_llm/llmapi/llm_args.py's `validate_checkpoint_format`):
 * tensorrt_llm/_torch/pyexecutor/model_loader.py: `ModelLoader.load(checkpoint_dir,
   checkpoint_loader)` builds the model under `MetaInitMode()`, materializes meta tensors with
   `torch.empty_like(t, device='cuda')`, then for `LoadFormat.AUTO` calls
   `checkpoint_loader.load_weights(checkpoint_dir, mapping=...)`,
   `checkpoint_loader.get_initialized_weight_mapper(model, config)` and
   `model.load_weights(weights, weight_mapper)` (looked up at call time), then every
-  module's `post_load_weights()`.
+  module's `post_load_weights()`. `ModelLoader._call_load_weights` passes `weight_mapper=`
+  (and, at 004b733e, `allow_partial_loading=`) only when
+  `inspect.getfullargspec(load_method).args` names it; otherwise it calls
+  `load_method(weights)`, the legacy path without a mapper. `getfullargspec` does not follow
+  `__wrapped__`, so a `*args, **kwargs` wrapper would send TensorRT-LLM down that path:
+  `load_then_rebind` has the wrapped method's explicit signature (`explicit_signature`).
 * tensorrt_llm/_torch/models/checkpoints/base_checkpoint_loader.py: `BaseCheckpointLoader`
   (`load_weights(checkpoint_dir, **kwargs) -> dict[str, Any]`,
   `get_initialized_weight_mapper(model, config)`); hf/checkpoint_loader.py:
@@ -32,8 +38,9 @@ none of which takes foreign parameter storage, so this hook goes through the che
 """
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -64,14 +71,60 @@ def rebind_views(model: nn.Module, region: Mapping[str, torch.Tensor], compare: 
     return sorted(same)
 
 
+LOAD_KEYWORDS = ("weight_mapper", "allow_partial_loading")   # what _call_load_weights inspects
+
+
+def explicit_signature(load: Callable, after: Callable[[], None]) -> Callable:
+    """A wrapper of `load(weights, ...)` that calls `after()` once it returns, and whose
+    `inspect.getfullargspec(...).args` names exactly the keywords of `LOAD_KEYWORDS` that
+    `load` names: TensorRT-LLM decides what to pass by reading those names."""
+    spec = inspect.getfullargspec(load)
+    names = [k for k in LOAD_KEYWORDS if k in spec.args]      # what TensorRT-LLM reads
+
+    def call(weights, **kwargs):
+        out = load(weights, **kwargs)
+        after()
+        return out
+
+    if names == ["weight_mapper", "allow_partial_loading"]:
+        def load_then_rebind(weights, weight_mapper=None, allow_partial_loading=False):
+            return call(weights, weight_mapper=weight_mapper, allow_partial_loading=allow_partial_loading)
+    elif names == ["weight_mapper"]:
+        def load_then_rebind(weights, weight_mapper=None):
+            return call(weights, weight_mapper=weight_mapper)
+    elif names == ["allow_partial_loading"]:
+        def load_then_rebind(weights, allow_partial_loading=False):
+            return call(weights, allow_partial_loading=allow_partial_loading)
+    else:
+        def load_then_rebind(weights):
+            return call(weights)
+    load_then_rebind.__doc__ = getattr(load, "__doc__", None)
+    return load_then_rebind
+
+
 def region_weights(region) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by Hugging Face name, as views of the region."""
     return region.tensors() if hasattr(region, "tensors") else dict(region)
 
 
+def wrap_load(loader, model) -> None:
+    """Replace `model.load_weights` (ModelLoader looks it up after the mapper is made) by one
+    that rebinds unchanged parameters to the region once TensorRT-LLM has loaded them."""
+    def after():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        loader.rebound = rebind_views(model, region_weights(loader.region))
+
+    model.load_weights = explicit_signature(model.load_weights, after)
+
+
 try:
-    from tensorrt_llm._torch.models.checkpoints.base_weight_loader import BaseWeightLoader
-    from tensorrt_llm._torch.models.checkpoints.hf.checkpoint_loader import HfCheckpointLoader
+    from tensorrt_llm._torch.models.checkpoints.base_weight_loader import (
+        BaseWeightLoader,
+    )
+    from tensorrt_llm._torch.models.checkpoints.hf.checkpoint_loader import (
+        HfCheckpointLoader,
+    )
 except ImportError:                          # pragma: no cover - exercised where it is installed
     BaseWeightLoader = HfCheckpointLoader = None
 
@@ -103,12 +156,4 @@ if HfCheckpointLoader is not None:
             return mapper
 
         def _wrap_load(self, model) -> None:
-            load = model.load_weights        # ModelLoader looks the method up after this call
-
-            def load_then_rebind(*args, **kwargs):
-                out = load(*args, **kwargs)
-                torch.cuda.synchronize()
-                self.rebound = rebind_views(model, region_weights(self.region))
-                return out
-
-            model.load_weights = load_then_rebind
+            wrap_load(self, model)
