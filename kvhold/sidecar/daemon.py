@@ -69,6 +69,7 @@ class Sidecar:
         self.timeline = RecoveryTimeline()
         self.started_ns = now_ns()
         self._stack = contextlib.ExitStack()
+        self._started = False     # a start refused (instance busy) made nothing to clean up
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
@@ -79,6 +80,7 @@ class Sidecar:
         with contextlib.ExitStack() as stack:   # a start that fails undoes what it made
             self._start(stack)
             self._stack = stack.pop_all()
+        self._started = True
         return self
 
     def _start(self, stack: contextlib.ExitStack) -> None:
@@ -386,7 +388,8 @@ class Sidecar:
     def close(self) -> None:
         """Undo what start() made, newest first (see the module docstring for the order)."""
         self._stack.close()
-        log.info("sidecar %r stopped and cleaned up", self.paths.instance)
+        if self._started:
+            log.info("sidecar %r stopped and cleaned up", self.paths.instance)
 
     def _stop_executors(self) -> None:
         """Stop the executors (the shm journal is then still), then journal what is in flight."""
