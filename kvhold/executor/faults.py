@@ -6,8 +6,13 @@ publishing KV page checksums and committing tokens on its third commit. Actions
 are real: `kill` (SIGKILL), `segv` (SIGSEGV, default handler), `stop` (SIGSTOP),
 `spin` (busy loop forever), `exit` (exit code 3). With `KVHOLD_FAULT_ONCE=<path>`
 only the first process to reach its fault fires it (it creates <path> with O_EXCL),
-so replacements spawned with the same environment run clean. With no variable
+so replacements spawned with the same environment run clean. With
+`KVHOLD_FAULT_IF=<path>` a fault fires only while <path> exists, so a test can
+let executors start clean, then make every replacement fail. With no variable
 set, a fault point costs one dict lookup.
+
+Start-up points: `attached` (lease granted, regions mapped, before the workload
+is prepared and Ready is sent).
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ def point(name: str) -> None:
     _hits[name] = _hits.get(name, 0) + 1
     n, action = _plan[name]
     if _hits[name] != n:
+        return
+    only_if = os.environ.get("KVHOLD_FAULT_IF")
+    if only_if and not os.path.exists(only_if):
         return
     once = os.environ.get("KVHOLD_FAULT_ONCE")
     if once:

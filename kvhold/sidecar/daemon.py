@@ -373,6 +373,7 @@ class Sidecar:
                 "weights": {"state": self.weights.state.name.lower(),
                             "fingerprint": self.weights.fingerprint, "load_ms": self.weights.load_ms},
                 "executors": self.supervisor.status(),
+                "protection": self.supervisor.protection(),
                 "zygote": self.supervisor.zygote.status() if self.supervisor.zygote else None,
                 "takeover": self.config.executors.takeover,
                 "health": self.health.status(),
