@@ -33,6 +33,7 @@ from kvhold.protocol import fdpass, messages as m, wire
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
+from kvhold.protocol.memory import check_shm_capacity
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
@@ -161,11 +162,13 @@ class Sidecar:
 
     def _create_memory(self, stack: contextlib.ExitStack, geometry, generation: int) -> PoolMemory:
         """The tables segment, the KV pool and (with a model) the weights region."""
-        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
-        stack.callback(self.tables.unlink)
         sizes = {"kv": geometry.kv_pool_bytes}
         if self.manifest is not None:
             sizes["weights"] = self.manifest.region_bytes
+        check_shm_capacity({"tables": geometry.total_bytes,
+                            **(sizes if self.config.pool.backend == "host" else {})})
+        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
+        stack.callback(self.tables.unlink)
         regions = create_regions(sizes, self.config.pool, self.paths,
                                  lambda region: stack.callback(region.unlink))
         return PoolMemory(self.tables, regions)

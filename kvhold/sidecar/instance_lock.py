@@ -24,10 +24,11 @@ from pathlib import Path
 
 import posix_ipc
 
+from kvhold.protocol.memory import SHM_DIR as _SHM_DIR
 from kvhold.protocol.naming import InstancePaths, ensure_private_dir
 
 log = logging.getLogger(__name__)
-SHM_DIR = Path("/dev/shm")
+SHM_DIR = Path(_SHM_DIR)
 
 
 LOCK_ATTEMPTS = 16
