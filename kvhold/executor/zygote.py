@@ -12,10 +12,23 @@ time (kvhold.executor.triton_aot), so a child's first launches skip the JIT.
 Protocol: the sidecar (our parent) connects to a SOCK_SEQPACKET socket in its
 owner-only runtime directory and sends {"argv": [...], "env": {...}}; the zygote
 forks and answers {"ok": true, "pid": N}. Only the sidecar's pid, checked by
-SO_PEERCRED, is served. Children are not tied to the zygote's life: they watch
+SO_PEERCRED, is served; the reply also says how many threads the zygote had when
+it forked. Children are not tied to the zygote's life: they watch
 the sidecar (not the zygote) and outlive a zygote crash; the zygote reaps those
 that exit while it lives and logs their exit codes. The zygote exits when the
 sidecar does.
+
+Forking is safe only from a single-threaded process: a lock some other thread
+held at the fork (malloc's, a thread pool's, the import lock) stays locked
+forever in the child, which then deadlocks. The zygote's main thread is its only
+thread by construction: it starts no thread of its own (a select loop, no zmq, no
+logging thread), runs no torch op (whose intra-op pool would start), and the one
+thread pool its imports would start, OpenBLAS's (numpy loads it, one worker per
+core), is sized to none by `OPENBLAS_NUM_THREADS=1`, set by the keeper before the
+zygote's interpreter starts (numpy BLAS in a forked executor is single-threaded; the
+engine computes with torch). The zygote counts its threads (/proc/self/task) at
+every fork request and refuses to fork while it has more than one, naming them:
+the supervisor then starts that executor cold.
 """
 from __future__ import annotations
 
@@ -33,6 +46,19 @@ from kvhold.protocol import fdpass
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
+TASK_DIR = "/proc/self/task"
+
+
+def threads() -> list[str]:
+    """This process's threads (kernel tasks), by name."""
+    names = []
+    for tid in sorted(os.listdir(TASK_DIR)):
+        try:
+            with open(f"{TASK_DIR}/{tid}/comm") as f:
+                names.append(f"{tid}:{f.read().strip()}")
+        except FileNotFoundError:       # it ended meanwhile
+            pass
+    return names
 
 
 def preload(device: str, kernel_shapes=None) -> float:
@@ -100,11 +126,17 @@ class Zygote:
             if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
                 fdpass.send(conn, {"ok": False, "error": "argv must be a list of strings"})
                 return
+            running = threads()
+            if len(running) != 1:
+                log.error("not forking: the zygote has %d threads (%s); a fork now could leave the "
+                          "child a lock no thread will release", len(running), ", ".join(running))
+                fdpass.send(conn, {"ok": False, "error": f"the zygote has {len(running)} threads"})
+                return
             child = os.fork()
             if child == 0:
                 self._become_executor(argv, env, conn, listener)   # never returns
             self.children.add(child)
-            fdpass.send(conn, {"ok": True, "pid": child})
+            fdpass.send(conn, {"ok": True, "pid": child, "threads": len(running)})
             log.info("forked executor pid %d", child)
         except (OSError, fdpass.FdPassError) as exc:
             log.warning("fork request failed: %s", exc)
@@ -172,7 +204,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ms = preload(args.device, _kernel_shapes(args.kernel_shapes))
     gc.freeze()     # children must not copy the preloaded heap on their first collection
-    log.info("preloaded torch and the engine in %.0f ms", ms)
+    running = threads()
+    log.info("preloaded torch and the engine in %.0f ms (%d thread%s)", ms, len(running),
+             "" if len(running) == 1 else "s: " + ", ".join(running))
     return Zygote(args.socket, args.sidecar_pid).serve()
 
 
