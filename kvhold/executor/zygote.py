@@ -22,11 +22,13 @@ Forking is safe only from a single-threaded process: a lock some other thread
 held at the fork (malloc's, a thread pool's, the import lock) stays locked
 forever in the child, which then deadlocks. The zygote's main thread is its only
 thread by construction: it starts no thread of its own (a select loop, no zmq, no
-logging thread), runs no torch op (whose intra-op pool would start), and the one
-thread pool its imports would start, OpenBLAS's (numpy loads it, one worker per
-core), is sized to none by `OPENBLAS_NUM_THREADS=1`, set by the keeper before the
-zygote's interpreter starts (numpy BLAS in a forked executor is single-threaded; the
-engine computes with torch). The zygote counts its threads (/proc/self/task) at
+logging thread) and runs no torch op (whose intra-op pool would start). Two
+threads its preload would start are kept out: OpenBLAS's pool (numpy loads it,
+one worker per core) is sized to none by `OPENBLAS_NUM_THREADS=1`, set by the
+keeper before the zygote's interpreter starts (numpy BLAS in a forked executor is
+single-threaded; the engine computes with torch), and NVML's thread (NVML tells
+the Triton AOT the GPU's architecture; nvmlShutdown leaves its thread running) by
+asking NVML in a short-lived child process. The zygote counts its threads (/proc/self/task) at
 every fork request and refuses to fork while it has more than one, naming them:
 the supervisor then starts that executor cold.
 """
@@ -39,6 +41,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -76,11 +79,31 @@ def preload(device: str, kernel_shapes=None) -> float:
         import kvhold.executor.cuda_layers  # noqa: F401
         import kvhold.executor.cuda_runner  # noqa: F401
         from kvhold.executor import triton_aot
-        if kernel_shapes is not None:
-            triton_aot.prepare(kernel_shapes)
+        if kernel_shapes is not None and os.environ.get("KVHOLD_TRITON_AOT", "1") != "0":
+            arch = gpu_arch_in_a_child()
+            if arch is None:
+                log.warning("Triton AOT: GPU architecture unknown (no NVML, or mixed GPUs; set "
+                            "KVHOLD_TRITON_AOT_ARCH): kernels take the JIT")
+            else:
+                triton_aot.prepare(kernel_shapes, arch=arch)
         if torch.cuda.is_initialized() or triton_aot.cuda_driver_initialised():
             raise RuntimeError("CUDA was initialised during preload: forked children would crash")
     return (time.monotonic() - t0) * 1e3
+
+
+def gpu_arch_in_a_child(timeout_s: float = 60.0) -> int | None:
+    """The GPU's architecture (kvhold.executor.triton_aot.gpu_arch), asked in a short-lived child
+    process: NVML, which it reads, starts a thread in the process that initialises it, and
+    nvmlShutdown does not end that thread. The zygote must stay a single thread."""
+    code = "from kvhold.executor.triton_aot import gpu_arch; print(gpu_arch())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout_s, check=True, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not ask for the GPU architecture: %s", exc)
+        return None
+    lines = out.stdout.split()
+    return int(lines[-1]) if lines and lines[-1].isdigit() else None
 
 
 class Zygote:
