@@ -76,8 +76,11 @@ class InstanceLock:
         """Unlink leftovers of a dead predecessor; returns what was removed."""
         removed = []
         names = {self.paths.shm_name(w) for w in shm_whats}
-        if SHM_DIR.is_dir():
-            names |= {"/" + p.name for p in SHM_DIR.glob(self.paths.shm_prefix + "*")}
+        if SHM_DIR.is_dir():   # other parts of ours too, but never another instance's: the
+            # prefix of instance "a" also starts the names of instance "a-b" ("...-a-b-tables")
+            prefix = self.paths.shm_prefix
+            names |= {"/" + p.name for p in SHM_DIR.glob(prefix + "*")
+                      if "-" not in p.name[len(prefix):]}
         for name in sorted(names):
             try:
                 posix_ipc.unlink_shared_memory(name)

@@ -45,3 +45,30 @@ def test_a_lock_taken_on_a_file_its_holder_just_unlinked_is_taken_again(paths, m
             InstanceLock(paths)
     finally:
         starting.release()
+
+
+def test_stale_cleanup_never_touches_an_instance_whose_name_extends_ours(tmp_path):
+    """Instance "a" removing its stale shm must leave the live objects of instance "a-b" alone:
+    both names start with "kvhold-<uid>-a-"."""
+    import posix_ipc
+
+    mine = InstancePaths.for_instance("lk-a", tmp_path)
+    other = InstancePaths.for_instance("lk-a-b", tmp_path)
+    created = {}
+    for paths, what in ((mine, "tables"), (mine, "oldpart"), (other, "tables"), (other, "kv")):
+        name = paths.shm_name(what)
+        created[name] = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=4096)
+    lock = InstanceLock(mine)
+    try:
+        removed = lock.remove_stale(("tables", "kv", "weights"))
+        assert sorted(removed) == sorted([mine.shm_name("tables"), mine.shm_name("oldpart")])
+        for what in ("tables", "kv"):
+            posix_ipc.SharedMemory(other.shm_name(what)).close_fd()     # still there
+    finally:
+        lock.release()
+        for name, shm in created.items():
+            shm.close_fd()
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
