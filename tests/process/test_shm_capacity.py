@@ -1,7 +1,8 @@
 """A /dev/shm too small for the pool: the sidecar refuses at start with the size and the remedy,
 and a pool that fits is backed at creation, so no executor dies of SIGBUS when the filesystem
 fills up later. Each sidecar runs in its own mount namespace with a small tmpfs over /dev/shm
-(as a container's is), which needs root or CAP_SYS_ADMIN: without it these tests skip."""
+(as a container's is), which needs root or a user namespace of one's own: without either
+these tests skip, saying why."""
 import errno
 import os
 import shutil
@@ -17,20 +18,28 @@ FLAGS = ["--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16"
          "--log-level", "INFO"]
 
 
-def _small_shm_prefix(size_mb: int) -> list[str]:
+# A mount namespace needs CAP_SYS_ADMIN: root has it; anyone else gets it inside a user namespace
+# of their own (where they are root) if the kernel allows unprivileged user namespaces.
+NAMESPACES = (["--mount"], ["--user", "--map-root-user", "--mount"])
+
+
+def _small_shm_prefix(namespaces: list[str], size_mb: int) -> list[str]:
     script = f'mount -t tmpfs -o size={size_mb}m,mode=1777 tmpfs /dev/shm && exec "$@"'
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    return ["unshare", *namespaces, "--propagation", "private", "sh", "-c", script, "sh"]
 
 
 @pytest.fixture(scope="module")
 def small_shm():
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) (util-linux) to give the sidecar its own small /dev/shm")
-    probe = subprocess.run([*_small_shm_prefix(1), "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("needs a private mount namespace with a tmpfs over /dev/shm (root or "
-                    f"CAP_SYS_ADMIN; unshare --mount + mount -t tmpfs said: {probe.stderr.strip()})")
-    return _small_shm_prefix(SHM_MB)
+    said = []
+    for namespaces in NAMESPACES:
+        probe = subprocess.run([*_small_shm_prefix(namespaces, 1), "true"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return _small_shm_prefix(namespaces, SHM_MB)
+        said.append(f"unshare {' '.join(namespaces)}: {probe.stderr.strip()}")
+    pytest.skip("needs a private mount namespace with a tmpfs over /dev/shm: root, CAP_SYS_ADMIN or "
+                "unprivileged user namespaces (" + "; ".join(said) + ")")
 
 
 def _sidecar(model, flags, prefix, runtime_root, tmp_path):
