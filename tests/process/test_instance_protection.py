@@ -5,9 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-
-import httpx
 
 from tests.process.helpers import free_port, wait_until
 from tests.process.test_serve_http import Server, completion
