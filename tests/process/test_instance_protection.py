@@ -65,6 +65,9 @@ def test_health_is_503_while_executors_crash_at_start_in_a_loop(tiny_model, tmp_
         assert r.json()["active_pid"] is not None          # still serving, but unprotected
         protection = srv.sidecar_status()["protection"]
         assert protection["ok"] is False and protection["deaths_since_ready"] >= 3
+        shown = subprocess.run([sys.executable, "-m", "kvhold", "status", "--instance", srv.instance,
+                                "--runtime-root", str(tmp_path)], capture_output=True, text=True, timeout=60)
+        assert "unprotected: executors in a respawn loop" in shown.stdout, shown.stdout + shown.stderr
         exits = [e for e in srv.sidecar_status()["events"] if e["kind"] == "exit" and e["exit_code"] == 3]
         assert exits, "the replacements died of the start-up fault"
         armed.unlink()                                     # replacements start clean again
