@@ -29,6 +29,7 @@ from kvhold.sidecar.flags import add_instance_args, add_registry_args, add_sidec
 
 
 def cmd_sidecar(args) -> int:
+    from kvhold.protocol.memory import ShmCapacityError
     from kvhold.sidecar.daemon import run_sidecar
     from kvhold.sidecar.instance_lock import InstanceBusy
 
@@ -36,7 +37,7 @@ def cmd_sidecar(args) -> int:
     try:
         config = sidecar_config_from_args(args)
         return run_sidecar(config)
-    except (ValueError, InstanceBusy, PermissionError) as exc:
+    except (ValueError, InstanceBusy, PermissionError, ShmCapacityError) as exc:
         print(f"kvhold sidecar: {exc}", file=sys.stderr)
         return 2
 

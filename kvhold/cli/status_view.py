@@ -16,6 +16,9 @@ def print_status(status: dict, console: Console | None = None) -> None:
         table.add_row(str(ex["slot"]), str(ex["pid"]), ex["role"], str(ex["epoch"]),
                       f"{ex['heartbeat_age_ms']:.0f} ms", str(ex["steps"]))
     console.print(table)
+    protection = status.get("protection") or {}
+    if protection.get("ok") is False:
+        console.print(f"[bold red]unprotected[/]: {protection.get('reason')}")
     pages = status.get("pages", {})
     console.print("pages: " + ", ".join(f"{k} {v}" for k, v in pages.items()))
     req = status.get("requests", {})

@@ -14,10 +14,14 @@ the step goes on until its next synchronisation raises, and the context is lost.
 
 A fault fires at the n-th hit or, if it could not fire then, at the first hit after.
 With `KVHOLD_FAULT_ONCE=<path>` only the first process to reach its fault fires it
-(it creates <path> with O_EXCL and writes its pid and
-CLOCK_MONOTONIC ns there), so replacements spawned with the same environment
-run clean; creating <path> beforehand disarms the fault, removing it arms it again.
-With no variable set, a fault point costs one dict lookup.
+(it creates <path> with O_EXCL and writes its pid and CLOCK_MONOTONIC ns there), so
+replacements spawned with the same environment run clean; creating <path> beforehand
+disarms the fault, removing it arms it again. With `KVHOLD_FAULT_IF=<path>` a fault
+fires only while <path> exists, so a test can let executors start clean, then make
+every replacement fail. With no variable set, a fault point costs one dict lookup.
+
+Start-up points: `attached` (lease granted, regions mapped, before the workload
+is prepared and Ready is sent).
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ def point(name: str, target=None) -> None:
     _hits[name] = _hits.get(name, 0) + 1
     n, action = _plan[name]
     if _hits[name] < n:
+        return
+    only_if = os.environ.get("KVHOLD_FAULT_IF")
+    if only_if and not os.path.exists(only_if):
         return
     once = os.environ.get("KVHOLD_FAULT_ONCE")
     if once:

@@ -29,6 +29,7 @@ from kvhold.protocol.memory import Mapping, RegionInfo, map_region
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables
+from kvhold.executor import faults
 from kvhold.executor.channel import Channel
 from kvhold.executor.workload import Workload
 from kvhold.protocol.logs import set_log_context
@@ -137,6 +138,7 @@ class ExecutorRuntime:
         ctx = ExecutorContext(attached, tables, mappings, channel, lease, urgent=self.config.urgent)
         log.info("attached: lease %d epoch %d generation %d", attached.slot, attached.epoch,
                  attached.generation)
+        faults.point("attached")           # crash tests: executors that die before they are ready
         t0 = time.monotonic()
         mapped_ms = round((t0 - t_attach) * 1e3, 2)
         workload = (self.config.workload_factory or make_workload)(attached.settings.workload, ctx)

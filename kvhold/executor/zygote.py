@@ -12,10 +12,25 @@ time (kvhold.executor.triton_aot), so a child's first launches skip the JIT.
 Protocol: the sidecar (our parent) connects to a SOCK_SEQPACKET socket in its
 owner-only runtime directory and sends {"argv": [...], "env": {...}}; the zygote
 forks and answers {"ok": true, "pid": N}. Only the sidecar's pid, checked by
-SO_PEERCRED, is served. Children are not tied to the zygote's life: they watch
+SO_PEERCRED, is served; the reply also says how many threads the zygote had when
+it forked. Children are not tied to the zygote's life: they watch
 the sidecar (not the zygote) and outlive a zygote crash; the zygote reaps those
 that exit while it lives and logs their exit codes. The zygote exits when the
 sidecar does.
+
+Forking is safe only from a single-threaded process: a lock some other thread
+held at the fork (malloc's, a thread pool's, the import lock) stays locked
+forever in the child, which then deadlocks. The zygote's main thread is its only
+thread by construction: it starts no thread of its own (a select loop, no zmq, no
+logging thread) and runs no torch op (whose intra-op pool would start). Two
+threads its preload would start are kept out: OpenBLAS's pool (numpy loads it,
+one worker per core) is sized to none by `OPENBLAS_NUM_THREADS=1`, set by the
+keeper before the zygote's interpreter starts (numpy BLAS in a forked executor is
+single-threaded; the engine computes with torch), and NVML's thread (NVML tells
+the Triton AOT the GPU's architecture; nvmlShutdown leaves its thread running) by
+asking NVML in a short-lived child process. The zygote counts its threads (/proc/self/task) at
+every fork request and refuses to fork while it has more than one, naming them:
+the supervisor then starts that executor cold.
 """
 from __future__ import annotations
 
@@ -26,6 +41,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -33,6 +49,19 @@ from kvhold.protocol import fdpass
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
+TASK_DIR = "/proc/self/task"
+
+
+def threads() -> list[str]:
+    """This process's threads (kernel tasks), by name."""
+    names = []
+    for tid in sorted(os.listdir(TASK_DIR)):
+        try:
+            with open(f"{TASK_DIR}/{tid}/comm") as f:
+                names.append(f"{tid}:{f.read().strip()}")
+        except FileNotFoundError:       # it ended meanwhile
+            pass
+    return names
 
 
 def preload(device: str, kernel_shapes=None) -> float:
@@ -50,11 +79,31 @@ def preload(device: str, kernel_shapes=None) -> float:
         import kvhold.executor.cuda_layers  # noqa: F401
         import kvhold.executor.cuda_runner  # noqa: F401
         from kvhold.executor import triton_aot
-        if kernel_shapes is not None:
-            triton_aot.prepare(kernel_shapes)
+        if kernel_shapes is not None and os.environ.get("KVHOLD_TRITON_AOT", "1") != "0":
+            arch = gpu_arch_in_a_child()
+            if arch is None:
+                log.warning("Triton AOT: GPU architecture unknown (no NVML, or mixed GPUs; set "
+                            "KVHOLD_TRITON_AOT_ARCH): kernels take the JIT")
+            else:
+                triton_aot.prepare(kernel_shapes, arch=arch)
         if torch.cuda.is_initialized() or triton_aot.cuda_driver_initialised():
             raise RuntimeError("CUDA was initialised during preload: forked children would crash")
     return (time.monotonic() - t0) * 1e3
+
+
+def gpu_arch_in_a_child(timeout_s: float = 60.0) -> int | None:
+    """The GPU's architecture (kvhold.executor.triton_aot.gpu_arch), asked in a short-lived child
+    process: NVML, which it reads, starts a thread in the process that initialises it, and
+    nvmlShutdown does not end that thread. The zygote must stay a single thread."""
+    code = "from kvhold.executor.triton_aot import gpu_arch; print(gpu_arch())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout_s, check=True, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not ask for the GPU architecture: %s", exc)
+        return None
+    lines = out.stdout.split()
+    return int(lines[-1]) if lines and lines[-1].isdigit() else None
 
 
 class Zygote:
@@ -100,11 +149,17 @@ class Zygote:
             if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
                 fdpass.send(conn, {"ok": False, "error": "argv must be a list of strings"})
                 return
+            running = threads()
+            if len(running) != 1:
+                log.error("not forking: the zygote has %d threads (%s); a fork now could leave the "
+                          "child a lock no thread will release", len(running), ", ".join(running))
+                fdpass.send(conn, {"ok": False, "error": f"the zygote has {len(running)} threads"})
+                return
             child = os.fork()
             if child == 0:
                 self._become_executor(argv, env, conn, listener)   # never returns
             self.children.add(child)
-            fdpass.send(conn, {"ok": True, "pid": child})
+            fdpass.send(conn, {"ok": True, "pid": child, "threads": len(running)})
             log.info("forked executor pid %d", child)
         except (OSError, fdpass.FdPassError) as exc:
             log.warning("fork request failed: %s", exc)
@@ -172,7 +227,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ms = preload(args.device, _kernel_shapes(args.kernel_shapes))
     gc.freeze()     # children must not copy the preloaded heap on their first collection
-    log.info("preloaded torch and the engine in %.0f ms", ms)
+    running = threads()
+    log.info("preloaded torch and the engine in %.0f ms (%d thread%s)", ms, len(running),
+             "" if len(running) == 1 else "s: " + ", ".join(running))
     return Zygote(args.socket, args.sidecar_pid).serve()
 
 

@@ -12,9 +12,18 @@ executors never open regions by name. Two backends:
   way and the importer maps it at a deterministic virtual address, read-only for weights.
 
 `Mapping.tensor` wraps mapped memory as a torch tensor without copying.
+
+POSIX shm is only reserved by ftruncate: a page gets memory when first touched,
+and a touch the shm filesystem cannot back (a container's small /dev/shm) kills
+the toucher with SIGBUS. So every shm object is backed at creation
+(`back_shm`: posix_fallocate), and the sidecar checks the free space of
+/dev/shm against the whole pool first (`check_shm_capacity`); both fail with
+`ShmCapacityError`, whose message names the size needed and the remedies.
 """
 from __future__ import annotations
 
+import errno
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -23,6 +32,53 @@ import numpy as np
 import posix_ipc
 
 HOST_ALIGN = mmap.PAGESIZE
+SHM_DIR = "/dev/shm"        # where glibc's shm_open keeps POSIX shm objects
+
+
+class ShmCapacityError(RuntimeError):
+    """The shm filesystem cannot hold what the pool needs."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def shm_shortage(needs: dict[str, int], free: int, size: int, during: str = "") -> str:
+    """The message for too little shared memory: what is needed, what is there, what to do."""
+    total = sum(round_up(n, HOST_ALIGN) for n in needs.values())
+    suggest = max(64, math.ceil(total * 1.1 / 2**20 / 64) * 64)      # MiB, with some headroom
+    parts = ", ".join(f"{name} {_mib(n)}" for name, n in needs.items())
+    return (f"not enough shared memory{during}: the pool needs {_mib(total)} in {SHM_DIR} ({parts}) "
+            f"but only {_mib(free)} of its {_mib(size)} is free. Unbacked shared memory would kill "
+            f"executors with SIGBUS later. Give {SHM_DIR} more: Docker `docker run --shm-size={suggest}m` "
+            f"(its default is 64 MB); Kubernetes: mount an `emptyDir: {{medium: Memory, sizeLimit: "
+            f"{suggest}Mi}}` volume at {SHM_DIR}; or ask for less: a smaller --kv-pages / --kv-memory, "
+            f"--max-requests or --max-seq-len (or --backend cuda: KV pool and weights in device memory)")
+
+
+def shm_space() -> tuple[int, int]:
+    """(free, size) bytes of the shm filesystem, as an unprivileged process may use it."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def check_shm_capacity(needs: dict[str, int]) -> None:
+    """Refuse, before creating anything, a pool that the shm filesystem cannot hold."""
+    free, size = shm_space()
+    if sum(round_up(n, HOST_ALIGN) for n in needs.values()) > free:
+        raise ShmCapacityError(shm_shortage(needs, free, size))
+
+
+def back_shm(fd: int, size: int, name: str) -> None:
+    """Give every page of a fresh shm object its memory now (ENOSPC here, not SIGBUS later)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        free, total = shm_space()
+        raise ShmCapacityError(shm_shortage({name: size}, free, total,
+                                            during=f" while backing {name}")) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +123,12 @@ class HostRegion:
         self.size = round_up(size, HOST_ALIGN)
         self._shm = posix_ipc.SharedMemory(shm_name, flags=posix_ipc.O_CREX, mode=0o600,
                                            size=self.size)
-        os.fchmod(self._shm.fd, 0o600)
+        try:
+            os.fchmod(self._shm.fd, 0o600)
+            back_shm(self._shm.fd, self.size, name)
+        except BaseException:
+            self.unlink()
+            raise
 
     def info(self, readonly: bool) -> RegionInfo:
         return RegionInfo(self.name, self.size, self.backend, readonly)

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import posix_ipc
 
+from kvhold.protocol.memory import back_shm
 from kvhold.protocol.layout import (HEADER_BYTES, HEADER_DTYPE, LAYOUT_VERSION, LEASE_DTYPE, LIVENESS_BYTES, MAGIC,
                         MAX_TABLE_BYTES, PAGE_DTYPE, REQUEST_DTYPE, PoolState, TableGeometry,
                         WeightsState, fill_header, geometry_from_header, header_crc)
@@ -53,6 +54,7 @@ class Tables:
         shm = posix_ipc.SharedMemory(shm_name, flags=posix_ipc.O_CREX, mode=0o600, size=size)
         try:
             os.fchmod(shm.fd, 0o600)
+            back_shm(shm.fd, size, "tables")
             mm = mmap.mmap(shm.fd, size)
         except BaseException:
             shm.close_fd()

@@ -12,7 +12,9 @@ gives `generate`, `health` and `render_metrics`, and its `metrics` count HTTP re
 
 /health (one sidecar) is 200 only when a request can be served now: the weights are sealed
 and an active executor is ready with a live heartbeat lease. During a failover, or while
-draining after SIGTERM, it is 503 with the reason. Streams do not time out during a
+draining after SIGTERM, it is 503 with the reason; so it is while a crash of the
+active executor would not be survived (executors in a respawn loop, or one that
+cannot be spawned: the sidecar's `protection` status). Streams do not time out during a
 failover: the SDK waits as long as the sidecar sends keepalives.
 """
 from __future__ import annotations
@@ -77,6 +79,9 @@ def serving_state(status: dict, lease_ms: int) -> tuple[bool, str]:
     admissions = status.get("admissions")
     if isinstance(admissions, dict) and not admissions.get("open", True):
         return False, "not admitting: " + "; ".join(admissions.get("closed_by", {}).values())
+    protection = status.get("protection")
+    if isinstance(protection, dict) and protection.get("ok") is False:
+        return False, f"no crash protection: {protection.get('reason')}"
     active = [e for e in status.get("executors", []) if e.get("role") == "active"]
     if not active:
         return False, "no active executor (failover or start-up in progress)"

@@ -33,6 +33,7 @@ from kvhold.protocol import fdpass, messages as m, wire
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
+from kvhold.protocol.memory import check_shm_capacity
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
@@ -69,6 +70,7 @@ class Sidecar:
         self.timeline = RecoveryTimeline()
         self.started_ns = now_ns()
         self._stack = contextlib.ExitStack()
+        self._started = False     # a start refused (instance busy) made nothing to clean up
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
@@ -79,6 +81,7 @@ class Sidecar:
         with contextlib.ExitStack() as stack:   # a start that fails undoes what it made
             self._start(stack)
             self._stack = stack.pop_all()
+        self._started = True
         return self
 
     def _start(self, stack: contextlib.ExitStack) -> None:
@@ -160,11 +163,13 @@ class Sidecar:
 
     def _create_memory(self, stack: contextlib.ExitStack, geometry, generation: int) -> PoolMemory:
         """The tables segment, the KV pool and (with a model) the weights region."""
-        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
-        stack.callback(self.tables.unlink)
         sizes = {"kv": geometry.kv_pool_bytes}
         if self.manifest is not None:
             sizes["weights"] = self.manifest.region_bytes
+        check_shm_capacity({"tables": geometry.total_bytes,
+                            **(sizes if self.config.pool.backend == "host" else {})})
+        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
+        stack.callback(self.tables.unlink)
         regions = create_regions(sizes, self.config.pool, self.paths,
                                  lambda region: stack.callback(region.unlink))
         return PoolMemory(self.tables, regions)
@@ -373,6 +378,7 @@ class Sidecar:
                 "weights": {"state": self.weights.state.name.lower(),
                             "fingerprint": self.weights.fingerprint, "load_ms": self.weights.load_ms},
                 "executors": self.supervisor.status(),
+                "protection": self.supervisor.protection(),
                 "zygote": self.supervisor.zygote.status() if self.supervisor.zygote else None,
                 "takeover": self.config.executors.takeover,
                 "health": self.health.status(),
@@ -388,7 +394,8 @@ class Sidecar:
     def close(self) -> None:
         """Undo what start() made, newest first (see the module docstring for the order)."""
         self._stack.close()
-        log.info("sidecar %r stopped and cleaned up", self.paths.instance)
+        if self._started:
+            log.info("sidecar %r stopped and cleaned up", self.paths.instance)
 
     def _stop_executors(self) -> None:
         """Stop the executors (the shm journal is then still), then journal what is in flight."""

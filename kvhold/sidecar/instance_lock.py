@@ -4,7 +4,16 @@ The sidecar holds an exclusive flock on <runtime dir>/lock for its whole life.
 The kernel drops the lock when the process dies however it dies, so a new
 sidecar that gets the lock knows every shm object and socket of this instance is
 stale: it removes them (and says so in the log) instead of failing on them. A
-sidecar that does not get the lock refuses to start and names the holder.
+sidecar that does not get the lock refuses to start and names the holder, and
+removes nothing: only the holder of the lock cleans up (stale objects at its start,
+its own objects at its stop).
+
+A stopping holder unlinks the lock file while it still holds it. A sidecar that
+opened the file just before that unlink could then lock an inode no longer at the
+path, while a third one creates and locks a fresh file: two holders, and the
+second would remove the first's sockets and shm as "stale". So the lock counts
+only when the locked inode is still the one at the path; otherwise it is taken
+again on the file now there.
 """
 from __future__ import annotations
 
@@ -15,14 +24,27 @@ from pathlib import Path
 
 import posix_ipc
 
+from kvhold.protocol.memory import SHM_DIR as _SHM_DIR
 from kvhold.protocol.naming import InstancePaths, ensure_private_dir
 
 log = logging.getLogger(__name__)
-SHM_DIR = Path("/dev/shm")
+SHM_DIR = Path(_SHM_DIR)
+
+
+LOCK_ATTEMPTS = 16
 
 
 class InstanceBusy(RuntimeError):
     pass
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 class InstanceLock:
@@ -30,14 +52,23 @@ class InstanceLock:
         self.paths = paths
         ensure_private_dir(paths.runtime_dir.parent)
         ensure_private_dir(paths.runtime_dir)
-        self._fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise InstanceBusy(f"instance {paths.instance!r} is already served by sidecar pid "
-                               f"{holder} (lock {paths.lock_file})") from None
+        self._fd = -1
+        for _ in range(LOCK_ATTEMPTS):
+            fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise InstanceBusy(f"instance {paths.instance!r} is already served by sidecar pid "
+                                   f"{holder} (lock {paths.lock_file})") from None
+            if _same_file(fd, paths.lock_file):
+                self._fd = fd
+                break
+            os.close(fd)        # a stopping holder unlinked it: lock the file at the path now
+        else:
+            raise InstanceBusy(f"instance {paths.instance!r}: the lock file {paths.lock_file} keeps "
+                               f"being replaced; is another sidecar starting and stopping?")
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -45,8 +76,11 @@ class InstanceLock:
         """Unlink leftovers of a dead predecessor; returns what was removed."""
         removed = []
         names = {self.paths.shm_name(w) for w in shm_whats}
-        if SHM_DIR.is_dir():
-            names |= {"/" + p.name for p in SHM_DIR.glob(self.paths.shm_prefix + "*")}
+        if SHM_DIR.is_dir():   # other parts of ours too, but never another instance's: the
+            # prefix of instance "a" also starts the names of instance "a-b" ("...-a-b-tables")
+            prefix = self.paths.shm_prefix
+            names |= {"/" + p.name for p in SHM_DIR.glob(prefix + "*")
+                      if "-" not in p.name[len(prefix):]}
         for name in sorted(names):
             try:
                 posix_ipc.unlink_shared_memory(name)
@@ -63,6 +97,8 @@ class InstanceLock:
         return removed
 
     def release(self) -> None:
+        """Unlink the lock file while still holding it, then drop the lock (see the module
+        docstring for why a sidecar that locked the unlinked inode takes it again)."""
         if self._fd >= 0:
             try:
                 self.paths.lock_file.unlink()

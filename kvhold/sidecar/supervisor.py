@@ -22,6 +22,12 @@ gone. Executors are then re-spawned, forked from the zygote when one is ready
 (torch already imported) or started cold, with capped exponential backoff when
 they keep dying.
 
+`protection()` says whether a crash of the active executor would still be
+survived: not while executors are in a respawn loop (RESPAWN_LOOP_DEATHS deaths
+in a row with none becoming ready in between: however slowly they die, an
+attach that times out after seconds included), nor while a configured executor
+cannot even be spawned. /health turns 503 on it.
+
 The supervisor holds no sidecar: it gets its config section, the tables, the
 weights keeper, the event loop (fd watches, posting from threads), the region
 exporter, a `send` callable to executors, what a spawned executor is launched
@@ -57,6 +63,7 @@ from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 log = logging.getLogger(__name__)
 TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
 FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
+RESPAWN_LOOP_DEATHS = 3              # deaths without a ready executor in between: a respawn loop
 
 
 @dataclass(slots=True)
@@ -125,6 +132,8 @@ class Supervisor:
         self._next_spawn_ns = 0
         self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
         self._stopping = False
+        self._last_ready_ns = 0
+        self._spawn_error: str | None = None   # why the last spawn failed; None once one succeeds
         self.zygote: ZygoteKeeper | None = zygote
         self.context_faults: list[tuple[int, int]] = []   # (ns, pid) of executors whose CUDA context faulted
 
@@ -148,6 +157,7 @@ class Supervisor:
         slot = self.leases.free_slot()
         if slot is None:
             log.error("no free lease slot to spawn an executor (%d in use)", len(self.handles))
+            self._spawn_error = f"no free lease slot ({len(self.handles)} in use)"
             return None
         paths = self.launch.paths
         argv = ["--instance", paths.instance, "--runtime-root", str(paths.runtime_dir.parent),
@@ -161,10 +171,16 @@ class Supervisor:
         pid = self.zygote.fork(argv, env) if self.zygote is not None else None
         if pid is None:
             via = "cold"
-            popen = subprocess.Popen([sys.executable, "-m", "kvhold.executor", *argv],
-                                     env=dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()), **env),
-                                     stdin=subprocess.DEVNULL, close_fds=True)
+            try:
+                popen = subprocess.Popen([sys.executable, "-m", "kvhold.executor", *argv],
+                                         env=dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()), **env),
+                                         stdin=subprocess.DEVNULL, close_fds=True)
+            except OSError as exc:
+                log.error("could not start an executor: %s", exc)
+                self._spawn_error = f"could not start an executor: {exc}"
+                return None
             pid = popen.pid
+        self._spawn_error = None
         pidfd = os.pidfd_open(pid)
         epoch = self.leases.grant(slot, pid)
         h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=popen,
@@ -285,6 +301,7 @@ class Supervisor:
 
     def on_ready(self, h: ExecutorHandle, msg: m.Ready) -> None:
         h.ready = True
+        self._last_ready_ns = now_ns()
         h.info["warm_ms"] = msg.warm_ms
         h.info["private_mib"] = msg.private_mib
         h.info["warm_phases_ms"] = msg.phases
@@ -470,6 +487,21 @@ class Supervisor:
                 break
         self._reap(h)
         os.close(h.pidfd)
+
+    def protection(self, now: int | None = None) -> dict:
+        """Would a crash of the active executor be survived? {"ok", "reason", ...}: not while
+        executors keep dying before any becomes ready, nor while one cannot be spawned."""
+        now = now_ns() if now is None else now
+        deaths = [t for t in self._failures if t > self._last_ready_ns]
+        out = {"ok": True, "reason": "", "deaths_since_ready": len(deaths)}
+        if not self.config.spawn_executors:
+            return out
+        if len(deaths) >= RESPAWN_LOOP_DEATHS:
+            out.update(ok=False, reason=f"executors in a respawn loop: {len(deaths)} died in the last "
+                                        f"{(now - deaths[0]) / 1e9:.0f} s, none became ready in between")
+        elif self._spawn_error is not None and len(self.live_handles()) < self.target_executors():
+            out.update(ok=False, reason=f"cannot spawn an executor: {self._spawn_error}")
+        return out
 
     def status(self) -> list[dict]:
         now = now_ns()

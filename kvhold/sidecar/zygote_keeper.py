@@ -6,6 +6,8 @@ supervisor starts the executor cold instead. A zygote that dies is restarted,
 no sooner than `RESTART_DELAY_NS` after the previous start. The keeper gets the
 socket path, the device, the event loop (to watch the zygote's pidfd) and the
 settings and table geometry executors will run with (for the kernel shapes).
+The zygote is started with `OPENBLAS_NUM_THREADS=1`, so that importing numpy starts
+no BLAS threads in it: it must stay single-threaded to fork safely.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class ZygoteKeeper:
         self.pidfd = -1
         self.started_ns = 0
         self.forks = 0
+        self.threads_at_fork: int | None = None   # the zygote's thread count at its last fork
         self.restarts = -1
 
     # ------------------------------------------------------------------ lifecycle
@@ -51,7 +54,8 @@ class ZygoteKeeper:
                "--sidecar-pid", str(os.getpid()), "--device", self.device,
                "--kernel-shapes", self._kernel_shapes(),
                "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
-        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")   # no BLAS thread pool: forks stay safe
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env)
         self.pidfd = os.pidfd_open(self.popen.pid)
         self.loop.watch_fd(self.pidfd, self._on_exit)
         self.started_ns = now
@@ -113,9 +117,11 @@ class ZygoteKeeper:
             log.warning("zygote refused to fork: %s; starting cold", reply.get("error"))
             return None
         self.forks += 1
+        self.threads_at_fork = reply.get("threads")
         return reply["pid"]
 
     def status(self) -> dict:
         return {"pid": self.popen.pid if self.popen else None,
                 "ready": self.popen is not None and os.path.exists(self.socket_path),
-                "forks": self.forks, "restarts": max(0, self.restarts)}
+                "forks": self.forks, "threads_at_fork": self.threads_at_fork,
+                "restarts": max(0, self.restarts)}

@@ -20,18 +20,19 @@ from kvhold.protocol.errors import KvholdError
 
 class SidecarProcess:
     def __init__(self, args: list[str], instance: str | None = None, runtime_root: Path | None = None,
-                 env: dict | None = None, log_path: Path | None = None):
+                 env: dict | None = None, log_path: Path | None = None, prefix: list[str] | None = None):
         self.instance = instance or f"t{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self._own_root = runtime_root is None
         self.runtime_root = Path(runtime_root or tempfile.mkdtemp(prefix="kvh-"))
         self.args = args
         self.env = dict(os.environ, **(env or {}))
         self.log_path = log_path
+        self.prefix = list(prefix or [])   # a command that execs the sidecar (e.g. in a mount namespace)
         self.proc: subprocess.Popen | None = None
         self._client: Client | None = None
 
     def start(self, timeout: float = 60.0) -> "SidecarProcess":
-        cmd = [sys.executable, "-m", "kvhold", "sidecar", "--instance", self.instance,
+        cmd = [*self.prefix, sys.executable, "-m", "kvhold", "sidecar", "--instance", self.instance,
                "--runtime-root", str(self.runtime_root), *self.args]
         out = open(self.log_path, "ab") if self.log_path else None
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=True)

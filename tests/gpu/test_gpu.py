@@ -194,6 +194,8 @@ def test_recovery_on_the_gpu_is_token_exact(tiny_model, tmp_path, tier):
         assert len(recs) == 3 and all(r["requests_lost"] == 0 for r in recs)
         if tier == "zygote":
             assert sc.executors(st, "active")[0]["via"] == "zygote"
+            assert st["zygote"]["threads_at_fork"] == 1           # no BLAS pool, no NVML thread
+            assert "use of fork() may lead to deadlocks" not in (tmp_path / "sidecar.log").read_text()
 
 
 def test_fused_layers_use_one_gemm_per_projection_group_and_match_the_eager_layers(tiny_on_gpu):

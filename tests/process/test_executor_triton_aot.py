@@ -57,6 +57,19 @@ def test_the_zygote_ignores_bad_kernel_shapes():
     assert _kernel_shapes(json.dumps(SHAPES)) == KernelShapes(**SHAPES)
 
 
+def test_the_zygote_asks_for_the_gpu_architecture_in_a_child_and_stays_one_thread(monkeypatch):
+    """NVML leaves a thread running in the process that initialised it (seen on an H200: the
+    zygote had two threads after nvmlInit/nvmlShutdown), so the zygote asks a child."""
+    from kvhold.executor.zygote import gpu_arch_in_a_child, threads
+
+    before = threads()
+    monkeypatch.setenv("KVHOLD_TRITON_AOT_ARCH", "sm_90")
+    assert gpu_arch_in_a_child() == 90
+    monkeypatch.setenv("KVHOLD_TRITON_AOT_ARCH", "")
+    assert gpu_arch_in_a_child() in (None, *range(10, 200))     # None without NVML
+    assert threads() == before
+
+
 def test_prepare_can_be_switched_off(monkeypatch):
     from kvhold.executor import triton_aot
 

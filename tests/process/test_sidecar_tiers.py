@@ -5,7 +5,7 @@ import os
 import signal
 
 from kvhold.client.client import wait_all
-from tests.process.helpers import FLAGS, ids, submit
+from tests.process.helpers import FLAGS, ids, sidecar_log, submit
 
 
 def _zygote_ready(st):
@@ -71,3 +71,29 @@ def test_wait_exit_promotes_only_after_the_dead_process_exited(tiny_model, refer
     assert promote_ns >= exit_ns
     rec = sc.status()["recoveries"][-1]
     assert rec["pages_copied"] == 0          # nothing pending: tails continue in place
+
+
+def test_the_zygote_forks_single_threaded_and_its_executors_serve(tiny_model, start_sidecar):
+    """A fork from a multi-threaded process can hand the child a lock that no thread will ever
+    release. The zygote must be one thread when it forks: counted from outside (/proc) and as
+    the zygote saw it at its forks, with Python's fork warning enabled and never emitted."""
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--zygote"],
+                       env={"PYTHONWARNINGS": "always::DeprecationWarning"})
+    sc.wait_steady(standbys=0, timeout=120)
+    zygote = sc.wait_for(lambda st: st["zygote"] if _zygote_ready(st) else None, timeout=120)
+    assert os.listdir(f"/proc/{zygote['pid']}/task") == [str(zygote["pid"])], "the zygote has threads"
+    victim = sc.wait_steady(standbys=0)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    active = sc.wait_for(lambda st: next((e for e in sc.executors(st, "active")
+                                          if e["pid"] != victim and e["ready"]), None), timeout=60)
+    assert active["via"] == "zygote"
+    with sc.new_client(timeout=60) as client:
+        result = client.generate("Forked from one thread", max_tokens=12, temperature=0.0,
+                                 ignore_eos=True).result()
+    assert len(result.token_ids) == 12
+    st = sc.status()
+    assert st["zygote"]["forks"] >= 1 and st["zygote"]["threads_at_fork"] == 1
+    assert len(os.listdir(f"/proc/{zygote['pid']}/task")) == 1
+    log = sidecar_log(sc)
+    assert "preloaded torch and the engine" in log and "(1 thread)" in log
+    assert "multi-threaded, use of fork()" not in log and "not forking" not in log

@@ -1,0 +1,74 @@
+"""The instance lock with real flock(2) locks: one holder, however starts and stops interleave."""
+import fcntl
+
+import pytest
+
+from kvhold.protocol.naming import InstancePaths
+from kvhold.sidecar import instance_lock
+from kvhold.sidecar.instance_lock import InstanceBusy, InstanceLock
+
+
+@pytest.fixture
+def paths(tmp_path):
+    return InstancePaths.for_instance("lockme", tmp_path)
+
+
+def test_a_second_lock_is_refused_and_names_the_holder(paths):
+    first = InstanceLock(paths)
+    try:
+        with pytest.raises(InstanceBusy, match="already served by sidecar pid"):
+            InstanceLock(paths)
+    finally:
+        first.release()
+    InstanceLock(paths).release()        # free again once released
+
+
+def test_a_lock_taken_on_a_file_its_holder_just_unlinked_is_taken_again(paths, monkeypatch):
+    """A starts while B stops: A opens the lock file, B unlinks it and drops its lock, A locks
+    the unlinked inode. A third sidecar C must still find the instance busy: A has to hold the
+    lock on the file at the path, or C would lock a new file and remove A's sockets as stale."""
+    stopping = InstanceLock(paths)
+    real_flock = fcntl.flock
+    calls = []
+
+    def flock_after_the_holder_stopped(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            stopping.release()           # between A's open and A's flock
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(instance_lock.fcntl, "flock", flock_after_the_holder_stopped)
+    starting = InstanceLock(paths)
+    monkeypatch.setattr(instance_lock.fcntl, "flock", real_flock)
+    try:
+        with pytest.raises(InstanceBusy):
+            InstanceLock(paths)
+    finally:
+        starting.release()
+
+
+def test_stale_cleanup_never_touches_an_instance_whose_name_extends_ours(tmp_path):
+    """Instance "a" removing its stale shm must leave the live objects of instance "a-b" alone:
+    both names start with "kvhold-<uid>-a-"."""
+    import posix_ipc
+
+    mine = InstancePaths.for_instance("lk-a", tmp_path)
+    other = InstancePaths.for_instance("lk-a-b", tmp_path)
+    created = {}
+    for paths, what in ((mine, "tables"), (mine, "oldpart"), (other, "tables"), (other, "kv")):
+        name = paths.shm_name(what)
+        created[name] = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=4096)
+    lock = InstanceLock(mine)
+    try:
+        removed = lock.remove_stale(("tables", "kv", "weights"))
+        assert sorted(removed) == sorted([mine.shm_name("tables"), mine.shm_name("oldpart")])
+        for what in ("tables", "kv"):
+            posix_ipc.SharedMemory(other.shm_name(what)).close_fd()     # still there
+    finally:
+        lock.release()
+        for name, shm in created.items():
+            shm.close_fd()
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
