@@ -31,7 +31,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=int(env("PORT", "8000")), help="HTTP port (default %(default)s)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=env("API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (env KVHOLD_API_KEY); "
+                     help="require 'Authorization: Bearer KEY' on /v1 routes and on the API's "
+                          "description (/docs, /redoc, /openapi.json) (env KVHOLD_API_KEY); "
                           "/health and /metrics stay open")
     key.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
     p.add_argument("--served-model-name", default=None,

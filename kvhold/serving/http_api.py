@@ -89,7 +89,8 @@ def serving_state(status: dict, lease_ms: int) -> tuple[bool, str]:
 
 
 class _ApiMiddleware:
-    """Bearer-key check on /v1 routes and request counting, as plain ASGI (streams untouched)."""
+    """Bearer-key check on /v1 routes and the API's description (/docs, /redoc, /openapi.json),
+    and request counting, as plain ASGI (streams untouched). /health and /metrics stay open."""
 
     def __init__(self, app, settings: AppSettings, metrics):
         self.app, self.metrics = app, metrics
@@ -100,7 +101,7 @@ class _ApiMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in _ENDPOINTS else "other"
-        if self.key is not None and path.startswith("/v1") and not self._authorized(scope):
+        if self.key is not None and _guarded(path) and not self._authorized(scope):
             err = ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
             self.metrics.http.labels(endpoint, "401").inc()
@@ -118,6 +119,11 @@ class _ApiMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
+def _guarded(path: str) -> bool:
+    return path.startswith(("/v1", "/docs/")) or path in _DESCRIPTION
+
+
+_DESCRIPTION = {"/docs", "/redoc", "/openapi.json"}
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 
 
