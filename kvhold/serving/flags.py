@@ -27,6 +27,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
+    from kvhold.serving.http_guards import add_guard_args
     p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="HTTP bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=int(env("PORT", "8000")), help="HTTP port (default %(default)s)")
     key = p.add_mutually_exclusive_group()
@@ -39,3 +40,4 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="model id in the API (default: the checkpoint directory's name)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight streams finish (default 30)")
+    add_guard_args(p)

@@ -35,6 +35,7 @@ from kvhold.client.aclient import AsyncClient
 from kvhold.protocol.errors import KvholdError
 from kvhold.serving.chat_template import ChatTemplate, TemplateError
 from kvhold.serving.generation import Generation, ResponseShape, sse_body
+from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
 from kvhold.serving.openai_schema import (ApiError, ChatRequest, CompletionRequest, api_error_for, bad_request,
                                   from_validation_errors, parse_body)
@@ -53,6 +54,7 @@ class AppSettings:
     api_key: str | None = None
     client_timeout: float = 30.0  # sidecar silence (no keepalive either) that fails a request
     poll_interval_s: float = 1.0  # status polls that feed /metrics
+    body_timeout_s: float = BODY_TIMEOUT_S   # a slower request body is answered 408
 
 
 class Gate:
@@ -271,6 +273,7 @@ def create_app(settings: AppSettings, backend=None) -> FastAPI:
     app.state.service = svc
     _install_error_handlers(app)
     _install_routes(app, svc)
+    app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)   # inside the key check
     app.add_middleware(_ApiMiddleware, settings=settings, metrics=backend.metrics)
     return app
 
