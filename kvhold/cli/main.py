@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_admissions_parser(sub)
 
     p = sub.add_parser("keygen", help="write a CurveZMQ key pair (NAME.key, NAME.key_secret)")
-    p.add_argument("--out", type=Path, required=True, help="directory for the key files (made 0700)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the key files: made 0700; an existing one must "
+                        "already be 0700 and yours (refused otherwise, never chmod-ed)")
     p.add_argument("--name", default="kvhold", help="file name stem (default %(default)s)")
     p.set_defaults(func=cmd_keygen)
     return parser

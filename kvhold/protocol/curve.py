@@ -3,7 +3,10 @@
 Key files are zmq.auth certificates: `NAME.key` holds the public key (share it:
 the server's goes to clients, a client's goes into the sidecar's authorized-keys
 directory), `NAME.key_secret` holds both keys and stays with its owner, mode
-0600. A secret file that others can read is refused, as ssh does.
+0600. A secret file that others can read is refused, as ssh does. The directory
+they are written to is made 0700; an existing one must already be private to its
+owner (mode 0700 or tighter, owned by this user): it is refused rather than
+tightened, since it may be shared on purpose (`--out /tmp` must not lock out others).
 """
 from __future__ import annotations
 
@@ -24,7 +27,11 @@ def write_keypair(out_dir: os.PathLike, name: str) -> tuple[Path, Path]:
     if not _NAME_RE.match(name):
         raise ValueError(f"invalid key name {name!r}: use letters, digits, '_', '-' or '.'")
     out = Path(out_dir)
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        out.mkdir(mode=0o700, parents=True)
+        os.chmod(out, 0o700)     # exactly 0700, whatever the umask
+    except FileExistsError:
+        _check_private_dir(out)
     public, secret = out / f"{name}.key", out / f"{name}.key_secret"
     for path in (public, secret):
         if path.exists():
@@ -37,6 +44,19 @@ def write_keypair(out_dir: os.PathLike, name: str) -> tuple[Path, Path]:
     os.chmod(secret, 0o600)
     os.chmod(public, 0o644)
     return public, secret
+
+
+def _check_private_dir(path: Path) -> None:
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise PermissionError(f"{path} is accessible by others (mode {mode:04o}): chmod 700 it, "
+                              f"or give a new directory for --out")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user (uid "
+                              f"{os.geteuid()}): give a directory of your own for --out")
 
 
 def load_secret_keypair(path: os.PathLike) -> tuple[bytes, bytes]:

@@ -27,14 +27,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
+    from kvhold.serving.http_guards import add_guard_args
     p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="HTTP bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=int(env("PORT", "8000")), help="HTTP port (default %(default)s)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=env("API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (env KVHOLD_API_KEY); "
+                     help="require 'Authorization: Bearer KEY' on /v1 routes and on the API's "
+                          "description (/docs, /redoc, /openapi.json) (env KVHOLD_API_KEY); "
                           "/health and /metrics stay open")
     key.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
     p.add_argument("--served-model-name", default=None,
                    help="model id in the API (default: the checkpoint directory's name)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight streams finish (default 30)")
+    add_guard_args(p)

@@ -37,6 +37,7 @@ from kvhold.client.aclient import AsyncClient
 from kvhold.protocol.errors import KvholdError
 from kvhold.serving.chat_template import ChatTemplate, TemplateError
 from kvhold.serving.generation import Generation, ResponseShape, sse_body
+from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
 from kvhold.serving.openai_schema import (ApiError, ChatRequest, CompletionRequest, api_error_for, bad_request,
                                   from_validation_errors, parse_body)
@@ -55,6 +56,7 @@ class AppSettings:
     api_key: str | None = None
     client_timeout: float = 30.0  # sidecar silence (no keepalive either) that fails a request
     poll_interval_s: float = 1.0  # status polls that feed /metrics
+    body_timeout_s: float = BODY_TIMEOUT_S   # a slower request body is answered 408
 
 
 class Gate:
@@ -94,7 +96,8 @@ def serving_state(status: dict, lease_ms: int) -> tuple[bool, str]:
 
 
 class _ApiMiddleware:
-    """Bearer-key check on /v1 routes and request counting, as plain ASGI (streams untouched)."""
+    """Bearer-key check on /v1 routes and the API's description (/docs, /redoc, /openapi.json),
+    and request counting, as plain ASGI (streams untouched). /health and /metrics stay open."""
 
     def __init__(self, app, settings: AppSettings, metrics):
         self.app, self.metrics = app, metrics
@@ -105,7 +108,7 @@ class _ApiMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in _ENDPOINTS else "other"
-        if self.key is not None and path.startswith("/v1") and not self._authorized(scope):
+        if self.key is not None and _guarded(path) and not self._authorized(scope):
             err = ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
             self.metrics.http.labels(endpoint, "401").inc()
@@ -123,6 +126,11 @@ class _ApiMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
+def _guarded(path: str) -> bool:
+    return path.startswith(("/v1", "/docs/")) or path in _DESCRIPTION
+
+
+_DESCRIPTION = {"/docs", "/redoc", "/openapi.json"}
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 
 
@@ -270,6 +278,7 @@ def create_app(settings: AppSettings, backend=None) -> FastAPI:
     app.state.service = svc
     _install_error_handlers(app)
     _install_routes(app, svc)
+    app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)   # inside the key check
     app.add_middleware(_ApiMiddleware, settings=settings, metrics=backend.metrics)
     return app
 

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvhold.routing.arouter import AsyncRoutedClient
 from kvhold.routing.registry_client import HEALTH, EtcdGateway, RegistryView, validate_service
+from kvhold.serving.http_guards import HttpGuards
 from kvhold.serving.metrics import RECOVERY_BUCKETS
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RouterConfig:
     context_len: int
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    guards: HttpGuards = HttpGuards()
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -53,7 +55,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(registry=args.registry, service=args.service, host=args.host, port=args.port,
                         api_key=api_key, model=model,
                         served_model_name=args.served_model_name or (model.name if model else None),
-                        context_len=context, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+                        context_len=context, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                        guards=HttpGuards.from_args(args))
 
 
 class RouterMetrics:
@@ -135,11 +138,13 @@ def run_router(config: RouterConfig) -> int:
     try:
         name = config.served_model_name or next((e.model for e in view.entries()), "default")
         app = create_app(AppSettings(endpoint="", model_dir=config.model, served_model_name=name,
-                                     context_len=config.context_len, api_key=config.api_key),
+                                     context_len=config.context_len, api_key=config.api_key,
+                                     body_timeout_s=config.guards.body_timeout_s),
                          backend=RouterBackend(view))
         server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level.lower(), access_log=False,
-                                               timeout_graceful_shutdown=5),
+                                               timeout_graceful_shutdown=5,
+                                               **config.guards.uvicorn_options()),
                                 app.state.service.gate, None, config.drain_timeout_s)
         log.info("routing %r on http://%s:%d to service %r at %s", name, config.host, config.port,
                  config.service, config.registry)

@@ -27,6 +27,7 @@ from pathlib import Path
 import uvicorn
 
 from kvhold.protocol.naming import InstancePaths
+from kvhold.serving.http_guards import HttpGuards
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -47,6 +48,7 @@ class ServeConfig:
     start_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    guards: HttpGuards = HttpGuards()
 
     @property
     def endpoint(self) -> str:
@@ -70,7 +72,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        runtime_root=args.runtime_root, sidecar_argv=tuple(sidecar_argv(args)),
                        lease_ms=args.lease_ms, context_len=geometry.max_seq_len,
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
-                       log_level=args.log_level)
+                       log_level=args.log_level, guards=HttpGuards.from_args(args))
 
 
 def http_flags_from_args(args: argparse.Namespace) -> str | None:
@@ -195,10 +197,11 @@ def run_serve(config: ServeConfig) -> int:
         app = create_app(AppSettings(endpoint=config.endpoint, model_dir=config.model,
                                      served_model_name=config.served_model_name,
                                      context_len=config.context_len, lease_ms=config.lease_ms,
-                                     api_key=config.api_key))
+                                     api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s))
         server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level.lower(), access_log=False,
-                                               timeout_graceful_shutdown=5),
+                                               timeout_graceful_shutdown=5,
+                                               **config.guards.uvicorn_options()),
                                 app.state.service.gate, child, config.drain_timeout_s)
         log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
                  config.host, config.port, config.instance)

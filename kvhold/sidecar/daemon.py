@@ -38,6 +38,7 @@ from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
+from kvhold.sidecar.client_peers import CURVE, NOBODY, PEERCRED, ClientPeers, split_client_key
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
@@ -209,11 +210,15 @@ class Sidecar:
         if self.config.client_tcp.address:
             self.tcp = TcpClientEndpoint(self.config.client_tcp)
             stack.callback(self.tcp.close)
-        # A client is known to the frontend by transport + routing id: no TCP peer can pose as
-        # a local one (or the reverse) by choosing the same routing id.
+        # A client is known to the frontend by transport + authenticated principal + routing id
+        # (kvhold.sidecar.client_peers): presenting another's routing id makes nobody its owner.
         self._client_sockets = {b"u": self.client}
+        self.peers = ClientPeers()
+        stack.callback(self.peers.close)
+        self.peers.add(b"u", self.client, PEERCRED)
         if self.tcp is not None:
             self._client_sockets[b"t"] = self.tcp.socket
+            self.peers.add(b"t", self.tcp.socket, CURVE if self.tcp.curve else NOBODY)
         stack.callback(_unlink, self.paths.fd_socket)
         self.fd_listener = fdpass.listen(str(self.paths.fd_socket))
         stack.callback(self.fd_listener.close)
@@ -315,13 +320,14 @@ class Sidecar:
         self.timeline.recovered(h.pid, h.epoch, msg.report)
         self.supervisor.takeover_done()
 
-    def _on_client(self, identity: bytes, frame: bytes, via: bytes = b"u") -> None:
+    def _on_client(self, identity: bytes, frame: zmq.Frame, via: bytes = b"u") -> None:
         sock = self._client_sockets[via]
-        msg = self._decode(sock, identity, frame, m.CLIENT_IN, "client")
+        key = self.peers.seen(via, identity, frame)
+        msg = self._decode(sock, identity, frame.bytes, m.CLIENT_IN, "client")
         if msg is None:
             return
         try:
-            reply = self.frontend.handle(via + identity, msg)
+            reply = self.frontend.handle(key, msg)
         except Exception as exc:  # a bug on one request must not stop the service
             log.exception("internal error handling %s", msg.TYPE)
             reply = m.Error(code=ErrorCode.INTERNAL, message=f"internal error: {type(exc).__name__}",
@@ -329,21 +335,26 @@ class Sidecar:
         if reply is not None:
             self._reply(sock, identity, reply)
 
-    def send_client(self, client_key: bytes, msg) -> None:
-        """Send to a client as the frontend knows it: transport byte + routing id."""
-        self._reply(self._client_sockets[client_key[:1]], client_key[1:], msg)
+    def send_client(self, client_key: bytes, msg) -> bool:
+        """Send to a client as the frontend knows it (transport, principal, routing id); False,
+        sending nothing, while the connection under that routing id is not that principal's."""
+        via, principal, identity = split_client_key(client_key)
+        if not self.peers.may_send(via, identity, principal):
+            return False
+        self._reply(self._client_sockets[via], identity, msg)
+        return True
 
     # ------------------------------------------------------------------ loop
-    def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
+    def _drain(self, sock: zmq.Socket, handler, budget: int = 256, copy: bool = True) -> None:
         for _ in range(budget):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 log.warning("dropped a %d-frame message (expected identity + body)", len(frames))
                 continue
-            handler(frames[0], frames[1])
+            handler(frames[0] if copy else frames[0].bytes, frames[1])
 
     def serve_forever(self) -> None:
         while not self.loop.stop_requested and not self.pool_restart.draining:
@@ -359,12 +370,13 @@ class Sidecar:
         events = self.loop.poll(min(timeout_ms, 1000))
         if self.control in events:
             self._drain(self.control, self._on_control)
-        if self.client in events:
-            self._drain(self.client, self._on_client)
+        if self.client in events:   # frames, not bytes: the client's credentials are properties
+            self._drain(self.client, self._on_client, copy=False)
         if self.tcp is not None:
             self.tcp.on_events(events)
             if self.tcp.socket in events:
-                self._drain(self.tcp.socket, lambda ident, frame: self._on_client(ident, frame, b"t"))
+                self._drain(self.tcp.socket, lambda ident, frame: self._on_client(ident, frame, b"t"),
+                            copy=False)
         now = now_ns()
         self.supervisor.check_heartbeats(now)
         self.supervisor.rearm(now)
@@ -385,6 +397,7 @@ class Sidecar:
                 "pages": pages.counts(),
                 "page_map": page_map(pages.snapshot()),
                 "client_tcp": self.tcp.status() if self.tcp else None,
+                "client_peers": self.peers.status(),
                 "registry": self.registrar.status() if self.registrar else None,
                 "events": self.timeline.events(),
                 "pool_restart": self.restore.status(),

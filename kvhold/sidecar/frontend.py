@@ -58,7 +58,7 @@ class Stream:
 class FrontendHost(Protocol):
     """What the frontend needs of the sidecar around it."""
 
-    def send_client(self, client_key: bytes, msg) -> None: ...
+    def send_client(self, client_key: bytes, msg) -> bool: ...   # False: not sent (owner away)
     def wake_executor(self) -> None: ...
     def status(self) -> dict: ...
 
@@ -240,8 +240,10 @@ class Frontend:
         self.records[request_id] = record
 
     def _send(self, st: Stream, msg) -> None:
-        if not st.awaiting_resume:   # a restored stream's client may not be connected yet
-            self.host.send_client(st.identity, msg)
+        # a restored stream's client may not be connected yet; a stream whose owner is not
+        # connected as itself (kvhold.sidecar.client_peers) waits for it to resume, like one
+        if not st.awaiting_resume and not self.host.send_client(st.identity, msg):
+            st.awaiting_resume = True
 
     def _wake_executor(self) -> None:
         self.host.wake_executor()

@@ -13,7 +13,9 @@ what it sends to a client that has not reconnected yet. So a restored stream sen
 nothing until its owner speaks: the SDK, after a silence, sends `Resume(request_ids,
 next_indices)`, and the sidecar re-sends from each index (tokens it has, then the
 rest as they are committed). The client skips nothing and receives nothing twice.
-Only the client key recorded at admission (transport + routing id) may resume.
+Only the client key recorded at admission (transport, authenticated principal and
+routing id: kvhold.sidecar.client_peers) may resume. A live stream whose owner is not
+connected as itself when a message is due is held the same way until its owner resumes.
 * A restored request whose client never comes back still runs to the end; its result
   is kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S, listed in the status
   (`pool_restart.unclaimed`) and logged, then dropped with a log line.
@@ -52,7 +54,7 @@ class Unclaimed:
 
 class Restore:
     def __init__(self, frontend, durable, *, fingerprint: str, vocab_size: int, generation: int,
-                 started_ns: int, send_client: Callable[[bytes, object], None]):
+                 started_ns: int, send_client: Callable[[bytes, object], bool]):
         self.frontend = frontend
         self.durable = durable
         self.fingerprint = fingerprint
@@ -126,10 +128,10 @@ class Restore:
                             "drain started", (self.report["first_token_ns"] - drain["drain_start_ns"]) / 1e6)
 
     def park(self, st, ids: list[int], done: m.Done) -> None:
-        """A restored request ended before its client came back: keep the result for pickup."""
+        """A restored or held request ended before its client came back: keep the result for pickup."""
         self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
                                                   now_ns())
-        log.warning("request %#x finished after the pool restart with no client attached "
+        log.warning("request %#x finished with no client attached "
                     "(%d tokens, %s): result kept for pickup for %.0f s", st.request_id, len(ids),
                     done.finish_reason, UNCLAIMED_KEEP_S)
 

@@ -71,6 +71,31 @@ def test_keygen_writes_owner_only_secret(tmp_path):
     assert again.returncode == 1 and "exists" in again.stderr     # never overwritten
 
 
+def test_keygen_refuses_a_directory_others_can_enter(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    out = _run("keygen", "--out", str(shared), "--name", "bob")
+    assert out.returncode == 1 and "chmod 700" in out.stderr and "0755" in out.stderr, out.stderr
+    assert list(shared.iterdir()) == [] and stat.S_IMODE(shared.stat().st_mode) == 0o755  # untouched
+    shared.chmod(0o700)                         # made private by its owner: accepted
+    assert _run("keygen", "--out", str(shared), "--name", "bob").returncode == 0
+    assert (shared / "bob.key_secret").exists()
+    if os.geteuid() == 0:                       # private, but somebody else's
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        out = _run("keygen", "--out", str(theirs))
+        assert out.returncode == 1 and "belongs to uid 65534" in out.stderr, out.stderr
+    nested = tmp_path / "a" / "b"               # a new directory is made 0700 whatever the umask
+    old = os.umask(0)
+    try:
+        assert _run("keygen", "--out", str(nested)).returncode == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(nested.stat().st_mode) == 0o700
+
+
 def test_an_authorized_key_generates_over_tcp(sidecar, keys):
     info = sidecar.status()["client_tcp"]
     assert info["curve"] and info["endpoint"].startswith("tcp://127.0.0.1:")

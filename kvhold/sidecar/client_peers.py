@@ -1,0 +1,147 @@
+"""Who stands behind a client routing id: request ownership bound to the authenticated peer.
+
+A ZeroMQ ROUTER names each peer by the routing id that peer chose, so a routing id
+proves nothing: any socket may present another's. The frontend therefore knows a
+client by a *client key*: transport byte, principal, routing id. The principal is
+what the transport authenticated:
+
+* tcp with CurveZMQ: the client's public key, the User-Id that `ZapGate` returns;
+* ipc: the peer's uid, from the kernel (SO_PEERCRED; libzmq puts it in each message's
+  Peer-Address property as HOST:UID:GID:PID);
+* plaintext tcp (`--insecure-tcp`): nobody is authenticated, every peer has the same
+  principal and the routing id alone names the owner.
+
+A request is owned by the whole key (cancel, resume and the durable journal's record
+compare all of it), so a socket that presents the owner's routing id with another
+key or uid is a stranger to it. A legitimate reconnect presents the same key or uid
+and stays the owner.
+
+Sending is the other half: the ROUTER delivers to whichever connection holds the
+routing id now, and that may be a stranger who connected under it after the owner
+left. So `may_send` allows a message to a client key only while the connection
+holding its routing id is known to be that principal's: the last message from that
+routing id carried the principal, and the connection it came from (its descriptor,
+ZMQ_SRCFD) has not been seen to close since (socket monitor: DISCONNECTED or CLOSED,
+or ACCEPTED of a new connection reusing the descriptor; the monitor's queue is
+unbounded, so no event is lost). Otherwise the message is dropped and the caller told;
+the frontend then holds the stream until its owner resumes it (the SDK sends `Resume`
+after a second of silence, from whatever connection it has by then). The monitor is
+checked right before every send (a poll(2) of its descriptor, drained only when that
+signals), and libzmq reports a connection's end before its routing id can pass to
+another, so a message reaches a stranger only if the owner's connection ends and a
+stranger's takes its routing id within the microseconds between a check and its send.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import struct
+
+import zmq
+
+log = logging.getLogger(__name__)
+_ENDS = (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED, zmq.EVENT_ACCEPTED)  # a descriptor's connection is over
+PEERCRED, CURVE, NOBODY = "peercred", "curve", "nobody"
+
+
+def client_key(via: bytes, principal: bytes, routing_id: bytes) -> bytes:
+    return via + bytes([len(principal)]) + principal + routing_id
+
+
+def split_client_key(key: bytes) -> tuple[bytes, bytes, bytes]:
+    """(transport byte, principal, routing id) of a client key."""
+    n = key[1] if len(key) > 1 else 0
+    return key[:1], key[2:2 + n], key[2 + n:]
+
+
+def principal_of(how: str, frame: zmq.Frame) -> bytes:
+    """The principal a message's transport authenticated (see the module docstring)."""
+    if how == CURVE:
+        return b"curve:" + _property(frame, "User-Id").encode()
+    if how == PEERCRED:
+        parts = _property(frame, "Peer-Address").rsplit(":", 3)   # HOST:UID:GID:PID
+        if len(parts) == 4 and parts[1].isdigit():
+            return b"uid:" + parts[1].encode()
+        return b"ipc"          # a libzmq without SO_PEERCRED: the socket file's mode is the guard
+    return b"tcp"
+
+
+def _property(frame: zmq.Frame, name: str) -> str:
+    try:
+        return frame.get(name) or ""
+    except zmq.ZMQError:
+        return ""
+
+
+class ClientPeers:
+    """The client sockets' connections, as far as ownership needs them."""
+
+    def __init__(self):
+        self._transports: dict[bytes, str] = {}
+        self._monitors: list[zmq.Socket] = []
+        self._signals = select.poll()     # the monitors' ZMQ_FDs: readable once an event may wait
+        self._holder: dict[tuple[bytes, bytes], tuple[bytes, int]] = {}   # (via, routing id) -> (principal, fd)
+        self._by_fd: dict[int, set[tuple[bytes, bytes]]] = {}
+        self.num_refused_sends = 0
+
+    def add(self, via: bytes, sock: zmq.Socket, how: str) -> None:
+        """Watch the client ROUTER `sock`, known as transport `via`, authenticated `how`."""
+        addr = f"inproc://kvhold.client-peers.{via.decode()}.{id(sock):x}"
+        events = 0
+        for e in _ENDS:
+            events |= e
+        sock.monitor(addr, events)
+        mon = sock.context.socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.setsockopt(zmq.RCVHWM, 0)     # an unbounded queue: no end of a connection goes unseen
+        mon.connect(addr)
+        self._transports[via] = how
+        self._monitors.append(mon)
+        self._signals.register(mon.getsockopt(zmq.FD), select.POLLIN)
+        self.refresh()
+
+    def seen(self, via: bytes, routing_id: bytes, frame: zmq.Frame) -> bytes:
+        """A message `frame` came from `routing_id`: its client key; its connection now holds the id."""
+        self._refresh_if_signalled()   # ends of connections before this message apply, not after
+        principal = principal_of(self._transports[via], frame)
+        fd = frame.get(zmq.SRCFD)
+        slot = (via, routing_id)
+        old = self._holder.get(slot)
+        if old is not None and old[1] != fd:
+            self._by_fd.get(old[1], set()).discard(slot)
+        self._holder[slot] = (principal, fd)
+        self._by_fd.setdefault(fd, set()).add(slot)
+        return client_key(via, principal, routing_id)
+
+    def may_send(self, via: bytes, routing_id: bytes, principal: bytes) -> bool:
+        """Whether the connection that holds `routing_id` now is known to be `principal`'s."""
+        self._refresh_if_signalled()
+        holder = self._holder.get((via, routing_id))
+        if holder is not None and holder[0] == principal:
+            return True
+        self.num_refused_sends += 1
+        return False
+
+    def _refresh_if_signalled(self) -> None:
+        # ZMQ_FD is edge-like: after a full drain it turns readable when the next event arrives
+        if self._signals.poll(0):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Apply every monitor event that has arrived (drains each monitor to empty)."""
+        for mon in self._monitors:
+            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                head = mon.recv_multipart(zmq.NOBLOCK)[0]
+                event, fd = struct.unpack("=HI", head[:6])
+                if event in _ENDS:
+                    for slot in self._by_fd.pop(fd, ()):
+                        self._holder.pop(slot, None)
+
+    def status(self) -> dict:
+        return {"attached": len(self._holder), "refused_sends": self.num_refused_sends}
+
+    def close(self) -> None:
+        for mon in self._monitors:
+            self._signals.unregister(mon.getsockopt(zmq.FD))
+            mon.close(0)
+        self._monitors.clear()
