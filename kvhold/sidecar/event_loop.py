@@ -7,17 +7,26 @@ the owner to drain. `post` hands a callback to the loop thread from any thread
 wakes the poll. SIGTERM and SIGINT set `stop_requested` and wake the poll through
 the signal wake-up descriptor, so a signal is never lost between two polls.
 `close` detaches the signal wake-up and closes the loop's own descriptors.
+A *turn* is what the loop does between two polls (callbacks, messages, deadlines);
+`turn_ended` times it from the poll's return, and `stats` (the status's `loop`) says
+how many turns ran, the longest, how many took over 1, 10 and 100 ms, and the latest
+ones over 10 ms: everything else that should happen, a death signal's fencing
+included, waits that long.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import signal
 import socket
+import time
 from typing import Callable
 
 import zmq
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SLOW_TURN_NS = 10_000_000
+SLOW_KEPT = 16
 
 
 class EventLoop:
@@ -36,6 +45,11 @@ class EventLoop:
             signal.signal(sig, self._on_signal)
         self.watch_fd(self._sig_r.fileno(), self._drain_signals)
         self.watch_fd(self._post_r.fileno(), self._run_posted)
+        self._woke_ns = 0
+        self.turns = 0
+        self.max_turn_ns = 0
+        self.over = {1: 0, 10: 0, 100: 0}          # turns longer than so many ms
+        self.slow: collections.deque = collections.deque(maxlen=SLOW_KEPT)
 
     def register(self, sock: zmq.Socket) -> None:
         self.poller.register(sock, zmq.POLLIN)
@@ -59,11 +73,27 @@ class EventLoop:
     def poll(self, timeout_ms: int) -> dict:
         """Wait up to `timeout_ms`, run the callbacks of readable watched fds, return all events."""
         events = dict(self.poller.poll(timeout_ms))
+        self._woke_ns = time.monotonic_ns()
         for fd in [fd for fd in events if isinstance(fd, int)]:
             callback = self._fd_callbacks.get(fd)
             if callback is not None:
                 callback()
         return events
+
+    def turn_ended(self) -> None:
+        """The owner's turn is over: time it (from the return of the last poll)."""
+        ns = time.monotonic_ns() - self._woke_ns
+        self.turns += 1
+        self.max_turn_ns = max(self.max_turn_ns, ns)
+        for ms in self.over:
+            if ns > ms * 1_000_000:
+                self.over[ms] += 1
+        if ns > SLOW_TURN_NS:
+            self.slow.append({"ns": self._woke_ns, "ms": round(ns / 1e6, 3)})
+
+    def stats(self) -> dict:
+        return {"turns": self.turns, "max_turn_ms": self.max_turn_ns / 1e6,
+                "turns_over_ms": {str(ms): n for ms, n in self.over.items()}, "slow": list(self.slow)}
 
     def close(self) -> None:
         signal.set_wakeup_fd(-1)
