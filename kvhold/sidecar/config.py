@@ -66,7 +66,8 @@ def parse_host_port(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """The model, where memory lives, and the geometry of the KV pool and the journal."""
+    """The model, where memory lives, the geometry of the KV pool and the journal, and the
+    largest text prompt admitted (`max_prompt_bytes`)."""
 
     model: Path | None = None
     backend: str = "host"
