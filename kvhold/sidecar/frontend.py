@@ -208,7 +208,8 @@ class Frontend:
         self._durable_done.append((name, request_ids, error))
         self.host.post(self._on_durable)
 
-    def _on_durable(self, budget_ns: int | None = ADMIT_SLICE_NS) -> None:
+    def _on_durable(self, finish: bool = False) -> None:
+        """On the loop: batches on disk become ready (entered by `tick`, a slice per turn)."""
         while self._durable_done:
             name, request_ids, error = self._durable_done.popleft()
             if error is None:
@@ -224,7 +225,8 @@ class Frontend:
                 self.host.send_client(p.identity, m.Error(
                     code=ErrorCode.OVERLOADED, tag=p.tag,
                     message=f"cannot journal the request durably ({error}); retry later"))
-        self._admit_ready(budget_ns)
+        if finish:
+            self._admit_ready(budget_ns=None)
 
     def _admit_ready(self, budget_ns: int | None = ADMIT_SLICE_NS) -> None:
         """Admit requests whose record is on disk: a slice per loop turn, so that the turn stays short."""
@@ -275,7 +277,7 @@ class Frontend:
         if self.commit is None:
             return
         self.commit.close()             # the batch being written finishes; the rest is not written
-        self._on_durable(budget_ns=None)     # refuses what is on disk, and removes its records
+        self._on_durable(finish=True)        # refuses what is on disk, and removes its records
         for p in self.pending.values():
             self.host.send_client(p.identity, self._refusal(p.tag))
         self.pending.clear()

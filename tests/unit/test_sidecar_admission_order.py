@@ -41,10 +41,12 @@ class Host:
         self.posted.put(callback)
 
     def run_posted(self, timeout=10.0):
-        """One loop turn's posted callbacks (waits for the first)."""
+        """One loop turn: its posted callbacks (waits for the first), then the frontend's share
+        of the turn's deadlines (entering admissions that are on disk)."""
         self.posted.get(timeout=timeout)()
         while not self.posted.empty():
             self.posted.get()()
+        self.frontend._admit_ready()
 
 
 @pytest.fixture
@@ -57,6 +59,7 @@ def frontend(tiny_model, tmp_path):
     fe = Frontend(tables, spec, tiny_model, runs_model=True, durable=durable, fingerprint="f",
                   timeline=RecoveryTimeline(), host=host)
     fe.host_ = host
+    host.frontend = fe
     yield fe
     fe.finish_pending()
     tables.close()
