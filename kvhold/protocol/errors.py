@@ -20,6 +20,7 @@ class ErrorCode(enum.IntEnum):
     FENCED = 13
     INTERNAL = 14
     UNAVAILABLE = 15     # raised by the SDK itself: no answer from the sidecar in time
+    PROMPT_TOO_LARGE = 16  # the prompt's text (or the message carrying it) exceeds the sidecar's limit
 
 
 class KvholdError(Exception):
@@ -55,6 +56,11 @@ class PromptTooLong(InvalidParams):
     code = ErrorCode.PROMPT_TOO_LONG
 
 
+class PromptTooLarge(InvalidParams):
+    """The prompt is larger than the sidecar accepts (`--max-prompt-bytes`); HTTP answers 413."""
+    code = ErrorCode.PROMPT_TOO_LARGE
+
+
 class InvalidTokenId(InvalidParams):
     code = ErrorCode.INVALID_TOKEN
 
@@ -87,7 +93,7 @@ _BY_CODE: dict[int, type[KvholdError]] = {
     ErrorCode.PROMPT_TOO_LONG: PromptTooLong, ErrorCode.INVALID_TOKEN: InvalidTokenId,
     ErrorCode.OVERLOADED: Overloaded, ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.FENCED: FencedError, ErrorCode.INTERNAL: InternalError,
-    ErrorCode.UNAVAILABLE: SidecarUnavailable,
+    ErrorCode.UNAVAILABLE: SidecarUnavailable, ErrorCode.PROMPT_TOO_LARGE: PromptTooLarge,
 }
 
 

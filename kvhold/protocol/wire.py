@@ -150,13 +150,18 @@ def encode(msg) -> bytes:
     return data
 
 
-def decode(data: bytes, allowed: frozenset[str] | None = None):
-    """Bytes -> message instance, or WireError. `allowed` restricts the accepted types."""
+def decode(data: bytes, allowed: frozenset[str] | None = None, max_array_len: int | None = None):
+    """Bytes -> message instance, or WireError. `allowed` restricts the accepted types;
+    `max_array_len` lowers the longest list accepted (refused before it is built)."""
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.TOO_LARGE, f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    limits = _UNPACK_LIMITS if max_array_len is None else dict(_UNPACK_LIMITS, max_array_len=max_array_len)
     try:
-        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
-                                   **_UNPACK_LIMITS)
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **limits)
+    except ValueError as exc:
+        if "max_array_len" in str(exc):
+            raise WireError(ErrorCode.TOO_LARGE, f"a list of the message is too long: {exc}") from None
+        raise WireError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(exc).__name__}") from None
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, ...
         raise WireError(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(exc).__name__}") from None
     if not (isinstance(envelope, list) and len(envelope) == 3):
@@ -172,6 +177,27 @@ def decode(data: bytes, allowed: frozenset[str] | None = None):
     if not isinstance(body, dict):
         raise WireError(ErrorCode.BAD_FIELD, "body must be a map")
     return _build(type_name, body)
+
+
+def peek_tag(data: bytes) -> int:
+    """The `tag` of an encoded message whose body begins with it (every tagged message), read
+    without decoding the rest, so that an error about a frame reaches the call that sent it;
+    0 when there is none."""
+    import io
+
+    try:
+        unpacker = msgpack.Unpacker(io.BytesIO(data[:MAX_FRAME_BYTES]), raw=False, read_size=256,
+                                    **_UNPACK_LIMITS)
+        if unpacker.read_array_header() != 3:
+            return 0
+        unpacker.skip()
+        unpacker.skip()
+        if unpacker.read_map_header() < 1 or unpacker.unpack() != "tag":
+            return 0
+        tag = unpacker.unpack()
+    except Exception:   # anything msgpack raises: no tag to be had
+        return 0
+    return tag if type(tag) is int and 0 <= tag <= _INT64[1] else 0
 
 
 def _build(type_name: str, body: dict):

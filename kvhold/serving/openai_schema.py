@@ -202,6 +202,8 @@ def api_error_for(exc: Exception) -> ApiError:
 
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, e.PromptTooLarge):
+        return ApiError(413, str(exc), param="prompt", code="prompt_too_large")
     if isinstance(exc, e.PromptTooLong):
         return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, e.InvalidParams):

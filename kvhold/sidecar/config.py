@@ -31,6 +31,7 @@ from kvhold.protocol.settings import KV_MODES, WORKLOADS, ExecutorSettings  # th
 
 BACKENDS = ("host", "cuda")
 TAKEOVER_MODES = ("fast", "wait-exit")
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20   # ~250k tokens of English: above any context kvhold serves
 
 
 class SettingError(ValueError):
@@ -65,7 +66,8 @@ def parse_host_port(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """The model, where memory lives, and the geometry of the KV pool and the journal."""
+    """The model, where memory lives, the geometry of the KV pool and the journal, and the
+    largest text prompt admitted (`max_prompt_bytes`)."""
 
     model: Path | None = None
     backend: str = "host"
@@ -75,6 +77,7 @@ class PoolConfig:
     page_tokens: int = 16
     max_seq_len: int | None = None
     max_requests: int = 256
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # a text prompt's UTF-8 size, checked before tokenizing
     compute_dtype: str | None = None
     # geometry used when there is no model (workload idle/churn)
     synthetic_layers: int = 2
@@ -95,6 +98,9 @@ class PoolConfig:
                "pool.page_tokens")
         _check(1 <= self.max_requests <= 65536,
                f"pool.max_requests must be in 1..65536, got {self.max_requests}", "pool.max_requests")
+        _check(1024 <= self.max_prompt_bytes <= 6 << 20,   # the wire's 8 MiB frame holds the rest
+               f"pool.max_prompt_bytes must be in 1 KiB..6 MiB, got {self.max_prompt_bytes}",
+               "pool.max_prompt_bytes")
         _check(self.synthetic_dtype in KV_DTYPE_CODES, f"unknown dtype {self.synthetic_dtype!r}")
         _check(self.compute_dtype is None or self.compute_dtype in KV_DTYPE_CODES,
                f"pool.compute_dtype must be one of {sorted(KV_DTYPE_CODES)}", "pool.compute_dtype")

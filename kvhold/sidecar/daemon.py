@@ -56,6 +56,8 @@ from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0002
+DRAIN_SLICE_NS = 1_000_000    # a socket's messages handled per loop turn: at most about this long
+FRAME_SLACK = 64 << 10        # a Generate's fields besides its prompt text
 SHM_PARTS = ("tables", "kv", "weights")
 
 
@@ -130,7 +132,8 @@ class Sidecar:
                                      self.send_executor, launch, self.timeline.event, zygote)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload == "engine", durable=self.durable,
-                                 fingerprint=fingerprint, timeline=self.timeline, host=self)
+                                 fingerprint=fingerprint, timeline=self.timeline, host=self,
+                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
         self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,
                                         generation=self.tables.generation, send_client=self.send_client)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
@@ -267,6 +270,10 @@ class Sidecar:
         except zmq.ZMQError as exc:
             log.warning("could not send %s to executor pid %d: %s", msg.TYPE, handle.pid, exc)
 
+    def post(self, callback) -> None:
+        """Run `callback` on the loop thread (from a worker thread of the frontend)."""
+        self.loop.post(callback)
+
     def wake_executor(self) -> None:
         """New work in the journal: wake the active executor if it sleeps."""
         active = self.supervisor.active
@@ -279,13 +286,14 @@ class Sidecar:
         except zmq.ZMQError as exc:
             log.warning("dropped %s reply: %s", msg.TYPE, exc)
 
-    def _decode(self, sock: zmq.Socket, identity: bytes, frame: bytes, allowed, what: str):
+    def _decode(self, sock: zmq.Socket, identity: bytes, frame: bytes, allowed, what: str,
+                max_array_len: int | None = None):
         """The message, or None after an error reply: a bad frame never reaches a handler."""
         try:
-            return wire.decode(frame, allowed)
+            return wire.decode(frame, allowed, max_array_len=max_array_len)
         except wire.WireError as exc:
             log.warning("bad %s message: %s (%s)", what, exc, exc.code.name)
-            self._reply(sock, identity, m.Error(code=exc.code, message=str(exc)))
+            self._reply(sock, identity, m.Error(code=exc.code, message=str(exc), tag=wire.peek_tag(frame)))
             return None
 
     def _on_control(self, identity: bytes, frame: bytes) -> None:
@@ -323,7 +331,17 @@ class Sidecar:
     def _on_client(self, identity: bytes, frame: zmq.Frame, via: bytes = b"u") -> None:
         sock = self._client_sockets[via]
         key = self.peers.seen(via, identity, frame)
-        msg = self._decode(sock, identity, frame.bytes, m.CLIENT_IN, "client")
+        geometry = self.tables.geometry    # a prompt's text, or its ids and a moved request's tokens
+        limit = max(self.config.pool.max_prompt_bytes, 18 * geometry.max_seq_len) + FRAME_SLACK
+        if len(frame) > limit:       # refused undecoded: the loop does not wait on a client's bytes
+            self._reply(sock, identity, m.Error(
+                code=ErrorCode.PROMPT_TOO_LARGE, tag=wire.peek_tag(frame.buffer),
+                message=f"a message of {len(frame)} bytes exceeds "
+                f"this sidecar's limit of {limit} bytes (see --max-prompt-bytes)"))
+            return
+        # no list a client sends is longer than the context (prompt, tokens) or the request slots
+        msg = self._decode(sock, identity, frame.bytes, m.CLIENT_IN, "client",
+                           max_array_len=max(geometry.max_seq_len, geometry.num_slots, 1024))
         if msg is None:
             return
         try:
@@ -346,7 +364,10 @@ class Sidecar:
 
     # ------------------------------------------------------------------ loop
     def _drain(self, sock: zmq.Socket, handler, budget: int = 256, copy: bool = True) -> None:
+        deadline = now_ns() + DRAIN_SLICE_NS     # the rest waits a turn: death signals go first
         for _ in range(budget):
+            if now_ns() > deadline:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
@@ -381,6 +402,7 @@ class Sidecar:
         self.supervisor.check_heartbeats(now)
         self.supervisor.rearm(now)
         self.frontend.tick(now)
+        self.loop.turn_ended()
 
     def status(self) -> dict:
         pages = PageTable(self.tables)
@@ -401,6 +423,7 @@ class Sidecar:
                 "registry": self.registrar.status() if self.registrar else None,
                 "events": self.timeline.events(),
                 "pool_restart": self.restore.status(),
+                "loop": self.loop.stats(),
                 **self.frontend.status()}
 
     # ------------------------------------------------------------------ shutdown
@@ -418,6 +441,7 @@ class Sidecar:
     def _journal_on_stop(self) -> None:
         """A stop (SIGTERM) keeps in-flight requests too: the next start brings them back."""
         try:
+            self.frontend.finish_pending()       # unacknowledged admissions: refused, records dropped
             if self.pool_restart.draining:
                 self.pool_restart.finish_drain()
                 return

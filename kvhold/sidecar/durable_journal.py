@@ -1,36 +1,52 @@
 """The durable request journal: every admitted request on local disk, for pool restarts.
 
 The shared-memory journal (kvhold.protocol.journal) dies with the pool; this one survives the
-sidecar, a pool restart and a reboot. One file per request, `req-<id hex>.json`, in
-the journal directory (`--journal-dir`; default `STATE/journal/<instance>`, STATE being
-$KVHOLD_STATE_DIR, systemd's $STATE_DIRECTORY, /var/lib/kvhold for root, or
-`${XDG_STATE_HOME:-~/.local/state}/kvhold`: never /run or /tmp, which a reboot empties). Written:
-* at admission: prompt ids, sampling params (the seed the sidecar picked included),
-  the owning client's key (transport byte + ZeroMQ routing id), model fingerprint;
-* at drain (pool restart, SIGTERM): the same plus the tokens committed so far;
-* removed once the request's end was sent to its client.
-A record is versioned JSON, `{"format", "version", "crc32", "body"}`, with a CRC32 of
-the canonical JSON of `body`; it is written to a temporary file, fsynced, renamed
-into place, and the directory fsynced, so a crash leaves the old or the new record,
-never a torn one. A record that fails to parse, to match its checksum or its
-version is never silently dropped: `load()` reports it failed with the reason and
-moves it to `failed/` (kept for the operator), together with a `.reason` file.
-A lost unlink (power cut right after a request ended) brings the finished request
-back once more; it then runs again to the same output and is kept for pickup.
+sidecar, a pool restart and a reboot. It lives in the journal directory (`--journal-dir`;
+default `STATE/journal/<instance>`, STATE being $KVHOLD_STATE_DIR, systemd's
+$STATE_DIRECTORY, /var/lib/kvhold for root, or `${XDG_STATE_HOME:-~/.local/state}/kvhold`:
+never /run or /tmp, which a reboot empties). A record holds a request's prompt ids,
+sampling params (the seed the sidecar picked included), the owning client's key (transport
+byte + ZeroMQ routing id), the model fingerprint, and, once drained, the tokens committed
+so far. A record is versioned JSON on one line, `{"format", "version", "crc32", "body"}`,
+with a CRC32 of the canonical JSON of `body`. Two kinds of file hold records:
+* **admission segments**, `seg-<seq hex>.jsonl`: the records of one *group commit*, one per
+  line. Admissions are made durable in batches by `GroupCommit`, a thread of its own: it
+  takes every record queued since its last batch, writes them to a temporary file, fsyncs
+  it, renames it into place and fsyncs the directory: two fsyncs per batch, however many
+  admissions it holds, and none on the sidecar's event loop. The frontend acknowledges
+  an admission (and makes it runnable) only once its batch is durable. A request's end is
+  recorded by appending its id to the segment's `seg-<seq hex>.ended` (not fsynced, like
+  the unlink it replaces); a segment whose requests have all ended is removed with it;
+* **request files**, `req-<id hex>.json`: one record each, written atomically the same
+  way (temporary file, fsync, rename, directory fsync) by `write`, at drain (pool restart,
+  SIGTERM) with the tokens committed so far. A request file supersedes the request's
+  admission record; format version 1 sidecars wrote every record this way, and
+  such files are read the same.
+A crash leaves every file either absent, or old, or new, never torn. A temporary file
+(a batch or record whose rename never happened, or whose write failed: it is removed
+then, and any left over at the next start) was never acknowledged. A record that fails to
+parse, to match its checksum or its version is never silently dropped: `load()` reports it
+failed with the reason and moves it to `failed/` (kept for the operator), together with a
+`.reason` file (a damaged line of a segment is moved alone, as `seg-<seq>-<line>.bad`).
+A lost `.ended` line or unlink (power cut right after a request ended) brings the finished
+request back once more; it then runs again to the same output and is kept for pickup.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 FORMAT = "kvhold-journal"
 VERSION = 1
 PREFIX, SUFFIX = "req-", ".json"
+SEGMENT_PREFIX, SEGMENT_SUFFIX, ENDED_SUFFIX = "seg-", ".jsonl", ".ended"
 MAX_RECORD_BYTES = 64 << 20
 
 
@@ -99,30 +115,63 @@ def _check_body(body: dict) -> None:
 
 
 class DurableJournal:
+    """The journal directory. Segments and request files are written by one thread at a time
+    (`GroupCommit`'s for segments; the loop, or close() once it stopped, for the rest); the
+    bookkeeping of which segment holds which live request (`committed`, `remove`) is the
+    loop's alone."""
+
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self.failed_dir = self.dir / "failed"
+        self._next_seq = 1 + max((s for s in map(_seq_from_name, os.listdir(self.dir)) if s is not None),
+                                 default=0)
+        self._segment_of: dict[int, str] = {}     # live request id -> the segment with its admission
+        self._live: dict[str, set[int]] = {}      # segment name -> its requests not ended yet
+        self._loaded_lines: dict[int, bytes] = {}  # restored from a segment, until restore is done
+        self.batches = self.batched_records = 0
 
     def path_for(self, request_id: int) -> Path:
         return self.dir / f"{PREFIX}{request_id:016x}{SUFFIX}"
 
     # ------------------------------------------------------------------ writing
     def write(self, body: dict) -> None:
-        """Atomically replace the request's record (fsync file, rename, fsync directory)."""
+        """Atomically replace the request's record file (fsync file, rename, fsync directory)."""
         path = self.path_for(int(body["request_id"]))
         self._write_file(path, encode_record(body))
 
+    def write_batch(self, bodies: list[dict]) -> str:
+        """One admission segment holding `bodies`, durable on return; its name. The records
+        count as live once the loop calls `committed` with it."""
+        name = f"{SEGMENT_PREFIX}{self._next_seq:016x}{SEGMENT_SUFFIX}"
+        self._next_seq += 1
+        self._write_file(self.dir / name, b"".join(encode_record(b) for b in bodies))
+        self.batches += 1
+        self.batched_records += len(bodies)
+        return name
+
+    def committed(self, name: str, request_ids) -> None:
+        """The loop learns that segment `name` (from `write_batch`) holds these requests."""
+        self._live[name] = set(request_ids)
+        for rid in request_ids:
+            self._segment_of[rid] = name
+
     def _write_file(self, path: Path, data: bytes) -> None:
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)     # a refused write leaves nothing behind
+            raise
         self._fsync_dir()
 
     def _fsync_dir(self) -> None:
@@ -133,7 +182,35 @@ class DurableJournal:
             os.close(fd)
 
     def remove(self, request_id: int) -> None:
+        """The request ended: its records go (a request file is unlinked, an admission record
+        marked ended in its segment, the segment removed once none of its requests is live)."""
         self.path_for(request_id).unlink(missing_ok=True)
+        name = self._segment_of.pop(request_id, None)
+        if name is None:
+            return
+        live = self._live.get(name, set())
+        live.discard(request_id)
+        if live:
+            try:
+                fd = os.open(self.dir / (name[:-len(SEGMENT_SUFFIX)] + ENDED_SUFFIX),
+                             os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                try:
+                    os.write(fd, f"{request_id:016x}\n".encode())
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.error("could not mark request %#x ended in %s: %s (a crash now would run it "
+                          "again)", request_id, name, exc)
+            return
+        self._live.pop(name, None)
+        self._unlink_segment(name)
+
+    def _unlink_segment(self, name: str) -> None:
+        (self.dir / name).unlink(missing_ok=True)
+        (self.dir / (name[:-len(SEGMENT_SUFFIX)] + ENDED_SUFFIX)).unlink(missing_ok=True)
+
+    def stats(self) -> dict:
+        return {"segments": len(self._live), "batches": self.batches, "batched_records": self.batched_records}
 
     # ------------------------------------------------------------------ generation
     @property
@@ -157,28 +234,107 @@ class DurableJournal:
 
     # ------------------------------------------------------------------ reading
     def load(self) -> tuple[list[dict], list[FailedRecord]]:
-        """Every record in the directory, sorted by request id; damaged ones failed and moved."""
-        good, failed = [], []
-        for tmp in self.dir.glob(f"{PREFIX}*.tmp"):
-            tmp.unlink(missing_ok=True)      # a write that never reached its rename
+        """Every live record in the directory, sorted by request id (a request file over the
+        request's admission record); damaged ones failed and moved."""
+        for pattern in (f"{PREFIX}*.tmp", f"{SEGMENT_PREFIX}*.tmp"):
+            for tmp in self.dir.glob(pattern):
+                tmp.unlink(missing_ok=True)      # a write that never reached its rename
+        failed: list[FailedRecord] = []
+        from_segments = self._load_segments(failed)
+        good: dict[int, dict] = {rid: body for rid, (body, _) in from_segments.items()}
         for path in sorted(self.dir.glob(f"{PREFIX}*{SUFFIX}")):
             rid = _id_from_name(path.name)
             try:
                 body = decode_record(path.read_bytes())
                 if rid is not None and body["request_id"] != rid:
                     raise ValueError(f"names request {body['request_id']:#x}, file says {rid:#x}")
-                good.append(body)
+                good[body["request_id"]] = body
+                from_segments.pop(body["request_id"], None)     # the request file is newer
             except (ValueError, OSError) as exc:
-                failed.append(self.fail(path, rid or 0, str(exc)))
-        return good, failed
+                from_segments.pop(rid, None)
+                good.pop(rid, None)
+                failed.append(self.fail(path, rid or 0, str(exc)))   # its admission record too
+        self._loaded_lines = {rid: line for rid, (_, line) in from_segments.items()}
+        return [good[rid] for rid in sorted(good)], failed
+
+    def _load_segments(self, failed: list[FailedRecord]) -> dict[int, tuple[dict, bytes]]:
+        records: dict[int, tuple[dict, bytes]] = {}
+        ended: set[int] = set()
+        names = sorted(n for n in os.listdir(self.dir) if _seq_from_name(n) is not None)
+        segments = [n for n in names if n.endswith(SEGMENT_SUFFIX)]
+        for name in names:
+            if name.endswith(ENDED_SUFFIX):
+                if name[:-len(ENDED_SUFFIX)] + SEGMENT_SUFFIX not in segments:
+                    (self.dir / name).unlink(missing_ok=True)   # its segment is gone
+                    continue
+                for line in (self.dir / name).read_bytes().split(b"\n"):
+                    try:
+                        ended.add(int(line, 16))
+                    except ValueError:
+                        pass   # a torn last line: that request comes back once more
+        for name in segments:
+            self._live[name] = set()
+            try:
+                lines = (self.dir / name).read_bytes().split(b"\n")
+            except OSError as exc:
+                failed.append(self._fail_line(name, 0, b"", f"unreadable segment ({exc})"))
+                continue
+            for index, line in enumerate(lines):
+                if not line.strip():
+                    continue
+                try:
+                    body = decode_record(line)
+                except ValueError as exc:
+                    failed.append(self._fail_line(name, index, line, str(exc)))
+                    continue
+                rid = body["request_id"]
+                if rid in ended:
+                    continue
+                if rid in self._segment_of:        # a newer record of the same request
+                    self._live[self._segment_of[rid]].discard(rid)
+                records[rid] = (body, line)
+                self._segment_of[rid] = name
+                self._live[name].add(rid)
+        for name in segments:
+            if not self._live[name]:
+                del self._live[name]
+                self._unlink_segment(name)
+        return records
+
+    def _fail_line(self, name: str, index: int, line: bytes, reason: str) -> FailedRecord:
+        self.failed_dir.mkdir(mode=0o700, exist_ok=True)
+        dest = self.failed_dir / f"{name[:-len(SEGMENT_SUFFIX)]}-{index}.bad"
+        try:
+            dest.write_bytes(line)
+            dest.with_suffix(".reason").write_text(reason + "\n")
+        except OSError as exc:
+            log.error("could not keep a damaged line of %s in %s: %s", name, dest, exc)
+        try:
+            rid = int(json.loads(line)["body"]["request_id"])
+        except Exception:
+            rid = 0
+        log.error("journal record %d of %s (request %#x) cannot be restored: %s (kept as %s)",
+                  index, name, rid, reason, dest)
+        return FailedRecord(request_id=rid, path=str(dest), reason=reason)
+
+    def restored(self) -> None:
+        """Restore is done with the records `load` returned."""
+        self._loaded_lines.clear()
 
     def fail(self, path: Path, request_id: int, reason: str) -> FailedRecord:
-        """Move a record that cannot be restored to failed/, with its reason next to it."""
+        """Move a record that cannot be restored to failed/, with its reason next to it. A record
+        that is a line of a segment is copied there alone and marked ended in its segment."""
         self.failed_dir.mkdir(mode=0o700, exist_ok=True)
         dest = self.failed_dir / path.name
+        line = self._loaded_lines.pop(request_id, None)
         try:
-            os.replace(path, dest)
+            if line is not None:
+                dest.write_bytes(line)
+            else:
+                os.replace(path, dest)
             dest.with_suffix(".reason").write_text(reason + "\n")
+            if request_id in self._segment_of:        # its admission record is not restored either
+                self.remove(request_id)
         except OSError as exc:
             log.error("could not move %s to %s: %s", path, dest, exc)
             dest = path
@@ -187,8 +343,69 @@ class DurableJournal:
         return FailedRecord(request_id=request_id, path=str(dest), reason=reason)
 
 
+class GroupCommit:
+    """Admissions made durable in batches, off the event loop.
+
+    `submit` queues a record (any thread; the loop). A thread takes everything queued since
+    its last batch, writes it as one segment (`DurableJournal.write_batch`: two fsyncs per
+    batch) and calls `on_done(name, request_ids, error)` from that thread: `name` is None and
+    `error` the OSError when the disk refused the batch, which then left no file behind.
+    `close` lets the batch being written finish and returns the records never written."""
+
+    def __init__(self, journal: DurableJournal, on_done: Callable[[str | None, list[int], OSError | None], None]):
+        self.journal = journal
+        self.on_done = on_done
+        self._queue: list[dict] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="journal-commit", daemon=True)
+        self._thread.start()
+
+    def submit(self, body: dict) -> None:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the journal's group commit is closed")
+            self._queue.append(body)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                batch, self._queue = self._queue, []
+            ids = [int(b["request_id"]) for b in batch]
+            try:
+                name, error = self.journal.write_batch(batch), None
+            except OSError as exc:
+                name, error = None, exc
+                log.error("cannot write %d admission records durably: %s", len(batch), exc)
+            self.on_done(name, ids, error)
+
+    def close(self, timeout_s: float = 10.0) -> list[dict]:
+        with self._cond:
+            self._closing = True
+            unwritten, self._queue = self._queue, []
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return unwritten
+
+
 def _id_from_name(name: str) -> int | None:
     try:
         return int(name[len(PREFIX):-len(SUFFIX)], 16)
     except ValueError:
         return None
+
+
+def _seq_from_name(name: str) -> int | None:
+    """The sequence number of a segment or its `.ended` file, else None."""
+    for suffix in (SEGMENT_SUFFIX, ENDED_SUFFIX):
+        if name.startswith(SEGMENT_PREFIX) and name.endswith(suffix):
+            try:
+                return int(name[len(SEGMENT_PREFIX):-len(suffix)], 16)
+            except ValueError:
+                return None
+    return None

@@ -63,6 +63,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest sequence (prompt + output); default min(model context, 4096)")
     p.add_argument("--max-requests", type=int, default=256, help="journal slots (default 256)")
+    p.add_argument("--max-prompt-bytes", type=parse_size, default=1 << 20,
+                   help="largest text prompt accepted, in UTF-8 bytes, checked before tokenizing; a "
+                        "larger one is refused (HTTP 413) (default 1MiB, at most 6MiB)")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one step")
     p.add_argument("--max-batch-tokens", type=int, default=512,
                    help="most tokens in one step; prefill is chunked to fit (default 512)")
@@ -150,6 +153,7 @@ SETTINGS = {
     "pool.model": "model", "pool.backend": "backend", "pool.device": "device",
     "pool.kv_pages": "kv_pages", "pool.kv_memory_bytes": "kv_memory", "pool.page_tokens": "page_tokens",
     "pool.max_seq_len": "max_seq_len", "pool.max_requests": "max_requests",
+    "pool.max_prompt_bytes": "max_prompt_bytes",
     "pool.compute_dtype": "compute_dtype",
     "executors.workload": "workload", "executors.standbys": "standbys", "executors.lease_ms": "lease_ms",
     "executors.startup_lease_ms": "startup_lease_ms", "executors.kill_fenced": "kill_fenced",

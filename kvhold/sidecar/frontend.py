@@ -2,7 +2,12 @@
 
 Admission validates a request completely (sampling options, token ids, context
 length) and writes it to the journal before acknowledging it, so an accepted
-request survives any executor death. Streams are driven by the journal, never by
+request survives any executor death. Nothing of it blocks the event loop
+(kvhold.sidecar.admission): a text prompt is bounded by `--max-prompt-bytes` and
+tokenized on worker threads; the durable record is written by the journal's group
+commit, and the request enters the shared-memory journal (runnable) and is
+acknowledged only once its batch is on disk, a time slice of them per loop turn.
+Admissions closed meanwhile refuse it then (SHUTTING_DOWN) and drop its record. Streams are driven by the journal, never by
 the executor's word: a token is sent only once its count is published there, and
 each stream remembers how many tokens it has sent. That is why a stream crosses
 an executor crash with no duplicate and no gap: the replacement continues the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from concurrent.futures import Future
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -32,12 +38,15 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import SamplingParams
+from kvhold.sidecar.admission import Pending, PromptTokenizer
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
+from kvhold.sidecar.durable_journal import GroupCommit
 from kvhold.sidecar.timeline import RecoveryTimeline
 
 log = logging.getLogger(__name__)
 KEEPALIVE_NS = 500_000_000
 PUMP_NS = 50_000_000
+ADMIT_SLICE_NS = 1_000_000    # durable admissions entered per loop turn: at most about this long
 
 
 @dataclass(slots=True)
@@ -60,6 +69,7 @@ class FrontendHost(Protocol):
 
     def send_client(self, client_key: bytes, msg) -> bool: ...   # False: not sent (owner away)
     def wake_executor(self) -> None: ...
+    def post(self, callback: Callable[[], None]) -> None: ...   # run on the loop, from any thread
     def status(self) -> dict: ...
 
 
@@ -73,7 +83,7 @@ class RestoredStreams(Protocol):
 
 class Frontend:
     def __init__(self, tables, spec, model_dir, *, runs_model: bool, durable, fingerprint: str,
-                 timeline: RecoveryTimeline, host: FrontendHost):
+                 timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20):
         self.tables = tables
         self.journal = Journal(tables)
         self.spec = spec
@@ -92,6 +102,12 @@ class Frontend:
         self._handlers: dict[type, Callable] = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
                                                 m.Status: self.on_status, m.Ping: self.on_ping}
         self.records: dict[int, dict] = {}   # request id -> its durable journal record (admission)
+        self.prompts = PromptTokenizer(self.tokenizer, max_prompt_bytes, tables.geometry.max_seq_len)
+        self._tokenizing: dict[Future, tuple[bytes, int]] = {}   # -> (client, tag)
+        self.pending: dict[int, Pending] = {}     # numbered, not acknowledged: on the way to disk
+        self._ready: collections.deque[Pending] = collections.deque()   # on disk: to admit
+        self._durable_done: collections.deque = collections.deque()     # batches, from the commit thread
+        self.commit = GroupCommit(durable, self._on_batch_written) if durable is not None else None
 
     def add_handler(self, msg_type: type, handler: Callable) -> None:
         """Route client messages of `msg_type` to `handler(client_key, msg)`."""
@@ -130,34 +146,141 @@ class Frontend:
         if self.closed.pop(by, None) is not None:
             log.info("admissions reopened by %s", by)
 
-    def on_generate(self, identity: bytes, msg: m.Generate):
+    def _refusal(self, tag: int):
         if self.closed:
-            return m.Error(code=ErrorCode.SHUTTING_DOWN, tag=msg.tag,
+            return m.Error(code=ErrorCode.SHUTTING_DOWN, tag=tag,
                            message="not admitting new requests: " + "; ".join(self.closed.values()))
         if not self.runs_model:
-            return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
+            return m.Error(code=ErrorCode.INVALID_PARAMS, tag=tag,
                            message="this sidecar runs no model (workload is not 'engine')")
+        return None
+
+    def on_generate(self, identity: bytes, msg: m.Generate):
+        refusal = self._refusal(msg.tag)
+        if refusal is not None:
+            return refusal
         params = SamplingParams.from_dict(msg.params)
-        prompt_ids = self._prompt_ids(msg)
+        if msg.prompt is not None and msg.prompt_ids is None and self.tokenizer is not None:
+            future = self.prompts.submit(msg.prompt, lambda f: self.host.post(
+                lambda: self._tokenized(f, msg, params)))
+            self._tokenizing.setdefault(future, (identity, msg.tag))
+            return None     # answered once tokenized (kvhold.sidecar.admission)
+        return self._admit(identity, msg, params, self._prompt_ids(msg))
+
+    def _tokenized(self, future: Future, msg: m.Generate, params: SamplingParams) -> None:
+        """On the loop: a text prompt's tokens (or why it has none) are back."""
+        who = self._tokenizing.pop(future, None)
+        if who is None:
+            return          # answered already (the sidecar is stopping)
+        identity = who[0]
+        try:
+            reply = self._admit(identity, msg, params, list(future.result()))
+        except KvholdError as exc:
+            reply = m.Error(code=exc.code, message=str(exc), tag=msg.tag)
+        except Exception as exc:   # a bug on one request must not stop the service
+            log.exception("internal error admitting a text prompt")
+            reply = m.Error(code=ErrorCode.INTERNAL, tag=msg.tag,
+                            message=f"internal error: {type(exc).__name__}")
+        if reply is not None:
+            self.host.send_client(identity, reply)
+
+    def _admit(self, identity: bytes, msg: m.Generate, params: SamplingParams, prompt_ids: list[int]):
+        """Number the request and queue its durable record; None (it is answered once on disk)."""
+        refusal = self._refusal(msg.tag)   # admissions may have closed while it was tokenized
+        if refusal is not None:
+            return refusal
         self._check_fits(prompt_ids, params)
         prefix = self._prefix_ids(msg, params)
-        slot = self.journal.free_slot()
-        if slot is None:
+        if self.journal.num_free_slots() <= len(self.pending):
             return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
                            message=f"all {self.tables.geometry.num_slots} request slots are in use")
         request_id = self.journal.new_request_id()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        error = self._write_durable(msg.tag, request_id, identity, prompt_ids, prefix, params, seed)
-        if error is not None:
-            return error
-        self.journal.admit(slot, request_id, prompt_ids, max_tokens=params.max_tokens, seed=seed,
-                           temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                           stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                           prefix_ids=prefix)
-        self._open_stream(request_id, slot, identity, prompt_ids, prefix)
-        self.num_admitted += 1
-        self._wake_executor()
-        return m.Accepted(tag=msg.tag, request_id=request_id, prompt_tokens=len(prompt_ids))
+        body = self._record(request_id, identity, prompt_ids, prefix, params, seed)
+        self.pending[request_id] = Pending(identity=identity, tag=msg.tag, request_id=request_id,
+                                           prompt_ids=prompt_ids, prefix=prefix, params=params,
+                                           seed=seed, body=body)
+        self.commit.submit(body)
+        return None
+
+    def _on_batch_written(self, name: str | None, request_ids: list[int], error: OSError | None) -> None:
+        """On the commit thread: a batch is on disk (or was refused). The loop takes it from here."""
+        self._durable_done.append((name, request_ids, error))
+        self.host.post(self._on_durable)
+
+    def _on_durable(self, finish: bool = False) -> None:
+        """On the loop: batches on disk become ready (entered by `tick`, a slice per turn)."""
+        while self._durable_done:
+            name, request_ids, error = self._durable_done.popleft()
+            if error is None:
+                self.durable.committed(name, request_ids)
+            for rid in request_ids:
+                p = self.pending.get(rid)
+                if p is None:
+                    continue
+                if error is None:
+                    self._ready.append(p)
+                    continue
+                del self.pending[rid]
+                self.host.send_client(p.identity, m.Error(
+                    code=ErrorCode.OVERLOADED, tag=p.tag,
+                    message=f"cannot journal the request durably ({error}); retry later"))
+        if finish:
+            self._admit_ready(budget_ns=None)
+
+    def _admit_ready(self, budget_ns: int | None = ADMIT_SLICE_NS) -> None:
+        """Admit requests whose record is on disk: a slice per loop turn, so that the turn stays short."""
+        if not self._ready:
+            return
+        deadline = now_ns() + budget_ns if budget_ns is not None else None
+        admitted = 0
+        while self._ready and (deadline is None or not admitted or now_ns() < deadline):
+            p = self._ready.popleft()
+            del self.pending[p.request_id]
+            refusal = self._refusal(p.tag)
+            slot = self.journal.free_slot() if refusal is None else None
+            if slot is None:       # closed meanwhile (no slot can lack: pending ones hold theirs)
+                self.durable.remove(p.request_id)
+                self.host.send_client(p.identity, refusal or m.Error(
+                    code=ErrorCode.OVERLOADED, tag=p.tag, message="no request slot is free"))
+                continue
+            params = p.params
+            try:
+                self.journal.admit(slot, p.request_id, p.prompt_ids, max_tokens=params.max_tokens,
+                                   seed=p.seed, temperature=params.temperature, top_p=params.top_p,
+                                   top_k=params.top_k, stop_ids=params.stop_token_ids,
+                                   ignore_eos=params.ignore_eos, prefix_ids=p.prefix)
+            except Exception as exc:   # a bug on one request must not stop the service
+                log.exception("internal error admitting request %#x", p.request_id)
+                self.durable.remove(p.request_id)
+                self.host.send_client(p.identity, m.Error(code=ErrorCode.INTERNAL, tag=p.tag,
+                                                          message=f"internal error: {type(exc).__name__}"))
+                continue
+            self.records[p.request_id] = dict(p.body, generated=[])
+            self._open_stream(p.request_id, slot, p.identity, p.prompt_ids, p.prefix)
+            self.num_admitted += 1
+            admitted += 1
+            self.host.send_client(p.identity, m.Accepted(tag=p.tag, request_id=p.request_id,
+                                                         prompt_tokens=len(p.prompt_ids)))
+        if admitted:
+            self._wake_executor()
+
+    def finish_pending(self) -> None:
+        """At a stop, once the loop has ended: every admission not acknowledged yet is refused
+        (SHUTTING_DOWN: the client may retry elsewhere) and its record dropped, since it was
+        never accepted. Requests already admitted are left to the drain."""
+        self.close_admissions("stop", "the sidecar is stopping")
+        for identity, tag in self._tokenizing.values():
+            self.host.send_client(identity, self._refusal(tag))
+        self._tokenizing.clear()
+        self.prompts.close()
+        if self.commit is None:
+            return
+        self.commit.close()             # the batch being written finishes; the rest is not written
+        self._on_durable(finish=True)        # refuses what is on disk, and removes its records
+        for p in self.pending.values():
+            self.host.send_client(p.identity, self._refusal(p.tag))
+        self.pending.clear()
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The request fits the context and its stop ids the vocabulary."""
@@ -210,25 +333,16 @@ class Frontend:
                                 f"({params.max_tokens}): nothing left to generate")
         return prefix
 
-    def _write_durable(self, tag, request_id, identity, prompt_ids, prefix, params, seed):
-        """Record the request on disk before it is admitted (kvhold.sidecar.durable_journal); an error
-        reply if the disk refuses, so that no accepted request lacks its record."""
+    def _record(self, request_id, identity, prompt_ids, prefix, params, seed) -> dict:
+        """The request's durable journal record (kvhold.sidecar.durable_journal), as admitted."""
         f32 = lambda x: float(np.float32(x))  # what the shm journal stores and the engine samples with
-        body = {"request_id": request_id, "generation": int(self.tables.generation),
+        return {"request_id": request_id, "generation": int(self.tables.generation),
                 "client": identity.hex(), "prompt_ids": list(prompt_ids), "prefix": len(prefix),
                 "generated": list(prefix), "max_tokens": params.max_tokens, "seed": seed,
                 "temperature": f32(params.temperature), "top_p": f32(params.top_p),
                 "top_k": params.top_k, "stop_ids": list(params.stop_token_ids),
                 "ignore_eos": params.ignore_eos, "admitted_unix_ns": time.time_ns(),
                 "fingerprint": self.fingerprint}
-        try:
-            self.durable.write(body)
-        except OSError as exc:
-            log.error("cannot write the durable journal record of a new request: %s", exc)
-            return m.Error(code=ErrorCode.OVERLOADED, tag=tag,
-                           message=f"cannot journal the request durably ({exc}); retry later")
-        self.records[request_id] = dict(body, generated=[])
-        return None
 
     def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:
         """A request restored by a pool restart (kvhold.sidecar.restore): silent until resumed."""
@@ -304,6 +418,7 @@ class Frontend:
             self.num_finished[reason.name.lower()] += 1
 
     def tick(self, now: int) -> None:
+        self._admit_ready()
         if now >= self._next_pump_ns:  # safety net: the journal is the truth, not messages
             for st in list(self.streams.values()):
                 self._pump(st)
@@ -319,6 +434,8 @@ class Frontend:
         self.restored.tick(now)
 
     def next_deadline_ns(self) -> int:
+        if self._ready:
+            return 0          # admissions on disk wait for the next turn's slice
         deadline = self._next_pump_ns if self.streams else now_ns() + 1_000_000_000
         if self.streams:
             deadline = min(deadline, min(st.last_send_ns for st in self.streams.values()) + KEEPALIVE_NS)
@@ -328,5 +445,8 @@ class Frontend:
         return {"requests": {"in_flight": len(self.streams), "admitted_total": self.num_admitted,
                              "finished": dict(self.num_finished)},
                 "recoveries": self.timeline.records(),
-                "admissions": {"open": not self.closed, "closed_by": dict(self.closed)}}
+                "admissions": {"open": not self.closed, "closed_by": dict(self.closed),
+                               "tokenizing": len(self._tokenizing),
+                               "writing": len(self.pending) - len(self._ready),
+                               "durable": self.durable.stats() if self.durable is not None else None}}
 

@@ -79,6 +79,7 @@ class Restore:
             else:
                 path = self.durable.path_for(body["request_id"])
                 self.failed[body["request_id"]] = self.durable.fail(path, body["request_id"], reason)
+        self.durable.restored()
         if not records and not failed:
             return
         self.report = {"sidecar_started_ns": self.started_ns, "start_ns": t0, "restored_ns": now_ns(),

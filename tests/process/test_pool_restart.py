@@ -78,7 +78,7 @@ def test_pool_restart_under_load_sdk_and_http(tiny_model, runtime_root, tmp_path
     assert drain["in_flight"] == drain["requests_journaled"] == len(REQUESTS) + 1   # all mid-stream
     assert figures["requests_restored"] == len(REQUESTS) + 1 and not figures["failed"]
     assert figures["ms_from_drain_start"]["first_token"] > 0
-    assert not list(journal.glob("req-*.json"))                      # every record removed at the end
+    assert not list(journal.glob("req-*")) and not list(journal.glob("seg-*"))   # every record removed at the end
 
 
 def test_reboot_after_drain_and_a_damaged_record(tiny_model, runtime_root, tmp_path):
