@@ -20,6 +20,7 @@ class ErrorCode(enum.IntEnum):
     FENCED = 13
     INTERNAL = 14
     UNAVAILABLE = 15     # raised by the SDK itself: no answer from the sidecar in time
+    REQUEST_FAILED = 16  # the request killed the executors that ran it: failed, not retried
 
 
 class KvholdError(Exception):
@@ -79,6 +80,12 @@ class InternalError(KvholdError):
     code = ErrorCode.INTERNAL
 
 
+class RequestFailed(KvholdError):
+    """The request itself crashes the engine: executors died with it in their step until the
+    sidecar failed it (kvhold.sidecar.request_deaths). Retrying it unchanged fails again."""
+    code = ErrorCode.REQUEST_FAILED
+
+
 _BY_CODE: dict[int, type[KvholdError]] = {
     ErrorCode.BAD_MESSAGE: ProtocolError, ErrorCode.TOO_LARGE: ProtocolError,
     ErrorCode.BAD_VERSION: ProtocolError, ErrorCode.UNKNOWN_TYPE: ProtocolError,
@@ -87,7 +94,7 @@ _BY_CODE: dict[int, type[KvholdError]] = {
     ErrorCode.PROMPT_TOO_LONG: PromptTooLong, ErrorCode.INVALID_TOKEN: InvalidTokenId,
     ErrorCode.OVERLOADED: Overloaded, ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.FENCED: FencedError, ErrorCode.INTERNAL: InternalError,
-    ErrorCode.UNAVAILABLE: SidecarUnavailable,
+    ErrorCode.UNAVAILABLE: SidecarUnavailable, ErrorCode.REQUEST_FAILED: RequestFailed,
 }
 
 

@@ -114,7 +114,9 @@ class ExecutorLaunch:
 class Supervisor:
     def __init__(self, config: ExecutorsConfig, tables: Tables, weights: WeightsKeeper, loop: Loop,
                  memory: RegionExporter, send: Callable[[ExecutorHandle, object], None],
-                 launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None):
+                 launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None, deaths=None):
+        """`deaths`: the per-request death counts (kvhold.sidecar.request_deaths.RequestDeaths),
+        told of every active executor that dies or hangs before its successor is promoted."""
         self.config = config
         self.tables = tables
         self.weights = weights
@@ -137,6 +139,7 @@ class Supervisor:
         self._spawn_error: str | None = None   # why the last spawn failed; None once one succeeds
         self.zygote: ZygoteKeeper | None = zygote
         self.context_faults: list[tuple[int, int]] = []   # (ns, pid) of executors whose CUDA context faulted
+        self.deaths = deaths
 
     # ------------------------------------------------------------------ events
     def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
@@ -344,8 +347,9 @@ class Supervisor:
         self.leases.set_role(h.slot, Role.ACTIVE)
         self.active_slot = h.slot
         self._event("promote", h, fenced_epoch=fenced_epoch)
+        isolate = self.deaths.isolate() if self.deaths is not None else None
         self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
-                                                fenced_epoch=fenced_epoch, detect_ns=detect_ns))
+                               fenced_epoch=fenced_epoch, detect_ns=detect_ns, isolate=isolate))
         log.info("promoted executor pid %d (lease %d, epoch %d) to active", h.pid, h.slot, h.epoch)
 
     @property
@@ -390,6 +394,8 @@ class Supervisor:
                     h.pid, h.slot, role.name, old_epoch, reason, f" ({detail})" if detail else "")
         if was_active:
             self.active_slot = None
+            if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
+                self.deaths.executor_died(h.slot, old_epoch)   # before the successor is promoted
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
                 h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
                 self.want_active = True

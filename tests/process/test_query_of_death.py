@@ -1,0 +1,77 @@
+"""A request that kills every executor that runs it, with real processes: a fault point that
+fires (SIGKILL) whenever a request whose prompt holds a chosen token id is in the executor's step
+(kvhold.executor.faults, `step:token=<id>:kill`). The sidecar counts executor deaths per request,
+re-runs the step of each request that was in a dead step alone, and fails the request that
+kills its executor a second time; the request batched with it completes as if nothing happened,
+and the next executor serves on."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvhold.protocol.errors import RequestFailed
+from tests.process.helpers import FLAGS
+
+BAD_TOKEN = 3
+GOOD = dict(prompt_ids=list(range(10, 40)), max_tokens=60, temperature=0.8, seed=9)
+BAD = dict(prompt_ids=[5, 6, BAD_TOKEN, 8, 9], max_tokens=10, temperature=0.0)
+
+
+def _deaths(sc) -> list[dict]:
+    return [e for e in sc.status()["events"] if e["kind"] == "fence" and e["reason"] == "died"]
+
+
+def test_a_request_that_kills_its_executors_fails_after_two_deaths_and_the_other_completes(
+        tiny_model, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:kill"})
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        reference = client.generate(**GOOD).result().token_ids      # alone: the fault never fires
+        assert not _deaths(sc)
+
+        good = client.generate(**GOOD)
+        first = next(iter(good))                 # the good request is decoding: the bad joins its step
+        bad = client.generate(**BAD)
+        with pytest.raises(RequestFailed) as failure:
+            bad.result()
+        rest = good.result()
+
+        assert [first.token_id] + rest.token_ids[1:] == rest.token_ids == reference
+        deaths = _deaths(sc)
+        assert len(deaths) == 2, deaths
+        message = str(failure.value)
+        assert f"request {bad.request_id:#x} failed" in message and "died 2 times" in message
+        assert "not retried" in message
+
+        # the service goes on: the next executor takes new work, and nothing dies any more
+        active = sc.wait_steady(timeout=90)
+        again = client.generate(**GOOD).result()
+        assert again.token_ids == reference
+        time.sleep(1.0)
+        assert len(_deaths(sc)) == 2
+        st = sc.status()
+        assert st["request_deaths"] == {"suspects": 0, "failed_total": 1}
+        assert st["requests"]["finished"].get("failed") == 1 and st["requests"]["in_flight"] == 0
+        assert sc.wait_steady()["pid"] == active["pid"]
+
+
+
+def test_the_sidecar_refuses_a_tokenizer_larger_than_the_vocabulary(tiny_model, runtime_root, tmp_path):
+    """The cause of such a request, refused before any executor runs: one clear line, exit 2."""
+    from tokenizers import Tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.add_tokens(["<extra-a>"])
+    tok.save(str(model / "tokenizer.json"))
+    run = subprocess.run([sys.executable, "-m", "kvhold", "sidecar", "--model", str(model), "--instance", "qodtok",
+                          "--runtime-root", str(runtime_root), *FLAGS[:4], "--log-level", "WARNING"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvhold sidecar: ") and "tokenizer.json produces token ids up to" in last
+    assert not [p for p in os.listdir("/dev/shm") if "qodtok" in p]      # nothing left behind
