@@ -4,10 +4,12 @@ fires (SIGKILL) whenever a request whose prompt holds a chosen token id is in th
 re-runs the step of each request that was in a dead step alone, and fails the request that
 kills its executor a second time; the request batched with it completes as if nothing happened,
 and the next executor serves on."""
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -75,3 +77,45 @@ def test_the_sidecar_refuses_a_tokenizer_larger_than_the_vocabulary(tiny_model, 
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("kvhold sidecar: ") and "tokenizer.json produces token ids up to" in last
     assert not [p for p in os.listdir("/dev/shm") if "qodtok" in p]      # nothing left behind
+
+
+def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside_it_completes(
+        tiny_model, runtime_root, tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.process.test_serve_http import Server
+
+    monkeypatch.setenv("KVHOLD_FAULT", f"step:token={BAD_TOKEN}:kill")   # inherited by the server
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log")
+    try:
+        good = {"model": "tiny-v1", "prompt": GOOD["prompt_ids"], "max_tokens": GOOD["max_tokens"],
+                "temperature": GOOD["temperature"], "seed": GOOD["seed"]}
+        reference = srv.post("/v1/completions", good).json()["choices"][0]["text"]
+
+        def stream_good():
+            text = []
+            with httpx.stream("POST", srv.base + "/v1/completions", json={**good, "stream": True},
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                        if len(text) == 2:
+                            started.set()
+            return "".join(text)
+
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(stream_good)
+            assert started.wait(60)
+            r = httpx.post(srv.base + "/v1/completions", timeout=120,
+                           json={"model": "tiny-v1", "prompt": BAD["prompt_ids"], "max_tokens": 10})
+            assert streamed.result(timeout=120) == reference
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "request_crashed_engine" and "died 2 times" in err["message"]
+        assert srv.wait_healthy(timeout=90)["status"] == "ok"
+        assert srv.post("/v1/completions", good).json()["choices"][0]["text"] == reference
+    finally:
+        srv.stop()
