@@ -232,9 +232,10 @@ class Journal:
         r["step_end"][slots] = ends
 
     def in_step(self, epoch: int, step: int) -> list[tuple[int, int, int, int]]:
-        """(slot, request id, KV start, KV end) of every live, taken request marked in that step."""
+        """(slot, request id, KV start, KV end) of every unfinished request marked in that step."""
         r = self.req
         hit = ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] == r["request_id"])
+               & (r["exec_state"] != ExecState.FINISHED)
                & (r["step_epoch"] == epoch) & (r["step_seq"] == step)).nonzero()[0]
         return [(int(s), int(r["request_id"][s]), int(r["step_start"][s]), int(r["step_end"][s]))
                 for s in hit]
