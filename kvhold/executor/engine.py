@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from kvhold.executor import takeover
+from kvhold.executor import faults, takeover
 from kvhold.executor.block_manager import BlockManager
 from kvhold.executor.commit import CommitProtocol, NativePages
 from kvhold.executor.kv_cache import KvCache
@@ -61,6 +61,8 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}          # by journal slot
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
+        self.num_steps_run = 0                       # steps started (the lease's open_step numbers)
+        self.isolated: dict[int, int] = {}           # slot -> KV position its step must reach alone
         self.tokens_generated = 0
         self._just_took_over = False
         self.first_step_marks: dict[str, int] = {}
@@ -112,11 +114,16 @@ class Engine:
         return self.scheduler.has_work or self.commits.pending is not None or len(self.pending_admissions()) > 0
 
     # ------------------------------------------------------------------ takeover
-    def take_over(self, pending_epochs, detect_ns: int = 0) -> RecoveryReport:
-        """Continue every request a dead executor left (kvhold.executor.takeover)."""
+    def take_over(self, pending_epochs, detect_ns: int = 0, isolate=()) -> RecoveryReport:
+        """Continue every request a dead executor left (kvhold.executor.takeover). `isolate`:
+        [request id, KV end] of requests that were in the step of a dead executor: the step of
+        each that computes up to that position again runs with no other request in it."""
         self._just_took_over = True
         self.first_step_marks = {}
-        return takeover.take_over(self, self.takeover_strategy(), pending_epochs, detect_ns)
+        report = takeover.take_over(self, self.takeover_strategy(), pending_epochs, detect_ns)
+        by_id = {seq.request_id: slot for slot, seq in self.seqs.items()}
+        self.isolated = {by_id[rid]: int(end) for rid, end in isolate if rid in by_id}
+        return report
 
     def takeover_strategy(self) -> takeover.TakeoverStrategy:
         """The takeover steps for where this engine's KV lives: kvhold's shared pages."""
@@ -143,11 +150,14 @@ class Engine:
         t0 = now_ns()
         self.commits.before_schedule()
         plan = self.scheduler.schedule(decode_only=first)
+        if self.isolated:
+            plan = self._isolate(plan)
         self._just_took_over = False
         decode_only = bool(plan) and all(p.n == 1 for p in plan)
         self.commits.before_run(decode_only)
         if not plan:
             return changed + self.commits.take_published()
+        self._open_step(plan)
         sampling = [p.seq for p in plan if p.samples]
         tokens, slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat,
                                                          after_forward=self.after_forward)
@@ -156,10 +166,37 @@ class Engine:
         self.num_steps += 1
         self.commits.commit(plan, sampling, tokens, slot_hashes,
                             may_defer=decode_only and not first)   # a takeover's first step: at once
+        self.lease.open_step(0)
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
         return changed + self.commits.take_published()
+
+    def _isolate(self, plan: list[Scheduled]) -> list[Scheduled]:
+        """A request that was in a dead executor's step runs the step reaching that step's KV
+        end again alone: if it dies again, the sidecar knows whose step it was. The other
+        requests' pages stay allocated for their next step (the scheduler never gives back)."""
+        for slot, end in list(self.isolated.items()):
+            seq = self.seqs.get(slot)
+            if seq is None or seq.num_computed >= end:
+                del self.isolated[slot]          # finished, or past the position it died at
+        for p in plan:
+            end = self.isolated.get(p.seq.slot)
+            if end is not None and p.seq.num_computed + p.n >= end:   # this step reaches it
+                return [p]
+        return plan
+
+    def _open_step(self, plan: list[Scheduled]) -> None:
+        """Name the step's requests in the journal, then open the step in the lease; a fault
+        point that fires on a request's prompt (kvhold.executor.faults) comes after both."""
+        self.num_steps_run += 1
+        slots = np.fromiter((p.seq.slot for p in plan), dtype=np.int64, count=len(plan))
+        starts = np.fromiter((p.seq.num_computed for p in plan), dtype=np.int64, count=len(plan))
+        ends = starts + np.fromiter((p.n for p in plan), dtype=np.int64, count=len(plan))
+        self.lease.check()
+        self.journal.mark_step(slots, self.lease.epoch, self.num_steps_run, starts, ends)
+        self.lease.open_step(self.num_steps_run)
+        faults.batch_point("step", (p.seq.tokens[:p.seq.prompt_len] for p in plan))
 
     def after_forward(self, plan: list[Scheduled]) -> None:
         """Runner hook: the step's device work is queued, its results not yet read back."""

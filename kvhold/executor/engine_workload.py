@@ -156,7 +156,7 @@ class EngineWorkload(WorkloadBase):
 
     # ------------------------------------------------------------------ workload interface
     def promote(self, msg: m.Promote) -> RecoveryReport:
-        report = self.engine.take_over(msg.pending_epochs, msg.detect_ns)
+        report = self.engine.take_over(msg.pending_epochs, msg.detect_ns, msg.isolate or ())
         report = dataclasses.replace(report, fenced_epoch=msg.fenced_epoch)
         log.info("took over: %d resumable, %d damaged, %d lost, %d pages checked (%d bad), "
                  "%d tokens recomputed", report.requests_resumable, report.requests_damaged,

@@ -22,6 +22,13 @@ every replacement fail. With no variable set, a fault point costs one dict looku
 
 Start-up points: `attached` (lease granted, regions mapped, before the workload
 is prepared and Ready is sent).
+
+Request-conditioned points fire on what is in a step rather than on a count:
+`<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt
+holds token id `<id>`, in every executor (a request that kills whichever executor runs it, a
+"query of death"), unless KVHOLD_FAULT_ONCE limits it to the first. The engine reaches the
+`step` point once per step, after naming the step's requests in the journal and before the
+forward (kvhold.executor.engine), e.g. `KVHOLD_FAULT="step:token=7:kill"`.
 """
 from __future__ import annotations
 
@@ -31,24 +38,32 @@ import time
 
 _ACTIONS = ("kill", "segv", "stop", "spin", "exit", "cuda_illegal")
 _plan: dict[str, tuple[int, str]] = {}
+_on_token: dict[str, tuple[int, str]] = {}      # point -> (prompt token id, action)
 _hits: dict[str, int] = {}
 
 
-def parse(spec: str) -> dict[str, tuple[int, str]]:
-    plan = {}
+def parse(spec: str) -> tuple[dict[str, tuple[int, str]], dict[str, tuple[int, str]]]:
+    """(counted points, request-conditioned points) of a KVHOLD_FAULT value."""
+    plan, on_token = {}, {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        point, n, action = item.split(":")
+        point, when, action = item.split(":")
         if action not in _ACTIONS:
             raise ValueError(f"fault action {action!r} not one of {_ACTIONS}")
-        plan[point] = (int(n), action)
-    return plan
+        if when.startswith("token="):
+            on_token[point] = (int(when[len("token="):]), action)
+        else:
+            plan[point] = (int(when), action)
+    return plan, on_token
 
 
 def configure(spec: str | None) -> None:
     _plan.clear()
+    _on_token.clear()
     _hits.clear()
     if spec:
-        _plan.update(parse(spec))
+        plan, on_token = parse(spec)
+        _plan.update(plan)
+        _on_token.update(on_token)
 
 
 def point(name: str, target=None) -> None:
@@ -59,6 +74,19 @@ def point(name: str, target=None) -> None:
     n, action = _plan[name]
     if _hits[name] < n:
         return
+    _fire(name, action, target)
+
+
+def batch_point(name: str, prompts) -> None:
+    """A request-conditioned point: `prompts` are the prompt token ids of the step's requests."""
+    if not _on_token or name not in _on_token:
+        return
+    token, action = _on_token[name]
+    if any(token in prompt for prompt in prompts):
+        _fire(name, action, None)
+
+
+def _fire(name: str, action: str, target) -> None:
     only_if = os.environ.get("KVHOLD_FAULT_IF")
     if only_if and not os.path.exists(only_if):
         return

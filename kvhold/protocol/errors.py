@@ -21,6 +21,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 14
     UNAVAILABLE = 15     # raised by the SDK itself: no answer from the sidecar in time
     PROMPT_TOO_LARGE = 16  # the prompt's text (or the message carrying it) exceeds the sidecar's limit
+    REQUEST_FAILED = 17  # the request killed the executors that ran it: failed, not retried
 
 
 class KvholdError(Exception):
@@ -85,6 +86,12 @@ class InternalError(KvholdError):
     code = ErrorCode.INTERNAL
 
 
+class RequestFailed(KvholdError):
+    """The request itself crashes the engine: executors died with it in their step until the
+    sidecar failed it (kvhold.sidecar.request_deaths). Retrying it unchanged fails again."""
+    code = ErrorCode.REQUEST_FAILED
+
+
 _BY_CODE: dict[int, type[KvholdError]] = {
     ErrorCode.BAD_MESSAGE: ProtocolError, ErrorCode.TOO_LARGE: ProtocolError,
     ErrorCode.BAD_VERSION: ProtocolError, ErrorCode.UNKNOWN_TYPE: ProtocolError,
@@ -94,6 +101,7 @@ _BY_CODE: dict[int, type[KvholdError]] = {
     ErrorCode.OVERLOADED: Overloaded, ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.FENCED: FencedError, ErrorCode.INTERNAL: InternalError,
     ErrorCode.UNAVAILABLE: SidecarUnavailable, ErrorCode.PROMPT_TOO_LARGE: PromptTooLarge,
+    ErrorCode.REQUEST_FAILED: RequestFailed,
 }
 
 

@@ -178,6 +178,7 @@ class Journal:
         r["first_token_ns"][slot] = 0
         r["finished_ns"][slot] = 0
         r["exec_epoch"][slot] = epoch
+        r["step_epoch"][slot] = 0
         r["exec_state"][slot] = ExecState.RUNNING
         r["exec_request_id"][slot] = request_id              # publication
 
@@ -219,6 +220,25 @@ class Journal:
     def pages_of(self, slot: int, count: int) -> np.ndarray:
         """The first `count` pages of the slot's list (all of it if `count` exceeds it)."""
         return self.page_lists[slot, :count].astype(np.int64)
+
+    def mark_step(self, slots: np.ndarray, epoch: int, step: int, starts: np.ndarray,
+                  ends: np.ndarray) -> None:
+        """The requests in `slots` are in step `step` of the executor of `epoch`, which computes
+        their KV positions [starts, ends). Written before the step runs."""
+        r = self.req
+        r["step_epoch"][slots] = epoch
+        r["step_seq"][slots] = step
+        r["step_start"][slots] = starts
+        r["step_end"][slots] = ends
+
+    def in_step(self, epoch: int, step: int) -> list[tuple[int, int, int, int]]:
+        """(slot, request id, KV start, KV end) of every unfinished request marked in that step."""
+        r = self.req
+        hit = ((r["admit_state"] != AdmitState.FREE) & (r["exec_request_id"] == r["request_id"])
+               & (r["exec_state"] != ExecState.FINISHED)
+               & (r["step_epoch"] == epoch) & (r["step_seq"] == step)).nonzero()[0]
+        return [(int(s), int(r["request_id"][s]), int(r["step_start"][s]), int(r["step_end"][s]))
+                for s in hit]
 
     def add_counter(self, slot: int, field: str, amount: int) -> None:
         self.req[field][slot] += amount

@@ -70,8 +70,9 @@ _CRC_END = HEADER_DTYPE.fields["geometry_crc"][1]
 LEASE_DTYPE = np.dtype([
     ("pid", "<i4"), ("role", "<u4"), ("epoch", "<u8"),
     ("heartbeat_ns", "<u8"), ("attached_ns", "<u8"), ("fenced_ns", "<u8"),
-    ("steps", "<u8"),  # executor-written progress counter (flags, below, too)
-    ("exit_code", "<i4"), ("flags", "<u4"), ("_pad", "<u8"),
+    ("steps", "<u8"),  # executor-written progress counter (flags and open_step, below, too)
+    ("exit_code", "<i4"), ("flags", "<u4"),
+    ("open_step", "<u8"),   # the number of the step the executor is running, 0 between steps
 ])
 
 PAGE_DTYPE = np.dtype([
@@ -95,7 +96,11 @@ REQUEST_DTYPE = np.dtype([
     ("first_token_ns", "<u8"), ("finished_ns", "<u8"),
     ("num_generated", "<u4"), ("exec_state", "<u4"), ("num_pages", "<u4"), ("finish_reason", "<u4"),
     ("num_preempted", "<u4"), ("num_recomputed", "<u4"),
-    ("_pad", "<u8", (12,)),
+    # the last step the request was in: the executor's epoch and step number (the lease's
+    # open_step while it ran), and the KV positions that step computes, [step_start, step_end);
+    # written before the step runs, so a death in the step names the requests in it
+    ("step_epoch", "<u8"), ("step_seq", "<u8"), ("step_start", "<u4"), ("step_end", "<u4"),
+    ("_pad", "<u8", (9,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48

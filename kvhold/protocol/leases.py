@@ -76,6 +76,7 @@ class LeaseTable:
         lease["attached_ns"][slot] = now
         lease["fenced_ns"][slot] = 0
         lease["steps"][slot] = 0
+        lease["open_step"][slot] = 0
         lease["flags"][slot] = 0
         lease["exit_code"][slot] = 0
         return epoch
@@ -113,6 +114,10 @@ class LeaseTable:
     def steps(self, slot: int) -> int:
         return int(self.leases["steps"][slot])
 
+    def open_step(self, slot: int) -> int:
+        """The step the slot's executor was running (Lease.open_step), 0 if between steps."""
+        return int(self.leases["open_step"][slot])
+
 
 class Lease:
     """Executor-side view of its own lease slot."""
@@ -136,6 +141,13 @@ class Lease:
         """Tell the sidecar this executor's steps now come at their steady rate."""
         self.check()
         self._leases["flags"][self.slot] |= LeaseFlag.WARM
+
+    def open_step(self, step: int) -> None:
+        """Publish the number of the step about to run (0: the step is over). The journal names
+        the requests in it (Journal.mark_step), so the sidecar knows who was in a step that
+        killed its executor."""
+        self.check()
+        self._leases["open_step"][self.slot] = step
 
     def beat(self, steps: int | None = None) -> None:
         """Record liveness; raises Fenced rather than beating under a revoked epoch."""

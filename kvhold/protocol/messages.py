@@ -113,11 +113,14 @@ class Attached:
 
 @message("promote")
 class Promote:
-    """Become active. `pending_epochs`: fenced writers whose exit is not confirmed yet."""
+    """Become active. `pending_epochs`: fenced writers whose exit is not confirmed yet.
+    `isolate`: [request id, KV end] of requests that were in a dead executor's step (see
+    kvhold.sidecar.request_deaths): each runs the step reaching that KV end again alone."""
     epoch: int
     pending_epochs: list[int]
     fenced_epoch: int = 0
     detect_ns: int = 0
+    isolate: list[list[int]] | None = None
 
 
 @message("wake")

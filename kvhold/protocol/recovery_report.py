@@ -18,6 +18,17 @@ import dataclasses
 from kvhold.protocol.wire import nested
 
 REQUEST_CLASSES = ("resumable", "damaged", "lost")
+# Every requests_<class> count of a record: the live classes and the requests already finished.
+RECORD_CLASSES = ("finished", *REQUEST_CLASSES)
+# Why the sidecar fences an executor (the `reason` of its `fence` event; details go in `detail`):
+# died (its process or main thread ended), hang (its heartbeat lease expired), cuda_fault (it
+# reported its CUDA context lost), exited (a stop it was asked for or announced), health (the
+# NVML health monitor restarted it).
+FENCE_REASONS = ("died", "hang", "cuda_fault", "exited", "health")
+# The phases of a failover, each measured from detection to a mark: the fence event's
+# `fenced_ns`, then the record's marks.
+RECOVERY_PHASES = {"fence": "fenced_ns", "takeover": "promoted_ns", "validate": "validated_ns",
+                   "resume": "resumed_ns", "first_token": "first_token_ns"}
 
 
 @nested

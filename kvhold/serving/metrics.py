@@ -19,11 +19,12 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvhold.protocol.recovery_report import FENCE_REASONS, RECORD_CLASSES, RECOVERY_PHASES
+
 RECOVERY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-# recovery record field -> phase name (each measured from detect_ns)
-PHASES = {"promoted_ns": "takeover", "validated_ns": "validate", "resumed_ns": "resume",
-          "first_token_ns": "first_token"}
-CLASSES = ("finished", "resumable", "damaged", "lost")
+# recovery record field -> phase name (each measured from detect_ns); "fence" is the fence event's
+PHASES = {mark: phase for phase, mark in RECOVERY_PHASES.items() if phase != "fence"}
+CLASSES = RECORD_CLASSES
 HEALTH_ACTIONS = ("none", "restart_executor", "restart_pool", "drain")
 FIRST_TOKEN_WAIT_S = 30.0
 disable_created_metrics()  # the *_created series only add noise to a sidecar's dashboard
@@ -49,6 +50,14 @@ class SidecarMetrics:
         self.http = Counter("kvhold_http_requests", "HTTP API requests", ["endpoint", "code"], registry=r)
         self.ttft = Histogram("kvhold_http_time_to_first_token_seconds", "Request received to first "
                               "token", ["endpoint"], buckets=RECOVERY_BUCKETS, registry=r)
+        # Every known label value exists from the first scrape, at zero: Prometheus's increase()
+        # and rate() need a sample before the first event to count it.
+        for phase in RECOVERY_PHASES:
+            self.phase.labels(phase)
+        for c in CLASSES:
+            self.classes.labels(c)
+        for reason in FENCE_REASONS:
+            self.restarts.labels(reason)
         r.register(_LiveCollector(self))
         self.status: dict | None = None
         self.status_error: str | None = "not polled yet"
@@ -90,7 +99,7 @@ class SidecarMetrics:
         return time.monotonic() - first > FIRST_TOKEN_WAIT_S
 
     def _on_fence(self, ev: dict) -> None:
-        self.restarts.labels(str(ev.get("reason", "unknown"))).inc()
+        self.restarts.labels(str(ev.get("reason", "unknown"))).inc()   # one of FENCE_REASONS
         if ev.get("fenced_ns") and ev.get("detect_ns"):
             self.phase.labels("fence").observe(max(0, ev["fenced_ns"] - ev["detect_ns"]) / 1e9)
 

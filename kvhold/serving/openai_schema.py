@@ -208,6 +208,8 @@ def api_error_for(exc: Exception) -> ApiError:
         return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, e.InvalidParams):
         return bad_request(str(exc), code="invalid_value")
+    if isinstance(exc, e.RequestFailed):     # the request crashes the engine: its own fault
+        return ApiError(422, str(exc), type="invalid_request_error", code="request_crashed_engine")
     if isinstance(exc, e.Overloaded):
         return ApiError(429, str(exc), type="overloaded", code="overloaded")
     if isinstance(exc, (e.SidecarUnavailable, e.ShuttingDown)):

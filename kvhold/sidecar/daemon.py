@@ -47,6 +47,7 @@ from kvhold.sidecar.health_responder import HealthResponder
 from kvhold.sidecar.instance_lock import InstanceLock
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
 from kvhold.sidecar.regions import PoolMemory, create_regions
+from kvhold.sidecar.request_deaths import RequestDeaths
 from kvhold.sidecar.restore import Restore
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
 from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
@@ -128,8 +129,9 @@ class Sidecar:
                                   self.executor_settings, self.tables.geometry)
         launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
                                 settings=self.executor_settings)
+        self.deaths = RequestDeaths(self.tables, lambda *failed: self.frontend.fail_request(*failed))
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
-                                     self.send_executor, launch, self.timeline.event, zygote)
+                                     self.send_executor, launch, self.timeline.event, zygote, self.deaths)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload == "engine", durable=self.durable,
                                  fingerprint=fingerprint, timeline=self.timeline, host=self,
@@ -424,6 +426,7 @@ class Sidecar:
                 "events": self.timeline.events(),
                 "pool_restart": self.restore.status(),
                 "loop": self.loop.stats(),
+                "request_deaths": self.deaths.status(),
                 **self.frontend.status()}
 
     # ------------------------------------------------------------------ shutdown

@@ -62,6 +62,7 @@ class Stream:
     text: list = field(default_factory=list)
     awaiting_resume: bool = False       # restored by a pool restart: silent until its client resumes
     restored_from: int | None = None    # tokens it was restored with, until the first new one
+    failed: bool = False                # ended with an error (fail_request): silent until released
 
 
 class FrontendHost(Protocol):
@@ -94,6 +95,8 @@ class Frontend:
         self.host = host
         self.restored: RestoredStreams | None = None
         self.tokenizer = self._load_tokenizer(model_dir)
+        if self.tokenizer is not None:
+            _check_tokenizer_fits(self.tokenizer, spec.vocab_size, model_dir)
         self.streams: dict[int, Stream] = {}
         self._next_pump_ns = 0
         self.num_admitted = 0
@@ -313,10 +316,11 @@ class Frontend:
             ids = self.tokenizer.encode(msg.prompt).ids
         else:
             ids = msg.prompt_ids
-            vocab = self.spec.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidTokenId(f"token id {bad} is outside the vocabulary (size {vocab})")
+        vocab = self.spec.vocab_size      # text too: a tokenizer's added tokens must fit the model
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidTokenId(f"token id {bad} {'of the tokenized prompt ' if msg.prompt is not None else ''}"
+                                 f"is outside the vocabulary (size {vocab})")
         if not ids:
             raise InvalidParams("the prompt is empty")
         return list(ids)
@@ -378,6 +382,23 @@ class Frontend:
     def on_ping(self, identity: bytes, msg: m.Ping):
         return m.Pong(tag=msg.tag, generation=self.tables.generation)
 
+    def fail_request(self, request_id: int, slot: int, message: str) -> None:
+        """End a request with REQUEST_FAILED (kvhold.sidecar.request_deaths): its client gets the
+        error now; the journal entry is cancelled, so the next executor finishes it without
+        running it, and released once it has."""
+        log.error("%s", message)
+        self.journal.cancel(slot)
+        self.durable.remove(request_id)
+        self.records.pop(request_id, None)
+        self.num_finished["failed"] += 1
+        st = self.streams.get(request_id)
+        if st is None:       # no client stream (yet): one that only releases the slot
+            st = self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=b"",
+                                                   prompt_len=0, detok=None, awaiting_resume=True)
+        elif not st.failed:
+            self._send(st, m.Error(code=ErrorCode.REQUEST_FAILED, message=message, request_id=request_id))
+        st.failed = True
+
     # ------------------------------------------------------------------ streaming
     def on_step(self, h, msg: m.StepDone):
         received_ns = now_ns()
@@ -389,6 +410,11 @@ class Frontend:
 
     def _pump(self, st: Stream) -> None:
         state, count, reason = self.journal.progress(st.slot, st.request_id)
+        if st.failed:
+            if state == ExecState.FINISHED:
+                self.journal.release(st.slot)
+                del self.streams[st.request_id]
+            return
         if st.restored_from is not None and count > st.restored_from:
             st.restored_from = None
             self.restored.on_first_token()
@@ -426,7 +452,7 @@ class Frontend:
         idle: dict[bytes, list[int]] = collections.defaultdict(list)
         for st in self.streams.values():
             if now - st.last_send_ns >= KEEPALIVE_NS:
-                if not st.awaiting_resume:
+                if not st.awaiting_resume and not st.failed:
                     idle[st.identity].append(st.request_id)
                 st.last_send_ns = now
         for identity, ids in idle.items():
@@ -450,3 +476,12 @@ class Frontend:
                                "writing": len(self.pending) - len(self._ready),
                                "durable": self.durable.stats() if self.durable is not None else None}}
 
+
+def _check_tokenizer_fits(tokenizer, vocab_size: int, model_dir) -> None:
+    """Refuse a tokenizer that can produce token ids the model has no embedding for."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    top = max(vocab.values(), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{model_dir}/tokenizer.json produces token ids up to {top}, but the model's "
+                         f"vocab_size is {vocab_size} (config.json): text prompts could hold ids the "
+                         f"model does not have; use the tokenizer the model was trained with")

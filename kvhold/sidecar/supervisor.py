@@ -55,6 +55,7 @@ from kvhold.protocol.layout import Role
 from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.recovery_report import FENCE_REASONS
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.config import ExecutorsConfig
 from kvhold.sidecar.weights_keeper import WeightsKeeper
@@ -113,7 +114,9 @@ class ExecutorLaunch:
 class Supervisor:
     def __init__(self, config: ExecutorsConfig, tables: Tables, weights: WeightsKeeper, loop: Loop,
                  memory: RegionExporter, send: Callable[[ExecutorHandle, object], None],
-                 launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None):
+                 launch: ExecutorLaunch, events: Callable[[dict], None], zygote=None, deaths=None):
+        """`deaths`: the per-request death counts (kvhold.sidecar.request_deaths.RequestDeaths),
+        told of every active executor that dies or hangs before its successor is promoted."""
         self.config = config
         self.tables = tables
         self.weights = weights
@@ -136,6 +139,7 @@ class Supervisor:
         self._spawn_error: str | None = None   # why the last spawn failed; None once one succeeds
         self.zygote: ZygoteKeeper | None = zygote
         self.context_faults: list[tuple[int, int]] = []   # (ns, pid) of executors whose CUDA context faulted
+        self.deaths = deaths
 
     # ------------------------------------------------------------------ events
     def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
@@ -343,8 +347,9 @@ class Supervisor:
         self.leases.set_role(h.slot, Role.ACTIVE)
         self.active_slot = h.slot
         self._event("promote", h, fenced_epoch=fenced_epoch)
+        isolate = self.deaths.isolate() if self.deaths is not None else None
         self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
-                                                fenced_epoch=fenced_epoch, detect_ns=detect_ns))
+                               fenced_epoch=fenced_epoch, detect_ns=detect_ns, isolate=isolate))
         log.info("promoted executor pid %d (lease %d, epoch %d) to active", h.pid, h.slot, h.epoch)
 
     @property
@@ -358,11 +363,15 @@ class Supervisor:
         h = self.active
         if h is None:
             return None
-        self.fence(h, reason, now_ns(), kill=True)
+        self.fence(h, "health", now_ns(), kill=True, detail=reason)
         return h.pid
 
-    def fence(self, h: ExecutorHandle, reason: str, detect_ns: int, kill: bool = False) -> None:
-        """Revoke h's epoch; if it was active, promote a standby right away."""
+    def fence(self, h: ExecutorHandle, reason: str, detect_ns: int, kill: bool = False,
+              detail: str = "") -> None:
+        """Revoke h's epoch; if it was active, promote a standby right away. `reason` is one of
+        FENCE_REASONS (a metric label); `detail` says more (an exit code, a health event)."""
+        if reason not in FENCE_REASONS:
+            raise ValueError(f"fence reason {reason!r} is not one of {FENCE_REASONS}")
         if h.fenced:
             return
         was_active = self.active_slot == h.slot
@@ -371,7 +380,7 @@ class Supervisor:
         h.fenced = True
         self.pending_epochs.add(old_epoch)
         fenced_ns = self.leases.fenced_ns(h.slot)
-        self._event("fence", h, reason=reason, role=role.name, detect_ns=detect_ns,
+        self._event("fence", h, reason=reason, detail=detail, role=role.name, detect_ns=detect_ns,
                     fenced_ns=fenced_ns, fenced_epoch=old_epoch)
         self.weights.on_fenced(h, [x for x in self.live_handles() if x.identity is not None])
         if (kill or reason == "hang") and self.config.kill_fenced:
@@ -381,10 +390,12 @@ class Supervisor:
                 pass
         if not h.stopping and not self._stopping:
             self._failures.append(detect_ns)
-        log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s",
-                    h.pid, h.slot, role.name, old_epoch, reason)
+        log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s%s",
+                    h.pid, h.slot, role.name, old_epoch, reason, f" ({detail})" if detail else "")
         if was_active:
             self.active_slot = None
+            if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
+                self.deaths.executor_died(h.slot, old_epoch)   # before the successor is promoted
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
                 h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
                 self.want_active = True
@@ -410,8 +421,7 @@ class Supervisor:
             h.watcher.cancel()
         exit_code = self._reap(h)
         if not h.fenced:
-            reason = "exited" if h.stopping else f"died (exit code {exit_code})"
-            self.fence(h, reason, detect_ns)
+            self.fence(h, "exited" if h.stopping else "died", detect_ns, detail=f"exit code {exit_code}")
         released = [h.epoch] if h.epoch in self.pending_epochs else []
         self.pending_epochs.discard(h.epoch)
         self.leases.release(h.slot, exit_code)

@@ -41,7 +41,7 @@ def test_an_application_xid_restarts_the_active_executor_and_loses_nothing(
     assert taken["action"] == "restart_executor" and taken["executor_pid"] == first
     assert "Xid 13" in taken["reason"]
     fence = next(e for e in st["events"] if e["kind"] == "fence" and e["pid"] == first)
-    assert fence["reason"].startswith("health: ")
+    assert fence["reason"] == "health" and fence["detail"].startswith("health: Xid 13")
     assert sc.wait_steady(timeout=60)["pid"] != first
     assert st["admissions"]["open"]
 

@@ -366,12 +366,12 @@ def _exported() -> dict[str, dict[str, set[str]]]:
 def _known_label_values() -> dict[str, set[str]]:
     """Label values that come from code, not from the synthetic status above."""
     from kvhold.protocol.layout import Role
+    from kvhold.protocol.recovery_report import FENCE_REASONS
     from kvhold.serving.metrics import CLASSES, HEALTH_ACTIONS, PHASES
 
-    supervisor = (ROOT / "kvhold" / "sidecar" / "supervisor.py").read_text()
     return {"action": set(HEALTH_ACTIONS), "class": set(CLASSES), "phase": set(PHASES.values()) | {"fence"},
             "role": {r.name.lower() for r in Role}, "state": _page_states(),
-            "reason": set(re.findall(r"\"([a-z]+)\"", supervisor))}
+            "reason": set(FENCE_REASONS)}
 
 
 # Prometheus's own per-target series, not kvhold's: allowed by name.

@@ -1,0 +1,120 @@
+"""A request that kills every executor that runs it, with real processes: a fault point that
+fires (SIGKILL) whenever a request whose prompt holds a chosen token id is in the executor's step
+(kvhold.executor.faults, `step:token=<id>:kill`). The sidecar counts executor deaths per request,
+re-runs the step of each request that was in a dead step alone, and fails the request that
+kills its executor a second time; the request batched with it completes as if nothing happened,
+and the next executor serves on."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvhold.protocol.errors import RequestFailed
+from tests.process.helpers import FLAGS
+
+BAD_TOKEN = 3
+# a prompt of 400 tokens: prefilled in 9 chunks, so the bad request's prefill shares a step with
+# one of them, and after that death both re-run the step at the same point (the isolation test)
+GOOD = dict(prompt_ids=list(range(10, 410)), max_tokens=40, temperature=0.8, seed=9)
+BAD = dict(prompt_ids=[5, 6, BAD_TOKEN, 8, 9], max_tokens=10, temperature=0.0)
+
+
+def _deaths(sc) -> list[dict]:
+    return [e for e in sc.status()["events"] if e["kind"] == "fence" and e["reason"] == "died"]
+
+
+def test_a_request_that_kills_its_executors_fails_after_two_deaths_and_the_other_completes(
+        tiny_model, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:kill"})
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        reference = client.generate(**GOOD).result().token_ids      # alone: the fault never fires
+        assert not _deaths(sc)
+
+        good = client.generate(**GOOD)
+        bad = client.generate(**BAD)             # joins a step of the good one's prefill
+        with pytest.raises(RequestFailed) as failure:
+            bad.result()
+        assert good.result().token_ids == reference
+        deaths = _deaths(sc)
+        assert len(deaths) == 2, deaths
+        message = str(failure.value)
+        assert f"request {bad.request_id:#x} failed" in message and "died 2 times" in message
+        assert "not retried" in message
+
+        # the service goes on: the next executor takes new work, and nothing dies any more
+        active = sc.wait_steady(timeout=90)
+        again = client.generate(**GOOD).result()
+        assert again.token_ids == reference
+        time.sleep(1.0)
+        assert len(_deaths(sc)) == 2
+        st = sc.status()
+        assert st["request_deaths"] == {"suspects": 0, "failed_total": 1}
+        assert st["requests"]["finished"].get("failed") == 1 and st["requests"]["in_flight"] == 0
+        assert sc.wait_steady()["pid"] == active["pid"]
+
+
+
+def test_the_sidecar_refuses_a_tokenizer_larger_than_the_vocabulary(tiny_model, runtime_root, tmp_path):
+    """The cause of such a request, refused before any executor runs: one clear line, exit 2."""
+    from tokenizers import Tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.add_tokens(["<extra-a>"])
+    tok.save(str(model / "tokenizer.json"))
+    run = subprocess.run([sys.executable, "-m", "kvhold", "sidecar", "--model", str(model), "--instance", "qodtok",
+                          "--runtime-root", str(runtime_root), *FLAGS[:4], "--log-level", "WARNING"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvhold sidecar: ") and "tokenizer.json produces token ids up to" in last
+    assert not [p for p in os.listdir("/dev/shm") if "qodtok" in p]      # nothing left behind
+
+
+def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside_it_completes(
+        tiny_model, runtime_root, tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.process.test_serve_http import Server
+
+    monkeypatch.setenv("KVHOLD_FAULT", f"step:token={BAD_TOKEN}:kill")   # inherited by the server
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log")
+    try:
+        good = {"model": "tiny-v1", "prompt": GOOD["prompt_ids"], "max_tokens": GOOD["max_tokens"],
+                "temperature": GOOD["temperature"], "seed": GOOD["seed"]}
+        reference = srv.post("/v1/completions", good).json()["choices"][0]["text"]
+
+        def stream_good():
+            text = []
+            with httpx.stream("POST", srv.base + "/v1/completions", json={**good, "stream": True},
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                        if len(text) == 2:
+                            started.set()
+            return "".join(text)
+
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(stream_good)
+            assert started.wait(60)
+            r = httpx.post(srv.base + "/v1/completions", timeout=120,
+                           json={"model": "tiny-v1", "prompt": BAD["prompt_ids"], "max_tokens": 10})
+            assert streamed.result(timeout=120) == reference
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "request_crashed_engine" and "died 2 times" in err["message"]
+        assert srv.wait_healthy(timeout=90)["status"] == "ok"
+        assert srv.post("/v1/completions", good).json()["choices"][0]["text"] == reference
+    finally:
+        srv.stop()

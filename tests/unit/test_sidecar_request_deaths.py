@@ -1,0 +1,125 @@
+"""The rule that fails a request killing its executors (kvhold.sidecar.request_deaths), over real
+shared tables written as the engine writes them: step marks in the journal, the open step in
+the lease. A death counts against the requests in the open step; a second death fails a request
+only in the re-run of its step that it had alone; one that ran past that point is a suspect anew."""
+import os
+
+import numpy as np
+import pytest
+
+from kvhold.protocol.journal import Journal
+from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.leases import Lease, LeaseTable
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.request_deaths import MAX_DEATHS, RequestDeaths
+
+
+@pytest.fixture
+def tables():
+    g = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64,
+                      num_leases=4)
+    t = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", g, generation=1)
+    yield t
+    t.unlink()
+
+
+class World:
+    """Executors that take requests, run steps and die; the sidecar's counts beside them."""
+
+    def __init__(self, tables):
+        self.tables, self.journal, self.leases = tables, Journal(tables), LeaseTable(tables)
+        self.failed: list[tuple[int, int, str]] = []
+        self.deaths = RequestDeaths(tables, lambda *f: self.failed.append(f))
+        self.ids: dict[str, int] = {}
+
+    def admit(self, name: str, prompt_len: int = 8) -> None:
+        slot, rid = self.journal.free_slot(), self.journal.new_request_id()
+        self.journal.admit(slot, rid, list(range(1, prompt_len + 1)), max_tokens=8, seed=1, temperature=0.0,
+                           top_p=1.0, top_k=0)
+        self.ids[name] = rid
+
+    def executor(self) -> Lease:
+        slot = self.leases.free_slot()
+        lease = Lease(self.tables, slot, self.leases.grant(slot, os.getpid()))
+        for s in self.journal.untaken_slots():
+            e = self.journal.entry(int(s))
+            self.journal.take(e.slot, e.request_id, lease.epoch)
+        return lease
+
+    def step(self, lease: Lease, number: int, **ranges) -> None:
+        """Open step `number` with these requests computing KV [start, end)."""
+        slots = {self.journal.entry(s).request_id: s for s in self.journal.live_slots().tolist()}
+        names = list(ranges)
+        self.journal.mark_step(np.array([slots[self.ids[n]] for n in names]), lease.epoch, number,
+                               np.array([ranges[n][0] for n in names]), np.array([ranges[n][1] for n in names]))
+        lease.open_step(number)
+
+    def die(self, lease: Lease) -> list[str]:
+        self.leases.fence(lease.slot)
+        failed = self.deaths.executor_died(lease.slot, lease.epoch)
+        return sorted(n for n, rid in self.ids.items() if rid in failed)
+
+    def isolate(self) -> dict[str, int]:
+        back = {rid: n for n, rid in self.ids.items()}
+        return {back[rid]: end for rid, end in self.deaths.isolate()}
+
+
+def test_the_request_that_dies_alone_again_is_failed_and_the_other_is_not(tables):
+    w = World(tables)
+    w.admit("good")
+    w.admit("bad")
+    e1 = w.executor()
+    w.step(e1, 1, good=(0, 8))
+    e1.open_step(0)                              # a completed step
+    w.step(e1, 2, good=(8, 9), bad=(0, 8))       # the bad one joins, and the executor dies
+    assert w.die(e1) == []
+    assert w.isolate() == {"good": 9, "bad": 8}
+
+    e2 = w.executor()
+    w.step(e2, 1, good=(8, 9))                   # the good one's re-run alone: it survives
+    e2.open_step(0)
+    w.step(e2, 2, bad=(0, 8))                    # the bad one's alone: death
+    assert w.die(e2) == ["bad"]
+    assert MAX_DEATHS == 2
+    rid, slot, message = w.failed[0]
+    assert rid == w.ids["bad"] and "died 2 times" in message
+    assert list(w.isolate()) == ["good"]
+
+
+def test_a_suspect_that_ran_past_its_death_alone_counts_again_from_one(tables):
+    w = World(tables)
+    w.admit("a")
+    e1 = w.executor()
+    w.step(e1, 1, a=(8, 9))
+    assert w.die(e1) == []
+    e2 = w.executor()
+    w.step(e2, 5, a=(9, 10))                     # past position 9: it had run its step alone
+    assert w.die(e2) == [] and w.isolate() == {"a": 10}
+    e3 = w.executor()
+    w.step(e3, 1, a=(9, 10))                     # now it dies alone at 10 again
+    assert w.die(e3) == ["a"]
+
+
+def test_a_batched_step_before_the_isolated_one_proves_nothing(tables):
+    w = World(tables)
+    w.admit("a", prompt_len=20)
+    w.admit("b")
+    e1 = w.executor()
+    w.step(e1, 1, a=(16, 20))                    # a's last prefill chunk: death
+    assert w.die(e1) == []
+    e2 = w.executor()
+    w.step(e2, 1, a=(0, 16), b=(0, 8))           # a recomputes its first chunk with b: death
+    assert w.die(e2) == []
+    assert w.isolate() == {"a": 20, "b": 8}
+    e3 = w.executor()
+    w.step(e3, 1, a=(16, 20))                    # a alone at its chunk: second death there
+    assert w.die(e3) == ["a"]
+
+
+def test_a_death_between_steps_counts_against_nobody(tables):
+    w = World(tables)
+    w.admit("a")
+    e1 = w.executor()
+    w.step(e1, 1, a=(0, 8))
+    e1.open_step(0)
+    assert w.die(e1) == [] and w.isolate() == {}

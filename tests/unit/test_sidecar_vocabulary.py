@@ -1,0 +1,75 @@
+"""Token ids past the model's vocabulary never reach an executor: a tokenizer that can produce
+them is refused when the frontend loads it, and a text prompt's ids are checked at admission
+like a token-id prompt's (a frontend over real shared tables and the demo checkpoint)."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from kvhold.protocol import messages as m
+from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.durable_journal import DurableJournal
+from kvhold.sidecar.frontend import Frontend
+from kvhold.sidecar.timeline import RecoveryTimeline
+
+EXTRA = ["<extra-a>", "<extra-b>"]
+
+
+class Host:
+    def send_client(self, client_key, msg):
+        pass
+
+    def wake_executor(self):
+        pass
+
+    def status(self):
+        return {}
+
+
+@pytest.fixture
+def tables():
+    g = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64,
+                      num_leases=2)
+    t = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", g, generation=1)
+    yield t
+    t.unlink()
+
+
+def _bigger_tokenizer(model_dir) -> Tokenizer:
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.add_tokens(EXTRA)
+    return tok
+
+
+def _frontend(tables, model_dir, tmp_path) -> Frontend:
+    return Frontend(tables, ModelSpec.from_dir(model_dir), model_dir, runs_model=True,
+                    durable=DurableJournal(tmp_path / "journal"), fingerprint="f",
+                    timeline=RecoveryTimeline(), host=Host())
+
+
+def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(tiny_model, tables, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    vocab = ModelSpec.from_dir(model).vocab_size
+    _bigger_tokenizer(model).save(str(model / "tokenizer.json"))
+    with pytest.raises(ValueError) as info:
+        _frontend(tables, model, tmp_path)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert f"produces token ids up to {vocab + len(EXTRA) - 1}" in msg and f"vocab_size is {vocab}" in msg
+
+
+def test_a_text_prompt_whose_ids_leave_the_vocabulary_is_refused(tiny_model, tables, tmp_path):
+    frontend = _frontend(tables, tiny_model, tmp_path)
+    ok = frontend.handle(b"uclient", m.Generate(tag=1, params={"max_tokens": 2}, prompt="hello <extra-a>"))
+    assert isinstance(ok, m.Accepted)
+    frontend.tokenizer = _bigger_tokenizer(tiny_model)    # as if a tokenizer changed under the model
+    reply = frontend.handle(b"uclient", m.Generate(tag=2, params={"max_tokens": 2}, prompt="hello <extra-a>"))
+    assert isinstance(reply, m.Error) and reply.code == ErrorCode.INVALID_TOKEN and reply.tag == 2
+    assert "of the tokenized prompt is outside the vocabulary" in reply.message
+    assert len(frontend.streams) == 1
