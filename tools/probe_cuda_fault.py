@@ -90,7 +90,7 @@ def run(args) -> dict:
                 trials.append({
                     "victim_pid": victim, "fault_pid": int(pid_s),
                     "threshold_tokens": threshold,
-                    "fence_reason": fence.get("reason"),
+                    "fence_reason": fence.get("reason"), "fence_detail": fence.get("detail"),
                     "exit_code": exit_ev.get("exit_code"),
                     "fault_queued_to_fenced_ms": round((fence.get("ns", 0) - fired_ns) / 1e6, 3) if fence else None,
                     "fault_queued_to_exit_confirmed_ms":
