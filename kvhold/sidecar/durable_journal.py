@@ -27,6 +27,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvhold.protocol.sampling import SamplingParams, check_token_ids, show
+
 log = logging.getLogger(__name__)
 FORMAT = "kvhold-journal"
 VERSION = 1
@@ -67,8 +69,8 @@ def decode_record(data: bytes) -> dict:
         raise ValueError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:    # JSONDecodeError, UnicodeDecodeError, huge ints
+        raise ValueError(f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} record")
     if doc.get("version") != VERSION:
@@ -76,7 +78,10 @@ def decode_record(data: bytes) -> dict:
     body = doc.get("body")
     if not isinstance(body, dict):
         raise ValueError("record has no body")
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    try:
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ValueError(f"record body cannot be checksummed ({type(exc).__name__})") from None
     if zlib.crc32(canonical.encode()) != doc.get("crc32"):
         raise ValueError("checksum mismatch (the record was damaged on disk)")
     _check_body(body)
@@ -84,18 +89,52 @@ def decode_record(data: bytes) -> dict:
 
 
 def _check_body(body: dict) -> None:
-    ints = ("request_id", "seed", "max_tokens", "top_k", "generation")
-    for key in ints:
+    """Every field of a record has its type and range: the request's own fields by the same
+    definitions as a new request's admission (kvhold.protocol.sampling), so that a record read
+    back can always be admitted again. InvalidParams/ValueError with the reason otherwise."""
+    for key in ("request_id", "generation", "seed", "max_tokens", "top_k"):
         if isinstance(body.get(key), bool) or not isinstance(body.get(key), int):
             raise ValueError(f"field {key!r} missing or not an integer")
-    for key in ("prompt_ids", "generated", "stop_ids"):
-        v = body.get(key)
-        if not isinstance(v, list) or not all(isinstance(t, int) and t >= 0 for t in v):
-            raise ValueError(f"field {key!r} missing or not a list of token ids")
-    if not body["prompt_ids"]:
+    if not 0 < body["request_id"] < 2**64:
+        raise ValueError(f"request_id {show(body['request_id'])} is not in [1, 2**64)")
+    if not 0 <= body["generation"] < 2**64:
+        raise ValueError(f"generation {show(body['generation'])} is not in [0, 2**64)")
+    for key in ("temperature", "top_p"):
+        if key not in body:
+            raise ValueError(f"field {key!r} missing")
+    sampling = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                              top_p=body["top_p"], top_k=body["top_k"], seed=body["seed"],
+                              stop_token_ids=_list(body, "stop_ids"),
+                              ignore_eos=body.get("ignore_eos", False))
+    prompt = check_token_ids(_list(body, "prompt_ids"), "prompt_ids")
+    generated = check_token_ids(_list(body, "generated"), "generated", label="generated token id")
+    if not prompt:
         raise ValueError("empty prompt")
-    if not isinstance(body.get("client"), str):
+    if len(generated) > sampling.max_tokens:
+        raise ValueError(f"{len(generated)} generated tokens exceed max_tokens ({sampling.max_tokens})")
+    prefix = body.get("prefix", 0)
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or not 0 <= prefix <= len(generated):
+        raise ValueError(f"field 'prefix' ({show(prefix)}) is not a count of the generated tokens")
+    client = body.get("client")
+    if not isinstance(client, str):
         raise ValueError("field 'client' missing")
+    try:
+        if not bytes.fromhex(client):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"field 'client' ({show(client)}) is not a client key in hex") from None
+    if not isinstance(body.get("fingerprint", ""), str):
+        raise ValueError("field 'fingerprint' is not a string")
+    for key in ("cancelled",):
+        if not isinstance(body.get(key, False), bool):
+            raise ValueError(f"field {key!r} is not true or false")
+
+
+def _list(body: dict, key: str) -> list:
+    v = body.get(key)
+    if not isinstance(v, list):
+        raise ValueError(f"field {key!r} missing or not a list of token ids")
+    return v
 
 
 class DurableJournal:
@@ -151,9 +190,10 @@ class DurableJournal:
 
     def read_json(self, name: str) -> dict | None:
         try:
-            return json.loads((self.dir / name).read_text())
-        except (FileNotFoundError, ValueError):
+            doc = json.loads((self.dir / name).read_text())
+        except (OSError, ValueError, RecursionError):
             return None
+        return doc if isinstance(doc, dict) else None
 
     # ------------------------------------------------------------------ reading
     def load(self) -> tuple[list[dict], list[FailedRecord]]:
@@ -168,8 +208,9 @@ class DurableJournal:
                 if rid is not None and body["request_id"] != rid:
                     raise ValueError(f"names request {body['request_id']:#x}, file says {rid:#x}")
                 good.append(body)
-            except (ValueError, OSError) as exc:
-                failed.append(self.fail(path, rid or 0, str(exc)))
+            except Exception as exc:     # noqa: BLE001 - one record must never stop a start
+                reason = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
+                failed.append(self.fail(path, rid or 0, reason))
         return good, failed
 
     def fail(self, path: Path, request_id: int, reason: str) -> FailedRecord:

@@ -31,7 +31,7 @@ from kvhold.protocol.errors import ErrorCode, InvalidParams, InvalidTokenId, Kvh
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
-from kvhold.protocol.sampling import SamplingParams
+from kvhold.protocol.sampling import RequestInput, SamplingParams
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.timeline import RecoveryTimeline
 
@@ -137,10 +137,12 @@ class Frontend:
         if not self.runs_model:
             return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
                            message="this sidecar runs no model (workload is not 'engine')")
-        params = SamplingParams.from_dict(msg.params)
-        prompt_ids = self._prompt_ids(msg)
+        # every field's type and range (kvhold.protocol.sampling) before anything is written
+        req = RequestInput.check(msg.prompt, msg.prompt_ids, msg.prefix_generated, msg.params,
+                                 vocab_size=self.spec.vocab_size)
+        params, prefix = req.sampling, req.prefix
+        prompt_ids = self._prompt_ids(req)
         self._check_fits(prompt_ids, params)
-        prefix = self._prefix_ids(msg, params)
         slot = self.journal.free_slot()
         if slot is None:
             return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
@@ -150,10 +152,15 @@ class Frontend:
         error = self._write_durable(msg.tag, request_id, identity, prompt_ids, prefix, params, seed)
         if error is not None:
             return error
-        self.journal.admit(slot, request_id, prompt_ids, max_tokens=params.max_tokens, seed=seed,
-                           temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                           stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                           prefix_ids=prefix)
+        try:
+            self.journal.admit(slot, request_id, prompt_ids, max_tokens=params.max_tokens, seed=seed,
+                               temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                               stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                               prefix_ids=prefix)
+        except Exception:               # not admitted: no record may bring it back at a restart
+            self.durable.remove(request_id)
+            self.records.pop(request_id, None)
+            raise
         self._open_stream(request_id, slot, identity, prompt_ids, prefix)
         self.num_admitted += 1
         self._wake_executor()
@@ -181,34 +188,15 @@ class Frontend:
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix))
 
-    def _prompt_ids(self, msg: m.Generate) -> list[int]:
-        if (msg.prompt is None) == (msg.prompt_ids is None):
-            raise InvalidParams("give exactly one of prompt (text) or prompt_ids")
-        if msg.prompt is not None:
-            if self.tokenizer is None:
-                raise InvalidParams("this model has no tokenizer.json: send prompt_ids")
-            ids = self.tokenizer.encode(msg.prompt).ids
-        else:
-            ids = msg.prompt_ids
-            vocab = self.spec.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidTokenId(f"token id {bad} is outside the vocabulary (size {vocab})")
+    def _prompt_ids(self, req: RequestInput) -> list[int]:
+        if req.prompt is None:
+            return req.prompt_ids           # checked against the vocabulary by RequestInput
+        if self.tokenizer is None:
+            raise InvalidParams("this model has no tokenizer.json: send prompt_ids")
+        ids = self.tokenizer.encode(req.prompt).ids
         if not ids:
             raise InvalidParams("the prompt is empty")
         return list(ids)
-
-    def _prefix_ids(self, msg: m.Generate, params: SamplingParams) -> list[int]:
-        """A moved request's already generated tokens, checked like prompt ids."""
-        prefix = list(msg.prefix_generated or ())
-        vocab = self.spec.vocab_size
-        bad = next((t for t in prefix if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidTokenId(f"resumed token id {bad} is outside the vocabulary (size {vocab})")
-        if len(prefix) >= params.max_tokens:
-            raise InvalidParams(f"{len(prefix)} resumed tokens already reach max_tokens "
-                                f"({params.max_tokens}): nothing left to generate")
-        return prefix
 
     def _write_durable(self, tag, request_id, identity, prompt_ids, prefix, params, seed):
         """Record the request on disk before it is admitted (kvhold.sidecar.durable_journal); an error
