@@ -3,11 +3,23 @@ is journaled, the keep-alive connection it came on keeps serving, and a restart 
 them comes up; the HTTP API fuzzed from its own OpenAPI schema never answers 5xx."""
 import http.client
 import json
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
+import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from schemathesis import GenerationMode
 
-from tests.process.test_serve_http import MAX_SEQ, Server
+from kvhold.protocol.checkpoint import build_manifest
+from kvhold.protocol.model_spec import ModelSpec
+from kvhold.testing.sidecar_process import SidecarProcess
+from tests.process.helpers import FLAGS
+from tests.process.test_serve_http import KEY, Server
+from tests.unit.test_request_fields import records, valid_record, write_record
 
 # (body, status, code, param): each of these once reached the sidecar or the SDK unchecked
 BAD = [
@@ -54,7 +66,7 @@ def test_bad_values_get_4xx_on_one_kept_alive_connection_and_a_restart_comes_up(
         for body, status, code, param in BAD:
             got, answer, connection = _send(conn, "/v1/completions", body)
             err = answer["error"]
-            assert (got, err["code"], err["param"]) == (status, code, param), (body[:80], err)
+            assert (got, err["code"], err["param"]) == (status, code, param), (str(body)[:80], err)
             assert err["message"] and connection != "close"
             # the same connection serves the next request
             got, answer, _ = _send(conn, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
@@ -71,3 +83,86 @@ def test_bad_values_get_4xx_on_one_kept_alive_connection_and_a_restart_comes_up(
     assert srv.proc.wait(60) == 0
     again = start()                                     # waits until healthy
     assert again.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_sidecar_restart_comes_up_whatever_its_journal_holds(tiny_model, data):
+    """Real restarts over durable records with random values in any field (valid checksums):
+    each start comes up, fails the bad records with their reason, restores the others and runs
+    them to the end."""
+    fingerprint = build_manifest(tiny_model, ModelSpec.from_dir(tiny_model)).fingerprint
+    root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
+    journal = root / "journal"
+    journal.mkdir(mode=0o700)
+    (journal / "generation").write_text("2\n")        # the records come from generation 2
+    ids = [(2 << 40) | i for i in range(1, 7)]
+    for rid in ids[:-1]:
+        write_record(journal, rid, data.draw(records(rid, fingerprint)))
+    write_record(journal, ids[-1], valid_record(ids[-1], fingerprint))
+    sc = SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--journal-dir", str(journal)],
+                        runtime_root=root, log_path=root / "sidecar.log")
+    try:
+        status = sc.start().status()
+        report = status["pool_restart"]
+        failed = {f["request_id"]: f["reason"] for f in report["failed"]}
+        assert ids[-1] not in failed and all(failed.values())
+        assert report["restore"]["requests_restored"] + len(failed) == len(ids)
+        for rid in failed:
+            assert (journal / "failed" / f"req-{rid:016x}.reason").is_file()
+        # every restored request runs to its end (no client resumes it: kept for pickup)
+        sc.wait_for(lambda st: len(st["pool_restart"]["unclaimed"]) == len(ids) - len(failed), timeout=90)
+        assert sc.stop() == 0
+    finally:
+        sc.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- fuzzing from /openapi.json
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt")
+    # a short context keeps every valid request cheap on a CPU
+    srv = Server(tiny_model, root, root / "serve.log", "--standbys", "0", "--max-seq-len", "48", api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    doc = httpx.get(fuzz_server.base + "/openapi.json", headers=fuzz_server.headers, timeout=10).json()
+    assert {"CompletionRequest", "ChatRequest"} <= set(doc["components"]["schemas"])
+    schema = schemathesis.openapi.from_dict(doc)
+    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+
+    return schema
+
+
+api = schemathesis.pytest.from_fixture("api_schema")
+
+
+def _cap_tokens(body) -> None:
+    """At most 2 tokens per valid request, so that the fuzz stays fast on a CPU (a value of the
+    wrong type or range is left as generated)."""
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = body.get(key) if body.get(key) is not None else 2
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+                body[key] = min(v, 2)
+
+
+@api.parametrize()
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_the_api_fuzzed_from_its_schema_never_answers_5xx(case, fuzz_server):
+    _cap_tokens(case.body)
+    r = case.call(base_url=fuzz_server.base, headers=fuzz_server.headers, timeout=30)
+    assert r.status_code < 500, (case.method, case.path, case.body, r.text[:300])
+    if r.status_code >= 400 and case.path.startswith("/v1"):
+        assert r.json()["error"]["message"]
+
+
+def test_the_server_serves_after_the_fuzz(fuzz_server):
+    assert fuzz_server.health().status_code == 200 and fuzz_server.proc.poll() is None
+    r = fuzz_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -125,24 +125,24 @@ def test_the_http_bounds_are_the_protocol_bounds():
 
 
 # ------------------------------------------------------------------ restore
-def _valid_record(rid: int, prompt_len: int = 3) -> dict:
-    return {"request_id": rid, "generation": GENERATION - 1, "client": (b"u" + bytes(16)).hex(),
-            "prompt_ids": list(range(1, 1 + prompt_len)), "prefix": 0, "generated": [5, 6], "max_tokens": 8,
+def valid_record(rid: int, fingerprint: str = FINGERPRINT) -> dict:
+    return {"request_id": rid, "generation": rid >> 40, "client": (b"u" + bytes(16)).hex(),
+            "prompt_ids": [1, 2, 3], "prefix": 0, "generated": [5, 6], "max_tokens": 8,
             "seed": 42, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "stop_ids": [3], "ignore_eos": False,
-            "admitted_unix_ns": 1, "fingerprint": FINGERPRINT, "cancelled": False, "state": "drained"}
+            "admitted_unix_ns": 1, "fingerprint": fingerprint, "cancelled": False, "state": "drained"}
 
 
 json_values = st.recursive(
     st.none() | st.booleans() | ints | st.floats() | st.text(max_size=12) | st.sampled_from(["", "zz", "0a", "u"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=12)
-FIELDS = list(_valid_record(1))
+FIELDS = list(valid_record(1))
 
 
 @st.composite
-def records(draw, rid: int) -> dict:
+def records(draw, rid: int, fingerprint: str = FINGERPRINT) -> dict:
     """A record of request `rid` in which any fields hold any JSON value or are missing."""
-    body = _valid_record(rid)
+    body = valid_record(rid, fingerprint)
     for key in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
         if draw(st.booleans()):
             body.pop(key)
@@ -173,7 +173,7 @@ def test_any_record_is_restored_or_failed_and_the_others_come_back(tables, tmp_p
     bodies = {rid: data.draw(records(rid)) for rid in ids[:2]}
     for rid, body in bodies.items():
         write_record(directory, rid, body)
-    write_record(directory, ids[2], _valid_record(ids[2]))       # untouched: always comes back
+    write_record(directory, ids[2], valid_record(ids[2]))       # untouched: always comes back
     for slot in Journal(tables).live_slots():                    # hypothesis reuses the fixture
         Journal(tables).release(int(slot))
 
@@ -188,7 +188,7 @@ def test_any_record_is_restored_or_failed_and_the_others_come_back(tables, tmp_p
     journal = Journal(tables)
     assert len(journal.live_slots()) == len(restored)
     for rid in restored:
-        body = bodies.get(rid) or _valid_record(rid)
+        body = bodies.get(rid) or valid_record(rid)
         e = journal.entry(fe.streams[rid].slot)
         assert (e.request_id, e.max_tokens, e.top_k, e.seed) == (rid, body["max_tokens"], body["top_k"], body["seed"])
         assert e.num_generated == len(body["generated"])
@@ -202,9 +202,9 @@ def test_any_record_is_restored_or_failed_and_the_others_come_back(tables, tmp_p
 ])
 def test_a_record_with_a_bad_value_is_failed_with_its_reason(tables, tmp_path, field, value, reason):
     rid = ((GENERATION - 1) << 40) | 1
-    body = dict(_valid_record(rid), **{field: value})
+    body = dict(valid_record(rid), **{field: value})
     write_record(tmp_path, value if field == "request_id" else rid, body)
-    write_record(tmp_path, rid + 1, _valid_record(rid + 1))
+    write_record(tmp_path, rid + 1, valid_record(rid + 1))
     fe, r = restore_into(tables, tmp_path)
     assert list(fe.streams) == [rid + 1]
     (failed,) = r.failed.values()
