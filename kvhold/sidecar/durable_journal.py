@@ -14,8 +14,9 @@ the canonical JSON of `body`; it is written to a temporary file, fsynced, rename
 into place, and the directory fsynced, so a crash leaves the old or the new record,
 never a torn one. A record that fails to parse, to match its checksum or its
 version, or holds a field of the wrong type or range (checked as a new request's are,
-kvhold.protocol.sampling), is never silently dropped and never stops a start: `load()` reports it failed with the reason and
-moves it to `failed/` (kept for the operator), together with a `.reason` file.
+kvhold.protocol.sampling), is never silently dropped and never stops a start: `load()`
+reports it failed with the reason and moves it to `failed/` (kept for the operator),
+together with a `.reason` file.
 A lost unlink (power cut right after a request ended) brings the finished request
 back once more; it then runs again to the same output and is kept for pickup.
 """
