@@ -19,7 +19,7 @@ from kvhold.protocol.model_spec import ModelSpec
 from kvhold.testing.sidecar_process import SidecarProcess
 from tests.process.helpers import FLAGS
 from tests.process.test_serve_http import KEY, Server
-from tests.unit.test_request_fields import records, valid_record, write_record
+from tests.unit.test_request_fields import POISON, records, valid_record, write_record
 
 # (body, status, code, param): each of these once reached the sidecar or the SDK unchecked
 BAD = [
@@ -89,17 +89,22 @@ def test_bad_values_get_4xx_on_one_kept_alive_connection_and_a_restart_comes_up(
           suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_sidecar_restart_comes_up_whatever_its_journal_holds(tiny_model, data):
-    """Real restarts over durable records with random values in any field (valid checksums):
-    each start comes up, fails the bad records with their reason, restores the others and runs
-    them to the end."""
+    """Real restarts over durable records with random values in any field (valid checksums),
+    and the known poison ones: each start comes up, fails the bad records with their reason,
+    restores the others and runs them to the end."""
     fingerprint = build_manifest(tiny_model, ModelSpec.from_dir(tiny_model)).fingerprint
     root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
     journal = root / "journal"
     journal.mkdir(mode=0o700)
     (journal / "generation").write_text("2\n")        # the records come from generation 2
-    ids = [(2 << 40) | i for i in range(1, 7)]
-    for rid in ids[:-1]:
+    randoms = [(2 << 40) | i for i in range(1, 6)]
+    for rid in randoms:
         write_record(journal, rid, data.draw(records(rid, fingerprint)))
+    bad = [(field, value) for field, value, _ in POISON if field != "request_id"]   # (its id: unit test)
+    poison = [(2 << 40) | (100 + i) for i in range(len(bad))]
+    for rid, (field, value) in zip(poison, bad):
+        write_record(journal, rid, dict(valid_record(rid, fingerprint), **{field: value}))
+    ids = randoms + poison + [(2 << 40) | 200]
     write_record(journal, ids[-1], valid_record(ids[-1], fingerprint))
     sc = SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--journal-dir", str(journal)],
                         runtime_root=root, log_path=root / "sidecar.log")
@@ -107,7 +112,7 @@ def test_a_sidecar_restart_comes_up_whatever_its_journal_holds(tiny_model, data)
         status = sc.start().status()
         report = status["pool_restart"]
         failed = {f["request_id"]: f["reason"] for f in report["failed"]}
-        assert ids[-1] not in failed and all(failed.values())
+        assert ids[-1] not in failed and set(poison) <= set(failed) and all(failed.values())
         assert report["restore"]["requests_restored"] + len(failed) == len(ids)
         for rid in failed:
             assert (journal / "failed" / f"req-{rid:016x}.reason").is_file()
