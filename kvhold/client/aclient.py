@@ -35,7 +35,7 @@ from kvhold.client.client import (RESUME_AFTER_S, GenerationResult, TokenEvent, 
 from kvhold.protocol.curve import apply_client_curve
 from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from kvhold.protocol.naming import InstancePaths
-from kvhold.protocol.sampling import SamplingParams
+from kvhold.protocol.sampling import RequestInput
 
 log = logging.getLogger(__name__)
 __all__ = ["AsyncClient", "AsyncStream", "TokenEvent", "GenerationResult"]
@@ -151,13 +151,11 @@ class AsyncClient:
                        prefix_generated: list[int] | None = None, **params) -> AsyncStream:
         """`prefix_generated` continues a request moved from another sidecar (see kvhold.routing.arouter):
         the stream then yields only the tokens after it, indexed from 0."""
-        if (prompt is None) == (prompt_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_ids")
-        sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
-        ids = list(prompt_ids) if prompt_ids is not None else None
-        prefix = list(prefix_generated) if prefix_generated else None
-        _, state = await self._request(lambda tag: m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
-                                                              prompt_ids=ids, prefix_generated=prefix))
+        # every field's type and range, before anything is sent (the sidecar checks again)
+        req = RequestInput.check(prompt, prompt_ids, prefix_generated, params)
+        _, state = await self._request(lambda tag: m.Generate(
+            tag=tag, params=req.sampling.to_dict(), prompt=req.prompt, prompt_ids=req.prompt_ids,
+            prefix_generated=req.prefix or None))
         return AsyncStream(self, state)
 
     async def cancel(self, request_id: int) -> None:

@@ -32,7 +32,7 @@ from kvhold.protocol import messages as m, wire
 from kvhold.protocol.curve import apply_client_curve
 from kvhold.protocol.errors import ProtocolError, SidecarUnavailable, error_from_code
 from kvhold.protocol.naming import InstancePaths
-from kvhold.protocol.sampling import SamplingParams
+from kvhold.protocol.sampling import RequestInput
 
 RESUME_AFTER_S = 1.0   # silence (two missed keepalives) after which open streams are re-attached
 
@@ -184,13 +184,11 @@ class Client:
                  prefix_generated: list[int] | None = None, **params) -> Stream:
         """`prefix_generated` continues a request moved from another sidecar (see kvhold.routing.router):
         the stream then yields only the tokens after it, indexed from 0."""
-        if (prompt is None) == (prompt_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_ids")
-        sampling = SamplingParams.from_dict(params)  # fail fast; the sidecar checks again
+        # every field's type and range, before anything is sent (the sidecar checks again)
+        req = RequestInput.check(prompt, prompt_ids, prefix_generated, params)
         tag = next(self._tags)
-        self._send(m.Generate(tag=tag, params=sampling.to_dict(), prompt=prompt,
-                              prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
-                              prefix_generated=list(prefix_generated) if prefix_generated else None))
+        self._send(m.Generate(tag=tag, params=req.sampling.to_dict(), prompt=req.prompt,
+                              prompt_ids=req.prompt_ids, prefix_generated=req.prefix or None))
         reply = self._wait_reply(tag)
         state = _StreamState(request_id=reply.request_id, prompt_tokens=reply.prompt_tokens)
         self._streams[reply.request_id] = state

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvhold.protocol.layout import MAX_STOP_IDS, AdmitState, ExecState, FinishReason, RequestFlag
 from kvhold.protocol.leases import now_ns
+from kvhold.protocol.sampling import TOKEN_ID_MAX, SamplingParams, check_token_ids
 from kvhold.protocol.tables import Tables
 
 
@@ -73,15 +74,16 @@ class Journal:
               owner_tag: int = 0, prefix_ids=()) -> None:
         """`prefix_ids`: tokens already generated elsewhere (a request moved from another
         sidecar). They are stored after the prompt and count as generated from the start, so
-        sampling positions and the max_tokens budget continue where the first run stopped."""
-        prompt = np.asarray(prompt_ids, dtype=np.int32)
-        prefix = np.asarray(prefix_ids, dtype=np.int32)
+        sampling positions and the max_tokens budget continue where the first run stopped.
+        Every value is checked against its field's range (kvhold.protocol.sampling) before any
+        field is written: InvalidParams (a ValueError) leaves the slot free."""
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+        prompt, prefix = _token_row(prompt_ids, "prompt_ids"), _token_row(prefix_ids, "prefix_ids")
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
         if len(prompt) + len(prefix) >= self.max_seq_len or len(prefix) >= max_tokens:
             raise ValueError(f"{len(prefix)} resumed tokens leave nothing to generate")
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids")
         r = self.req
         if r["admit_state"][slot] != AdmitState.FREE:
             raise RuntimeError(f"journal slot {slot} is not free")
@@ -248,3 +250,13 @@ class Journal:
         then publish the new count."""
         self.page_lists[slot, first:first + len(pages)] = pages
         self.req["num_pages"][slot] = first + len(pages)
+
+
+def _token_row(ids, name: str) -> np.ndarray:
+    """Token ids as the journal's int32 row; InvalidParams/InvalidTokenId (ValueErrors) for any id
+    outside [0, TOKEN_ID_MAX] or not an integer (vectorised; the exact check names the value)."""
+    arr = np.asarray(ids) if len(ids) else np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or (len(arr) and not 0 <= arr.min() <= arr.max() <= TOKEN_ID_MAX):
+        check_token_ids(list(ids), name)
+        raise ValueError(f"{name} must be a list of token ids")
+    return arr.astype(np.int32)

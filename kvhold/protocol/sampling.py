@@ -1,21 +1,68 @@
-"""SamplingParams: the options a client may set, validated in one place.
+"""SamplingParams and a request's input: the fields a client may set, each with its type and
+range, validated in one place.
 
-Used by the SDK (to fail fast, before a round trip) and by the sidecar (the
-authority: it never trusts a client's validation). Unknown options are errors,
-not silently ignored. `seed` makes the output reproducible: the random draw for a
-request at generated position i depends only on (seed, i); when a client gives
-none the sidecar picks one and records it in the journal so a resumed request
+Every entry point checks a request with these definitions before anything of it is written
+anywhere: the SDK (to fail fast, before a round trip), the HTTP API (whose request models take
+their bounds from `LIMITS`), the sidecar's admission (the authority: it never trusts a client's
+validation), the shared-memory journal's `admit` and the durable journal's reader (a record
+read back from disk is checked like a new request). A range is what the journal's record can
+hold (kvhold.protocol.layout.REQUEST_DTYPE, token rows of int32) and the sampler can use, so a
+value accepted here can always be journaled and restored.
+
+Unknown options are errors, not silently ignored. `seed` makes the output reproducible: the
+random draw for a request at generated position i depends only on (seed, i); when a client
+gives none the sidecar picks one and records it in the journal so a resumed request
 continues exactly as it would have.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
-from kvhold.protocol.errors import InvalidParams
-from kvhold.protocol.layout import MAX_STOP_IDS
+import numpy as np
+
+from kvhold.protocol.errors import InvalidParams, InvalidTokenId
+from kvhold.protocol.layout import MAX_SEQ_LEN, MAX_STOP_IDS, REQUEST_DTYPE
 
 DEFAULT_MAX_TOKENS = 16
+TOKEN_ID_MAX = int(np.iinfo(np.int32).max)      # journal token rows and stop ids are int32
+_F32 = np.finfo(REQUEST_DTYPE["temperature"])
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """The range of one numeric field: integers in [lo, hi], or finite numbers with
+    lo < value (lo_open) or lo <= value, and value <= hi."""
+    lo: float
+    hi: float
+    integer: bool = True
+    lo_open: bool = False
+
+    def check(self, name: str, v, what: str = "") -> None:
+        if isinstance(v, bool) or not isinstance(v, int if self.integer else (int, float)):
+            raise InvalidParams(f"{name} must be {self.describe()}, got {show(v)}")
+        if not self.integer and not math.isfinite(v):
+            raise InvalidParams(f"{name} must be {self.describe()}, got {show(v)}")
+        if (v <= self.lo if self.lo_open else v < self.lo) or v > self.hi:
+            raise InvalidParams(f"{name} must be {self.describe()}{what}, got {show(v)}")
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        return f"{kind} in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}]"
+
+
+LIMITS: dict[str, Limit] = {
+    # the context of any table geometry bounds a request's length (journal field u4)
+    "max_tokens": Limit(1, MAX_SEQ_LEN),
+    # stored as float32: the bounds keep the journaled value finite (and top_p above 0)
+    "temperature": Limit(0, float(_F32.max), integer=False),
+    "top_p": Limit(0, 1, integer=False, lo_open=True),
+    "top_k": Limit(0, int(np.iinfo(REQUEST_DTYPE["top_k"]).max)),
+    "seed": Limit(0, 2**63 - 1),
+    "token_id": Limit(0, TOKEN_ID_MAX),
+}
+_NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,25 +76,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidParams(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise InvalidParams(f"{name} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise InvalidParams(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidParams(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidParams(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
-            raise InvalidParams(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("max_tokens", "temperature", "top_p", "top_k"):
+            LIMITS[name].check(name, getattr(self, name), _NOTES.get(name, ""))
+        if np.float32(self.top_p) == 0:     # what the journal stores must still be above 0
+            raise InvalidParams(f"top_p must be {LIMITS['top_p'].describe()} and not 0 as a float32, "
+                                f"got {show(self.top_p)}")
+        if self.seed is not None:
+            LIMITS["seed"].check("seed", self.seed)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidParams("stop_token_ids must be a list of integers")
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise InvalidParams(f"at most {MAX_STOP_IDS} stop_token_ids")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidParams("stop_token_ids must be non-negative integers")
+        check_token_ids(self.stop_token_ids, "stop_token_ids", label="stop token id", error=InvalidParams)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParams("ignore_eos must be true or false")
 
@@ -56,9 +96,9 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise InvalidParams("sampling params must be a map")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown:
-            raise InvalidParams(f"unknown sampling option {unknown[0]!r} "
+            raise InvalidParams(f"unknown sampling option {str(unknown[0])[:64]!r} "
                                 f"(known: {', '.join(sorted(known))})")
         d = dict(d)
         if "stop_token_ids" in d:
@@ -71,3 +111,77 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInput:
+    """A generate request's input, checked: exactly one of `prompt` (text) or `prompt_ids`, the
+    tokens of a moved request (`prefix`, see kvhold.protocol.messages.Generate) and its sampling
+    options. `vocab_size`, when known, bounds every token id."""
+    sampling: SamplingParams
+    prompt: str | None
+    prompt_ids: list[int] | None
+    prefix: list[int]
+
+    @classmethod
+    def check(cls, prompt=None, prompt_ids=None, prefix_generated=None, params: dict | None = None,
+              vocab_size: int | None = None) -> "RequestInput":
+        if (prompt is None) == (prompt_ids is None):
+            raise InvalidParams("give exactly one of prompt (text) or prompt_ids")
+        sampling = SamplingParams.from_dict(params or {})
+        if prompt is not None:
+            check_text(prompt, "prompt")
+            if not prompt:
+                raise InvalidParams("the prompt is empty")
+        else:
+            prompt_ids = check_token_ids(prompt_ids, "prompt_ids", vocab_size, label="token id")
+            if not prompt_ids:
+                raise InvalidParams("the prompt is empty")
+        prefix = check_token_ids(prefix_generated or [], "prefix_generated", vocab_size,
+                                 label="resumed token id")
+        if prefix and len(prefix) >= sampling.max_tokens:
+            raise InvalidParams(f"{len(prefix)} resumed tokens already reach max_tokens "
+                                f"({sampling.max_tokens}): nothing left to generate")
+        return cls(sampling=sampling, prompt=prompt, prompt_ids=prompt_ids, prefix=prefix)
+
+
+def check_token_ids(ids, name: str, vocab_size: int | None = None, *, label: str = "token id",
+                    error=InvalidTokenId) -> list[int]:
+    """`ids` as a list of token ids, each an integer in [0, TOKEN_ID_MAX] and below the
+    vocabulary size when one is given; `error` (InvalidTokenId, or InvalidParams) otherwise."""
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidParams(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InvalidParams(f"{name} must be a list of integers, got {show(t)}")
+        if not 0 <= t <= TOKEN_ID_MAX:
+            raise error(f"{label} {show(t)} is not in [0, {TOKEN_ID_MAX}]")
+        if vocab_size is not None and t >= vocab_size:
+            raise error(f"{label} {t} is outside the vocabulary (size {vocab_size})")
+    return list(ids)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text, name: str) -> str:
+    """`text` is a string of Unicode characters that UTF-8 can encode (no lone surrogate)."""
+    if not isinstance(text, str):
+        raise InvalidParams(f"{name} must be a string, got {type(text).__name__}")
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise InvalidParams(f"{name} is not valid Unicode: a lone surrogate "
+                            f"(U+{ord(bad.group()):04X}) at character {bad.start()}")
+    return text
+
+
+def show(v) -> str:
+    """A short repr of a client's value for an error message (huge integers by their size)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
+        return f"an integer of {v.bit_length()} bits"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2**64 else f"{x:.9g}"

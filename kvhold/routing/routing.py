@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvhold.client.client import GenerationResult, TokenEvent
 from kvhold.routing.registry_client import RegistryView, SidecarEntry, node_name, pick_sidecar
-from kvhold.protocol.sampling import SamplingParams
+from kvhold.protocol.sampling import RequestInput
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,12 @@ class Conn:
 
 
 def routed_params(prompt, prompt_ids, params: dict) -> dict:
-    """Checked sampling params with a seed: a move must continue the same random stream."""
-    if (prompt is None) == (prompt_ids is None):
-        raise ValueError("give exactly one of prompt or prompt_ids")
+    """Checked sampling params with a seed: a move must continue the same random stream. The
+    prompt is checked too (kvhold.protocol.sampling.RequestInput), before any sidecar sees it."""
     params = dict(params)
     if params.get("seed") is None:
         params["seed"] = secrets.randbits(63)
-    SamplingParams.from_dict(params)
+    RequestInput.check(prompt, prompt_ids, None, params)
     return params
 
 

@@ -4,7 +4,10 @@ Routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (SSE when
 `stream` is true), GET /health, GET /metrics (Prometheus). Every /v1 route asks for
 `Authorization: Bearer <key>` when an API key is configured; /health and /metrics
 stay open for probes and scrapers. Errors are OpenAI-shaped JSON
-({"error": {"message", "type", "param", "code"}}) and never stop the server.
+({"error": {"message", "type", "param", "code"}}) and never stop the server nor close the
+keep-alive connection: bad input is a 4xx naming the parameter (a body over MAX_BODY_BYTES
+or a request too large for the sidecar a 413), a bug a 500. /openapi.json declares both
+request bodies (the pydantic models of kvhold.serving.openai_schema).
 
 The app is backed by one local sidecar (`SidecarBackend`, `kvhold serve`) or by the
 sidecars of a registry (`kvhold.serving.router_http.RouterBackend`, `kvhold router`): a backend
@@ -35,12 +38,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhold.client.aclient import AsyncClient
 from kvhold.protocol.errors import KvholdError
+from kvhold.protocol.wire import WireError
 from kvhold.serving.chat_template import ChatTemplate, TemplateError
 from kvhold.serving.generation import Generation, ResponseShape, sse_body
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
-from kvhold.serving.openai_schema import (ApiError, ChatRequest, CompletionRequest, api_error_for, bad_request,
-                                  from_validation_errors, parse_body)
+from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest, api_error_for,
+                                  bad_request, from_validation_errors, parse_body, too_large)
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
@@ -114,11 +118,23 @@ class _ApiMiddleware:
             self.metrics.http.labels(endpoint, "401").inc()
             return await JSONResponse(err.body(), 401)(scope, receive, send)
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.http.labels(endpoint, str(message["status"])).inc()
             await send(message)
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:
+            if started:             # a response is under way: only closing can end it
+                raise
+            # answered here, not re-raised: the server would close the keep-alive connection
+            log.exception("unhandled error on %s", path)
+            err = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+            await JSONResponse(err.body(), 500)(scope, receive, counting_send)
 
     def _authorized(self, scope) -> bool:
         auth = dict(scope["headers"]).get(b"authorization", b"")
@@ -279,8 +295,46 @@ def create_app(settings: AppSettings, backend=None) -> FastAPI:
     _install_error_handlers(app)
     _install_routes(app, svc)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)   # inside the key check
+    _declare_request_models(app, (CompletionRequest, ChatRequest))
     app.add_middleware(_ApiMiddleware, settings=settings, metrics=backend.metrics)
     return app
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed `limit` (by its Content-Length,
+    else while it arrives); the server discards the rest and the connection stays usable."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(int(length), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(None, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _request_body(model) -> dict:
+    """The OpenAPI declaration of a route's JSON body (the route parses it itself: parse_body)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _declare_request_models(app: FastAPI, models) -> None:
+    """Add the request models (and the models they use) to the app's OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+        return app.openapi_schema
+    app.openapi = openapi
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -293,6 +347,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(KvholdError)
     async def on_sidecar_error(request, exc: KvholdError):
+        return answer(api_error_for(exc))
+
+    @app.exception_handler(WireError)
+    async def on_wire_error(request, exc: WireError):   # a request the SDK cannot encode
         return answer(api_error_for(exc))
 
     @app.exception_handler(RequestValidationError)
@@ -317,9 +375,9 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
                 "owned_by": "kvhold", "max_model_len": svc.settings.context_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
-        req = parse_body(await request.body(), CompletionRequest)
+        req = parse_body(await read_body(request), CompletionRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
         prompt = req.prompt_input()
@@ -327,9 +385,9 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
         max_tokens = svc.max_tokens(req.max_tokens, prompt_len, default=16)  # OpenAI's default
         return await svc.serve(req, "completion", prompt, max_tokens)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request):
-        req = parse_body(await request.body(), ChatRequest)
+        req = parse_body(await read_body(request), ChatRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
         ids = svc.chat_prompt_ids(req)

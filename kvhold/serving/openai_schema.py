@@ -5,15 +5,29 @@ option kvhold cannot honour is refused with a 400 naming it rather than silently
 ignored: `n`/`best_of` above 1, `logprobs`, non-zero penalties, `logit_bias`, `echo`,
 `suffix`, tools and non-text response formats. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
-layer), and the vLLM-style extensions top_k, stop_token_ids, ignore_eos.
+layer), and the vLLM-style extensions top_k, stop_token_ids, ignore_eos. Numeric bounds are the
+protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts and its journal holds).
+
+Before a body reaches its model it must be at most MAX_BODY_BYTES (else 413), parse as JSON
+(nesting at most MAX_JSON_DEPTH deep) and hold only valid Unicode strings (no lone
+surrogate); each failure is a 4xx naming what is wrong, never a 500.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import json
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.layout import MAX_STOP_IDS
+from kvhold.protocol.sampling import LIMITS, TOKEN_ID_MAX, check_text, show
+from kvhold.protocol.wire import MAX_FRAME_BYTES, WireError
+
+MAX_BODY_BYTES = MAX_FRAME_BYTES        # a larger request could not reach the sidecar in one frame
+MAX_JSON_DEPTH = 32
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 
 
 class ApiError(Exception):
@@ -51,19 +65,55 @@ def from_validation_errors(errors: list[dict]) -> ApiError:
                        code="invalid_value")
 
 
+def too_large(size: int | None, limit: int = MAX_BODY_BYTES) -> ApiError:
+    what = f"of {size} bytes " if size is not None else ""
+    return ApiError(413, f"The request body {what}exceeds the limit of {limit} bytes.",
+                    code="request_too_large")
+
+
 def parse_body(raw: bytes, model: type[BaseModel]):
     """Request bytes -> a validated request model, or a 400 (whatever the content type)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise too_large(len(raw))
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"We could not parse the JSON body of your request: {exc}",
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, huge integers
+        detail = exc if isinstance(exc, ValueError) else "nested too deeply"
+        raise bad_request(f"We could not parse the JSON body of your request: {str(detail)[:200]}",
                           code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    _check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
+
+
+def _check_json(data) -> None:
+    """Nesting depth and valid Unicode in every string of a parsed body (iteratively: no depth
+    can exhaust the stack); a 400 naming the first offending parameter."""
+    stack = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                check_text(value, "the string")
+            except ValueError as exc:
+                param = ".".join(map(str, path)) or None
+                raise bad_request(f"Invalid value for '{param}': {exc}", param=param,
+                                  code="invalid_value") from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} "
+                              "levels deep.", code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                stack.append((key, path, depth))
+            stack.append((item, path + (key,), depth + 1))
 
 
 class _Sampling(BaseModel):
@@ -73,7 +123,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=LIMITS["seed"].lo, le=LIMITS["seed"].hi)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: dict | None = None
@@ -83,8 +133,8 @@ class _Sampling(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     # vLLM-style extensions backed by kvhold's sampling parameters
-    top_k: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=LIMITS["top_k"].lo, le=LIMITS["top_k"].hi)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -124,11 +174,24 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[TokenId]]
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """One error naming `prompt` (not each member of its union) for a prompt of no shape."""
+        if isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            return v
+        if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            bad = next((x for x in v if not 0 <= x <= TOKEN_ID_MAX), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be integers in [0, {TOKEN_ID_MAX}], got {show(bad)}")
+            return v
+        raise ValueError("must be a string, a list of strings or a list of token ids")
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -204,6 +267,10 @@ def api_error_for(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, e.PromptTooLarge):
         return ApiError(413, str(exc), param="prompt", code="prompt_too_large")
+    if getattr(exc, "code", None) == ErrorCode.TOO_LARGE:    # a WireError or the sidecar's refusal
+        return ApiError(413, f"The request is too large: {exc}", code="request_too_large")
+    if isinstance(exc, WireError):
+        return bad_request(f"The request cannot be sent to the model: {exc}", code="invalid_value")
     if isinstance(exc, e.PromptTooLong):
         return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, e.InvalidParams):

@@ -25,7 +25,9 @@ with a CRC32 of the canonical JSON of `body`. Two kinds of file hold records:
 A crash leaves every file either absent, or old, or new, never torn. A temporary file
 (a batch or record whose rename never happened, or whose write failed: it is removed
 then, and any left over at the next start) was never acknowledged. A record that fails to
-parse, to match its checksum or its version is never silently dropped: `load()` reports it
+parse, to match its checksum or its version, or holds a field of the wrong type or
+range (checked as a new request's are, kvhold.protocol.sampling), is never silently
+dropped and never stops a start: `load()` reports it
 failed with the reason and moves it to `failed/` (kept for the operator), together with a
 `.reason` file (a damaged line of a segment is moved alone, as `seg-<seq>-<line>.bad`).
 A lost `.ended` line or unlink (power cut right after a request ended) brings the finished
@@ -41,6 +43,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from kvhold.protocol.sampling import SamplingParams, check_token_ids, show
 
 log = logging.getLogger(__name__)
 FORMAT = "kvhold-journal"
@@ -83,8 +87,8 @@ def decode_record(data: bytes) -> dict:
         raise ValueError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}")
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:    # JSONDecodeError, UnicodeDecodeError, huge ints
+        raise ValueError(f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} record")
     if doc.get("version") != VERSION:
@@ -92,7 +96,10 @@ def decode_record(data: bytes) -> dict:
     body = doc.get("body")
     if not isinstance(body, dict):
         raise ValueError("record has no body")
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    try:
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ValueError(f"record body cannot be checksummed ({type(exc).__name__})") from None
     if zlib.crc32(canonical.encode()) != doc.get("crc32"):
         raise ValueError("checksum mismatch (the record was damaged on disk)")
     _check_body(body)
@@ -100,18 +107,52 @@ def decode_record(data: bytes) -> dict:
 
 
 def _check_body(body: dict) -> None:
-    ints = ("request_id", "seed", "max_tokens", "top_k", "generation")
-    for key in ints:
+    """Every field of a record has its type and range: the request's own fields by the same
+    definitions as a new request's admission (kvhold.protocol.sampling), so that a record read
+    back can always be admitted again. InvalidParams/ValueError with the reason otherwise."""
+    for key in ("request_id", "generation", "seed", "max_tokens", "top_k"):
         if isinstance(body.get(key), bool) or not isinstance(body.get(key), int):
             raise ValueError(f"field {key!r} missing or not an integer")
-    for key in ("prompt_ids", "generated", "stop_ids"):
-        v = body.get(key)
-        if not isinstance(v, list) or not all(isinstance(t, int) and t >= 0 for t in v):
-            raise ValueError(f"field {key!r} missing or not a list of token ids")
-    if not body["prompt_ids"]:
+    if not 0 < body["request_id"] < 2**64:
+        raise ValueError(f"request_id {show(body['request_id'])} is not in [1, 2**64)")
+    if not 0 <= body["generation"] < 2**64:
+        raise ValueError(f"generation {show(body['generation'])} is not in [0, 2**64)")
+    for key in ("temperature", "top_p"):
+        if key not in body:
+            raise ValueError(f"field {key!r} missing")
+    sampling = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                              top_p=body["top_p"], top_k=body["top_k"], seed=body["seed"],
+                              stop_token_ids=_list(body, "stop_ids"),
+                              ignore_eos=body.get("ignore_eos", False))
+    prompt = check_token_ids(_list(body, "prompt_ids"), "prompt_ids")
+    generated = check_token_ids(_list(body, "generated"), "generated", label="generated token id")
+    if not prompt:
         raise ValueError("empty prompt")
-    if not isinstance(body.get("client"), str):
+    if len(generated) > sampling.max_tokens:
+        raise ValueError(f"{len(generated)} generated tokens exceed max_tokens ({sampling.max_tokens})")
+    prefix = body.get("prefix", 0)
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or not 0 <= prefix <= len(generated):
+        raise ValueError(f"field 'prefix' ({show(prefix)}) is not a count of the generated tokens")
+    client = body.get("client")
+    if not isinstance(client, str):
         raise ValueError("field 'client' missing")
+    try:
+        if not bytes.fromhex(client):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"field 'client' ({show(client)}) is not a client key in hex") from None
+    if not isinstance(body.get("fingerprint", ""), str):
+        raise ValueError("field 'fingerprint' is not a string")
+    for key in ("cancelled",):
+        if not isinstance(body.get(key, False), bool):
+            raise ValueError(f"field {key!r} is not true or false")
+
+
+def _list(body: dict, key: str) -> list:
+    v = body.get(key)
+    if not isinstance(v, list):
+        raise ValueError(f"field {key!r} missing or not a list of token ids")
+    return v
 
 
 class DurableJournal:
@@ -228,9 +269,10 @@ class DurableJournal:
 
     def read_json(self, name: str) -> dict | None:
         try:
-            return json.loads((self.dir / name).read_text())
-        except (FileNotFoundError, ValueError):
+            doc = json.loads((self.dir / name).read_text())
+        except (OSError, ValueError, RecursionError):
             return None
+        return doc if isinstance(doc, dict) else None
 
     # ------------------------------------------------------------------ reading
     def load(self) -> tuple[list[dict], list[FailedRecord]]:
@@ -250,10 +292,11 @@ class DurableJournal:
                     raise ValueError(f"names request {body['request_id']:#x}, file says {rid:#x}")
                 good[body["request_id"]] = body
                 from_segments.pop(body["request_id"], None)     # the request file is newer
-            except (ValueError, OSError) as exc:
+            except Exception as exc:     # noqa: BLE001 - one record must never stop a start
+                reason = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
                 from_segments.pop(rid, None)
                 good.pop(rid, None)
-                failed.append(self.fail(path, rid or 0, str(exc)))   # its admission record too
+                failed.append(self.fail(path, rid or 0, reason))   # its admission record too
         self._loaded_lines = {rid: line for rid, (_, line) in from_segments.items()}
         return [good[rid] for rid in sorted(good)], failed
 
@@ -284,8 +327,9 @@ class DurableJournal:
                     continue
                 try:
                     body = decode_record(line)
-                except ValueError as exc:
-                    failed.append(self._fail_line(name, index, line, str(exc)))
+                except Exception as exc:     # noqa: BLE001 - one record must never stop a start
+                    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                    failed.append(self._fail_line(name, index, line, reason))
                     continue
                 rid = body["request_id"]
                 if rid in ended:

@@ -37,7 +37,7 @@ from kvhold.protocol.errors import ErrorCode, InvalidParams, InvalidTokenId, Kvh
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
-from kvhold.protocol.sampling import SamplingParams
+from kvhold.protocol.sampling import RequestInput, SamplingParams, check_token_ids
 from kvhold.sidecar.admission import Pending, PromptTokenizer
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.durable_journal import GroupCommit
@@ -162,22 +162,30 @@ class Frontend:
         refusal = self._refusal(msg.tag)
         if refusal is not None:
             return refusal
-        params = SamplingParams.from_dict(msg.params)
-        if msg.prompt is not None and msg.prompt_ids is None and self.tokenizer is not None:
-            future = self.prompts.submit(msg.prompt, lambda f: self.host.post(
-                lambda: self._tokenized(f, msg, params)))
+        # every field's type and range (kvhold.protocol.sampling) before anything is written
+        req = RequestInput.check(msg.prompt, msg.prompt_ids, msg.prefix_generated, msg.params,
+                                 vocab_size=self.spec.vocab_size)
+        params = req.sampling
+        if req.prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidParams("this model has no tokenizer.json: send prompt_ids")
+            future = self.prompts.submit(req.prompt, lambda f: self.host.post(
+                lambda: self._tokenized(f, msg, req)))
             self._tokenizing.setdefault(future, (identity, msg.tag))
             return None     # answered once tokenized (kvhold.sidecar.admission)
-        return self._admit(identity, msg, params, self._prompt_ids(msg))
+        return self._admit(identity, msg, req, req.prompt_ids)
 
-    def _tokenized(self, future: Future, msg: m.Generate, params: SamplingParams) -> None:
+    def _tokenized(self, future: Future, msg: m.Generate, req: RequestInput) -> None:
         """On the loop: a text prompt's tokens (or why it has none) are back."""
         who = self._tokenizing.pop(future, None)
         if who is None:
             return          # answered already (the sidecar is stopping)
         identity = who[0]
         try:
-            reply = self._admit(identity, msg, params, list(future.result()))
+            # a tokenizer's added tokens must fit the model too
+            ids = check_token_ids(list(future.result()), "prompt", self.spec.vocab_size,
+                                  label="token id of the tokenized prompt")
+            reply = self._admit(identity, msg, req, ids)
         except KvholdError as exc:
             reply = m.Error(code=exc.code, message=str(exc), tag=msg.tag)
         except Exception as exc:   # a bug on one request must not stop the service
@@ -187,13 +195,15 @@ class Frontend:
         if reply is not None:
             self.host.send_client(identity, reply)
 
-    def _admit(self, identity: bytes, msg: m.Generate, params: SamplingParams, prompt_ids: list[int]):
+    def _admit(self, identity: bytes, msg: m.Generate, req: RequestInput, prompt_ids: list[int]):
         """Number the request and queue its durable record; None (it is answered once on disk)."""
         refusal = self._refusal(msg.tag)   # admissions may have closed while it was tokenized
         if refusal is not None:
             return refusal
+        if not prompt_ids:
+            raise InvalidParams("the prompt is empty")
+        params, prefix = req.sampling, req.prefix
         self._check_fits(prompt_ids, params)
-        prefix = self._prefix_ids(msg, params)
         if self.journal.num_free_slots() <= len(self.pending):
             return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
                            message=f"all {self.tables.geometry.num_slots} request slots are in use")
@@ -306,36 +316,6 @@ class Frontend:
         self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix))
-
-    def _prompt_ids(self, msg: m.Generate) -> list[int]:
-        if (msg.prompt is None) == (msg.prompt_ids is None):
-            raise InvalidParams("give exactly one of prompt (text) or prompt_ids")
-        if msg.prompt is not None:
-            if self.tokenizer is None:
-                raise InvalidParams("this model has no tokenizer.json: send prompt_ids")
-            ids = self.tokenizer.encode(msg.prompt).ids
-        else:
-            ids = msg.prompt_ids
-        vocab = self.spec.vocab_size      # text too: a tokenizer's added tokens must fit the model
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidTokenId(f"token id {bad} {'of the tokenized prompt ' if msg.prompt is not None else ''}"
-                                 f"is outside the vocabulary (size {vocab})")
-        if not ids:
-            raise InvalidParams("the prompt is empty")
-        return list(ids)
-
-    def _prefix_ids(self, msg: m.Generate, params: SamplingParams) -> list[int]:
-        """A moved request's already generated tokens, checked like prompt ids."""
-        prefix = list(msg.prefix_generated or ())
-        vocab = self.spec.vocab_size
-        bad = next((t for t in prefix if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidTokenId(f"resumed token id {bad} is outside the vocabulary (size {vocab})")
-        if len(prefix) >= params.max_tokens:
-            raise InvalidParams(f"{len(prefix)} resumed tokens already reach max_tokens "
-                                f"({params.max_tokens}): nothing left to generate")
-        return prefix
 
     def _record(self, request_id, identity, prompt_ids, prefix, params, seed) -> dict:
         """The request's durable journal record (kvhold.sidecar.durable_journal), as admitted."""

@@ -19,10 +19,11 @@ connected as itself when a message is due is held the same way until its owner r
 * A restored request whose client never comes back still runs to the end; its result
   is kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S, listed in the status
   (`pool_restart.unclaimed`) and logged, then dropped with a log line.
-* A record that cannot be restored (damaged, model changed, no longer fits) is
-  reported failed: in the status (`pool_restart.failed`, with the reason), in the log,
-  kept under failed/ on disk, and as a `NotFound` error naming the reason to a client
-  that resumes it. Nothing is dropped silently.
+* A record that cannot be restored (damaged, a field of the wrong type or out of range,
+  model changed, no longer fits, or any error while re-admitting it) is reported failed:
+  in the status (`pool_restart.failed`, with the reason), in the log, kept under failed/
+  on disk, and as a `NotFound` error naming the reason to a client that resumes it. Nothing is dropped silently, and no record can stop a start: the others
+  are restored and the sidecar comes up.
 `Restore` gets the frontend (whose journal and streams it fills), the durable
 journal, the new pool's weights fingerprint, vocabulary size and generation, when
 the sidecar started, and a `send_client` callable.
@@ -73,7 +74,11 @@ class Restore:
         self.failed.update((f.request_id, f) for f in failed)
         restored = 0
         for body in records:
-            reason = self._admit(body)
+            try:
+                reason = self._admit(body)
+            except Exception as exc:  # noqa: BLE001 - one request must never stop a start
+                log.exception("restoring journaled request %#x failed", body["request_id"])
+                reason = f"restoring it failed: {type(exc).__name__}: {exc}"
             if reason is None:
                 restored += 1
             else:
@@ -103,20 +108,31 @@ class Restore:
         need = len(prompt) + max(body["max_tokens"], len(generated))
         if need > fe.tables.geometry.max_seq_len:
             return f"needs {need} tokens, the context is now {fe.tables.geometry.max_seq_len}"
+        rid = int(body["request_id"])
+        if rid >> 40 >= self.generation:   # ids of this pool's generation are new requests' ids
+            return (f"its request id is of pool generation {rid >> 40}, not of one before this "
+                    f"pool's generation {self.generation}")
+        if rid in fe.streams:
+            return f"request {rid:#x} is already restored"
         slot = fe.journal.free_slot()
         if slot is None:
             return f"no free request slot (--max-requests {fe.tables.geometry.num_slots})"
-        rid = int(body["request_id"])
         fe.journal.admit(slot, rid, prompt, max_tokens=body["max_tokens"], seed=body["seed"],
                          temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
                          stop_ids=body["stop_ids"], ignore_eos=bool(body.get("ignore_eos")))
-        fe.journal.restore_progress(slot, rid, generated)
-        if body.get("cancelled"):
-            fe.journal.cancel(slot)
-        detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
-        texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
-        fe.restore_stream(rid, slot, bytes.fromhex(body["client"]), len(prompt), detok,
-                          texts, dict(body, generated=[]))
+        try:
+            fe.journal.restore_progress(slot, rid, generated)
+            if body.get("cancelled"):
+                fe.journal.cancel(slot)
+            detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
+            texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
+            fe.restore_stream(rid, slot, bytes.fromhex(body["client"]), len(prompt), detok,
+                              texts, dict(body, generated=[]))
+        except Exception:                 # not restored: its slot and stream go
+            fe.streams.pop(rid, None)
+            fe.records.pop(rid, None)
+            fe.journal.release(slot)
+            raise
         return None
 
     # ------------------------------------------------------------------ streams

@@ -1,0 +1,93 @@
+"""The HTTP layer's error answers over a real uvicorn server on loopback, without a sidecar: a
+bug in a backend is a 500 that keeps the keep-alive connection; a request the SDK cannot send
+in one frame is a 413; a body over the limit is a 413 before it is read."""
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.wire import WireError
+from kvhold.serving.http_api import AppSettings, create_app
+from kvhold.serving.metrics import SidecarMetrics
+from kvhold.serving.openai_schema import MAX_BODY_BYTES
+
+
+class _FailingBackend:
+    """A backend whose generate raises what it is told to (the fault under test)."""
+
+    def __init__(self):
+        self.metrics = SidecarMetrics()
+        self.error: Exception = RuntimeError("a bug")
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def generate(self, **request):
+        raise self.error
+
+    async def health(self):
+        return True, {"status": "ok"}
+
+    async def render_metrics(self):
+        return self.metrics.render()
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = _FailingBackend()
+    app = create_app(AppSettings(endpoint="", model_dir=None, served_model_name="m", context_len=64), backend)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield port, backend
+    server.should_exit = True
+    thread.join(10)
+
+
+def _post(conn, body: bytes):
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_a_bug_is_a_500_and_the_connection_keeps_serving(served):
+    port, backend = served
+    backend.error = RuntimeError("a bug")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    for _ in range(3):
+        status, body = _post(conn, b'{"prompt": "hi"}')
+        assert (status, body["error"]["message"]) == (500, "internal error: RuntimeError")
+        conn.request("GET", "/v1/models")                       # the same connection
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["data"]
+    conn.close()
+
+
+def test_a_request_too_large_for_one_frame_is_a_413(served):
+    port, backend = served
+    backend.error = WireError(ErrorCode.TOO_LARGE, "generate encodes to 9000000 bytes")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    status, body = _post(conn, b'{"prompt": "hi"}')
+    assert (status, body["error"]["code"]) == (413, "request_too_large")
+    big = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    status, body = _post(conn, big)
+    assert (status, body["error"]["code"]) == (413, "request_too_large")
+    assert str(MAX_BODY_BYTES) in body["error"]["message"]
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().status == 200
+    conn.close()
