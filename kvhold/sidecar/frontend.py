@@ -165,7 +165,6 @@ class Frontend:
         # every field's type and range (kvhold.protocol.sampling) before anything is written
         req = RequestInput.check(msg.prompt, msg.prompt_ids, msg.prefix_generated, msg.params,
                                  vocab_size=self.spec.vocab_size)
-        params = req.sampling
         if req.prompt is not None:
             if self.tokenizer is None:
                 raise InvalidParams("this model has no tokenizer.json: send prompt_ids")

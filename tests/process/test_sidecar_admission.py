@@ -4,12 +4,10 @@ stream answered); a prompt over the limit is refused as too large (HTTP 413) at 
 of durable admissions is written in a few batches, each acknowledged only once on disk, with
 no long turn; a full disk refuses admissions and leaves no temporary file."""
 import asyncio
-import os
 import subprocess
 import threading
 import time
 
-import httpx
 import pytest
 
 from kvhold.client.aclient import AsyncClient
