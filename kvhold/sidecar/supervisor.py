@@ -55,7 +55,7 @@ from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
-TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
+TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` or the active's fence ends it sooner
 FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
 
 
@@ -353,6 +353,7 @@ class Supervisor:
                     h.pid, h.slot, role.name, old_epoch, reason)
         if was_active:
             self.active_slot = None
+            self._takeover_until_ns = 0   # whatever takeover ran is over: re-arming may start now
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
                 h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
                 self.want_active = True
