@@ -47,6 +47,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -213,9 +214,10 @@ class Observer:
     def executors(st: dict, role: str) -> list[dict]:
         return [e for e in st.get("executors", []) if e["role"] == role]
 
-    def steady(self, st: dict, zygote: bool) -> dict | None:
-        """The active executor when it serves (ready, warm) and a standby is ready."""
-        active = [e for e in self.executors(st, "active") if e["ready"]]
+    def steady(self, st: dict, zygote: bool, stepped: bool = True) -> dict | None:
+        """The active executor when it serves (ready, has stepped) and a standby is ready."""
+        # an active executor that has stepped: its first step is done, the normal lease applies
+        active = [e for e in self.executors(st, "active") if e["ready"] and (e.get("steps", 0) >= 1 or not stepped)]
         ready = [e for e in self.executors(st, "standby") if e["ready"]]
         if len(active) != 1 or not ready or (zygote and not (st.get("zygote") or {}).get("ready")):
             return None
@@ -528,7 +530,7 @@ def main(argv=None) -> int:
            "--instance", instance, "--runtime-root", str(root), "--max-seq-len", "512",
            "--max-batch", str(max(16, args.clients)), "--standbys", "1", "--lease-ms", str(args.lease_ms),
            "--restart-backoff-ms", "0,0", "--log-level", args.log_level] + (["--zygote"] if args.zygote else [])
-    result = {"command": " ".join(["python", "-m", "tools.bench_soak", *(sys.argv[1:] if argv is None else argv)]),
+    result = {"command": shlex.join(["python", "-m", "tools.bench_soak", *(sys.argv[1:] if argv is None else argv)]),
               "commit": git_commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "note": args.note, "machine": machine(), "serve_command": " ".join(cmd[2:]), "model": str(args.model),
               "clients": args.clients, "request_set": {
@@ -569,8 +571,8 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
         obs = Observer(sdk)
         injector = Injector(obs, args, args.zygote)
         log(f"starting kvhold serve on {base} (instance {paths.instance}, log {log_path})")
-        started = obs.wait(lambda st: serve.poll() is None and obs.steady(st, args.zygote), 600, 0.1) \
-            if serve.poll() is None else None
+        up = lambda st: serve.poll() is None and obs.steady(st, args.zygote, stepped=False)  # noqa: E731
+        started = obs.wait(up, 600, 0.1) if serve.poll() is None else None
         if not started:
             # the HTTP server may still be binding: wait for /health too
             raise SystemExit(f"the server did not come up (exit {serve.poll()}); see {log_path}")
@@ -631,7 +633,6 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                                   else f"{'no stream progress' if not flowing else 'not steady'} "
                                        f"within {args.steady_timeout:.0f} s")
                     break
-                chunks_mark = clients.chunks
                 kinds, *_ = injector.classify()
                 faults = sum(kinds.values())
                 if faults >= args.faults:
@@ -639,6 +640,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                 plan = args.plans[cycle % len(args.plans)]
                 planned[plan] += 1
                 injector.cycles.append(injector.run_cycle(cycle, plan))
+                chunks_mark = clients.chunks     # the next fault waits for chunks streamed after this one
                 cycle += 1
                 if cycle % args.progress_every == 0 or cycle <= 4:
                     done = len(clients.results)
@@ -653,7 +655,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
             soak_s = time.monotonic() - soak_t0
             log(f"soak stopped ({stopped_by}) after {soak_s:.0f} s; letting the clients finish")
             clean = clients.finish(args.client_timeout + 30)
-        obs.wait(lambda st: obs.steady(st, args.zygote), args.steady_timeout)
+        obs.wait(lambda st: obs.steady(st, args.zygote, stepped=False), args.steady_timeout)
         time.sleep(2.0)
         obs.poll()
         kinds, faults_list, unplanned, missing = injector.classify()
