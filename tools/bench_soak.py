@@ -35,7 +35,8 @@ stream), lost (a transport error or a stream that ended without [DONE]), differi
 Also: the recovery records' times (detection and kill -> first resumed token, per fault
 kind), the /metrics recovery histogram, and the sidecar's, the HTTP server's and the
 executors' RSS and open file count, the instance's /dev/shm segments and the processes
-and zombies of the sidecar's session, before and after the soak.
+and zombies of the sidecar's session, before and after the soak (the sidecar's and the
+HTTP server's also every 50 fault cycles: `resources_trend`).
 Writes bench/results/soak_cpu.json (--out), rewritten as the soak goes.
 """
 from __future__ import annotations
@@ -648,6 +649,12 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                         f"{sum(r['outcome'] != 'completed' for _, r in clients.results)} not completed; "
                         f"{elapsed:.0f} s")
                 if cycle % 50 == 0:
+                    x = resources(obs.last, serve.pid, paths)
+                    result.setdefault("resources_trend", []).append({
+                        "cycle": cycle, "faults": faults, "s": round(elapsed, 1),
+                        **{f"{who}_{k}": (x[who] or {}).get(k) for who in ("sidecar", "http_server")
+                           for k in ("rss_kib", "open_fds")},
+                        "shm_segments": x["shm_segments"], "session_processes": x["sidecar_session"]["processes"]})
                     result["partial"] = {"cycles": cycle, "faults": dict(kinds),
                                          "requests": compare(list(clients.results), reference)}
                     save()
