@@ -185,6 +185,12 @@ class Clients:
 
 
 # ---------------------------------------------------------------------------- the server
+def _die_with_parent() -> None:
+    """In the server's child: SIGTERM when this tool dies, even by SIGKILL (it then drains and stops)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -542,7 +548,8 @@ def main(argv=None) -> int:
                                        max(r["max_tokens"] for r in requests)]}}
     log_path = root / "serve.log"
     env = dict(os.environ, KVHOLD_STATE_DIR=str(root / "state"))
-    serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"), env=env)
+    serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"), env=env,
+                             preexec_fn=_die_with_parent)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(result, indent=1) + "\n")  # noqa: E731
     try:
