@@ -62,7 +62,7 @@ from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
-TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` ends it sooner
+TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` or the active's fence ends it sooner
 FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
 RESPAWN_LOOP_DEATHS = 3              # deaths without a ready executor in between: a respawn loop
 
@@ -394,6 +394,7 @@ class Supervisor:
                     h.pid, h.slot, role.name, old_epoch, reason, f" ({detail})" if detail else "")
         if was_active:
             self.active_slot = None
+            self._takeover_until_ns = 0   # whatever takeover ran is over: re-arming may start now
             if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
                 self.deaths.executor_died(h.slot, old_epoch)   # before the successor is promoted
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):

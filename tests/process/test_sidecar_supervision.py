@@ -64,6 +64,25 @@ def test_hang_is_fenced_within_the_lease_and_killed(start_sidecar):
     _new_active(sc, active["pid"])
 
 
+def test_standby_killed_in_its_takeover_is_replaced_at_once(start_sidecar):
+    """The re-arm pause that leaves a takeover the CPU ends when the executor taking over dies:
+    with no executor left, a replacement is spawned then, not when the pause would have ended."""
+    sc = start_sidecar(["--workload", "idle", "--lease-ms", "3000", "--log-level", "INFO"])
+    active = sc.wait_steady()
+    standby = SidecarProcess.executors(sc.status(), "standby")[0]
+    os.kill(standby["pid"], signal.SIGSTOP)           # promoted, it cannot report its takeover
+    os.kill(active["pid"], signal.SIGKILL)
+    sc.wait_for(lambda st: any(e["kind"] == "promote" and e["pid"] == standby["pid"] for e in st["events"]),
+                timeout=10)
+    os.kill(standby["pid"], signal.SIGKILL)
+    fence = _fence_of(sc, standby["pid"])
+    assert fence["role"] == "ACTIVE"
+    spawn = sc.wait_for(lambda st: next((e for e in st["events"] if e["kind"] == "spawn"
+                                         and e["ns"] >= fence["detect_ns"]), None), timeout=10)
+    assert (spawn["ns"] - fence["detect_ns"]) / 1e6 < 1000    # the pause lasts 2 s
+    sc.wait_steady(timeout=60)
+
+
 def test_fenced_process_that_wakes_up_exits_by_itself(start_sidecar):
     sc = start_sidecar(IDLE + ["--no-kill-fenced"])
     active = sc.wait_steady()
