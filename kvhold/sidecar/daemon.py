@@ -125,7 +125,7 @@ class Sidecar:
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
                                      self.send_executor, launch, self.timeline.event, zygote)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
-                                 runs_model=cfg.executors.workload == "engine", durable=self.durable,
+                                 runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
                                  fingerprint=fingerprint, timeline=self.timeline, host=self)
         self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,
                                         generation=self.tables.generation, send_client=self.send_client)
