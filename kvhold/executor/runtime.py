@@ -217,9 +217,6 @@ def make_workload(name: str, ctx: ExecutorContext) -> Workload:
     if name == "churn":
         from kvhold.executor.churn import ChurnWorkload
         return ChurnWorkload(ctx)
-    if name == "vllm":
-        from kvhold.vllm_bridge.workload import VllmWorkload
-        return VllmWorkload(ctx)
     if name == "engine" and ctx.settings.kv_mode == "foreign":
         from kvhold.executor.foreign_pool import ForeignEngineWorkload
         return ForeignEngineWorkload(ctx)

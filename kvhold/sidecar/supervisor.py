@@ -93,6 +93,10 @@ class RegionExporter(Protocol):
     def export_fds(self, writable_weights: bool) -> tuple[list[str], list[int]]: ...
 
 
+# the executor program of a workload; every other workload runs `python -m kvhold.executor`
+EXECUTOR_MODULES = {"vllm": "kvhold.vllm_bridge"}
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutorLaunch:
     """What an executor is started and attached with."""
@@ -160,7 +164,8 @@ class Supervisor:
         pid = self.zygote.fork(argv, env) if self.zygote is not None else None
         if pid is None:
             via = "cold"
-            popen = subprocess.Popen([sys.executable, "-m", "kvhold.executor", *argv],
+            module = EXECUTOR_MODULES.get(self.launch.settings.workload, "kvhold.executor")
+            popen = subprocess.Popen([sys.executable, "-m", module, *argv],
                                      env=dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()), **env),
                                      stdin=subprocess.DEVNULL, close_fds=True)
             pid = popen.pid

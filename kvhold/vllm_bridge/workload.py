@@ -324,3 +324,34 @@ def _recorded_tokens(records) -> dict[int, int]:
     for owner, count in zip(records["owner"][live].tolist(), records["num_tokens"][live].tolist()):
         out[int(owner)] = out.get(int(owner), 0) + int(count)
     return out
+
+
+def main(argv=None) -> int:
+    """The executor process (`python -m kvhold.vllm_bridge`): kvhold.executor.runtime with this workload."""
+    import argparse
+    from pathlib import Path
+
+    from kvhold.executor.runtime import EXIT_OK, ExecutorConfig, ExecutorRuntime
+    from kvhold.protocol.logs import setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m kvhold.vllm_bridge",
+                                description="Run one vLLM executor under a kvhold sidecar.")
+    p.add_argument("--instance", default=os.environ.get("KVHOLD_INSTANCE", "default"))
+    p.add_argument("--runtime-root", type=Path, default=None)
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
+    p.add_argument("--urgent", action="store_true", help="accepted for the sidecar's spawn; no effect on vLLM")
+    args = p.parse_args(argv)
+    setup_logging(args.log_level, role="executor")
+
+    def factory(name, ctx):
+        if name != "vllm":
+            raise ValueError(f"python -m kvhold.vllm_bridge runs the vllm workload, not {name!r}")
+        return VllmWorkload(ctx)
+
+    cfg = ExecutorConfig(instance=args.instance, runtime_root=args.runtime_root, token_file=args.token_file,
+                         urgent=args.urgent, workload_factory=factory)
+    try:
+        return ExecutorRuntime(cfg).run()
+    except KeyboardInterrupt:
+        return EXIT_OK
