@@ -194,7 +194,7 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
     sdk_reqs = make_requests(args.sdk_streams, args.seed + 1)
     total = sum(r["max_tokens"] for r in http_reqs + sdk_reqs)
     root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
-    server = KvholdServer(model, root, results_dir / "vllm_recovery_cpu.kvhold.log")
+    server = KvholdServer(model, root, results_dir / "vllm_recovery.kvhold.log")
     trials = []
     try:
         t0 = time.monotonic()
@@ -322,7 +322,7 @@ def bench_plain_vllm(model: Path, args, results_dir: Path) -> dict:
     total = sum(r["max_tokens"] for r in http_reqs)
     rng = random.Random(args.seed + 7)
     trials = []
-    log = open(results_dir / "vllm_recovery_cpu.plain.log", "wb")
+    log = open(results_dir / "vllm_recovery.plain.log", "wb")
     for k in range(args.plain_kills):
         port = free_port()
         base = f"http://127.0.0.1:{port}"
@@ -403,6 +403,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting kvhold kills after this long (the JSON says how many ran)")
     p.add_argument("--out", type=Path, default=Path("bench/results/vllm_recovery_cpu.json"))
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the servers' logs go (default: the temporary directory)")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -425,9 +427,9 @@ def main(argv=None) -> int:
 
     args.progress = save
     if not args.skip_plain:          # first: its figures do not depend on how many kvhold kills fit
-        result["plain_vllm"] = bench_plain_vllm(model, args, args.out.parent)
+        result["plain_vllm"] = bench_plain_vllm(model, args, args.log_dir)
         save()
-    save(bench_kvhold(model, args, args.out.parent))
+    save(bench_kvhold(model, args, args.log_dir))
     print(json.dumps({k: v for k, v in result["kvhold"].items() if k != "trials"}, indent=2))
     return 0
 

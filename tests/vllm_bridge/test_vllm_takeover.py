@@ -97,10 +97,11 @@ def test_damaged_kvhold_page_is_recomputed_from_the_first_bad_block(vllm_sidecar
             n = int(tables.requests["num_pages"][slot])
             pages = tables.page_lists[slot, :n]
             # the journal lists the kvhold pages the mirror assigned to this request, in order
-            assert n >= 2 and (tables.pages["owner"][pages] == s.request_id).all()
+            assert n >= 1 and (tables.pages["owner"][pages] == s.request_id).all()
             assert (tables.pages["logical"][pages] == np.arange(n)).all()
         s = streams[0]                                   # the 100-token prompt: blocks 0..2 are full
         slot = int(np.nonzero(rids == s.request_id)[0][0])
+        assert int(tables.requests["num_pages"][slot]) >= 4
         page = int(tables.page_lists[slot, 1])
         assert tables.pages["num_tokens"][page] == BT
         words[page, 2, 0, 7, 3] ^= np.uint32(1 << 11)      # layer 2, keys, token 7 of block 1
