@@ -40,16 +40,27 @@ def test_block_layout_is_where_vllm_cpu_attention_writes_keys_and_values(vllm_en
     assert all(torch.equal(f, c) for f, c in zip(fresh, caches))
 
 
+@pytest.fixture(scope="module")
+def sealed_sidecar(tiny_model):
+    """A sidecar whose (reference-engine) executor has loaded and sealed the weights region."""
+    from kvhold.testing.sidecar_process import SidecarProcess
+
+    with SidecarProcess(["--model", str(tiny_model), "--standbys", "0", "--kv-pages", "64",
+                         "--max-seq-len", "256"]) as sc:
+        sc.wait_steady(standbys=0, timeout=300)
+        yield sc
+
+
 def test_kvhold_loader_views_the_sidecar_region_and_matches_vllms_own_load(tiny_model, vllm_env,
-                                                                          vllm_sidecar):
-    """vLLM built in this process from the running sidecar's sealed region (no disk read)."""
+                                                                          sealed_sidecar):
+    """vLLM built in this process from a running sidecar's sealed region (no disk read)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     from kvhold.executor.materialize import open_host_weights, region_bounds
     from kvhold.vllm_bridge import loader
 
-    region = open_host_weights(vllm_sidecar.instance, tiny_model)
+    region = open_host_weights(sealed_sidecar.instance, tiny_model)
     lo, hi = region_bounds(region)
     loader.install(region.tensors(), (lo, hi))
     loader.register()
