@@ -83,8 +83,8 @@ class Recorder:
             self.killed.set()
 
 
-def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict) -> None:
-    body = {"model": "m", "prompt": req["prompt_ids"], "max_tokens": req["max_tokens"], "temperature": 0.0,
+def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict, model: str) -> None:
+    body = {"model": model, "prompt": req["prompt_ids"], "max_tokens": req["max_tokens"], "temperature": 0.0,
             "stream": True, "ignore_eos": True}
     text, error = [], None
     try:
@@ -108,9 +108,9 @@ def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict
     out[name] = {"text": "".join(text), "error": error}
 
 
-def run_http(base: str, requests: list[dict], rec: Recorder | None, prefix: str = "http") -> dict:
+def run_http(base: str, requests: list[dict], rec: Recorder | None, model: str, prefix: str = "http") -> dict:
     out: dict = {}
-    threads = [threading.Thread(target=http_stream, args=(base, r, f"{prefix}{i}", rec, out), daemon=True)
+    threads = [threading.Thread(target=http_stream, args=(base, r, f"{prefix}{i}", rec, out, model), daemon=True)
                for i, r in enumerate(requests)]
     for t in threads:
         t.start()
@@ -125,6 +125,7 @@ class KvholdServer:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.instance = f"bvllm{os.getpid()}"
+        self.name = model.name                         # kvhold serve's served model name
         self.root = root
         self.log = open(log, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--model", str(model),
@@ -171,7 +172,8 @@ class KvholdServer:
 def run_mixed(server: KvholdServer, http_reqs, sdk_reqs, rec: Recorder | None):
     """HTTP streams in threads, SDK streams in this thread; returns (http outputs, sdk results)."""
     out: dict = {}
-    threads = [threading.Thread(target=http_stream, args=(server.base, r, f"http{i}", rec, out), daemon=True)
+    threads = [threading.Thread(target=http_stream, args=(server.base, r, f"http{i}", rec, out, server.name),
+                                daemon=True)
                for i, r in enumerate(http_reqs)]
     for t in threads:
         t.start()
@@ -222,6 +224,8 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
             kt = threading.Thread(target=killer, daemon=True)
             kt.start()
             out_http, out_sdk, sdk_error = run_mixed(server, http_reqs, sdk_reqs, rec)
+            if not rec.killed.is_set():
+                raise RuntimeError(f"the streams ended before the kill: {out_http} {sdk_error}")
             kt.join(5)
             lost = sum(1 for v in out_http.values() if v["error"]) + (len(sdk_reqs) if sdk_error else 0)
             identical = (not sdk_error and [r.token_ids for r in out_sdk] == ref_ids
@@ -351,7 +355,9 @@ def bench_plain_vllm(model: Path, args, results_dir: Path) -> dict:
 
             kt = threading.Thread(target=killer, daemon=True)
             kt.start()
-            out = run_http(base, http_reqs, rec)
+            out = run_http(base, http_reqs, rec, str(model))
+            if not rec.killed.is_set():
+                raise RuntimeError(f"the streams ended before the kill: {out}")
             kt.join(args.plain_watch_s + 10)
             exited_ms = None
             try:
