@@ -25,10 +25,11 @@ its KV inside it), then journal each new token (pages first, tokens second), lis
 request's mirrored pages and finish it by kvhold's own rule (stop ids, EOS unless
 ignore_eos, max_tokens, max_seq_len), as the native engine does.
 
-Greedy continuations after a takeover equal an uninterrupted run (the KV of the intact
-prefix is the same bytes; the last block is recomputed, in one prefill). Sampled ones do
-not: vLLM's sampler draws from one generator per request, seeded once, so a resubmitted
-request restarts the random stream; they continue validly, from the same distribution.
+Continuations after a takeover equal an uninterrupted run (the KV of the intact prefix is
+the same bytes; only what follows it is computed, in one prefill), sampled ones too:
+vLLM's own sampler draws from one generator per request, seeded once, which a resubmitted
+request would restart, so the bridge installs `KeyedSampling` (kvhold.vllm_bridge.sampling),
+which keys every draw by (seed, position) as kvhold's own engine does.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
 from kvhold.vllm_bridge import connector, loader
+from kvhold.vllm_bridge.sampling import KeyedSampling, extra_args
 
 log = logging.getLogger(__name__)
 CONNECTOR = {"kv_connector": "KvholdConnector", "kv_connector_module_path": "kvhold.vllm_bridge.connector",
@@ -72,7 +74,7 @@ def engine_kwargs(settings, geometry) -> dict:
                 max_model_len=geometry.max_seq_len, max_num_seqs=settings.max_batch,
                 max_num_batched_tokens=settings.max_batch_tokens, enable_prefix_caching=False,
                 async_scheduling=False, enforce_eager=True, disable_log_stats=True, seed=0,
-                kv_transfer_config=dict(CONNECTOR))
+                kv_transfer_config=dict(CONNECTOR), logits_processors=[KeyedSampling])
 
 
 def sampling_params(entry, num_generated: int):
@@ -81,10 +83,11 @@ def sampling_params(entry, num_generated: int):
     remaining max_tokens unless aborted."""
     from vllm import SamplingParams
 
+    keyed = extra_args(entry.seed, num_generated) if entry.temperature > 0 else None
     return SamplingParams(max_tokens=max(1, entry.max_tokens - num_generated), temperature=entry.temperature,
                           top_p=entry.top_p, top_k=entry.top_k if entry.top_k > 0 else 0,
                           seed=entry.seed if entry.temperature > 0 else None, ignore_eos=True,
-                          detokenize=False, skip_special_tokens=False)
+                          detokenize=False, skip_special_tokens=False, extra_args=keyed)
 
 
 class VllmWorkload(EngineWorkload):
