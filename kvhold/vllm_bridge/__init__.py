@@ -6,8 +6,10 @@
 * `connector`: a vLLM KV connector that mirrors each committed block of vLLM's own KV cache
   into kvhold's versioned, checksummed pages (kvhold.executor.kv_mirror) under the commit
   rule, and after a takeover loads each request's intact mirrored prefix back.
+* `sampling`: a vLLM logits processor keying every sampled draw by (seed, position), so a
+  request resubmitted after a takeover continues as it would have.
 * `workload`: the executor workload (`kvhold sidecar --workload vllm --kv-mode foreign`):
   vLLM's engine core in the executor process, a hot standby, takeover by resubmission.
-Nothing here imports vLLM at import time except `connector` (which vLLM itself imports).
+`connector` and `sampling` import vLLM where it is installed (their logic does not need it).
 docs/VLLM_BRIDGE.md says how to run it and what is verified.
 """
