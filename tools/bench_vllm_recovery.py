@@ -214,7 +214,6 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
             t_wait = time.monotonic()
             active = server.wait_ready()
             rearm_s = time.monotonic() - t_wait
-            before = len(server.status()["recoveries"])
             rec = Recorder()
             rec.kill_at = rng.randint(events // 20, events // 6)   # early: client delivery lags the engine
 
@@ -235,10 +234,11 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
             firsts = sorted(rec.after.values())
             record = {}
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                recs = server.status()["recoveries"]
-                if len(recs) > before and recs[-1].get("first_token_ns"):
-                    record = recs[-1]
+            while time.monotonic() < deadline:      # the record of this failover (status lists the last 16)
+                found = [r for r in server.status()["recoveries"] if r.get("fenced_epoch") == active["epoch"]]
+                waiting = sum(found[-1].get(f"requests_{c}", 0) for c in ("resumable", "damaged", "lost")) if found else 0
+                if found and (found[-1].get("first_token_ns") or not waiting):
+                    record = found[-1] if found[-1].get("first_token_ns") else {}
                     break
                 time.sleep(0.2)
             trial = {
