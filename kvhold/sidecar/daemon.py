@@ -133,7 +133,7 @@ class Sidecar:
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
                                      self.send_executor, launch, self.timeline.event, zygote, self.deaths)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
-                                 runs_model=cfg.executors.workload == "engine", durable=self.durable,
+                                 runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
                                  fingerprint=fingerprint, timeline=self.timeline, host=self,
                                  max_prompt_bytes=cfg.pool.max_prompt_bytes)
         self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,

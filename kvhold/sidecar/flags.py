@@ -54,8 +54,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env("DEVICE", "cpu"), help="executor device: cpu or cuda:N")
     p.add_argument("--backend", default="host", choices=("host", "cuda"),
                    help="memory backend: host (POSIX shm) or cuda (VMM, needs a GPU)")
-    p.add_argument("--workload", default=None, choices=("engine", "idle", "churn"),
-                   help="what executors run (default: engine with --model, idle without)")
+    p.add_argument("--workload", default=None, choices=("engine", "idle", "churn", "vllm"),
+                   help="what executors run (default: engine with --model, idle without; vllm: a vLLM "
+                        "engine, docs/VLLM_BRIDGE.md)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
     kv.add_argument("--kv-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB")

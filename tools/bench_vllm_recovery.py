@@ -1,0 +1,460 @@
+"""Benchmark: SIGKILL of a vLLM engine mid-stream, under kvhold and without it.
+
+    VLLM_HOST_IP=127.0.0.1 /work/venvs/vllm/bin/python -m tools.bench_vllm_recovery --kills 20
+
+kvhold: `kvhold serve --workload vllm --kv-mode foreign` (a sidecar whose executors are vLLM
+engines, one hot standby; kvhold.vllm_bridge) with streams over both the OpenAI-compatible
+HTTP API and the ZeroMQ SDK. An uninterrupted run gives the reference; then, per trial, the
+same streams start, the active engine is SIGKILLed once a random number of tokens has
+streamed, and the bench records on CLOCK_MONOTONIC when each stream's next token arrives.
+Figures: kill -> first resumed token (the first token any stream receives after the kill)
+P50/P99, the slowest stream's resumption, the sidecar's own recovery record (detect ->
+first token; KV tokens loaded from kvhold's pages and tokens recomputed, as the connector
+counted them), requests lost, outputs equal to the reference. Before each trial the bench
+waits for the re-armed standby to be ready.
+
+Plain vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the same
+engine settings), the same HTTP streams, SIGKILL of its EngineCore process: what each stream
+receives, /health after the kill, whether and when the server exits, whether it serves
+again on its own, and how long a restarted server takes to serve (every in-flight request
+is lost either way).
+
+Writes bench/results/vllm_recovery_cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvhold.client.client import Client, wait_all
+from kvhold.testing.make_model import ensure_demo_model
+
+SIDECAR_FLAGS = ["--workload", "vllm", "--kv-mode", "foreign", "--page-tokens", "32", "--kv-pages", "128",
+                 "--max-seq-len", "256", "--max-batch", "8", "--max-batch-tokens", "256",
+                 "--startup-lease-ms", "900000", "--lease-ms", "3000"]
+STARTUP_S = 900
+MAX_TOKENS = 160                 # long enough that a kill lands while the engine still generates
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_requests(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [dict(prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(20, 80))], max_tokens=MAX_TOKENS,
+                 temperature=0.0, ignore_eos=True) for _ in range(n)]
+
+
+class Recorder:
+    """Arrival times of tokens on every stream (monotonic ns), and the kill."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.count = 0
+        self.kill_at: int | None = None
+        self.kill_ns = 0
+        self.after: dict[str, int] = {}           # stream -> first token time after the kill
+        self.killed = threading.Event()
+
+    def token(self, name: str) -> None:
+        now = time.monotonic_ns()
+        with self.lock:
+            self.count += 1
+            if self.kill_ns and name not in self.after:
+                self.after[name] = now
+            fire = self.kill_at is not None and self.count == self.kill_at
+        if fire:
+            self.killed.set()
+
+
+def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict, model: str) -> None:
+    body = {"model": model, "prompt": req["prompt_ids"], "max_tokens": req["max_tokens"], "temperature": 0.0,
+            "stream": True, "ignore_eos": True}
+    text, error = [], None
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=httpx.Timeout(300.0)) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}"
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = str(chunk["error"])[:200]
+                    continue
+                piece = chunk["choices"][0].get("text", "")
+                if piece:
+                    text.append(piece)
+                    if rec is not None:
+                        rec.token(name)
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"[:200]
+    out[name] = {"text": "".join(text), "error": error}
+
+
+def run_http(base: str, requests: list[dict], rec: Recorder | None, model: str, prefix: str = "http") -> dict:
+    out: dict = {}
+    threads = [threading.Thread(target=http_stream, args=(base, r, f"{prefix}{i}", rec, out, model), daemon=True)
+               for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+# --------------------------------------------------------------------------- kvhold
+class KvholdServer:
+    def __init__(self, model: Path, root: Path, log: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.instance = f"bvllm{os.getpid()}"
+        self.name = model.name                         # kvhold serve's served model name
+        self.root = root
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--model", str(model),
+                                      "--port", str(self.port), "--instance", self.instance,
+                                      "--runtime-root", str(root), "--log-level", "INFO",
+                                      *SIDECAR_FLAGS, "--standbys", "1"],
+                                     stdout=self.log, stderr=self.log, start_new_session=True)
+
+    def client(self, timeout=60.0) -> Client:
+        return Client.for_instance(self.instance, self.root, timeout=timeout)
+
+    def status(self) -> dict:
+        with self.client(10) as c:
+            return c.status()
+
+    def wait_ready(self, timeout=STARTUP_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvhold serve exited with {self.proc.returncode}")
+            try:
+                r = httpx.get(self.base + "/health", timeout=5)
+                if r.status_code == 200 and r.json().get("standbys_ready", 0) >= 1:
+                    st = self.status()
+                    active = [e for e in st["executors"] if e["role"] == "active"]
+                    if len(active) == 1:
+                        return active[0]
+            except (httpx.HTTPError, Exception):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("kvhold serve not ready")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def run_mixed(server: KvholdServer, http_reqs, sdk_reqs, rec: Recorder | None):
+    """HTTP streams in threads, SDK streams in this thread; returns (http outputs, sdk results)."""
+    out: dict = {}
+    threads = [threading.Thread(target=http_stream, args=(server.base, r, f"http{i}", rec, out, server.name),
+                                daemon=True)
+               for i, r in enumerate(http_reqs)]
+    for t in threads:
+        t.start()
+    sdk, sdk_error = [], None
+    with server.client(300) as c:
+        streams = [c.generate(**r) for r in sdk_reqs]
+        names = {s.request_id: f"sdk{i}" for i, s in enumerate(streams)}
+        try:
+            sdk = wait_all(streams, (lambda s, e: rec.token(names[s.request_id])) if rec else None)
+        except Exception as exc:        # a lost SDK stream is a finding, not a crash of the bench
+            sdk_error = f"{type(exc).__name__}: {exc}"[:200]
+    for t in threads:
+        t.join(600)
+    return out, sdk, sdk_error
+
+
+def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
+    rng = random.Random(args.seed)
+    http_reqs = make_requests(args.http_streams, args.seed)
+    sdk_reqs = make_requests(args.sdk_streams, args.seed + 1)
+    root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
+    server = KvholdServer(model, root, results_dir / "vllm_recovery.kvhold.log")
+    trials = []
+    try:
+        t0 = time.monotonic()
+        server.wait_ready()
+        startup_s = time.monotonic() - t0
+        counter = Recorder()
+        ref_http, ref_sdk, err = run_mixed(server, http_reqs, sdk_reqs, counter)
+        events = counter.count                  # stream events of an uninterrupted run
+        assert err is None and not any(v["error"] for v in ref_http.values()), (err, ref_http)
+        ref_ids = [r.token_ids for r in ref_sdk]
+        for k in range(args.kills):
+            if time.monotonic() > args.stop_at:
+                print(f"time budget spent after {k} kills", flush=True)
+                break
+            t_wait = time.monotonic()
+            active = server.wait_ready()
+            rearm_s = time.monotonic() - t_wait
+            rec = Recorder()
+            rec.kill_at = rng.randint(events // 20, events // 6)   # early: client delivery lags the engine
+
+            def killer():
+                rec.killed.wait(600)
+                rec.kill_ns = time.monotonic_ns()
+                os.kill(active["pid"], signal.SIGKILL)
+
+            kt = threading.Thread(target=killer, daemon=True)
+            kt.start()
+            out_http, out_sdk, sdk_error = run_mixed(server, http_reqs, sdk_reqs, rec)
+            if not rec.killed.is_set():
+                raise RuntimeError(f"the streams ended before the kill: {out_http} {sdk_error}")
+            kt.join(5)
+            lost = sum(1 for v in out_http.values() if v["error"]) + (len(sdk_reqs) if sdk_error else 0)
+            identical = (not sdk_error and [r.token_ids for r in out_sdk] == ref_ids
+                         and all(out_http[n]["text"] == ref_http[n]["text"] for n in ref_http))
+            firsts = sorted(rec.after.values())
+            record = {}
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:      # the record of this failover (status lists the last 16)
+                found = [r for r in server.status()["recoveries"] if r.get("fenced_epoch") == active["epoch"]]
+                waiting = sum(found[-1].get(f"requests_{c}", 0) for c in ("resumable", "damaged", "lost")) if found else 0
+                if found and (found[-1].get("first_token_ns") or not waiting):
+                    record = found[-1] if found[-1].get("first_token_ns") else {}
+                    break
+                time.sleep(0.2)
+            trial = {
+                "kill_after_tokens": rec.kill_at, "rearm_wait_s": round(rearm_s, 1),
+                # client side: the first token any stream receives after the kill (may be one the
+                # engine produced before it: delivery lags the engine under load)
+                "first_resumed_token_ms": round((firsts[0] - rec.kill_ns) / 1e6, 2) if firsts else None,
+                "all_streams_resumed_ms": round((firsts[-1] - rec.kill_ns) / 1e6, 2)
+                if len(firsts) == len(http_reqs) + len(sdk_reqs) else None,
+                "streams_resumed": len(firsts), "requests_lost": lost, "identical": identical,
+                "sdk_error": sdk_error,
+                "sidecar_detect_to_first_token_ms": round((record["first_token_ns"] - record["detect_ns"]) / 1e6, 2)
+                if record else None,
+                # the sidecar's own clock is CLOCK_MONOTONIC too (kvhold.protocol.leases.now_ns)
+                "kill_to_first_resumed_token_ms": round((record["first_token_ns"] - rec.kill_ns) / 1e6, 2)
+                if record else None,
+                "tokens_loaded_from_kvhold": record.get("tokens_kept"),
+                "tokens_recomputed": record.get("tokens_recomputed"),
+                "pages_checked": record.get("pages_checked"), "pages_bad": record.get("pages_bad"),
+                "requests_resumable": record.get("requests_resumable"),
+                "requests_damaged": record.get("requests_damaged"),
+            }
+            trials.append(trial)
+            print(f"kill {k + 1}/{args.kills}: {trial}", flush=True)
+            if args.progress is not None:
+                args.progress(summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills))
+    finally:
+        server.stop()
+    return summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills)
+
+
+def summarize(trials, http_reqs, sdk_reqs, startup_s, planned) -> dict:
+    """Latencies over the kills that interrupted generation (the takeover resumed requests);
+    a kill that lands after the engine has finished every request only delays delivery."""
+    mid = [t for t in trials if (t["requests_resumable"] or 0) + (t["requests_damaged"] or 0) > 0]
+    lat = np.array([t["first_resumed_token_ms"] for t in mid if t["first_resumed_token_ms"] is not None])
+    allr = np.array([t["all_streams_resumed_ms"] for t in mid if t["all_streams_resumed_ms"] is not None])
+    side = np.array([t["sidecar_detect_to_first_token_ms"] for t in mid
+                     if t["sidecar_detect_to_first_token_ms"] is not None])
+
+    def pct(a, q):
+        return round(float(np.percentile(a, q)), 2) if len(a) else None
+
+    return {
+        "streams": {"http": len(http_reqs), "sdk": len(sdk_reqs), "max_tokens": MAX_TOKENS, "greedy": True,
+                    "prompt_tokens": "20..80"},
+        "startup_to_ready_s": round(startup_s, 1), "kills_planned": planned, "kills": len(trials),
+        "kills_mid_generation": len(mid),
+        "kill_to_first_resumed_token_ms": {"p50": pct(lat, 50), "p99": pct(lat, 99), "max": pct(lat, 100)},
+        "kill_to_all_streams_resumed_ms": {"p50": pct(allr, 50), "p99": pct(allr, 99)},
+        "sidecar_detect_to_first_token_ms": {"p50": pct(side, 50), "p99": pct(side, 99)},
+        "tokens_loaded_from_kvhold_total": sum(t["tokens_loaded_from_kvhold"] or 0 for t in trials),
+        "tokens_recomputed_total": sum(t["tokens_recomputed"] or 0 for t in trials),
+        "requests_lost_total": sum(t["requests_lost"] for t in trials),
+        "all_identical": all(t["identical"] for t in trials),
+        "rearm_wait_s_median": pct(np.array([t["rearm_wait_s"] for t in trials]), 50),
+        "trials": trials,
+    }
+
+
+# --------------------------------------------------------------------------- plain vLLM
+def vllm_server(model: Path, port: int, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+                             "--block-size", "32", "--max-model-len", "256", "--max-num-seqs", "8",
+                             "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--enforce-eager",
+                             "--num-gpu-blocks-override", "128", "--seed", "0"],
+                            stdout=log, stderr=log, start_new_session=True)
+
+
+def wait_health(base: str, proc: subprocess.Popen, timeout=STARTUP_S) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("vLLM server not healthy")
+
+
+def engine_core_pid(server_pid: int) -> int:
+    import psutil
+    kids = psutil.Process(server_pid).children(recursive=True)
+    named = [p for p in kids if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    if not named:
+        raise RuntimeError(f"no EngineCore child of {server_pid}: {[(p.pid, p.name()) for p in kids]}")
+    return named[0].pid
+
+
+def bench_plain_vllm(model: Path, args, results_dir: Path) -> dict:
+    http_reqs = make_requests(args.http_streams, args.seed)
+
+    rng = random.Random(args.seed + 7)
+    trials = []
+    log = open(results_dir / "vllm_recovery.plain.log", "wb")
+    for k in range(args.plain_kills):
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = vllm_server(model, port, log)
+        try:
+            startup_s = wait_health(base, proc)
+            core = engine_core_pid(proc.pid)
+            counter = Recorder()
+            run_http(base, http_reqs, counter, str(model))            # uninterrupted: how many events
+            rec = Recorder()
+            rec.kill_at = rng.randint(counter.count // 5, counter.count // 2)
+            health: list[tuple[float, object]] = []
+
+            def killer():
+                rec.killed.wait(600)
+                rec.kill_ns = time.monotonic_ns()
+                os.kill(core, signal.SIGKILL)
+                t_end = time.monotonic() + args.plain_watch_s
+                while time.monotonic() < t_end:
+                    t = (time.monotonic_ns() - rec.kill_ns) / 1e6
+                    try:
+                        health.append((round(t, 1), httpx.get(base + "/health", timeout=2).status_code))
+                    except httpx.HTTPError as exc:
+                        health.append((round(t, 1), type(exc).__name__))
+                    if proc.poll() is not None:
+                        break
+                    time.sleep(0.1)
+
+            kt = threading.Thread(target=killer, daemon=True)
+            kt.start()
+            out = run_http(base, http_reqs, rec, str(model))
+            if not rec.killed.is_set():
+                raise RuntimeError(f"the streams ended before the kill: {out}")
+            kt.join(args.plain_watch_s + 10)
+            exited_ms = None
+            try:
+                proc.wait(max(1.0, args.plain_watch_s - (time.monotonic_ns() - rec.kill_ns) / 1e9))
+                exited_ms = round((time.monotonic_ns() - rec.kill_ns) / 1e6, 1)
+            except subprocess.TimeoutExpired:
+                pass
+            served_again = any(code == 200 for t, code in health if t > 100)
+            complete = sum(1 for v in out.values() if not v["error"])
+            trials.append({
+                "startup_to_healthy_s": round(startup_s, 1), "kill_after_tokens": rec.kill_at,
+                "stream_outcomes": sorted({(v["error"] or "completed") for v in out.values()}),
+                "streams_with_error": sum(1 for v in out.values() if v["error"]),
+                "streams_completed_without_error": complete,
+                "health_after_kill": _compress(health), "server_exit_code": proc.returncode,
+                "server_exited_after_ms": exited_ms, "served_again_by_itself": served_again,
+            })
+            print(f"plain vLLM kill {k + 1}: {trials[-1]}", flush=True)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    log.close()
+    return {"kills": len(trials), "watch_after_kill_s": args.plain_watch_s,
+            "restart_to_healthy_s_median": float(np.median([t["startup_to_healthy_s"] for t in trials]))
+            if trials else None,
+            "requests_lost_total": sum(t["streams_with_error"] for t in trials), "trials": trials}
+
+
+def _compress(samples):
+    """Runs of equal /health answers: [(from ms, answer)]."""
+    out = []
+    for t, code in samples:
+        if not out or out[-1][1] != code:
+            out.append((t, code))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--plain-kills", type=int, default=2)
+    p.add_argument("--plain-watch-s", type=float, default=20.0)
+    p.add_argument("--http-streams", type=int, default=3)
+    p.add_argument("--sdk-streams", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, default=None, help="default: the tiny demo checkpoint")
+    p.add_argument("--skip-plain", action="store_true")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop starting kvhold kills after this long (the JSON says how many ran)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/vllm_recovery_cpu.json"))
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the servers' logs go (default: the temporary directory)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = args.model or ensure_demo_model()[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    import vllm
+
+    result = {"bench": "vllm_recovery", "vllm": vllm.__version__, "host": platform.node(),
+              "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
+              "model": "kvhold tiny demo (Llama, 4 layers, float32, random weights)",
+              "goals": {"p99_first_resumed_token_ms": 250, "requests_lost": 0, "greedy_identical": True},
+              "command": " ".join(["python -m tools.bench_vllm_recovery", *(argv or sys.argv[1:])])}
+    args.stop_at = time.monotonic() + (args.time_budget_s or float("inf"))
+
+    def save(part=None):
+        if part is not None:
+            result["kvhold"] = part
+        result["load_average_at_end"] = os.getloadavg()
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    args.progress = save
+    if not args.skip_plain:          # first: its figures do not depend on how many kvhold kills fit
+        try:
+            result["plain_vllm"] = bench_plain_vllm(model, args, args.log_dir)
+        except Exception as exc:     # recorded, and the kvhold part still runs
+            result["plain_vllm"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        save()
+    save(bench_kvhold(model, args, args.log_dir))
+    print(json.dumps({k: v for k, v in result["kvhold"].items() if k != "trials"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
