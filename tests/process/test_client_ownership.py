@@ -25,6 +25,8 @@ from kvhold.protocol import messages as m, wire
 from kvhold.protocol.errors import ErrorCode
 from tests.process.helpers import wait_stopped
 
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
+
 PROMPT, MAX_TOKENS = "Mine alone", 48
 INTRUDER_LISTEN_S = 4.0
 NOBODY = 65534

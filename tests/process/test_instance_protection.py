@@ -6,8 +6,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.process.helpers import free_port, wait_until
 from tests.process.test_serve_http import Server, completion
+
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
 
 RUNTIME_FILES = ("client.sock", "control.sock", "fd.sock", "sidecar.json", "lock", "token")
 

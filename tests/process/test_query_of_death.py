@@ -17,6 +17,8 @@ import pytest
 from kvhold.protocol.errors import RequestFailed
 from tests.process.helpers import FLAGS
 
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
+
 BAD_TOKEN = 3
 # a prompt of 400 tokens: prefilled in 9 chunks, so the bad request's prefill shares a step with
 # one of them, and after that death both re-run the step at the same point (the isolation test)

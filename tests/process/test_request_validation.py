@@ -21,6 +21,8 @@ from tests.process.helpers import FLAGS
 from tests.process.test_serve_http import KEY, Server
 from tests.unit.test_request_fields import POISON, records, valid_record, write_record
 
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
+
 # (body, status, code, param): each of these once reached the sidecar or the SDK unchecked
 BAD = [
     ({"prompt": "hi", "max_tokens": 2, "top_k": 2**31}, 400, "invalid_value", "top_k"),

@@ -15,6 +15,8 @@ import pytest
 
 from kvhold.serving.http_api import AppSettings, create_app
 
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
+
 KEY = "sk-guards"
 DESCRIPTION = ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")
 

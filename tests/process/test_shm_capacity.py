@@ -13,6 +13,8 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.testing.sidecar_process import SidecarProcess
 
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
+
 SHM_MB = 20
 FLAGS = ["--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16", "--standbys", "0",
          "--log-level", "INFO"]

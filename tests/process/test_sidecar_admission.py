@@ -15,6 +15,8 @@ from kvhold.protocol.errors import ProtocolError, PromptTooLarge, PromptTooLong
 from kvhold.protocol.naming import InstancePaths
 from tests.process.helpers import FLAGS
 
+pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
+
 SLOW_MS = 10
 MAX_PROMPT = 1 << 20          # the default --max-prompt-bytes
 

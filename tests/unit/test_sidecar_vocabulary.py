@@ -2,7 +2,9 @@
 them is refused when the frontend loads it, and a text prompt's ids are checked at admission
 like a token-id prompt's (a frontend over real shared tables and the demo checkpoint)."""
 import os
+import queue
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -21,14 +23,37 @@ EXTRA = ["<extra-a>", "<extra-b>"]
 
 
 class Host:
+    """The sidecar around the frontend: what it sends, and its loop's posted callbacks."""
+
+    def __init__(self):
+        self.sent: list[tuple[bytes, object]] = []
+        self.posted: queue.SimpleQueue = queue.SimpleQueue()
+
     def send_client(self, client_key, msg):
-        pass
+        self.sent.append((client_key, msg))
 
     def wake_executor(self):
         pass
 
     def status(self):
         return {}
+
+    def post(self, callback):
+        self.posted.put(callback)
+
+    def reply(self, frontend, tag, timeout=10.0):
+        """Run loop turns (posted callbacks, then admissions on disk) until `tag` is answered."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for _, msg in self.sent:
+                if getattr(msg, "tag", None) == tag:
+                    return msg
+            try:
+                self.posted.get(timeout=0.05)()
+            except queue.Empty:
+                pass
+            frontend._admit_ready()
+        raise TimeoutError(f"no reply for tag {tag}")
 
 
 @pytest.fixture
@@ -52,6 +77,12 @@ def _frontend(tables, model_dir, tmp_path) -> Frontend:
                     timeline=RecoveryTimeline(), host=Host())
 
 
+def _generate(frontend, tag, prompt):
+    """A text prompt is tokenized off the loop: its answer is sent once it is back and on disk."""
+    assert frontend.handle(b"uclient", m.Generate(tag=tag, params={"max_tokens": 2}, prompt=prompt)) is None
+    return frontend.host.reply(frontend, tag)
+
+
 def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(tiny_model, tables, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -66,10 +97,10 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(tiny_model, tables,
 
 def test_a_text_prompt_whose_ids_leave_the_vocabulary_is_refused(tiny_model, tables, tmp_path):
     frontend = _frontend(tables, tiny_model, tmp_path)
-    ok = frontend.handle(b"uclient", m.Generate(tag=1, params={"max_tokens": 2}, prompt="hello <extra-a>"))
+    ok = _generate(frontend, 1, "hello <extra-a>")
     assert isinstance(ok, m.Accepted)
-    frontend.tokenizer = _bigger_tokenizer(tiny_model)    # as if a tokenizer changed under the model
-    reply = frontend.handle(b"uclient", m.Generate(tag=2, params={"max_tokens": 2}, prompt="hello <extra-a>"))
+    frontend.tokenizer = frontend.prompts.tokenizer = _bigger_tokenizer(tiny_model)   # as if it changed under the model
+    reply = _generate(frontend, 2, "hello <extra-a>")
     assert isinstance(reply, m.Error) and reply.code == ErrorCode.INVALID_TOKEN and reply.tag == 2
-    assert "of the tokenized prompt is outside the vocabulary" in reply.message
+    assert "of the tokenized prompt" in reply.message and "outside the vocabulary" in reply.message
     assert len(frontend.streams) == 1
