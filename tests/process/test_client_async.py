@@ -124,7 +124,8 @@ def test_streams_cross_an_executor_sigkill(sidecar, reference):
     results = asyncio.run(main())
     assert seen[0] >= 40
     assert [r.token_ids for r in results] == reference
-    assert sidecar.wait_steady()["pid"] != active["pid"]
+    assert sidecar.wait_for(lambda st: [e for e in sidecar.executors(st, "active") if e["pid"] != active["pid"]],
+                            timeout=60)
 
 
 def test_a_dead_sidecar_is_an_error_in_bounded_time(tiny_model):

@@ -60,7 +60,8 @@ def test_example_app_generates_and_streams_across_a_crash(example_app):
                 if len(ids) == 10:
                     os.kill(active, signal.SIGKILL)
     assert ids == expected.token_ids and item["finish_reason"] == expected.finish_reason
-    assert sc.wait_steady()["pid"] != active
+    # The stream may have been served ahead of the kill: wait for the death to be seen, then a new active.
+    assert sc.wait_for(lambda st: [e for e in sc.executors(st, "active") if e["pid"] != active], timeout=60)
 
     bad = httpx.post(base + "/generate", json={"prompt": "x", "temperature": -1}, timeout=10)
     assert bad.status_code == 400 and bad.json()["code"] == "INVALID_PARAMS"
