@@ -176,8 +176,10 @@ class Restore:
             was_waiting, st.awaiting_resume = st.awaiting_resume, False
             if index < st.sent:
                 ids = fe.journal.generated(st.slot, index, st.sent)
-                self.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
-                                                            texts=st.text[index:st.sent]))
+                if self.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
+                                                       texts=st.text[index:st.sent])) is False:
+                    st.awaiting_resume = True    # not delivered: later tokens would leave a gap
+                    return None
             st.last_send_ns = now_ns()
             if was_waiting:
                 log.info("client re-attached to restored request %#x at token %d", rid, index)
