@@ -519,6 +519,7 @@ def test_promote_reports_what_the_connector_loaded(pool):
             report = w.promote(SimpleNamespace(detect_ns=1, fenced_epoch=1, pending_epochs=()))
         finally:
             w.llm.stop = True
+            w.llm.thread.join(10)            # before the fixture unmaps the tables it steps on
     full = 4 * ((len(PROMPT) + len(generated) - 1) // 4)       # intact full blocks, prompt -1 token
     assert report.kv_mode == "foreign-trtllm" and report.requests_resumable == 1
     assert report.tokens_kept == full - 8                    # the first 8 came from the radix tree
