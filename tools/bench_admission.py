@@ -60,7 +60,7 @@ class Burst:
                                               prompt_ids=[5, 6, 7 + i % 200])) for i in range(n)]
         self.tags = {first_tag + i for i in range(n)}
         self.sent_ns = self.answered_ns = 0
-        self.accepted = self.errors = 0
+        self.accepted = self.errors = self.done = 0
         self.error_texts: list[str] = []
 
     def run(self, timeout_s: float = 60.0) -> "Burst":
@@ -74,6 +74,7 @@ class Burst:
                 continue
             msg = wire.decode(self.sock.recv())
             tag = getattr(msg, "tag", 0)
+            self.done += isinstance(msg, m.Done)
             if tag in waiting and isinstance(msg, (m.Accepted, m.Error)):
                 waiting.discard(tag)
                 if isinstance(msg, m.Accepted):
@@ -85,6 +86,15 @@ class Burst:
         if waiting:
             raise TimeoutError(f"{len(waiting)} of {len(self.tags)} admissions unanswered")
         return self
+
+    def finish(self, timeout_s: float = 60.0) -> None:
+        """Stay connected until every accepted request's `Done`, as a client does: a socket closed
+        earlier leaves the sidecar results to keep for pickup, which is not the path measured."""
+        deadline, done = time.monotonic() + timeout_s, self.done
+        while done < self.accepted and time.monotonic() < deadline:
+            if self.sock.poll(100):
+                done += isinstance(wire.decode(self.sock.recv()), m.Done)
+        self.done = done
 
     def close(self) -> None:
         self.sock.close(0)
@@ -131,6 +141,7 @@ def throughput(sc: SidecarProcess, endpoint: str, rounds: int, n: int) -> dict:
         cpu0 = cpu_s(sc.proc.pid)
         burst = Burst(endpoint, n, first_tag=1 + r * n).run()
         cpu1 = cpu_s(sc.proc.pid)
+        burst.finish()
         burst.close()
         after = status(sc)["admissions"].get("durable") or {}
         seconds = (burst.answered_ns - burst.sent_ns) / 1e9
@@ -160,6 +171,7 @@ def kills(sc: SidecarProcess, endpoint: str, trials: int, n: int, delay_ms: floa
         t0 = time.monotonic_ns()
         os.kill(pid, signal.SIGKILL)
         thread.join(120)
+        burst.finish()
         burst.close()
         deadline = time.monotonic() + 60
         while not (fence := next((e for e in status(sc)["events"] if e["kind"] == "fence"

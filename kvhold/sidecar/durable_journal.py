@@ -16,7 +16,9 @@ with a CRC32 of the canonical JSON of `body`. Two kinds of file hold records:
   admissions it holds, and none on the sidecar's event loop. The frontend acknowledges
   an admission (and makes it runnable) only once its batch is durable. A request's end is
   recorded by appending its id to the segment's `seg-<seq hex>.ended` (not fsynced, like
-  the unlink it replaces); a segment whose requests have all ended is removed with it;
+  the unlink it replaces); a segment whose requests have all ended is removed with it.
+  These file operations run on the group commit's thread too, so a request's end costs the
+  loop no system call;
 * **request files**, `req-<id hex>.json`: one record each, written atomically the same
   way (temporary file, fsync, rename, directory fsync) by `write`, at drain (pool restart,
   SIGTERM) with the tokens committed so far. A request file supersedes the request's
@@ -171,7 +173,9 @@ class DurableJournal:
         self._segment_of: dict[int, str] = {}     # live request id -> the segment with its admission
         self._live: dict[str, set[int]] = {}      # segment name -> its requests not ended yet
         self._loaded_lines: dict[int, bytes] = {}  # restored from a segment, until restore is done
+        self._files: set[int] = set()               # request ids with a request file
         self.batches = self.batched_records = 0
+        self.defer: Callable[[Callable[[], None]], None] | None = None   # GroupCommit: file ops off the loop
 
     def path_for(self, request_id: int) -> Path:
         return self.dir / f"{PREFIX}{request_id:016x}{SUFFIX}"
@@ -181,6 +185,7 @@ class DurableJournal:
         """Atomically replace the request's record file (fsync file, rename, fsync directory)."""
         path = self.path_for(int(body["request_id"]))
         self._write_file(path, encode_record(body))
+        self._files.add(int(body["request_id"]))
 
     def write_batch(self, bodies: list[dict]) -> str:
         """One admission segment holding `bodies`, durable on return; its name. The records
@@ -224,27 +229,40 @@ class DurableJournal:
 
     def remove(self, request_id: int) -> None:
         """The request ended: its records go (a request file is unlinked, an admission record
-        marked ended in its segment, the segment removed once none of its requests is live)."""
-        self.path_for(request_id).unlink(missing_ok=True)
+        marked ended in its segment, the segment removed once none of its requests is live).
+        The bookkeeping is done here; the file operations by `defer` when it is set (the group
+        commit's thread, in order after the segment's own write), else at once."""
+        if request_id in self._files:
+            self._files.discard(request_id)
+            self._run(lambda: self.path_for(request_id).unlink(missing_ok=True))
         name = self._segment_of.pop(request_id, None)
         if name is None:
             return
         live = self._live.get(name, set())
         live.discard(request_id)
         if live:
-            try:
-                fd = os.open(self.dir / (name[:-len(SEGMENT_SUFFIX)] + ENDED_SUFFIX),
-                             os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                try:
-                    os.write(fd, f"{request_id:016x}\n".encode())
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.error("could not mark request %#x ended in %s: %s (a crash now would run it "
-                          "again)", request_id, name, exc)
+            self._run(lambda: self._mark_ended(name, request_id))
             return
         self._live.pop(name, None)
-        self._unlink_segment(name)
+        self._run(lambda: self._unlink_segment(name))
+
+    def _run(self, op: Callable[[], None]) -> None:
+        if self.defer is not None:
+            self.defer(op)
+        else:
+            op()
+
+    def _mark_ended(self, name: str, request_id: int) -> None:
+        try:
+            fd = os.open(self.dir / (name[:-len(SEGMENT_SUFFIX)] + ENDED_SUFFIX),
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, f"{request_id:016x}\n".encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("could not mark request %#x ended in %s: %s (a crash now would run it "
+                      "again)", request_id, name, exc)
 
     def _unlink_segment(self, name: str) -> None:
         (self.dir / name).unlink(missing_ok=True)
@@ -291,6 +309,7 @@ class DurableJournal:
                 if rid is not None and body["request_id"] != rid:
                     raise ValueError(f"names request {body['request_id']:#x}, file says {rid:#x}")
                 good[body["request_id"]] = body
+                self._files.add(body["request_id"])
                 from_segments.pop(body["request_id"], None)     # the request file is newer
             except Exception as exc:     # noqa: BLE001 - one record must never stop a start
                 reason = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
@@ -376,6 +395,7 @@ class DurableJournal:
                 dest.write_bytes(line)
             else:
                 os.replace(path, dest)
+                self._files.discard(request_id)
             dest.with_suffix(".reason").write_text(reason + "\n")
             if request_id in self._segment_of:        # its admission record is not restored either
                 self.remove(request_id)
@@ -394,16 +414,23 @@ class GroupCommit:
     its last batch, writes it as one segment (`DurableJournal.write_batch`: two fsyncs per
     batch) and calls `on_done(name, request_ids, error)` from that thread: `name` is None and
     `error` the OSError when the disk refused the batch, which then left no file behind.
-    `close` lets the batch being written finish and returns the records never written."""
+    The same thread runs the journal's other file operations (`DurableJournal.defer`: ended
+    marks, unlinks), after the batch it took with them, so the loop makes no system call for
+    a request's end either.
+    `close` lets the batch being written finish, runs the file operations queued, and
+    returns the records never written."""
 
     def __init__(self, journal: DurableJournal, on_done: Callable[[str | None, list[int], OSError | None], None]):
         self.journal = journal
         self.on_done = on_done
         self._queue: list[dict] = []
+        self._ops: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._closing = False
+        self._busy = False
         self._thread = threading.Thread(target=self._run, name="journal-commit", daemon=True)
         self._thread.start()
+        journal.defer = self._defer
 
     def submit(self, body: dict) -> None:
         with self._cond:
@@ -412,21 +439,41 @@ class GroupCommit:
             self._queue.append(body)
             self._cond.notify()
 
+    def _defer(self, op: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closing:
+                op()                     # the thread is gone or going: at once, on the caller's
+                return
+            self._ops.append(op)
+            self._cond.notify()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
+                self._busy = False
+                self._cond.notify_all()
+                while not self._queue and not self._ops and not self._closing:
                     self._cond.wait()
                 if self._closing:
                     return
                 batch, self._queue = self._queue, []
-            ids = [int(b["request_id"]) for b in batch]
-            try:
-                name, error = self.journal.write_batch(batch), None
-            except OSError as exc:
-                name, error = None, exc
-                log.error("cannot write %d admission records durably: %s", len(batch), exc)
-            self.on_done(name, ids, error)
+                ops, self._ops = self._ops, []
+                self._busy = True
+            if batch:
+                ids = [int(b["request_id"]) for b in batch]
+                try:
+                    name, error = self.journal.write_batch(batch), None
+                except OSError as exc:
+                    name, error = None, exc
+                    log.error("cannot write %d admission records durably: %s", len(batch), exc)
+                self.on_done(name, ids, error)
+            _run_ops(ops)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until everything queued so far is written and done; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._closing or not (self._busy or self._queue or self._ops),
+                                       timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> list[dict]:
         with self._cond:
@@ -434,7 +481,19 @@ class GroupCommit:
             unwritten, self._queue = self._queue, []
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        with self._cond:
+            ops, self._ops = self._ops, []
+        _run_ops(ops)                    # queued ended marks and unlinks are not lost
+        self.journal.defer = None
         return unwritten
+
+
+def _run_ops(ops: list[Callable[[], None]]) -> None:
+    for op in ops:
+        try:
+            op()
+        except OSError as exc:       # an unlink refused: that request comes back once more
+            log.error("journal file operation failed: %s", exc)
 
 
 def _id_from_name(name: str) -> int | None:

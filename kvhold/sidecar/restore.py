@@ -17,8 +17,10 @@ Only the client key recorded at admission (transport, authenticated principal an
 routing id: kvhold.sidecar.client_peers) may resume. A live stream whose owner is not
 connected as itself when a message is due is held the same way until its owner resumes.
 * A restored request whose client never comes back still runs to the end; its result
-  is kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S, listed in the status
-  (`pool_restart.unclaimed`) and logged, then dropped with a log line.
+  is kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S (at most UNCLAIMED_MAX
+  results, the oldest dropped first), counted and listed (the newest UNCLAIMED_LISTED) in
+  the status (`pool_restart.unclaimed`, `unclaimed_total`) and logged, then dropped with a
+  log line.
 * A record that cannot be restored (damaged, a field of the wrong type or out of range,
   model changed, no longer fits, or any error while re-admitting it) is reported failed:
   in the status (`pool_restart.failed`, with the reason), in the log, kept under failed/
@@ -31,6 +33,7 @@ the sidecar started, and a `send_client` callable.
 from __future__ import annotations
 
 import logging
+from itertools import islice
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +45,8 @@ from kvhold.sidecar.durable_journal import FailedRecord
 
 log = logging.getLogger(__name__)
 UNCLAIMED_KEEP_S = 600.0
+UNCLAIMED_MAX = 4096        # results kept at most: past it the oldest is dropped (and logged)
+UNCLAIMED_LISTED = 64       # the newest so many are listed in the status, all are counted
 
 
 @dataclass(slots=True)
@@ -146,8 +151,14 @@ class Restore:
 
     def park(self, st, ids: list[int], done: m.Done) -> None:
         """A restored or held request ended before its client came back: keep the result for pickup."""
+        self.unclaimed.pop(st.request_id, None)          # kept in the order they finished
         self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
                                                   now_ns())
+        if len(self.unclaimed) > UNCLAIMED_MAX:
+            oldest = next(iter(self.unclaimed))
+            del self.unclaimed[oldest]
+            log.warning("dropped the unclaimed result of request %#x: more than %d results wait "
+                        "for pickup", oldest, UNCLAIMED_MAX)
         log.warning("request %#x finished with no client attached "
                     "(%d tokens, %s): result kept for pickup for %.0f s", st.request_id, len(ids),
                     done.finish_reason, UNCLAIMED_KEEP_S)
@@ -199,8 +210,11 @@ class Restore:
                 f"{self.generation}); it is not in its durable journal")
 
     def tick(self, now: int) -> None:
-        expired = [rid for rid, u in self.unclaimed.items() if now - u.finished_ns > UNCLAIMED_KEEP_S * 1e9]
-        for rid in expired:
+        oldest_kept = now - int(UNCLAIMED_KEEP_S * 1e9)
+        while self.unclaimed:                     # in finishing order: only the expired are visited
+            rid = next(iter(self.unclaimed))
+            if self.unclaimed[rid].finished_ns >= oldest_kept:
+                return
             del self.unclaimed[rid]
             log.warning("dropped the unclaimed result of request %#x after %.0f s", rid, UNCLAIMED_KEEP_S)
 
@@ -209,6 +223,7 @@ class Restore:
                 "previous_drain": self.report.get("previous_drain"),
                 "failed": [f.to_dict() for f in self.failed.values()],
                 "unclaimed": [{"request_id": rid, "tokens": len(u.ids), "finish_reason": u.done.finish_reason}
-                              for rid, u in self.unclaimed.items()],
+                              for rid, u in reversed(list(islice(reversed(self.unclaimed.items()), UNCLAIMED_LISTED)))],
+                "unclaimed_total": len(self.unclaimed),
                 "awaiting_resume": sorted(st.request_id for st in self.frontend.streams.values()
                                           if st.awaiting_resume)}

@@ -163,3 +163,38 @@ def test_group_commit_reports_a_refused_batch(tmp_path, monkeypatch):
         time.sleep(0.01)
     commit.close()
     assert done[0][:2] == (None, [1]) and done[0][2].errno == errno.ENOSPC
+
+
+def test_a_request_end_costs_the_caller_no_file_operation(tmp_path, monkeypatch):
+    """With a group commit, `remove` only does the bookkeeping: the ended mark and the unlink
+    run on the commit's thread, after the batch they came with; `close` runs what is queued."""
+    d = DurableJournal(tmp_path / "j")
+    done: list = []
+    commit = GroupCommit(d, lambda name, ids, error: done.append((name, ids)))
+    for rid in (1, 2, 3):
+        commit.submit(body(rid))
+        assert commit.wait_idle()
+    for name, ids in done:
+        d.committed(name, ids)
+    caller, seen = threading.get_ident(), []
+    real_open, real_unlink = os.open, os.unlink
+
+    def watch(real):
+        return lambda *a, **k: (seen.append(threading.get_ident()), real(*a, **k))[1]
+
+    monkeypatch.setattr(os, "open", watch(real_open))
+    monkeypatch.setattr(os, "unlink", watch(real_unlink))
+    gate = threading.Event()
+    commit._defer(lambda: gate.wait(10))          # hold the thread: the next ops queue behind
+    d.remove(1)                                   # its segment goes
+    assert seen == [] and len(names(d)) == 3      # nothing done on the caller's thread yet
+    gate.set()
+    assert commit.wait_idle() and len(names(d)) == 2
+    assert seen and caller not in seen
+    gate.clear()
+    commit._defer(lambda: gate.wait(0.2))
+    d.remove(2)
+    assert commit.close() == []                   # the queued unlink is run, not lost
+    assert [n for n in names(d)] == [done[2][0]]
+    monkeypatch.undo()
+    assert [b["request_id"] for b in DurableJournal(tmp_path / "j").load()[0]] == [3]
