@@ -25,16 +25,18 @@ ZMQ_SRCFD) has not been seen to close since (socket monitor: DISCONNECTED or CLO
 or ACCEPTED of a new connection reusing the descriptor; the monitor's queue is
 unbounded, so no event is lost). Otherwise the message is dropped and the caller told;
 the frontend then holds the stream until its owner resumes it (the SDK sends `Resume`
-after a second of silence, from whatever connection it has by then). The monitor is
-checked right before every send (a poll(2) of its descriptor, drained only when that
-signals), and libzmq reports a connection's end before its routing id can pass to
-another, so a message reaches a stranger only if the owner's connection ends and a
-stranger's takes its routing id within the microseconds between a check and its send.
+after a second of silence, from whatever connection it has by then). The monitors are
+drained right before every send and before every message from a client is attributed
+(their ZMQ_EVENTS read each time: ZMQ_FD is edge-triggered, and a poll(2) of it can miss
+an event already queued, which then, applied after a reconnected owner's `Resume`,
+would drop the new connection's claim and refuse the resend). libzmq reports a
+connection's end before its routing id can pass to another, so a message reaches a
+stranger only if the owner's connection ends and a stranger's takes its routing id
+within the microseconds between a check and its send.
 """
 from __future__ import annotations
 
 import logging
-import select
 import struct
 
 import zmq
@@ -79,7 +81,6 @@ class ClientPeers:
     def __init__(self):
         self._transports: dict[bytes, str] = {}
         self._monitors: list[zmq.Socket] = []
-        self._signals = select.poll()     # the monitors' ZMQ_FDs: readable once an event may wait
         self._holder: dict[tuple[bytes, bytes], tuple[bytes, int]] = {}   # (via, routing id) -> (principal, fd)
         self._by_fd: dict[int, set[tuple[bytes, bytes]]] = {}
         self.num_refused_sends = 0
@@ -97,12 +98,11 @@ class ClientPeers:
         mon.connect(addr)
         self._transports[via] = how
         self._monitors.append(mon)
-        self._signals.register(mon.getsockopt(zmq.FD), select.POLLIN)
         self.refresh()
 
     def seen(self, via: bytes, routing_id: bytes, frame: zmq.Frame) -> bytes:
         """A message `frame` came from `routing_id`: its client key; its connection now holds the id."""
-        self._refresh_if_signalled()   # ends of connections before this message apply, not after
+        self.refresh()                 # ends of connections before this message apply, not after
         principal = principal_of(self._transports[via], frame)
         fd = frame.get(zmq.SRCFD)
         slot = (via, routing_id)
@@ -115,17 +115,12 @@ class ClientPeers:
 
     def may_send(self, via: bytes, routing_id: bytes, principal: bytes) -> bool:
         """Whether the connection that holds `routing_id` now is known to be `principal`'s."""
-        self._refresh_if_signalled()
+        self.refresh()
         holder = self._holder.get((via, routing_id))
         if holder is not None and holder[0] == principal:
             return True
         self.num_refused_sends += 1
         return False
-
-    def _refresh_if_signalled(self) -> None:
-        # ZMQ_FD is edge-like: after a full drain it turns readable when the next event arrives
-        if self._signals.poll(0):
-            self.refresh()
 
     def refresh(self) -> None:
         """Apply every monitor event that has arrived (drains each monitor to empty)."""
@@ -142,6 +137,5 @@ class ClientPeers:
 
     def close(self) -> None:
         for mon in self._monitors:
-            self._signals.unregister(mon.getsockopt(zmq.FD))
             mon.close(0)
         self._monitors.clear()
