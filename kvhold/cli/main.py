@@ -197,7 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("top", help="live view of a running sidecar (executors, page pool, recoveries)")
+    p = sub.add_parser("top", help="live view of a running sidecar (executors, page pool, recoveries)",
+                       description="A live view of one sidecar that fits the terminal (80x24 at the "
+                                   "least): throughput, time to first token, running and waiting "
+                                   "requests, executors, the KV page pool (one glyph per state: "
+                                   "· free, ▒ partly committed, █ committed, ? quarantined, ~ being "
+                                   "written, X bad), recent recoveries and events. q or Ctrl-C quits; "
+                                   "a sidecar that stops answering leaves its last frame, marked STALE.")
     add_instance_args(p)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
