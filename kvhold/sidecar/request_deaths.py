@@ -1,5 +1,5 @@
 """Executor deaths counted per request: a request that kills every executor that runs it (a
-"query of death") is failed at its second death instead of being retried for ever.
+"query of death") is failed at its third death instead of being retried for ever.
 
 Before each step the active executor names the step's requests in the journal (their
 `step_epoch` and `step_seq`, and the KV positions the step computes, `step_start` to
@@ -13,11 +13,19 @@ dead step becomes a suspect with its KV end: the next active executor is promote
 `isolate()` and runs each suspect's step that reaches that position again with no other
 request in it. At a later death with a suspect in the step:
 * the step reached its recorded position from before it: it was that isolated re-run, so the
-  request died again alone at the same place: a second death, and it is failed (MAX_DEATHS);
+  request died again alone at the same place: one more death; at MAX_DEATHS it is failed;
 * the step started at or past that position: the request had already run it alone and
   survived, so the earlier death was not its doing: it is a suspect anew, one death;
 * the step ended before it (recomputation of KV that had been committed, batched with
   others): it proves nothing, and the count stays.
+Why three and not two: a kill from outside (an operator, an orchestrator, the OOM killer
+reclaiming memory elsewhere, a supervisor killing a successor mid-takeover) lands on the
+isolated re-run whenever it comes soon after the first death, since that re-run is the first
+step the successor takes; with two deaths such a pair fails a healthy request (a soak of
+SIGKILLs that kills successors during their takeover failed 8 of 60 requests so). A request
+that really crashes the engine dies in every isolated re-run at the same position, so the
+third death costs it one more executor restart, and a second re-run that also dies alone
+at the same place is no longer a coincidence of timing.
 A failed request's stream gets an error naming the cause, its journal entry is cancelled so
 that the next executor finishes it without running it, and the others continue unchanged.
 What this costs: after a death, one step alone for each request that was in the dead step.
@@ -35,7 +43,7 @@ from kvhold.protocol.leases import LeaseTable
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
-MAX_DEATHS = 2       # executor deaths with the same request in the step, at the same position
+MAX_DEATHS = 3       # executor deaths with the same request in the step, at the same position
 
 
 @dataclass(slots=True)
@@ -76,7 +84,7 @@ class RequestDeaths:
                 self.num_failed += 1
                 failed.append(rid)
                 self.fail(rid, jslot, f"request {rid:#x} failed: the executor died {s.deaths} times while "
-                          f"running it, the last time with no other request in its step (at KV position "
+                          f"running it, the last {s.deaths - 1} times with no other request in its step (at KV position "
                           f"{end}); it crashes the engine and is not retried (check its prompt and "
                           f"parameters, or the model's tokenizer and vocabulary)")
         return failed
