@@ -25,7 +25,8 @@ from pathlib import Path
 from kvhold import __version__
 from kvhold.protocol.logs import setup_logging
 from kvhold.serving.flags import add_router_args, add_serve_args
-from kvhold.sidecar.flags import add_instance_args, add_registry_args, add_sidecar_args, env, sidecar_config_from_args
+from kvhold.sidecar.flags import (add_instance_args, add_log_level_arg, add_registry_args, add_sidecar_args, env,
+                                 sidecar_config_from_args)
 
 
 def cmd_sidecar(args) -> int:
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--kill-after", type=int, default=16,
                    help="SIGKILL the executor once this many tokens were streamed in total")
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"))
+    add_log_level_arg(p, default="WARNING")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("sidecar", help="run a sidecar", description=cmd_sidecar.__doc__)

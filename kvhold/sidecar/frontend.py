@@ -102,6 +102,7 @@ class Frontend:
         self._next_pump_ns = 0
         self.num_admitted = 0
         self.num_tokens = 0                                    # generated tokens streamed, in all
+        self.num_prompt_tokens = 0                             # prompt tokens admitted, in all
         self.first_token_ms: collections.deque = collections.deque(maxlen=256)   # the latest admissions'
         self.num_finished = collections.Counter()
         self.closed: dict[str, str] = {}    # why admissions are closed, by who closed them
@@ -274,6 +275,7 @@ class Frontend:
             self.records[p.request_id] = dict(p.body, generated=[])
             self._open_stream(p.request_id, slot, p.identity, p.prompt_ids, p.prefix)
             self.num_admitted += 1
+            self.num_prompt_tokens += len(p.prompt_ids)
             admitted += 1
             self.host.send_client(p.identity, m.Accepted(tag=p.tag, request_id=p.request_id,
                                                          prompt_tokens=len(p.prompt_ids)))
