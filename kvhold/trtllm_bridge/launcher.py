@@ -17,8 +17,9 @@ holds a lease, maps the tables, the weights region and the KV region, and follow
 standby -> active lifecycle (kvhold.executor.runtime). Its workload (`TrtllmWorkload`):
 * prepare: weights from the region (the designated loader fills and seals it first), an
   `LLM` built with `KvholdCheckpointLoader` (trtllm_weights) and the kvhold connector
-  (trtllm_connector), KV blocks of `page_tokens` tokens, block reuse on and the
-  GUARANTEED_NO_EVICT scheduler (`llm_kwargs` says why); a standby is fully warmed.
+  (trtllm_connector), KV blocks of `page_tokens` tokens, block reuse on, the
+  GUARANTEED_NO_EVICT scheduler and CUDA graphs off (`llm_kwargs` says why); a standby is
+  fully warmed.
 * promote: validate the mirrored pages of every live journal request
   (`KvMirror.plan_restore`, full blocks only), then resubmit each (prompt plus committed
   tokens); the connector loads the intact blocks instead of prefilling them, and the
@@ -70,6 +71,14 @@ OWNED = {
     "speculative_config": "TensorRT-LLM refuses a KV connector with speculative decoding "
                           "(py_executor_creator.py: 'KV connector is not supported with speculative decoding')",
 }
+# TensorRT-LLM turns CUDA graphs on by default (TorchLlmArgs.cuda_graph_config = CudaGraphConfig());
+# with a KV connector, some of its versions refuse them at start (py_executor_creator.py: "CUDA
+# graphs are not supported with KV connector hooks") and its own connector tests and examples
+# (tests/unittest/_torch/test_connector.py, llm_kv_cache_connector) all run with
+# cuda_graph_config=None: the bridge pins them off.
+NO_CUDA_GRAPHS = ("CUDA graphs stay off with the kvhold connector (TensorRT-LLM refuses them with a KV "
+                  "connector in some versions and tests connectors only without them); set "
+                  "cuda_graph_config: null or leave it out")
 # attention backend -> token order inside a KV block (resource_manager.get_buffers' kv_layout)
 BACKEND_LAYOUTS = {"TRTLLM": "hnd", "VANILLA": "nhd", "FLASHINFER": "nhd"}
 NO_EVICT = "GUARANTEED_NO_EVICT"
@@ -81,17 +90,20 @@ def llm_kwargs(settings: ExecutorSettings, geometry, options: dict | None = None
     KV blocks hold exactly kvhold's `page_tokens`. Block reuse is on: TensorRT-LLM asks the
     connector for matched tokens only when it is (kvCacheManager.cpp's addSequence), so without
     it nothing would be loaded after a takeover. The capacity scheduler is GUARANTEED_NO_EVICT,
-    the only policy TensorRT-LLM accepts with a connector. `options` (a YAML mapping, as for
+    the only policy TensorRT-LLM accepts with a connector. CUDA graphs are off
+    (`cuda_graph_config=None`; `NO_CUDA_GRAPHS` says why). `options` (a YAML mapping, as for
     trtllm-serve's --extra_llm_api_options) is applied last; a key the bridge owns (`OWNED`),
     or a value contradicting one it pins, is refused with a ValueError that names it."""
     kv_cache = {"tokens_per_block": geometry.kv.page_tokens, "enable_block_reuse": True}
     kw = {"model": settings.model, "max_batch_size": settings.max_batch,
           "max_num_tokens": settings.max_batch_tokens, "max_seq_len": geometry.max_seq_len,
           "kv_cache_config": dict(kv_cache), "scheduler_config": {"capacity_scheduler_policy": NO_EVICT},
-          "kv_connector_config": dict(CONNECTOR)}
+          "kv_connector_config": dict(CONNECTOR), "cuda_graph_config": None}
     for key, value in (options or {}).items():
         if key in OWNED:
             raise ValueError(f"--llm-options may not set {key}: {OWNED[key]}")
+        if key == "cuda_graph_config" and value is not None:
+            raise ValueError(f"--llm-options may not set cuda_graph_config={value!r}: {NO_CUDA_GRAPHS}")
         if key == "kv_cache_config":
             value = _pinned(key, value, kv_cache)
         elif key == "scheduler_config":

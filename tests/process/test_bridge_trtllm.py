@@ -12,16 +12,19 @@ import math
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from kvhold.executor.kv_cache import KvCache
@@ -578,3 +581,29 @@ class _Output(list):
 
     def abort(self):
         self.aborted = True
+
+
+def _llm_options_examples():
+    """Every YAML block of the TensorRT-LLM deploy and bridge docs: `--llm-options` files."""
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("deploy/trtllm.md", "docs/TRTLLM_BRIDGE.md", "kvhold/trtllm_bridge/README.md"):
+        for block in re.findall(r"```yaml\n(.*?)```", (root / doc).read_text(), re.S):
+            yield doc, yaml.safe_load(block)
+
+
+def test_the_documented_llm_options_are_what_the_launcher_accepts():
+    examples = list(_llm_options_examples())
+    assert examples, "the deploy docs lost their --llm-options example"
+    for doc, options in examples:
+        kw = llm_kwargs(SETTINGS, GEOM, options)
+        assert kw["cuda_graph_config"] is None, doc
+
+
+def test_cuda_graphs_stay_off_with_the_connector():
+    """TensorRT-LLM turns CUDA graphs on by default (TorchLlmArgs.cuda_graph_config); some of its
+    versions refuse them with a KV connector at start, and its own connector tests run without
+    them: the launcher turns them off and refuses an options file that turns them on."""
+    assert llm_kwargs(SETTINGS, GEOM)["cuda_graph_config"] is None
+    assert llm_kwargs(SETTINGS, GEOM, {"cuda_graph_config": None})["cuda_graph_config"] is None
+    with pytest.raises(ValueError, match="cuda_graph_config"):
+        llm_kwargs(SETTINGS, GEOM, {"cuda_graph_config": {"max_batch_size": 64}})
