@@ -71,6 +71,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], compute_dtype: torch.dtype,
                  device: torch.device, max_positions: int):
+        if device.type == "cuda" and (refusal := spec.cuda_refusal(max_positions)) is not None:
+            raise ValueError(refusal)
         self.spec = spec
         self.w = weights
         self.dtype = compute_dtype
@@ -84,9 +86,6 @@ class LlamaModel:
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         self.fused = None
         if device.type == "cuda":
-            refusal = spec.cuda_refusal(max_positions)
-            if refusal is not None:
-                raise ValueError(refusal)
             from kvhold.executor.cuda_layers import FusedLayers, fused_enabled
 
             self.fused = FusedLayers(self) if fused_enabled() else None
