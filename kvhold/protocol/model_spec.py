@@ -102,13 +102,17 @@ class ModelSpec:
                 raise CheckpointError(f"{gen_path}: not valid JSON ({exc})") from None
         try:
             spec = cls.from_config(cfg)
-            extra = _token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{cfg_path}: {exc}") from None
-        eos = spec.eos_token_ids + tuple(e for e in dict.fromkeys(extra) if e not in spec.eos_token_ids)
-        if any(not 0 <= e < spec.vocab_size for e in eos):
-            raise CheckpointError(f"{gen_path}: eos_token_id {list(eos)} outside the vocabulary "
+        try:
+            extra = _token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
+        except ValueError as exc:
+            raise CheckpointError(f"{gen_path}: {exc}") from None
+        bad = [e for e in extra if not 0 <= e < spec.vocab_size]
+        if bad:
+            raise CheckpointError(f"{gen_path}: eos_token_id {bad} outside the vocabulary "
                                   f"(vocab_size {spec.vocab_size})")
+        eos = spec.eos_token_ids + tuple(e for e in dict.fromkeys(extra) if e not in spec.eos_token_ids)
         return dataclasses.replace(spec, eos_token_ids=eos)
 
     @classmethod

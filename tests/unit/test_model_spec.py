@@ -38,8 +38,9 @@ def test_generation_config_end_ids_join_the_configs(ckpt):
 
 @pytest.mark.parametrize("body,needle", [
     ("{nope", "generation_config.json: not valid JSON"),
-    (json.dumps({"eos_token_id": [2, "x"]}), "eos_token_id must be an integer or a list of integers"),
-    (json.dumps({"eos_token_id": [2, 100000]}), "outside the vocabulary"),
+    (json.dumps({"eos_token_id": [2, "x"]}),
+     "generation_config.json: eos_token_id must be an integer or a list of integers"),
+    (json.dumps({"eos_token_id": [2, 100000]}), "generation_config.json: eos_token_id \\[100000\\] outside"),
 ])
 def test_a_bad_generation_config_is_refused_with_the_file(ckpt, body, needle):
     (ckpt / "generation_config.json").write_text(body)
