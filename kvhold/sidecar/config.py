@@ -331,6 +331,10 @@ class SidecarConfig:
         if spec is not None and max_seq > spec.max_position:
             raise ValueError(f"--max-seq-len {max_seq} exceeds the model's "
                              f"max_position_embeddings ({spec.max_position})")
+        if spec is not None and self.executors.workload == "engine" and pool.device.startswith("cuda"):
+            refusal = spec.cuda_refusal(max_seq)
+            if refusal is not None:
+                raise ValueError(refusal)
         if pool.kv_pages is not None:
             pages = pool.kv_pages
         elif pool.kv_memory_bytes is not None:
