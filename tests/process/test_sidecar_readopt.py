@@ -2,6 +2,7 @@
 instance re-adopts the tables, regions, executors and in-flight requests, and the streams
 finish as an uninterrupted run would, with nothing recomputed and the weights not reloaded.
 Real processes, real signals, real shared memory."""
+import contextlib
 import os
 import signal
 import time
@@ -12,8 +13,7 @@ from kvhold.client.client import wait_all
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
 from tests.process.helpers import sidecar_log, wait_until
 
-pytestmark = pytest.mark.slow
-
+IDLE = ["--workload", "idle", "--lease-ms", "300", "--log-level", "INFO"]
 FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
          "--standbys", "1", "--log-level", "INFO"]
 REQUESTS = [   # long enough to be mid-stream at the kill; greedy and seeded sampling
@@ -39,12 +39,100 @@ def start(flags, runtime_root, log_path, instance=None) -> SidecarProcess:
     return SidecarProcess(flags, instance=instance, runtime_root=runtime_root, log_path=log_path).start()
 
 
+def kill_sidecar_only(sc: SidecarProcess) -> None:
+    os.kill(sc.proc.pid, signal.SIGKILL)       # not its process group: its executors live on
+    sc.proc.wait()
+
+
+def test_executors_wait_for_a_sidecar_then_exit_when_none_comes(runtime_root, tmp_path):
+    sc = start(IDLE + ["--journal-dir", str(tmp_path / "j"), "--sidecar-wait-ms", "1500"],
+               runtime_root, tmp_path / "a.log")
+    try:
+        sc.wait_steady()
+        pids = list(roles(sc.status()))
+        kill_sidecar_only(sc)
+        time.sleep(0.5)
+        assert all(alive(p) for p in pids)                    # waiting, with their mappings
+        wait_until(lambda: not any(alive(p) for p in pids), timeout_s=10, what="the executors to give up")
+        assert "no sidecar adopted this executor within 2 s; exiting" in sidecar_log(sc)
+    finally:
+        sc.stop(signal.SIGKILL)
+
+
+def test_with_no_wait_executors_exit_with_their_sidecar(runtime_root, tmp_path):
+    sc = start(IDLE + ["--journal-dir", str(tmp_path / "j"), "--sidecar-wait-ms", "0"],
+               runtime_root, tmp_path / "a.log")
+    try:
+        sc.wait_steady()
+        pids = list(roles(sc.status()))
+        kill_sidecar_only(sc)
+        wait_until(lambda: not any(alive(p) for p in pids), timeout_s=5, what="the executors to exit")
+    finally:
+        sc.stop(signal.SIGKILL)
+
+
+def test_idle_pool_is_readopted_and_a_takeover_follows(runtime_root, tmp_path):
+    flags = IDLE + ["--journal-dir", str(tmp_path / "j")]
+    first = start(flags, runtime_root, tmp_path / "a.log")
+    second, clients = None, contextlib.ExitStack()
+    try:
+        first.wait_steady()
+        before = roles(first.status())
+        generation = first.status()["generation"]
+        kill_sidecar_only(first)
+        second = start(flags, runtime_root, tmp_path / "b.log", instance=first.instance)
+        wait_until(lambda: set(before) <= {e["pid"] for e in second.events("attach")},
+                   timeout_s=20, what="both executors to attach again")
+        status = second.status()
+        assert roles(status) == before and status["generation"] == generation
+        assert not second.events("spawn") and not second.events("fence")
+        stale = [line for line in sidecar_log(second).splitlines() if "stale object" in line]
+        assert stale and not any("/kvhold-" in line for line in stale)   # its sockets, none of its shm
+        active = next(p for p, r in before.items() if r == "active")
+        standby = next(p for p, r in before.items() if r == "standby")
+        os.kill(active, signal.SIGKILL)
+        new = second.wait_for(lambda st: next((e["pid"] for e in st["executors"]
+                                               if e["role"] == "active" and e["pid"] != active), None))
+        assert new == standby                                    # the standby took over
+        assert [e["pid"] for e in second.events("fence")] == [active]
+    finally:
+        clients.close()
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
+
+
+def test_a_pool_that_cannot_be_adopted_is_replaced_and_its_executors_killed(runtime_root, tmp_path):
+    flags = IDLE + ["--journal-dir", str(tmp_path / "j")]
+    first = start(flags + ["--kv-pages", "160"], runtime_root, tmp_path / "a.log")
+    second, clients = None, contextlib.ExitStack()
+    try:
+        first.wait_steady()
+        old, generation = list(roles(first.status())), first.status()["generation"]
+        kill_sidecar_only(first)
+        second = start(flags + ["--kv-pages", "192"], runtime_root, tmp_path / "b.log",
+                       instance=first.instance)
+        assert not any(alive(p) for p in old)           # killed before the fresh pool was made
+        second.wait_steady()
+        status = second.status()
+        assert status["adoption"] is None and status["generation"] == generation + 1
+        assert not set(roles(status)) & set(old)
+        log = sidecar_log(second)
+        assert "not adopting the pool of sidecar pid" in log and "table geometry differs" in log
+    finally:
+        clients.close()
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
 def test_sigkilled_sidecar_is_readopted_with_its_executors_and_streams(tiny_model, runtime_root, tmp_path):
     flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(tmp_path / "journal")]
     first = start(flags, runtime_root, tmp_path / "first.log")
-    second = None
+    second, clients = None, contextlib.ExitStack()
     try:
-        client = first.new_client(timeout=60)
+        client = clients.enter_context(first.new_client(timeout=60))
         uninterrupted = wait_all(submit_requests(client, REQUESTS))
         reference, texts = [r.token_ids for r in uninterrupted], [r.text for r in uninterrupted]
 
@@ -97,7 +185,7 @@ def test_sigkilled_sidecar_is_readopted_with_its_executors_and_streams(tiny_mode
         assert status["recoveries"] == []                       # no takeover was needed
 
         # the normal takeover still works after re-adoption
-        streams = submit_requests(second.new_client(timeout=60), REQUESTS)
+        streams = submit_requests(clients.enter_context(second.new_client(timeout=60)), REQUESTS)
         for s in streams:
             next(s)
         os.kill(active, signal.SIGKILL)
@@ -107,7 +195,47 @@ def test_sigkilled_sidecar_is_readopted_with_its_executors_and_streams(tiny_mode
         assert after["pid"] == standby
         assert len(second.status()["recoveries"]) == 1
     finally:
+        clients.close()
         if second is not None:
             second.stop()
         first.stop(signal.SIGKILL)      # whatever is left of its process group
 
+
+
+@pytest.mark.slow
+def test_an_active_executor_that_dies_while_no_sidecar_runs_is_taken_over_after_readoption(
+        tiny_model, runtime_root, tmp_path):
+    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(tmp_path / "journal")]
+    first = start(flags, runtime_root, tmp_path / "first.log")
+    second, clients = None, contextlib.ExitStack()
+    try:
+        client = clients.enter_context(first.new_client(timeout=60))
+        reference = [r.token_ids for r in wait_all(submit_requests(client, REQUESTS))]
+        first.wait_steady(standbys=1)
+        streams = submit_requests(client, REQUESTS)
+        for s in streams:
+            next(s)
+        before = roles(first.wait_steady(standbys=1) and first.status())
+        active = next(p for p, r in before.items() if r == "active")
+        standby = next(p for p, r in before.items() if r == "standby")
+        kill_sidecar_only(first)
+        os.kill(active, signal.SIGKILL)            # and its active executor, while no sidecar runs
+        wait_until(lambda: not alive(active), timeout_s=10, what="the active executor to exit")
+
+        second = start(flags, runtime_root, tmp_path / "second.log", instance=first.instance)
+        results = wait_all(streams)
+        assert [r.token_ids for r in results] == reference
+        status = second.wait_steady(standbys=1)
+        assert status["pid"] == standby                          # the re-adopted standby took over
+        st = second.status()
+        assert [e["pid"] for e in st["adoption"]["executors"]] == [standby]
+        assert st["adoption"]["dead"] == [active]
+        assert [e["pid"] for e in second.events("fence")] == [active]
+        (recovery,) = st["recoveries"]
+        assert recovery["requests_resumable"] == len(REQUESTS)
+        assert recovery["tokens_recomputed"] == 0
+    finally:
+        clients.close()
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
