@@ -286,8 +286,9 @@ class Supervisor:
             role = self.leases.role(holder.slot)
             if role == Role.ACTIVE:
                 old_epoch = self.leases.fence(holder.slot)
-                if self.deaths is not None:
+                if self.deaths is not None:   # its exit status went to another parent: unknown
                     self.deaths.executor_died(holder.slot, old_epoch)
+                    self.deaths.exit_known(old_epoch, -1)
                 self._unserved_failover = (old_epoch, now)
                 self.want_active = True
                 self._failures.append(now)
