@@ -51,7 +51,7 @@ from typing import Callable, Protocol
 
 from kvhold.protocol import fdpass, messages as m
 from kvhold.protocol.errors import ErrorCode
-from kvhold.protocol.layout import Role
+from kvhold.protocol.layout import PageFlag, Role
 from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
@@ -310,6 +310,14 @@ class Supervisor:
         role = self.leases.role(h.slot)
         if role == Role.ACTIVE:
             self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs)))
+            # pages it quarantined for fenced writers the dead sidecar never reported gone: every
+            # process of this pool but the live leases' has exited (kvhold.sidecar.adoption)
+            pages = self.tables.pages
+            quarantined = (pages["flags"] & PageFlag.QUARANTINED) != 0
+            live = {x.epoch for x in self.handles.values()} | self.pending_epochs
+            gone = sorted({int(e) for e in pages["epoch"][quarantined]} - live)
+            if gone:
+                self.send(h, m.Reaped(epochs=gone))
         elif role == Role.STANDBY and self.active_slot is None and self.want_active:
             fenced_epoch, detect_ns = self._unserved_failover
             self._unserved_failover = (0, 0)

@@ -239,3 +239,42 @@ def test_an_active_executor_that_dies_while_no_sidecar_runs_is_taken_over_after_
         if second is not None:
             second.stop()
         first.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_fenced_writer_left_alive_is_killed_at_readoption_and_its_quarantine_released(
+        tiny_model, runtime_root, tmp_path):
+    flags = ["--model", str(tiny_model), *FLAGS, "--no-kill-fenced", "--journal-dir", str(tmp_path / "journal")]
+    first = start(flags, runtime_root, tmp_path / "first.log")
+    second, clients = None, contextlib.ExitStack()
+    try:
+        client = clients.enter_context(first.new_client(timeout=60))
+        reference = [r.token_ids for r in wait_all(submit_requests(client, REQUESTS))]
+        first.wait_steady(standbys=1)
+        streams = submit_requests(client, REQUESTS)
+        for s in streams:
+            next(s)
+        before = roles(first.wait_steady(standbys=1) and first.status())
+        active = next(p for p, r in before.items() if r == "active")
+        standby = next(p for p, r in before.items() if r == "standby")
+        os.kill(active, signal.SIGSTOP)      # fenced as hung, not killed: a writer left alive
+        (recovery,) = first.wait_for(lambda st: st["recoveries"], timeout=30)
+        assert recovery["pid"] == standby and recovery["pages_quarantined"] > 0
+        kill_sidecar_only(first)             # before the stopped writer's exit releases its pages
+
+        second = start(flags, runtime_root, tmp_path / "second.log", instance=first.instance)
+        assert active in second.status()["adoption"]["killed"] and not alive(active)
+        results = wait_all(streams)
+        assert [r.token_ids for r in results] == reference
+        wait_until(lambda: any(f"[active pid={standby} " in x and "quarantined pages of exited epochs" in x
+                               for x in sidecar_log(first).splitlines()),      # the executors' output
+                   timeout_s=10, what="the quarantined pages to be released")
+    finally:
+        clients.close()
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
+        try:
+            os.kill(active, signal.SIGKILL)
+        except (ProcessLookupError, NameError, UnboundLocalError):
+            pass
