@@ -154,6 +154,7 @@ def test_sigkilled_sidecar_is_readopted_with_its_executors_and_streams(tiny_mode
                    timeout_s=30, what="both executors to attach again")
         status = second.status()
         assert roles(status) == before                         # same pids, same roles
+        assert {e["via"] for e in status["executors"]} == {"readopted"}
         assert status["generation"] == generation                # the same pool, not a new one
         assert status["adoption"]["previous_pid"] == first.proc.pid
         assert sorted(e["pid"] for e in status["adoption"]["executors"]) == sorted(before)
@@ -194,6 +195,9 @@ def test_sigkilled_sidecar_is_readopted_with_its_executors_and_streams(tiny_mode
         after = second.wait_steady(standbys=1)
         assert after["pid"] == standby
         assert len(second.status()["recoveries"]) == 1
+        journal = tmp_path / "journal"                 # every record of both pools' requests removed
+        wait_until(lambda: not list(journal.glob("seg-*")) and not list(journal.glob("req-*")),
+                   timeout_s=10, what="the durable records to be removed")
     finally:
         clients.close()
         if second is not None:
