@@ -68,5 +68,6 @@ class Channel:
         return dict(zip(names, fds))
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        if not self.ctx.closed:
+            self.sock.close(0)
+            self.ctx.term()

@@ -7,8 +7,20 @@ or verify weights, warm up); report ready (the sidecar makes it a standby); on
 `promote`, take over the page table and journal (recovery) and run steps until
 shutdown. The main loop writes the heartbeat; a hung loop therefore stops
 beating and the sidecar fences it. Every beat checks the epoch: a fenced
-executor exits with code 75 instead of writing. If the sidecar dies the executor
-exits too (pidfd on the sidecar, and PR_SET_PDEATHSIG when the sidecar spawned it).
+executor exits with code 75 instead of writing.
+
+If the sidecar dies (its pidfd turns readable), the executor does not: its mappings keep
+the pool's memory alive. It publishes the commit its last step left pending, then stops
+stepping and waits (`sidecar_wait_ms`, still beating, so a fence by the next sidecar is
+seen) for a sidecar of the same instance to adopt the tables: one that wrote its own pid
+into the table header (kvhold.sidecar.adoption). It then attaches again on the same
+control socket path with its pid; the new sidecar answers with the same lease (slot,
+epoch), and the executor carries on in its role with its batch, KV and weights as they
+were. A sidecar that does not adopt it, or no sidecar within the wait, ends it
+(EXIT_SIDECAR_GONE). With `sidecar_wait_ms` 0 it exits with the sidecar (pidfd, and
+PR_SET_PDEATHSIG when the sidecar spawned it). On a CUDA device the region descriptors
+would have to be handed back to the new sidecar (it cannot open VMM memory by name):
+adoption is host memory only, and a CUDA executor exits with its sidecar.
 """
 from __future__ import annotations
 
@@ -107,22 +119,23 @@ class ExecutorRuntime:
         self.stop_reason = signal.Signals(signum).name
 
     def run(self) -> int:
-        _set_parent_death_signal()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         token_path = self.config.token_file or self.paths.token_file
-        token = Path(token_path).read_text().strip()
-        channel = Channel(self.paths)
+        self.token = Path(token_path).read_text().strip()
+        self.channel = Channel(self.paths)
         try:
-            return self._run(channel, token)
+            return self._run(self.channel, self.token)
         except Fenced as exc:
             log.warning("%s; exiting", exc)
             return EXIT_FENCED
         finally:
-            channel.close()
+            self.channel.close()
 
     def _run(self, channel: Channel, token: str) -> int:
         t_attach = time.monotonic()
         attached = channel.attach(token)
+        if not self._outlives_sidecar(attached.settings):
+            _set_parent_death_signal()
         fds = channel.fetch_fds(attached)
         infos = {d["name"]: RegionInfo.from_wire(d) for d in attached.regions}
         try:
@@ -180,6 +193,56 @@ class ExecutorRuntime:
     def _sidecar_gone(self) -> bool:
         return self.sidecar_pidfd >= 0 and bool(select.select([self.sidecar_pidfd], [], [], 0)[0])
 
+    @staticmethod
+    def _outlives_sidecar(settings: ExecutorSettings) -> bool:
+        """Whether this executor waits for a new sidecar when its own dies: host memory only."""
+        return settings.sidecar_wait_ms > 0 and settings.device == "cpu"
+
+    def _await_sidecar(self, ctx: ExecutorContext, workload: Workload) -> bool:
+        """The sidecar died: keep the mappings, stop stepping, and wait for a sidecar that adopts
+        this instance's tables; True once attached to it under the same lease, False if none came."""
+        if not self._outlives_sidecar(ctx.settings):
+            log.error("sidecar exited; exiting")
+            return False
+        old_pid = ctx.tables.sidecar_pid
+        if self.active:
+            workload.flush()      # the pending commit is published: nothing of this step is lost
+        os.close(self.sidecar_pidfd)
+        self.sidecar_pidfd = -1
+        ctx.channel.close()
+        wait_s = ctx.settings.sidecar_wait_ms / 1e3
+        log.warning("sidecar pid %d exited; waiting up to %.0f s for a sidecar to adopt this "
+                    "executor (lease %d epoch %d, %s)", old_pid, wait_s, ctx.attached.slot, ctx.epoch,
+                    "active" if self.active else "standby")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not self.stop_reason:
+            ctx.beat()                    # Fenced (the new sidecar did not keep this lease) ends it
+            pid = ctx.tables.sidecar_pid
+            if pid != old_pid and _alive(pid):
+                return self._reattach(ctx, pid)
+            time.sleep(ctx.settings.heartbeat_ms / 1e3)
+        log.error("no sidecar adopted this executor within %.0f s; exiting", wait_s)
+        return False
+
+    def _reattach(self, ctx: ExecutorContext, pid: int) -> bool:
+        """Attach to the adopting sidecar `pid`: it must give back this very lease."""
+        self.channel = ctx.channel = Channel(self.paths)
+        try:
+            attached = ctx.channel.attach(self.token)
+        except Exception as exc:      # refused (a stale lease), or no answer in time
+            log.error("the sidecar pid %d that adopted the tables did not take this executor back: "
+                      "%s; exiting", pid, exc)
+            return False
+        if (attached.slot, attached.epoch) != (ctx.attached.slot, ctx.epoch):
+            log.error("sidecar pid %d offered lease %d epoch %d, not this executor's lease %d epoch "
+                      "%d; exiting", pid, attached.slot, attached.epoch, ctx.attached.slot, ctx.epoch)
+            return False
+        self._watch_sidecar(pid)
+        ctx.lease.check()
+        log.warning("re-attached to sidecar pid %d (lease %d epoch %d, %s)", pid, attached.slot,
+                    attached.epoch, "active" if self.active else "standby")
+        return True
+
     def _loop(self, ctx: ExecutorContext, workload: Workload) -> int:
         heartbeat_ms = ctx.settings.heartbeat_ms
         handlers = {
@@ -209,8 +272,9 @@ class ExecutorRuntime:
                 ctx.channel.send(m.Bye(slot=ctx.attached.slot, epoch=ctx.epoch, reason=self.stop_reason))
                 return EXIT_OK
             if self._sidecar_gone():
-                log.error("sidecar exited; exiting")
-                return EXIT_SIDECAR_GONE
+                if not self._await_sidecar(ctx, workload):
+                    return EXIT_SIDECAR_GONE
+                continue
             if self.active and workload.has_work():
                 slots = workload.step()
                 ctx.steps += 1
@@ -233,6 +297,9 @@ class ExecutorRuntime:
         if msg.epoch != ctx.epoch:
             log.warning("ignored promote for epoch %d (mine is %d)", msg.epoch, ctx.epoch)
             return
+        if self.active:   # an adopting sidecar re-sends it: the promotion may not have arrived
+            log.info("already active (lease %d, epoch %d)", ctx.attached.slot, ctx.epoch)
+            return
         ctx.lease.check()
         self.active = True
         set_log_context(role="active")
@@ -242,6 +309,16 @@ class ExecutorRuntime:
         log.info("active (lease %d, epoch %d)", ctx.attached.slot, ctx.epoch)
         if report is not None:
             ctx.channel.send(m.Recovered(slot=ctx.attached.slot, epoch=ctx.epoch, report=report))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 def make_workload(name: str, ctx: ExecutorContext) -> Workload:

@@ -115,12 +115,22 @@ class HostRegion:
 
     backend = "host"
 
-    def __init__(self, shm_name: str, name: str, size: int):
+    def __init__(self, shm_name: str, name: str, size: int, adopt: bool = False):
+        """`adopt`: open the existing object of a sidecar that died (kvhold.sidecar.adoption)
+        instead of creating one; its size must be the one asked for."""
         if size <= 0:
             raise ValueError(f"region {name}: size must be positive, got {size}")
         self.name = name
         self.shm_name = shm_name
         self.size = round_up(size, HOST_ALIGN)
+        if adopt:
+            self._shm = posix_ipc.SharedMemory(shm_name)
+            found = os.fstat(self._shm.fd).st_size
+            if found != self.size:
+                self._shm.close_fd()
+                raise ValueError(f"region {name}: the existing {shm_name} holds {found} bytes, "
+                                 f"this pool needs {self.size}")
+            return
         self._shm = posix_ipc.SharedMemory(shm_name, flags=posix_ipc.O_CREX, mode=0o600,
                                            size=self.size)
         try:

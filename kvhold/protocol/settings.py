@@ -42,6 +42,7 @@ class ExecutorSettings:
     cpu_threads: int | None = None    # torch threads on CPU; None: half the cores
     kv_mode: str = "native"           # foreign: the engine keeps a private pool, mirrored
     cuda_graph: bool = True           # capture the decode step in a CUDA graph (CUDA only)
+    sidecar_wait_ms: int = 30_000     # a sidecar that dies: wait this long for one to re-adopt (0: exit)
 
     def __post_init__(self):
         for name, allowed in _FIELD_TYPES.items():
@@ -67,6 +68,8 @@ class ExecutorSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"executor settings: {name} must be positive, got {value}")
+        if self.sidecar_wait_ms < 0:
+            raise ValueError(f"executor settings: sidecar_wait_ms must be >= 0, got {self.sidecar_wait_ms}")
 
     def to_wire(self) -> dict:
         return to_map(self)

@@ -68,6 +68,32 @@ class Tables:
         return tables
 
     @classmethod
+    def adopt(cls, shm_name: str) -> "Tables":
+        """Open a predecessor's segment by name, validated as `attach` does, keeping its shm
+        object as `create` does (kvhold.sidecar.adoption: a restarted sidecar takes it over).
+        The caller checks geometry and generation, then `claim`s it. Sidecar only."""
+        shm = posix_ipc.SharedMemory(shm_name)
+        try:
+            size = os.fstat(shm.fd).st_size
+            mm = mmap.mmap(shm.fd, size)
+        except BaseException:
+            shm.close_fd()
+            raise
+        try:
+            found = cls.attach(mm)
+        except BaseException:
+            mm.close()
+            shm.close_fd()
+            raise
+        return cls(mm, found.geometry, shm=shm, mm=mm)
+
+    def claim(self, sidecar_pid: int) -> None:
+        """Write the adopting sidecar's pid into the header (the CRC covers it): executors that
+        wait for a sidecar take it as the sign to attach again."""
+        self.header["sidecar_pid"] = sidecar_pid
+        self.header["geometry_crc"] = header_crc(self.header)
+
+    @classmethod
     def attach(cls, buf) -> "Tables":
         """Validate an untrusted buffer and return views over it."""
         size = len(buf)

@@ -160,6 +160,7 @@ class ExecutorsConfig:
     zygote: bool = False              # keep a torch-imported zygote to fork executors from
     takeover: str = "fast"            # fast: promote at once; wait-exit: after the dead process exits
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
+    sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
 
     def __post_init__(self):
         _check(self.workload in WORKLOADS, f"executors.workload must be one of {WORKLOADS}, "
@@ -173,6 +174,8 @@ class ExecutorsConfig:
                f"got {self.takeover!r}", "executors.takeover")
         _check(self.kv_mode in KV_MODES, f"executors.kv_mode must be one of {KV_MODES}, "
                f"got {self.kv_mode!r}", "executors.kv_mode")
+        _check(0 <= self.sidecar_wait_ms <= 3_600_000, f"executors.sidecar_wait_ms must be in "
+               f"0..3600000, got {self.sidecar_wait_ms}", "executors.sidecar_wait_ms")
         _check(self.lease_ms >= 20, f"executors.lease_ms must be at least 20, got {self.lease_ms}",
                "executors.lease_ms")
         chunk = self.prefill_chunk or self.max_batch_tokens - self.max_batch
@@ -377,7 +380,7 @@ class SidecarConfig:
             max_batch=ex.max_batch, max_batch_tokens=ex.max_batch_tokens,
             prefill_chunk=ex.prefill_chunk or None,
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
-            cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode)
+            cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms)
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations

@@ -38,6 +38,7 @@ from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
+from kvhold.sidecar import adoption
 from kvhold.sidecar.client_peers import CURVE, NOBODY, PEERCRED, ClientPeers, split_client_key
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
@@ -76,6 +77,7 @@ class Sidecar:
         self.started_ns = now_ns()
         self._stack = contextlib.ExitStack()
         self._started = False     # a start refused (instance busy) made nothing to clean up
+        self.adoption: dict | None = None   # what this start re-adopted (kvhold.sidecar.adoption)
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
@@ -97,19 +99,33 @@ class Sidecar:
         geometry = cfg.table_geometry(self.spec)
         self.lock = InstanceLock(self.paths)
         stack.callback(self.lock.release)
-        self.lock.remove_stale(SHM_PARTS)
         self.durable = DurableJournal(cfg.journal_path)
-        generation = self._next_generation()
-        self.token, self.token_path = self._load_token(stack)
-        self.memory = self._create_memory(stack, geometry, generation)
+        found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
+        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None)
+        generation = self._next_generation() if found is None else found.tables.generation
+        self.token, self.token_path = self._load_token(stack, reuse=found is not None)
+        self.memory = self._create_memory(stack, geometry, generation, found)
         self.executor_settings = cfg.executor_settings(self.spec)
-        self.weights = WeightsKeeper(self.tables, self.manifest)
+        self.weights = WeightsKeeper(self.tables, self.manifest, adopted=found is not None)
         self.loop = EventLoop()
         stack.callback(self.loop.close)
         self._make_components()
-        self.restore.restore()          # the previous pool's journaled requests, before any executor
+        # the previous pool's journaled requests (or an adopted pool's streams), before any executor
+        self.restore.restore(adopting=found is not None)
+        if found is not None:
+            self.supervisor.adopt(found.live, found.dead)
         self._open_sockets(stack)
         self._write_state_file(stack)
+        if found is not None:           # waiting executors attach again once they see this pid
+            self.tables.claim(os.getpid())
+            self.adoption = {"previous_pid": found.previous_pid, "killed": found.killed,
+                             "executors": [{"pid": h.pid, "slot": h.slot, "role": h.role.name.lower()}
+                                           for h in found.live],
+                             "dead": [h.pid for h in found.dead], "adopted_ns": now_ns(),
+                             "ms": (now_ns() - self.started_ns) / 1e6}
+            log.warning("re-adopted the pool of sidecar pid %d: %d live executors, %d in-flight "
+                        "requests", found.previous_pid, len(found.live),
+                        self.restore.report.get("requests_adopted", 0))
         stack.callback(self._stop_executors)
         self.health = self._make_health()
         stack.callback(self.health.stop)
@@ -169,17 +185,35 @@ class Sidecar:
                              active_ready=active_ready, in_flight=lambda: len(self.frontend.streams))
         return start_registrar(self.config.registry, self.config.pool.device, src)
 
-    def _create_memory(self, stack: contextlib.ExitStack, geometry, generation: int) -> PoolMemory:
-        """The tables segment, the KV pool and (with a model) the weights region."""
+    def _region_sizes(self, geometry) -> dict[str, int]:
         sizes = {"kv": geometry.kv_pool_bytes}
         if self.manifest is not None:
             sizes["weights"] = self.manifest.region_bytes
-        check_shm_capacity({"tables": geometry.total_bytes,
-                            **(sizes if self.config.pool.backend == "host" else {})})
-        self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
+        return sizes
+
+    def _find_adoptable(self, geometry):
+        """A dead predecessor's pool with live executors, to adopt (kvhold.sidecar.adoption)."""
+        cfg = self.config
+        return adoption.find(self.paths, geometry, backend=cfg.pool.backend,
+                             generation=self.durable.last_generation,
+                             fingerprint=self.manifest.fingerprint if self.manifest is not None else "",
+                             token_path=cfg.executors.token_file or self.paths.token_file,
+                             region_sizes=self._region_sizes(geometry))
+
+    def _create_memory(self, stack: contextlib.ExitStack, geometry, generation: int,
+                       found=None) -> PoolMemory:
+        """The tables segment, the KV pool and (with a model) the weights region; `found`: a
+        dead predecessor's, adopted by name instead."""
+        sizes = self._region_sizes(geometry)
+        if found is not None:
+            self.tables = found.tables
+        else:
+            check_shm_capacity({"tables": geometry.total_bytes,
+                                **(sizes if self.config.pool.backend == "host" else {})})
+            self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
         stack.callback(self.tables.unlink)
         regions = create_regions(sizes, self.config.pool, self.paths,
-                                 lambda region: stack.callback(region.unlink))
+                                 lambda region: stack.callback(region.unlink), adopt=found is not None)
         return PoolMemory(self.tables, regions)
 
     def _next_generation(self) -> int:
@@ -194,8 +228,12 @@ class Sidecar:
         self.durable.set_generation(gen)
         return gen
 
-    def _load_token(self, stack: contextlib.ExitStack) -> tuple[str, os.PathLike]:
+    def _load_token(self, stack: contextlib.ExitStack, reuse: bool = False) -> tuple[str, os.PathLike]:
+        """`reuse`: keep the token an adopted pool's executors attach with."""
         token_file = self.config.executors.token_file
+        if reuse and token_file is None:
+            stack.callback(self.paths.token_file.unlink, missing_ok=True)
+            return self.paths.token_file.read_text().strip(), self.paths.token_file
         if token_file is not None:
             st = os.stat(token_file)
             if st.st_mode & 0o077:
@@ -439,6 +477,7 @@ class Sidecar:
                 "pool_restart": self.restore.status(),
                 "loop": self.loop.stats(),
                 "request_deaths": self.deaths.status(),
+                "adoption": self.adoption,
                 **self.frontend.status()}
 
     # ------------------------------------------------------------------ shutdown

@@ -117,6 +117,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="heartbeat lease: an executor silent this long is fenced (default 1000)")
     p.add_argument("--startup-lease-ms", type=int, default=120_000,
                    help="lease while an executor starts and loads weights (default 120000)")
+    p.add_argument("--sidecar-wait-ms", type=int, default=30_000,
+                   help="how long executors outlive a sidecar that dies (SIGKILL, a crash), waiting "
+                        "for a restarted sidecar of the instance to re-adopt them with their memory; "
+                        "0: they exit with it (default 30000)")
     p.add_argument("--restart-backoff-ms", default="50,5000",
                    help="after 3 executor deaths within a minute, wait LO*2^k ms (at most HI) before "
                         "each re-spawn (default 50,5000; 0,0 disables)")
@@ -204,6 +208,7 @@ SETTINGS = {
     "executors.cpu_threads": "cpu_threads", "executors.token_file": "token_file",
     "executors.restart_backoff_ms": "restart_backoff_ms", "executors.zygote": "zygote",
     "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
+    "executors.sidecar_wait_ms": "sidecar_wait_ms",
     "health.source": "health", "health.interval_s": "health_interval",
     "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",
     "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",

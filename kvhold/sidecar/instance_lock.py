@@ -72,11 +72,13 @@ class InstanceLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
-    def remove_stale(self, shm_whats: tuple[str, ...]) -> list[str]:
-        """Unlink leftovers of a dead predecessor; returns what was removed."""
+    def remove_stale(self, shm_whats: tuple[str, ...], keep_shm: bool = False) -> list[str]:
+        """Unlink leftovers of a dead predecessor; returns what was removed. `keep_shm`: its
+        sockets only, its shm objects being adopted with the executors that map them
+        (kvhold.sidecar.adoption)."""
         removed = []
-        names = {self.paths.shm_name(w) for w in shm_whats}
-        if SHM_DIR.is_dir():   # other parts of ours too, but never another instance's: the
+        names = {self.paths.shm_name(w) for w in shm_whats} if not keep_shm else set()
+        if SHM_DIR.is_dir() and not keep_shm:   # other parts of ours too, but never another instance's: the
             # prefix of instance "a" also starts the names of instance "a-b" ("...-a-b-tables")
             prefix = self.paths.shm_prefix
             names |= {"/" + p.name for p in SHM_DIR.glob(prefix + "*")

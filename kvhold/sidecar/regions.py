@@ -17,15 +17,18 @@ from kvhold.protocol.tables import Tables
 
 
 def create_regions(sizes: dict[str, int], pool_config, paths: InstancePaths,
-                   on_created: Callable[[object], None]) -> dict:
-    """`sizes`: region name -> bytes; `pool_config`: SidecarConfig.pool (backend, device)."""
+                   on_created: Callable[[object], None], adopt: bool = False) -> dict:
+    """`sizes`: region name -> bytes; `pool_config`: SidecarConfig.pool (backend, device);
+    `adopt`: open a dead predecessor's host regions by name instead (kvhold.sidecar.adoption)."""
     regions = {}
     device = int(pool_config.device.partition(":")[2] or 0) if pool_config.backend == "cuda" else 0
+    if adopt and pool_config.backend != "host":
+        raise ValueError("only host memory can be adopted by name")
     for index, (name, size) in enumerate(sizes.items()):
         if pool_config.backend == "cuda":
             regions[name] = CudaRegion(name, size, device, index)
         else:
-            regions[name] = HostRegion(paths.shm_name(name), name, size)
+            regions[name] = HostRegion(paths.shm_name(name), name, size, adopt=adopt)
         on_created(regions[name])
     return regions
 

@@ -71,12 +71,21 @@ class Restore:
         self.failed: dict[int, FailedRecord] = {}
         self.unclaimed: dict[int, Unclaimed] = {}
         self.report: dict = {}
+        self.adopting = False
 
     # ------------------------------------------------------------------ start-up
-    def restore(self) -> None:
+    def restore(self, adopting: bool = False) -> None:
+        """`adopting`: the shm journal is a dead sidecar's, adopted with its executors
+        (kvhold.sidecar.adoption): the requests in it keep running and get their streams back
+        (`_adopt_streams`); only records not in it (ended but not yet removed, or on disk but
+        not yet admitted) are re-admitted."""
         t0 = now_ns()
         records, failed = self.durable.load()
         self.failed.update((f.request_id, f) for f in failed)
+        self.adopting = adopting
+        adopted = 0
+        if adopting:
+            records, adopted = self._adopt_streams(records)
         restored = 0
         for body in records:
             try:
@@ -90,10 +99,10 @@ class Restore:
                 path = self.durable.path_for(body["request_id"])
                 self.failed[body["request_id"]] = self.durable.fail(path, body["request_id"], reason)
         self.durable.restored()
-        if not records and not failed:
+        if not records and not failed and not adopted:
             return
         self.report = {"sidecar_started_ns": self.started_ns, "start_ns": t0, "restored_ns": now_ns(),
-                       "requests_restored": restored,
+                       "requests_restored": restored, "requests_adopted": adopted,
                        "requests_failed": len(self.failed), "first_token_ns": 0,
                        "previous_drain": self.durable.read_json("last-drain.json")}
         log.warning("pool generation %d: restored %d journaled requests (%d failed) from %s",
@@ -114,7 +123,8 @@ class Restore:
         if need > fe.tables.geometry.max_seq_len:
             return f"needs {need} tokens, the context is now {fe.tables.geometry.max_seq_len}"
         rid = int(body["request_id"])
-        if rid >> 40 >= self.generation:   # ids of this pool's generation are new requests' ids
+        # ids of this pool's generation are new requests' ids, but for an adopted pool's own
+        if rid >> 40 > self.generation or (rid >> 40 == self.generation and not self.adopting):
             return (f"its request id is of pool generation {rid >> 40}, not of one before this "
                     f"pool's generation {self.generation}")
         if rid in fe.streams:
@@ -139,6 +149,36 @@ class Restore:
             fe.journal.release(slot)
             raise
         return None
+
+    def _adopt_streams(self, records: list[dict]) -> tuple[list[dict], int]:
+        """Streams for the requests of the adopted shm journal, silent until their clients
+        resume (like restored ones: the new sidecar cannot know how far each client got), each
+        with the tokens the journal holds; the records of other requests, and how many were
+        adopted. A live request with no record (one failed alone, finishing) is cancelled and
+        only released once its executor ends it."""
+        fe = self.frontend
+        by_id = {int(b["request_id"]): b for b in records}
+        adopted = 0
+        for slot in fe.journal.live_slots():
+            slot = int(slot)
+            e = fe.journal.entry(slot)
+            body = by_id.pop(e.request_id, None)
+            if body is None:
+                fe.fail_request(e.request_id, slot, f"request {e.request_id:#x} has no durable record "
+                                                    "in the adopted pool: cancelled")
+                continue
+            count = e.num_generated if e.taken else e.num_prefix
+            generated = fe.journal.generated(slot, 0, count)
+            prompt = fe.journal.all_tokens(slot, e.prompt_len).tolist()
+            detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
+            texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
+            fe.restore_stream(e.request_id, slot, bytes.fromhex(body["client"]), e.prompt_len, detok,
+                              texts, dict(body, generated=[]))
+            adopted += 1
+        if adopted:
+            log.warning("adopted %d in-flight requests from the shm journal of the previous sidecar",
+                        adopted)
+        return [by_id[rid] for rid in sorted(by_id)], adopted
 
     # ------------------------------------------------------------------ streams
     def on_first_token(self) -> None:

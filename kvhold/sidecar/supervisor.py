@@ -51,7 +51,7 @@ from typing import Callable, Protocol
 
 from kvhold.protocol import fdpass, messages as m
 from kvhold.protocol.errors import ErrorCode
-from kvhold.protocol.layout import Role
+from kvhold.protocol.layout import PageFlag, Role
 from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
@@ -81,7 +81,7 @@ class ExecutorHandle:
     fenced: bool = False
     stopping: bool = False
     watcher: DeathWatcher | None = None
-    via: str = "cold"                    # how it was started: cold, zygote, adopted
+    via: str = "cold"                    # how it was started: cold, zygote, adopted, readopted
     deferred_failover: tuple[int, int] | None = None   # (fenced epoch, detect ns) for wait-exit
     info: dict = field(default_factory=dict)
 
@@ -231,6 +231,8 @@ class Supervisor:
                 return m.Error(code=ErrorCode.OVERLOADED, message="no free lease slot")
         if h.identity is not None and h.identity != identity:
             return m.Error(code=ErrorCode.UNAUTHORIZED, message="pid already attached")
+        if h.via == "readopted" and h.identity is None:
+            self.loop.post(lambda h=h: self._after_reattach(h))   # after the Attached reply
         h.identity = identity
         h.nonce = secrets.token_hex(16)
         self._event("attach", h)
@@ -256,6 +258,70 @@ class Supervisor:
         self.loop.watch_fd(pidfd, lambda h=h: self.on_exit(h))
         log.info("adopted external executor pid %d (lease %d, epoch %d)", pid, slot, epoch)
         return h
+
+    # ------------------------------------------------------------------ re-adoption
+    def adopt(self, live, dead) -> None:
+        """Take over a dead sidecar's executors (kvhold.sidecar.adoption): each live lease keeps
+        its slot, epoch and role, and is watched (liveness mutex, pidfd, heartbeat) at once; it
+        gets its handle's identity when it attaches again. A dead ACTIVE lease is fenced and
+        its requests left to a takeover; other dead leases are freed."""
+        now = now_ns()
+        for holder in live:
+            try:
+                pidfd = os.pidfd_open(holder.pid)
+            except OSError:
+                dead = [*dead, holder]
+                continue
+            h = ExecutorHandle(slot=holder.slot, pid=holder.pid, epoch=self.leases.epoch(holder.slot),
+                               pidfd=pidfd, popen=None, spawned_ns=now, via="readopted", ready=True)
+            self.handles[h.slot] = h
+            self.loop.watch_fd(pidfd, lambda h=h: self.on_exit(h))
+            self._watch_liveness(h)
+            if holder.role == Role.ACTIVE:
+                self.active_slot = h.slot
+            self._event("readopt", h, role=holder.role.name)
+            log.warning("re-adopted executor pid %d (lease %d, %s, epoch %d)", h.pid, h.slot,
+                        holder.role.name, h.epoch)
+        for holder in dead:
+            role = self.leases.role(holder.slot)
+            if role == Role.ACTIVE:
+                old_epoch = self.leases.fence(holder.slot)
+                if self.deaths is not None:   # its exit status went to another parent: unknown
+                    self.deaths.executor_died(holder.slot, old_epoch)
+                    self.deaths.exit_known(old_epoch, -1)
+                self._unserved_failover = (old_epoch, now)
+                self.want_active = True
+                self._failures.append(now)
+                self._event("fence", reason="died", detail="while no sidecar ran", role=role.name,
+                            slot=holder.slot, pid=holder.pid, epoch=old_epoch, detect_ns=now,
+                            fenced_ns=self.leases.fenced_ns(holder.slot), fenced_epoch=old_epoch)
+                log.warning("executor pid %d (lease %d, ACTIVE, epoch %d) died while no sidecar ran: "
+                            "a standby takes over", holder.pid, holder.slot, old_epoch)
+            elif role == Role.STARTING or role == Role.STANDBY:
+                self.leases.fence(holder.slot)
+            self.leases.release(holder.slot, -1)
+
+    def _after_reattach(self, h: ExecutorHandle) -> None:
+        """A re-adopted executor attached again: the ACTIVE one gets its promotion once more (the
+        dead sidecar may not have delivered it; an active executor ignores it), and a standby
+        takes over if the active died meanwhile."""
+        if h.fenced or self.handles.get(h.slot) is not h:
+            return
+        role = self.leases.role(h.slot)
+        if role == Role.ACTIVE:
+            self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs)))
+            # pages it quarantined for fenced writers the dead sidecar never reported gone: every
+            # process of this pool but the live leases' has exited (kvhold.sidecar.adoption)
+            pages = self.tables.pages
+            quarantined = (pages["flags"] & PageFlag.QUARANTINED) != 0
+            live = {x.epoch for x in self.handles.values()} | self.pending_epochs
+            gone = sorted({int(e) for e in pages["epoch"][quarantined]} - live)
+            if gone:
+                self.send(h, m.Reaped(epochs=gone))
+        elif role == Role.STANDBY and self.active_slot is None and self.want_active:
+            fenced_epoch, detect_ns = self._unserved_failover
+            self._unserved_failover = (0, 0)
+            self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
 
     def on_fd_request(self, conn: socket.socket) -> None:
         """Hand region descriptors to the process that holds a lease (checked by SO_PEERCRED)."""
@@ -410,8 +476,9 @@ class Supervisor:
                 self.failover(old_epoch, detect_ns)
 
     def failover(self, fenced_epoch: int, detect_ns: int) -> None:
-        standby = next((x for x in self.live_handles()
-                        if x.ready and self.leases.role(x.slot) == Role.STANDBY), None)
+        standby = next((x for x in self.live_handles()   # attached: a re-adopted one may not be yet
+                        if x.ready and x.identity is not None
+                        and self.leases.role(x.slot) == Role.STANDBY), None)
         if standby is not None:
             self.promote(standby, fenced_epoch, detect_ns)
         else:

@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class WeightsKeeper:
-    def __init__(self, tables: Tables, manifest: Manifest | None):
+    def __init__(self, tables: Tables, manifest: Manifest | None, adopted: bool = False):
+        """`adopted`: the tables of a dead sidecar (kvhold.sidecar.adoption), weights already
+        sealed with this manifest's fingerprint: they stay as they are, loaded once."""
         self.tables = tables
         self.manifest = manifest
         self.header = tables.header
         self.fingerprint = manifest.fingerprint if manifest else ""
-        self._set(WeightsState.EMPTY if manifest else WeightsState.SEALED, 0)
+        if not adopted:
+            self._set(WeightsState.EMPTY if manifest else WeightsState.SEALED, 0)
         self.load_ms: float | None = None
 
     @property
