@@ -92,24 +92,31 @@ def test_bit_flips_recompute_exactly_the_damaged_requests(tiny_model, reference,
         seen = [0]
         flipped = {}
 
-        def on_event(stream, event):
-            seen[0] += 1
-            if seen[0] < 140 or flipped:
-                return
-            pid = sc.wait_steady()["pid"]
-            os.kill(pid, signal.SIGSTOP)       # freeze it: the tables hold still while we aim
+        def aim() -> dict | None:
+            """The target pages, once each is sealed (read from the tables), else None."""
             rids = tables.requests["request_id"]
             aims = {}
             for index, logical in targets.items():
                 hit = np.nonzero(rids == streams[index].request_id)[0]
                 if not len(hit):
-                    break
+                    return None
                 slot = int(hit[0])
                 page = int(tables.page_lists[slot, logical])
                 if int(tables.requests["num_pages"][slot]) <= logical or tables.pages["num_tokens"][page] != 16:
-                    break                      # not sealed yet: aim again at a later token
+                    return None                # not sealed yet: aim again at a later token
                 aims[index] = page
-            if len(aims) < len(targets):
+            return aims
+
+        def on_event(stream, event):
+            seen[0] += 1
+            # as soon as both target pages are sealed (a busy client lags the engine: waiting
+            # for a token count could find a target already finished)
+            if flipped or aim() is None:
+                return
+            pid = sc.wait_steady()["pid"]
+            os.kill(pid, signal.SIGSTOP)       # freeze it: the tables hold still while we aim
+            aims = aim()
+            if aims is None:
                 os.kill(pid, signal.SIGCONT)
                 return
             for index, page in aims.items():
