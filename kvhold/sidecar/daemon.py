@@ -141,7 +141,8 @@ class Sidecar:
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,
                                generation=self.tables.generation, started_ns=self.started_ns,
-                               send_client=self.send_client)
+                               send_client=self.send_client,
+                               unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
         self.frontend.restored = self.restore
         self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
         self.frontend.add_handler(m.Resume, self.restore.on_resume)
