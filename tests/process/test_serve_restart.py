@@ -1,0 +1,163 @@
+"""`kvhold serve` as three failure domains: the HTTP server process is SIGKILLed mid-stream
+and the sidecar with its executors keeps running (same pids), the supervisor restarts the
+HTTP server, and a client that resumes with Last-Event-ID gets exactly the rest of its
+stream (a live one, and one that finished while no HTTP server was up), so that the whole
+equals an uninterrupted run. A stream nobody resumes is cancelled after --unclaimed-cancel-s."""
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.process.helpers import wait_until
+from tests.process.test_serve_http import Server
+
+pytestmark = pytest.mark.slow      # two servers, real kills and restarts: `pytest -m slow`
+
+COMPLETION = {"prompt": "The sidecar keeps the memory", "max_tokens": 1000, "temperature": 0,
+              "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 80, "temperature": 0,
+        "ignore_eos": True, "stream": True}
+
+
+def http_child(srv) -> int:
+    """The pid of the supervisor's `kvhold serve-http` child."""
+    def find():
+        for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
+            for pid in open(f"/proc/{srv.proc.pid}/task/{task}/children").read().split():
+                try:
+                    if b"serve-http" in open(f"/proc/{pid}/cmdline", "rb").read():
+                        return int(pid)
+                except FileNotFoundError:
+                    pass
+        return None
+    return wait_until(find, 30, 0.05, what="the HTTP server process")
+
+
+class Events:
+    """The complete SSE events read from a response: (id or None, data)."""
+
+    def __init__(self, response):
+        self.lines = response.iter_lines()
+        self.events: list[tuple[str | None, str]] = []
+        self._id = self._data = None
+
+    def read(self, n=None) -> "Events":
+        """Read `n` more events (all, up to the end or a broken connection, when None)."""
+        want = None if n is None else len(self.events) + n
+        try:
+            for line in self.lines:
+                if line.startswith("id: "):
+                    self._id = line[4:]
+                elif line.startswith("data: "):
+                    self._data = line[6:]
+                elif line == "" and self._data is not None:
+                    self.events.append((self._id, self._data))
+                    self._id = self._data = None
+                    if want is not None and len(self.events) >= want:
+                        break
+        except httpx.TransportError:
+            pass              # the server was killed: what came before is all there is
+        return self
+
+
+def whole(srv, path, body) -> list:
+    with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return Events(r).read().events
+
+
+def comparable(events) -> list:
+    """What must equal between two runs of one request: each event's number and content."""
+    out = []
+    for event_id, data in events:
+        if data == "[DONE]":
+            out.append((event_id, data))
+            continue
+        obj = json.loads(data)
+        out.append((event_id.rsplit("-", 1)[1], obj["choices"], obj.get("usage"), obj["object"]))
+    return out
+
+
+def executor_pids(status) -> set:
+    return {e["pid"] for e in status["executors"]}
+
+
+def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path):
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")  # a long stream
+    try:
+        reference = {"/v1/completions": whole(srv, "/v1/completions", COMPLETION),
+                     "/v1/chat/completions": whole(srv, "/v1/chat/completions", CHAT)}
+        before = srv.sidecar_status()
+        old_http = http_child(srv)
+        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as a, \
+                httpx.stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as b:
+            parts = {"/v1/completions": Events(a).read(5), "/v1/chat/completions": Events(b).read(3)}
+            os.kill(srv.proc.pid, signal.SIGSTOP)     # no restart until the chat has ended
+            try:
+                os.kill(old_http, signal.SIGKILL)
+                for p in parts.values():
+                    p.read()                          # to the broken connection
+                chat_rid = int(parts["/v1/chat/completions"].events[-1][0].split("-")[0], 16)
+                comp_rid = int(parts["/v1/completions"].events[-1][0].split("-")[0], 16)
+                # the chat ends with no HTTP server up: its result waits for pickup in the sidecar
+                status = wait_until(lambda: (st := srv.sidecar_status()) and chat_rid in [
+                    u["request_id"] for u in st["pool_restart"]["unclaimed"]] and st, 60, 0.1,
+                    what="the chat to finish unclaimed")
+                assert comp_rid in status["pool_restart"]["awaiting_resume"]   # still generating
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+        # resumed at once: the supervisor holds the port, the connection waits for the new server
+        for path, part in parts.items():
+            last = part.events[-1][0]
+            rid = last.split("-")[0]
+            with httpx.stream("GET", f"{srv.base}/v1/streams/{rid}", headers={"Last-Event-ID": last},
+                              timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                rest = Events(r).read().events
+            got = part.events + rest
+            assert rest[-1] == (None, "[DONE]")
+            assert comparable(got) == comparable(reference[path]), path        # nothing skipped or repeated
+            heads = {(json.loads(d)["id"], json.loads(d)["created"]) for _, d in got if d != "[DONE]"}
+            assert len(heads) == 1, heads                         # the same response, chunk for chunk
+        assert http_child(srv) != old_http
+        after = srv.sidecar_status()
+        assert after["pid"] == before["pid"] and executor_pids(after) == executor_pids(before)
+        assert after["requests"]["finished"].get("cancelled", 0) == 0
+        log = (tmp_path / "serve.log").read_text()
+        assert f"the HTTP server pid {old_http} was killed by SIGKILL" in log and "restarting it in" in log
+        assert f"request {chat_rid:#x} finished with no client attached" in log      # served from the sidecar
+        assert f"request {comp_rid:#x} finished with no client attached" not in log  # resumed while live
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+
+
+def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--unclaimed-cancel-s", "2")
+    try:
+        body = dict(COMPLETION, max_tokens=500)
+        sidecar_pid = srv.sidecar_status()["pid"]
+        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
+            events = Events(r).read(3)
+            held_at = time.monotonic()
+            os.kill(http_child(srv), signal.SIGKILL)
+            events.read()
+        last = events.events[-1][0]
+        rid = int(last.split("-")[0], 16)
+        status = wait_until(lambda: (st := srv.sidecar_status())["pool_restart"]["unclaimed_cancelled_total"]
+                            and st["requests"]["in_flight"] == 0 and st, 60, 0.1, what="the cancellation")
+        waited = time.monotonic() - held_at
+        assert waited >= 2.0, waited                      # not before --unclaimed-cancel-s
+        assert status["pid"] == sidecar_pid and status["pool_restart"]["unclaimed_cancelled_total"] == 1
+        assert status["requests"]["finished"]["cancelled"] == 1
+        assert status["pool_restart"]["unclaimed_total"] == 0           # not kept for nobody
+        srv.wait_healthy()
+        r = httpx.get(f"{srv.base}/v1/streams/{rid:x}", headers={"Last-Event-ID": last}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+        assert "cancelled: no client claimed it" in r.json()["error"]["message"]
+        assert f"request {rid:#x} was cancelled: no client claimed it" in (tmp_path / "serve.log").read_text()
+    finally:
+        srv.stop()
