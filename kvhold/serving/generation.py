@@ -76,6 +76,7 @@ class Generation:
             out, stopped = self.matcher.push(event.text)
             yield out
             if stopped:
+                self.ended = True
                 await self.stream.cancel()
                 self.finish_reason = "stop"
                 return

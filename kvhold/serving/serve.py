@@ -3,7 +3,8 @@ separate processes under a small supervisor (this process).
 
 Processes (three failure domains):
 
-    kvhold serve           supervisor: binds the HTTP port, starts and watches the other two
+    kvhold serve           supervisor: starts and watches the other two; binds the HTTP
+                           port once the sidecar can serve, and holds it
     ├─ kvhold sidecar      own session; sent SIGTERM (a drain) if the supervisor dies
     └─ kvhold serve-http   uvicorn + the FastAPI app (kvhold.serving.http_api) on the
                            supervisor's listening socket; own session; SIGKILLed if the
@@ -15,7 +16,7 @@ dies (after 0.5 s, doubling up to 30 s while it keeps dying within a minute of i
 each death logged with its exit code or signal), and the sidecar with its executors is left
 running. The port stays bound by the supervisor meanwhile, so new connections wait in its
 backlog instead of being refused. The HTTP server speaks to the sidecar with a ZeroMQ routing
-id of its instance's (HTTP_ROUTING_ID) from the same uid: a restarted one is the same owner
+id of its instance's (`ServeConfig.routing_id`) from the same uid: a restarted one is the same owner
 of the requests, which the sidecar holds meanwhile, and its clients take their streams up
 again with `GET /v1/streams/{request_id}` and Last-Event-ID (kvhold.serving.stream_resume).
 A stream nobody takes up is cancelled by the sidecar after --unclaimed-cancel-s.
@@ -354,18 +355,21 @@ class DrainingServer(uvicorn.Server):
 
 def run_serve(config: ServeConfig) -> int:
     """The supervisor: the sidecar, then the HTTP server once the sidecar serves."""
-    listener = bind_listener(config.host, config.port)   # a port in use stops the start at once
     sidecar = SidecarChild(config).start()
-    http = HttpChild(config, listener)
+    listener = http = None
     try:
         sidecar.wait_until_serving()
+        listener = bind_listener(config.host, config.port)   # the port opens once the sidecar serves
+        http = HttpChild(config, listener)
         log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
                  config.host, listener.getsockname()[1], config.instance)
         return supervise(config, sidecar, http, _Signals())
     finally:
-        http.stop(10.0)
+        if http is not None:
+            http.stop(10.0)
         sidecar.stop()
-        listener.close()
+        if listener is not None:
+            listener.close()
         log.info("stopped")
 
 

@@ -83,7 +83,8 @@ def test_pool_restart_under_load_sdk_and_http(tiny_model, runtime_root, tmp_path
 
 def test_reboot_after_drain_and_a_damaged_record(tiny_model, runtime_root, tmp_path):
     journal = tmp_path / "journal"
-    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(journal)]
+    # the client that goes away leaves its request to run to the end (never cancelled for it)
+    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(journal), "--unclaimed-cancel-s", "0"]
     sc = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "sidecar.log").start()
     fresh = None
     try:
