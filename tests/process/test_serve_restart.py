@@ -94,6 +94,7 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path)
         old_http = http_child(srv)
         with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as a, \
                 httpx.stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as b:
+            assert a.status_code == b.status_code == 200
             parts = {"/v1/completions": Events(a).read(5), "/v1/chat/completions": Events(b).read(3)}
             os.kill(srv.proc.pid, signal.SIGSTOP)     # no restart until the chat has ended
             try:
@@ -138,9 +139,10 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path)
 def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
     srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--unclaimed-cancel-s", "2")
     try:
-        body = dict(COMPLETION, max_tokens=500)
+        body = dict(COMPLETION, max_tokens=460)
         sidecar_pid = srv.sidecar_status()["pid"]
         with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
             events = Events(r).read(3)
             held_at = time.monotonic()
             os.kill(http_child(srv), signal.SIGKILL)
