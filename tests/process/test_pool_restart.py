@@ -43,7 +43,8 @@ def http_stream_text(base: str, body: dict, out: dict) -> None:
     with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
         out["status"] = r.status_code
         raw = r.read().decode()
-    events = raw.split("\n\n")
+    # each event's data line (an event also carries its id line: kvhold.serving.stream_resume)
+    events = [e.rpartition("\n")[2] for e in raw.split("\n\n")]
     out["done"] = events[-2] == "data: [DONE]"
     out["text"] = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2])
 

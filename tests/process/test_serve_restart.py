@@ -161,5 +161,29 @@ def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
         assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
         assert "cancelled: no client claimed it" in r.json()["error"]["message"]
         assert f"request {rid:#x} was cancelled: no client claimed it" in (tmp_path / "serve.log").read_text()
+
+        # a second death soon after the first: a longer delay before the restart
+        second = http_child(srv)
+        os.kill(second, signal.SIGKILL)
+        wait_until(lambda: http_child(srv) != second, 30, 0.05, what="the second restart")
+        log = (tmp_path / "serve.log").read_text()
+        assert f"the HTTP server pid {second} was killed by SIGKILL" in log and "restarting it in 1.0 s" in log
+        srv.wait_healthy()
+
+        # the supervisor's own death: the HTTP server dies with it, the sidecar is told to drain
+        http_pid = http_child(srv)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+        wait_until(lambda: not _alive(http_pid), 10, 0.05, what="the HTTP server to die with the supervisor")
+        wait_until(lambda: not _alive(sidecar_pid), 60, 0.1, what="the sidecar to drain and exit")
+        assert "admissions closed by stop: the sidecar is stopping" in (tmp_path / "serve.log").read_text()
     finally:
         srv.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
