@@ -52,6 +52,7 @@ _PR_SET_PDEATHSIG = 1
 CONFIG_ENV = "KVHOLD_SERVE_HTTP_CONFIG"   # the HTTP server's configuration, from the supervisor
 RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first, largest
 HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
+STOP_SIGNAL = signal.SIGUSR1           # to the HTTP server: stop without a drain (the sidecar is gone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +242,7 @@ class HttpChild:
     def stop(self, timeout: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.send_signal(signal.SIGTERM)     # the second stops at once (DrainingServer)
+        self.proc.send_signal(STOP_SIGNAL)       # no drain: closes, streams cut after 5 s (run_http)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -387,5 +387,8 @@ def run_http(config: ServeConfig, fd: int) -> int:
     server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),
                             app.state.service.gate, config.drain_timeout_s)
+    def stop(sig, frame) -> None:          # uvicorn's own shutdown, without the drain
+        server.should_exit = True
+    signal.signal(STOP_SIGNAL, stop)
     server.run(sockets=[listener])
     return server.exit_code
