@@ -356,6 +356,11 @@ class Sidecar:
         if reply is not None:
             self._reply(sock, identity, reply)
 
+    def client_connection(self, client_key: bytes) -> int:
+        """The number of the connection a client key speaks on now (0: none; client_peers)."""
+        via, principal, identity = split_client_key(client_key)
+        return self.peers.connection(via, identity, principal)
+
     def send_client(self, client_key: bytes, msg) -> bool:
         """Send to a client as the frontend knows it (transport, principal, routing id); False,
         sending nothing, while the connection under that routing id is not that principal's."""

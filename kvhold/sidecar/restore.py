@@ -209,6 +209,7 @@ class Restore:
                 return f"request {rid:#x}: cannot resume at token {index} (have {st.sent})"
             was_waiting, st.awaiting_resume = st.awaiting_resume, False
             self._away.pop(rid, None)
+            st.conn = fe.connection_of(identity)       # the connection it streams to from now on
             if index < st.sent:
                 ids = fe.journal.generated(st.slot, index, st.sent)
                 if self.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
