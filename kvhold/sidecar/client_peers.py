@@ -25,7 +25,11 @@ ZMQ_SRCFD) has not been seen to close since (socket monitor: DISCONNECTED or CLO
 or ACCEPTED of a new connection reusing the descriptor; the monitor's queue is
 unbounded, so no event is lost). Otherwise the message is dropped and the caller told;
 the frontend then holds the stream until its owner resumes it (the SDK sends `Resume`
-after a second of silence, from whatever connection it has by then). The monitors are
+after a second of silence, from whatever connection it has by then). A stream also goes
+only to the connection its owner was on when it was admitted or last resumed (`connection`
+numbers them): another connection of the same owner under the same routing id, such as a
+restarted HTTP server, does not know the stream and would drop it, so the stream is held
+for its `Resume` too. The monitors are
 drained right before every send and before every message from a client is attributed
 (their ZMQ_EVENTS read each time: ZMQ_FD is edge-triggered, and a poll(2) of it can miss
 an event already queued, which then, applied after a reconnected owner's `Resume`,
