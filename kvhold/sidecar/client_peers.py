@@ -131,11 +131,13 @@ class ClientPeers:
         holder = self._holder.get((via, routing_id))
         return self._serial.get((via, routing_id), 0) if holder is not None and holder[0] == principal else 0
 
-    def may_send(self, via: bytes, routing_id: bytes, principal: bytes) -> bool:
-        """Whether the connection that holds `routing_id` now is known to be `principal`'s."""
+    def may_send(self, via: bytes, routing_id: bytes, principal: bytes, connection: int = 0) -> bool:
+        """Whether the connection that holds `routing_id` now is known to be `principal`'s (and,
+        when `connection` is given, is that one)."""
         self.refresh()
         holder = self._holder.get((via, routing_id))
-        if holder is not None and holder[0] == principal:
+        if holder is not None and holder[0] == principal and (
+                not connection or self._serial.get((via, routing_id)) == connection):
             return True
         self.num_refused_sends += 1
         return False

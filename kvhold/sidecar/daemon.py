@@ -361,11 +361,12 @@ class Sidecar:
         via, principal, identity = split_client_key(client_key)
         return self.peers.connection(via, identity, principal)
 
-    def send_client(self, client_key: bytes, msg) -> bool:
+    def send_client(self, client_key: bytes, msg, connection: int = 0) -> bool:
         """Send to a client as the frontend knows it (transport, principal, routing id); False,
-        sending nothing, while the connection under that routing id is not that principal's."""
+        sending nothing, while the connection under that routing id is not that principal's
+        (or, with `connection`, not that one: client_peers)."""
         via, principal, identity = split_client_key(client_key)
-        if not self.peers.may_send(via, identity, principal):
+        if not self.peers.may_send(via, identity, principal, connection):
             return False
         self._reply(self._client_sockets[via], identity, msg)
         return True

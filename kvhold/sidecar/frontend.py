@@ -69,7 +69,7 @@ class Stream:
 class FrontendHost(Protocol):
     """What the frontend needs of the sidecar around it."""
 
-    def send_client(self, client_key: bytes, msg) -> bool: ...   # False: not sent (owner away)
+    def send_client(self, client_key: bytes, msg, connection: int = 0) -> bool: ...   # False: not sent
     def client_connection(self, client_key: bytes) -> int: ...   # optional: the owner's connection now
     def wake_executor(self) -> None: ...
     def post(self, callback: Callable[[], None]) -> None: ...   # run on the loop, from any thread
@@ -347,9 +347,8 @@ class Frontend:
         # process that does not know the stream), waits for it to resume, like one
         if st.awaiting_resume:
             return
-        if st.conn and self.connection_of(st.identity) != st.conn:
-            st.awaiting_resume = True
-        elif not self.host.send_client(st.identity, msg):
+        sent = self.host.send_client(st.identity, msg, st.conn) if st.conn else self.host.send_client(st.identity, msg)
+        if not sent:
             st.awaiting_resume = True
 
     def _wake_executor(self) -> None:
