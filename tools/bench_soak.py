@@ -256,7 +256,9 @@ def _proc_stat(pid: int) -> dict | None:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    field = lambda name: int(re.search(rf"^{name}:\s+(\d+)", status, re.M).group(1))  # noqa: E731
+    def field(name: str) -> int | None:      # a zombie (exited, not reaped yet) has no VmRSS
+        found = re.search(rf"^{name}:\s+(\d+)", status, re.M)
+        return int(found.group(1)) if found else None
     return {"pid": pid, "rss_kib": field("VmRSS"), "open_fds": fds, "threads": field("Threads")}
 
 

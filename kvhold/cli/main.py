@@ -26,7 +26,8 @@ from pathlib import Path
 from kvhold import __version__
 from kvhold.protocol.logs import setup_logging
 from kvhold.serving.flags import add_router_args, add_serve_args
-from kvhold.sidecar.flags import add_instance_args, add_registry_args, add_sidecar_args, env, sidecar_config_from_args
+from kvhold.sidecar.flags import (add_instance_args, add_log_level_arg, add_registry_args, add_sidecar_args, env,
+                                 sidecar_config_from_args)
 
 
 def cmd_sidecar(args) -> int:
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--kill-after", type=int, default=16,
                    help="SIGKILL the executor once this many tokens were streamed in total")
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "WARNING"))
+    add_log_level_arg(p, default="WARNING")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("sidecar", help="run a sidecar", description=cmd_sidecar.__doc__)
@@ -215,7 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("top", help="live view of a running sidecar (executors, page pool, recoveries)")
+    p = sub.add_parser("top", help="live view of a running sidecar (executors, page pool, recoveries)",
+                       description="A live view of one sidecar that fits the terminal (80x24 at the "
+                                   "least): throughput, time to first token, running and waiting "
+                                   "requests, executors, the KV page pool (one glyph per state: "
+                                   "· free, ▒ partly committed, █ committed, ? quarantined, ~ being "
+                                   "written, X bad), recent recoveries and events. q or Ctrl-C quits; "
+                                   "a sidecar that stops answering leaves its last frame, marked STALE.")
     add_instance_args(p)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")

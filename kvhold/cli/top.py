@@ -1,20 +1,26 @@
 """`kvhold top`: a live terminal view of one running sidecar.
 
 `render(status)` turns one status dict (what `kvhold status --json` prints) into a
-rich renderable: the header (weights, requests, health), the executors, the KV
-page pool as a heatmap of the sidecar's `page_map`, recent recoveries with their
-timings, and recent events. `run_top` polls the sidecar every `interval` seconds
-and redraws with rich Live, or prints a single frame with `once`. Event times are
-CLOCK_MONOTONIC, shared with the sidecar because top runs on its host.
+rich renderable: the header (weights, requests, health), a line of throughput, time to
+first token, running and waiting requests, the executors, the KV page pool as a heatmap
+of the sidecar's `page_map`, recent recoveries with their timings, and recent events.
+The frame fits the terminal (80x24 at the least): the heatmap and the tables take the rows
+left. Each page state has its own glyph as well as its colour, so the map reads the same
+without colour (NO_COLOR, a log). `run_top` polls the sidecar every `interval` seconds and
+redraws with rich Live (`q` quits, as does Ctrl-C); while the sidecar does not answer, the
+last frame stays, marked stale with how long it has been. `once` prints a single frame.
+Event times are CLOCK_MONOTONIC, shared with the sidecar because top runs on its host.
 """
 from __future__ import annotations
 
+import os
+import select
 import sys
 import time
+from dataclasses import dataclass
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +29,8 @@ from kvhold.protocol.page_map import LEGEND
 HEATMAP_WIDTH = 64
 HEATMAP_ROWS = 16
 CELL_STYLE = {".": "grey35", "+": "green4", "#": "green1", "q": "magenta", "w": "yellow", "x": "bold red"}
+CELL_GLYPH = {".": "·", "+": "▒", "#": "█", "q": "?", "w": "~", "x": "X"}   # legible without colour
+MIN_SIZE = (80, 24)
 ROLE_STYLE = {"active": "bold green", "standby": "cyan", "starting": "yellow"}
 
 
@@ -39,13 +47,13 @@ def _age(ns: int, now_ns: int) -> str:
 def header(status: dict) -> Text:
     w = status.get("weights") or {}
     req = status.get("requests") or {}
+    finished = ", ".join(f"{k} {v}" for k, v in (req.get("finished") or {}).items()) or "none"
     text = Text.assemble(
         ("kvhold ", "bold"), (str(status.get("instance")), "cyan"),
         f"  pid {status.get('pid')}  generation {status.get('generation')}  "
-        f"up {status.get('uptime_s', 0):.0f}s\n",
-        f"weights {w.get('state')}", f" ({w['load_ms']:.0f} ms)" if w.get("load_ms") else "",
-        f"   requests: {req.get('in_flight', 0)} in flight, {req.get('admitted_total', 0)} admitted, "
-        f"finished {req.get('finished', {})}")
+        f"up {status.get('uptime_s', 0):.0f}s  weights {w.get('state')}",
+        f" ({w['load_ms']:.0f} ms)" if w.get("load_ms") else "",
+        f"\nrequests: {req.get('admitted_total', 0)} admitted, finished: {finished}")
     health = status.get("health")
     if health is not None:
         text.append("\n")
@@ -67,9 +75,41 @@ def health_line(health) -> Text:
     return line
 
 
+def _table(*columns: str, title: str) -> Table:
+    """A table of one line per row (no borders): the frame must fit 24 lines."""
+    return Table(*columns, title=title, title_justify="left", title_style="bold", expand=False,
+                 box=None, pad_edge=False, padding=(0, 1), header_style="bold underline")
+
+
+@dataclass
+class Rates:
+    """What two successive frames tell: tokens per second since the previous status."""
+    tokens_per_s: float | None = None
+    _last: tuple[float, int] | None = None
+
+    def update(self, status: dict, now_s: float | None = None) -> "Rates":
+        now_s = time.monotonic() if now_s is None else now_s
+        tokens = (status.get("requests") or {}).get("tokens_total")
+        if tokens is not None:
+            if self._last is not None and now_s > self._last[0]:
+                self.tokens_per_s = max(0.0, (tokens - self._last[1]) / (now_s - self._last[0]))
+            self._last = (now_s, tokens)
+        return self
+
+
+def load_line(status: dict, rates: Rates | None = None) -> Text:
+    req = status.get("requests") or {}
+    running = req.get("in_flight", 0) - (req.get("waiting") or 0)
+    tps = rates.tokens_per_s if rates is not None else None
+    ttft = req.get("first_token_ms_p50")
+    return Text.assemble(
+        "throughput ", (f"{tps:.0f} tok/s" if tps is not None else "-", "bold"),
+        "   first token P50 ", (f"{ttft:.0f} ms" if ttft is not None else "-", "bold"),
+        "   running ", (str(running), "bold"), "   waiting ", (str(req.get("waiting", 0)), "bold"))
+
+
 def executors_table(status: dict) -> Table:
-    table = Table("slot", "pid", "role", "epoch", "heartbeat age", "steps", "ready",
-                  title="executors", title_justify="left", expand=False)
+    table = _table("lease", "pid", "role", "epoch", "heartbeat age", "steps", "ready", title="executors")
     for ex in status.get("executors", []):
         age = ex.get("heartbeat_age_ms", 0.0)
         age_style = "green" if age < 250 else "yellow" if age < 1000 else "bold red"
@@ -81,6 +121,7 @@ def executors_table(status: dict) -> Table:
 
 
 def heatmap(status: dict, width: int = HEATMAP_WIDTH, rows: int = HEATMAP_ROWS) -> Group:
+    """The page pool: one glyph per cell, at most `width` x `rows` cells, then the legend."""
     pages = status.get("pages") or {}
     counts = Text("pages: " + "  ".join(f"{k} {v}" for k, v in pages.items()))
     pmap = status.get("page_map")
@@ -90,13 +131,14 @@ def heatmap(status: dict, width: int = HEATMAP_WIDTH, rows: int = HEATMAP_ROWS) 
     per_cell = pmap["pages_per_cell"] * step
     grid = Text()
     for start in range(0, len(cells), width):
+        if start:
+            grid.append("\n")
         for ch in cells[start:start + width]:
-            grid.append("█", CELL_STYLE.get(ch, ""))
-        grid.append("\n")
-    legend = Text(f"one cell = {per_cell} page{'s' if per_cell > 1 else ''}   ")
+            grid.append(CELL_GLYPH.get(ch, ch), CELL_STYLE.get(ch, ""))
+    legend = Text(f"cell={per_cell}p ")
     for ch, name in LEGEND.items():
-        legend.append("█", CELL_STYLE[ch])
-        legend.append(f" {name}  ")
+        legend.append(CELL_GLYPH[ch], CELL_STYLE[ch])
+        legend.append(f"{name.replace('partly committed', 'partly').replace('being written', 'writing')} ")
     return Group(counts, grid, legend)
 
 
@@ -117,9 +159,8 @@ def _fold(cells: str, limit: int) -> tuple[str, int]:
 
 
 def recoveries_table(status: dict, limit: int = 5) -> Table:
-    table = Table("epochs", "pid", "promote", "validate", "resume", "1st token", "pages ok/bad",
-                  "res/dmg/lost", "recomp", title="recent recoveries (ms after detection; "
-                  "requests resumable/damaged/lost, tokens recomputed)", title_justify="left")
+    table = _table("epochs", "pid", "promote", "valid", "resume", "1st", "ok/bad", "r/d/l", "recomp",
+                   title="recoveries (ms after detection)")
     for rec in status.get("recoveries", [])[-limit:]:
         detect = rec.get("detect_ns") or rec.get("promoted_ns", 0)
         first = rec.get("first_token_ns")
@@ -134,25 +175,44 @@ def recoveries_table(status: dict, limit: int = 5) -> Table:
 
 
 def events_table(status: dict, now_ns: int, limit: int = 8) -> Table:
-    table = Table("age", "event", "slot", "pid", "epoch", "detail", title="recent events",
-                  title_justify="left")
+    table = _table("age", "event", "lease", "pid", "epoch", "detail", title="recent events")
     for ev in status.get("events", [])[-limit:][::-1]:
         detail = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in ev.items()
                            if k not in ("kind", "ns", "slot", "pid", "epoch") and not k.endswith("_ns"))
         table.add_row(_age(ev.get("ns", now_ns), now_ns), str(ev.get("kind")), str(ev.get("slot", "")),
-                      str(ev.get("pid", "")), str(ev.get("epoch", "")), detail[:60])
+                      str(ev.get("pid", "")), str(ev.get("epoch", "")), detail[:36])
     return table
 
 
-def render(status: dict, now_ns: int | None = None) -> Group:
+def render(status: dict, now_ns: int | None = None, *, size: tuple[int, int] | None = None,
+           rates: Rates | None = None, stale_s: float | None = None) -> Group:
+    """One frame for a terminal of `size` (columns, lines; default 80x24 at the least and
+    the heatmap at full size when there is room); `stale_s`: the status is that old."""
     now_ns = time.monotonic_ns() if now_ns is None else now_ns
-    return Group(
-        Panel(header(status), expand=False),
-        executors_table(status),
-        Panel(heatmap(status), title="KV page pool", title_align="left", expand=False),
-        recoveries_table(status),
-        events_table(status, now_ns))
+    width, height = size or (HEATMAP_WIDTH + 16, 60)
+    width, height = max(width, MIN_SIZE[0]), max(height, MIN_SIZE[1])
+    head = header(status)
+    recoveries = status.get("recoveries", [])
+    events = status.get("events", [])
+    fixed = (len(head.wrap(Console(width=width), width)) + 1             # the header, the load line
+             + 2 + len(status.get("executors", []))                     # title, column names, rows
+             + 3                                                        # the pool: title, counts, legend
+             + (1 if stale_s is not None else 0)
+             + 2 + 2)                                                   # the two tables' titles and names
+    spare = max(0, height - 1 - fixed)               # the last line stays free for the cursor
+    n_rec = min(len(recoveries), 3, spare // 4)
+    n_ev = min(len(events), 8, (spare - n_rec) // 3)
+    map_width = min(HEATMAP_WIDTH, width - 2)
+    map_rows = max(1, min(HEATMAP_ROWS, spare - n_rec - n_ev))
+    parts = []
+    if stale_s is not None:
+        parts.append(Text(f"STALE: the sidecar has not answered for {stale_s:.0f} s; "
+                          f"this is its last status", "bold red"))
+    parts += [head, load_line(status, rates), executors_table(status),
+              Text("KV page pool", "bold"), heatmap(status, map_width, map_rows),
+              recoveries_table(status, n_rec), events_table(status, now_ns, n_ev)]
+    return Group(*parts)
 
 
 def render_error(message: str) -> Text:
@@ -180,14 +240,60 @@ def run_top(instance: str, runtime_root=None, *, interval: float = 1.0, once: bo
 def _live(client, console: Console, interval: float) -> int:
     from kvhold.protocol.errors import SidecarUnavailable
 
-    with Live(console=console, screen=False, auto_refresh=False) as live:
+    rates, last, last_ok = Rates(), None, time.monotonic()
+    with _Keys() as keys, Live(console=console, screen=False, auto_refresh=False) as live:
         try:
             while True:
+                size = (console.size.width, console.size.height)
                 try:
-                    frame = render(client.status())
+                    last, last_ok = client.status(), time.monotonic()
+                    frame = render(last, size=size, rates=rates.update(last))
                 except SidecarUnavailable as exc:
-                    frame = render_error(str(exc))
+                    frame = (render(last, size=size, rates=rates, stale_s=time.monotonic() - last_ok)
+                             if last is not None else render_error(str(exc)))
                 live.update(frame, refresh=True)
-                time.sleep(interval)
+                if keys.quit_within(interval):
+                    return 0
         except KeyboardInterrupt:
             return 0
+
+
+class _Keys:
+    """Single keys from a terminal on stdin (cbreak mode while top runs): `q` quits."""
+
+    def __init__(self):
+        self._fd, self._saved = None, None
+
+    def __enter__(self) -> "_Keys":
+        try:
+            import termios
+            import tty
+            if sys.stdin.isatty():
+                self._fd = sys.stdin.fileno()
+                self._saved = termios.tcgetattr(self._fd)
+                tty.setcbreak(self._fd)
+        except (ImportError, OSError, ValueError):
+            self._fd = None
+        return self
+
+    def quit_within(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s`; True if `q` was pressed meanwhile."""
+        if self._fd is None:
+            time.sleep(timeout_s)
+            return False
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self._fd], [], [], left)[0]:
+                key = os.read(self._fd, 32)
+                if not key:                     # stdin closed: no more keys, keep going
+                    self._fd = None
+                    time.sleep(max(0.0, deadline - time.monotonic()))
+                    return False
+                if b"q" in key.lower():
+                    return True
+        return False
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None and self._saved is not None:
+            import termios
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)

@@ -235,13 +235,7 @@ class Engine:
         sample(logits, probe)
 
     def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in seq.stop_ids or (token in self.eos and not seq.ignore_eos):
-            return FinishReason.STOP
-        if seq.num_generated >= seq.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_seq_len:
-            return FinishReason.CONTEXT
-        return None
+        return finish_reason(seq, token, self.eos, self.max_seq_len)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
@@ -251,3 +245,16 @@ class Engine:
         """A released sequence: its pages freed, the engine done with it."""
         self.blocks.free(seq)
         del self.seqs[seq.slot]
+
+
+def finish_reason(req, token: int, eos, max_seq_len: int) -> FinishReason | None:
+    """kvhold's rule for ending a request after its latest token `token` (`req`: a Sequence or
+    a journal entry, counted with that token): a stop id, EOS unless ignore_eos, max_tokens,
+    then the context length. Every engine kvhold drives ends requests by it."""
+    if token in req.stop_ids or (token in eos and not req.ignore_eos):
+        return FinishReason.STOP
+    if req.num_generated >= req.max_tokens:
+        return FinishReason.LENGTH
+    if req.num_tokens >= max_seq_len:
+        return FinishReason.CONTEXT
+    return None

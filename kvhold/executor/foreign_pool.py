@@ -31,6 +31,7 @@ import math
 
 from kvhold.executor.commit import PagesStage
 from kvhold.executor.engine import Engine
+from kvhold.executor.engine_bridge import list_mirrored_pages
 from kvhold.executor.engine_workload import EngineWorkload
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks, Restored
@@ -147,13 +148,7 @@ class MirrorPages(PagesStage):
                 self._list_pages(p.seq)
 
     def _list_pages(self, seq: Sequence) -> None:
-        """Journal page list := the kvhold pages of the request's mirrored prefix."""
-        listed = self.journal.num_pages(seq.slot)
-        new = []
-        while (page := self.mirror.page_of(seq.request_id, listed + len(new))) is not None:
-            new.append(page)
-        if new:
-            self.journal.set_pages(seq.slot, new, listed)
+        list_mirrored_pages(self.journal, self.mirror, seq.slot, seq.request_id)
 
 
 class ForeignEngine(Engine):

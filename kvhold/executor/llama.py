@@ -1,5 +1,8 @@
 """The reference Llama-family decoder over paged KV: RMSNorm, RoPE (with Llama-3
-frequency scaling), grouped-query attention, SwiGLU, optional q/k/v bias (Qwen2).
+frequency scaling), grouped-query attention, SwiGLU, optional q/k/v bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), fused q|k|v and gate|up tensors (Phi-3), and
+sliding-window attention per layer (Mistral, Phi-3, Qwen2/3 where configured: a query
+at position p attends to positions p-W+1..p, as transformers' sliding-window mask).
 
 Weights are tensors viewing the sidecar's weights region (never copied into the
 process); arithmetic runs in `compute_dtype`. One `forward` serves a mixed step:
@@ -68,6 +71,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], compute_dtype: torch.dtype,
                  device: torch.device, max_positions: int):
+        if device.type == "cuda" and (refusal := spec.cuda_refusal(max_positions)) is not None:
+            raise ValueError(refusal)
         self.spec = spec
         self.w = weights
         self.dtype = compute_dtype
@@ -118,20 +123,33 @@ class LlamaModel:
         h = self.w["model.embed_tokens.weight"][token_ids].to(self.dtype)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         bias = spec.attention_bias
+        nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for layer in range(spec.num_layers):
             p = f"model.layers.{layer}."
             x = self._rmsnorm(h, p + "input_layernorm.weight")
-            q = self._linear(x, p + "self_attn.q_proj.weight", bias).view(t, spec.num_heads, spec.head_dim)
-            k = self._linear(x, p + "self_attn.k_proj.weight", bias).view(t, spec.num_kv_heads, spec.head_dim)
-            v = self._linear(x, p + "self_attn.v_proj.weight", bias).view(t, spec.num_kv_heads, spec.head_dim)
+            if spec.fused_tensors:
+                q, k, v = self._linear(x, p + "self_attn.qkv_proj.weight").split([nq, nkv, nkv], dim=-1)
+            else:
+                q = self._linear(x, p + "self_attn.q_proj.weight", bias)
+                k = self._linear(x, p + "self_attn.k_proj.weight", bias)
+                v = self._linear(x, p + "self_attn.v_proj.weight", bias)
+            q = q.reshape(t, spec.num_heads, spec.head_dim)
+            k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
+            v = v.reshape(t, spec.num_kv_heads, spec.head_dim)
+            if spec.qk_norm:
+                q = self._rmsnorm(q, p + "self_attn.q_norm.weight")
+                k = self._rmsnorm(k, p + "self_attn.k_norm.weight")
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kv.write(layer, write_pages, write_slots, k, v)
             attn = attend(layer, q)
             h = h + self._linear(attn.reshape(t, -1), p + "self_attn.o_proj.weight")
             x = self._rmsnorm(h, p + "post_attention_layernorm.weight")
-            gate = self._linear(x, p + "mlp.gate_proj.weight")
-            up = self._linear(x, p + "mlp.up_proj.weight")
+            if spec.fused_tensors:
+                gate, up = self._linear(x, p + "mlp.gate_up_proj.weight").chunk(2, dim=-1)
+            else:
+                gate = self._linear(x, p + "mlp.gate_proj.weight")
+                up = self._linear(x, p + "mlp.up_proj.weight")
             h = h + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
         return h
 
@@ -143,6 +161,7 @@ class LlamaModel:
 
     def _attention(self, layer: int, q: torch.Tensor, step: StepInput, kv: KvCache) -> torch.Tensor:
         out = torch.empty_like(q)
+        window = self.spec.window(layer)
         for s in step.seqs:
             k, v = kv.gather(layer, s.pages, s.context, self.dtype)
             if self.group > 1:
@@ -151,8 +170,11 @@ class LlamaModel:
             qs = q[s.start:s.start + s.n]                               # [n, heads, dim]
             scores = torch.einsum("qhd,khd->hqk", qs, k) * self.scale
             first = s.context - s.n
-            allowed = (torch.arange(s.context, device=q.device)[None, :]
-                       <= (first + torch.arange(s.n, device=q.device))[:, None])
+            keys = torch.arange(s.context, device=q.device)[None, :]
+            queries = (first + torch.arange(s.n, device=q.device))[:, None]
+            allowed = keys <= queries
+            if window is not None:
+                allowed &= keys > queries - window
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16)
                                   else scores, dim=-1).to(v.dtype)

@@ -15,7 +15,8 @@ forks and answers {"ok": true, "pid": N}. Only the sidecar's pid, checked by
 SO_PEERCRED, is served; the reply also says how many threads the zygote had when
 it forked. Children are not tied to the zygote's life: they watch
 the sidecar (not the zygote) and outlive a zygote crash; the zygote reaps those
-that exit while it lives and logs their exit codes. The zygote exits when the
+that exit while it lives, ZOMBIE_KEEP_S after they exit (until then the sidecar reads how
+each died from its /proc stat), and logs their exit codes. The zygote exits when the
 sidecar does.
 
 Forking is safe only from a single-threaded process: a lock some other thread
@@ -49,6 +50,7 @@ from kvhold.protocol import fdpass
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
+ZOMBIE_KEEP_S = 2.0     # an exited child stays a zombie this long before it is reaped
 TASK_DIR = "/proc/self/task"
 
 
@@ -111,6 +113,7 @@ class Zygote:
         self.socket_path = socket_path
         self.sidecar_pid = sidecar_pid
         self.children: set[int] = set()
+        self._exited: dict[int, float] = {}     # exited child -> when first seen so (a zombie kept)
 
     def serve(self) -> int:
         listener = fdpass.listen(self.socket_path)
@@ -186,15 +189,29 @@ class Zygote:
             os._exit(code)
 
     def _reap(self) -> None:
+        """Reap children that exited at least ZOMBIE_KEEP_S ago. Until then the zombie's /proc
+        stat holds its wait status for the sidecar (which counts a death against a request only
+        if it was a crash, not a kill from outside: kvhold.sidecar.request_deaths)."""
+        now = time.monotonic()
         for pid in list(self.children):
             try:
-                done, status = os.waitpid(pid, os.WNOHANG)
+                exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 self.children.discard(pid)
+                self._exited.pop(pid, None)
                 continue
-            if done:
-                self.children.discard(pid)
-                log.info("executor pid %d exited with code %d", pid, os.waitstatus_to_exitcode(status))
+            if exited is None:
+                continue
+            first = self._exited.setdefault(pid, now)
+            if now - first < ZOMBIE_KEEP_S:
+                continue
+            try:
+                _, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                status = 0
+            self.children.discard(pid)
+            self._exited.pop(pid, None)
+            log.info("executor pid %d exited with code %d", pid, os.waitstatus_to_exitcode(status))
 
 
 def _kernel_shapes(text: str):

@@ -1,17 +1,25 @@
 """ModelSpec: what kvhold needs to know about a Llama-family checkpoint's config.json.
 
 Shared by the sidecar (to size regions and tables, with no torch) and the engine.
-Supports Llama 1-3 (including Llama-3 RoPE frequency scaling), Mistral-style and
-Qwen2-style (q/k/v bias) configs in Hugging Face format, including the
-`rope_parameters` spelling of newer transformers releases.
+Supports Llama 1-3 (including Llama-3 RoPE frequency scaling), Mistral (sliding-window
+attention), Qwen2 (q/k/v bias, sliding windows on the layers transformers puts them on),
+Qwen3 (RMSNorm of each query and key head) and Phi-3 (fused q|k|v and gate|up tensors,
+sliding window) configs in Hugging Face format, including the `rope_parameters`
+spelling of newer transformers releases. The end-of-sequence ids are those of
+config.json and generation_config.json together (as vLLM stops on both). What the
+engine does not implement (other activations, partial rotary, other RoPE types,
+other layer types) is refused with the reason, never ignored.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the fused CUDA layers (kvhold.executor.cuda_layers) implement these; the CPU engine all of them
+CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
@@ -48,6 +56,33 @@ class ModelSpec:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # per layer: the number of positions a query attends to (itself included), None = all
+    sliding_windows: tuple[int | None, ...] = ()
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each query and key head, before RoPE."""
+        return self.model_type == "qwen3"
+
+    @property
+    def fused_tensors(self) -> bool:
+        """Phi-3: q|k|v in one `qkv_proj` tensor and gate|up in one `gate_up_proj`."""
+        return self.model_type == "phi3"
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def cuda_refusal(self, max_seq_len: int) -> str | None:
+        """Why the CUDA engine cannot run this model with a context of `max_seq_len`, or None."""
+        if self.model_type not in CUDA_MODEL_TYPES:
+            return (f"model_type {self.model_type!r} runs on the CPU engine only (--device cpu); the CUDA "
+                    f"engine's fused layers implement {', '.join(CUDA_MODEL_TYPES)}")
+        windows = [w for w in self.sliding_windows if w is not None and w < max_seq_len]
+        if windows:
+            return (f"the model's sliding window of {min(windows)} positions is shorter than the context "
+                    f"(--max-seq-len {max_seq_len}) and the CUDA attention attends over the whole context: "
+                    f"use --max-seq-len {min(windows)} or less, or --device cpu")
+        return None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelSpec":
@@ -58,10 +93,27 @@ class ModelSpec:
             cfg = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+        gen_path = Path(path) / "generation_config.json"
+        gen = {}
+        if gen_path.is_file():
+            try:
+                gen = json.loads(gen_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{gen_path}: not valid JSON ({exc})") from None
         try:
-            return cls.from_config(cfg)
+            spec = cls.from_config(cfg)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{cfg_path}: {exc}") from None
+        try:
+            extra = _token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
+        except ValueError as exc:
+            raise CheckpointError(f"{gen_path}: {exc}") from None
+        bad = [e for e in extra if not 0 <= e < spec.vocab_size]
+        if bad:
+            raise CheckpointError(f"{gen_path}: eos_token_id {bad} outside the vocabulary "
+                                  f"(vocab_size {spec.vocab_size})")
+        eos = spec.eos_token_ids + tuple(e for e in dict.fromkeys(extra) if e not in spec.eos_token_ids)
+        return dataclasses.replace(spec, eos_token_ids=eos)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelSpec":
@@ -76,8 +128,13 @@ class ModelSpec:
         raw_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         if raw_dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype {raw_dtype!r} is not supported")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
+        partial = float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head)")
+        eos_ids = tuple(dict.fromkeys(_token_ids(cfg.get("eos_token_id"))))
         spec = cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -96,6 +153,7 @@ class ModelSpec:
             rope_scaling=_parse_scaling(scaling),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_windows=_sliding_windows(cfg, model_type),
         )
         spec.validate()
         return spec
@@ -110,6 +168,10 @@ class ModelSpec:
                              f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"{len(self.sliding_windows)} layer types for {self.num_layers} layers")
+        if any(w is not None and w <= 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_windows}")
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape, for this config."""
@@ -121,22 +183,63 @@ class ModelSpec:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
-            shapes.update({
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
-            })
+            shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+            if self.fused_tensors:
+                shapes.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                               p + "self_attn.o_proj.weight": (h, q),
+                               p + "mlp.gate_up_proj.weight": (2 * i, h),
+                               p + "mlp.down_proj.weight": (h, i)})
+            else:
+                shapes.update({
+                    p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (i, h),
+                    p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i),
+                })
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
             if self.attention_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (q,),
                                p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
         return shapes
+
+
+def _token_ids(value) -> list[int]:
+    """An `eos_token_id` field: an int, a list of ints, or absent."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"eos_token_id must be an integer or a list of integers, got {value!r}")
+    return values
+
+
+def _sliding_windows(cfg: dict, model_type: str) -> tuple[int | None, ...]:
+    """Each layer's attention window, where transformers' model of this type applies one."""
+    layers = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if model_type == "llama":          # LlamaAttention has no window
+        return ()
+    if model_type in ("mistral", "phi3"):  # one window on every layer (transformers ignores layer_types)
+        return (int(window),) * layers if window is not None else ()
+    # qwen2, qwen3: `layer_types`, else sliding layers from max_window_layers on when use_sliding_window
+    if not cfg.get("use_sliding_window", False):
+        window = None
+    types = cfg.get("layer_types")
+    if types is None:
+        start = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                 for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+    if window is None or "sliding_attention" not in types:   # transformers: no window then
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _parse_scaling(d: dict | None) -> RopeScaling:

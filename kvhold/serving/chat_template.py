@@ -1,15 +1,20 @@
 """Chat messages -> prompt text, as Hugging Face's `apply_chat_template` does.
 
-The checkpoint's `tokenizer_config.json` may carry a Jinja `chat_template` (a string,
-or a list of named templates of which "default" is used). It is rendered in a
-sandboxed Jinja environment with `messages`, `bos_token`, `eos_token`,
-`add_generation_prompt=True` and `raise_exception`, like transformers. A checkpoint
-without one gets the documented plain template below. The text is tokenized with
-no special tokens added: the template writes the BOS token itself.
+The template is found where transformers looks, in its order: template files first
+(`chat_template.jinja`, the default one, which transformers 5 writes next to
+tokenizer_config.json, and named ones under `additional_chat_templates/`), and only
+when there is none, the `chat_template` of `tokenizer_config.json` (a string, or a list
+of named templates). Of named templates "default" is used (else the first listed).
+The one chosen is logged with where it came from. It is rendered in a sandboxed Jinja
+environment with `messages`, `bos_token`, `eos_token`, `add_generation_prompt=True` and
+`raise_exception`, like transformers. A checkpoint without any gets the documented plain
+template below, with a warning. The text is tokenized with no special tokens added: the
+template writes the BOS token itself.
 """
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jinja2
@@ -19,6 +24,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 #   <bos>system: ...\nuser: ...\nassistant: ...\nassistant:
 PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+log = logging.getLogger(__name__)
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
 
 
 class TemplateError(ValueError):
@@ -32,13 +42,15 @@ def _token_text(value) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", is_plain: bool = False):
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", is_plain: bool = False,
+                 origin: str = "the plain template"):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(source)
         self.bos_token, self.eos_token, self.is_plain = bos_token, eos_token, is_plain
+        self.origin = origin
 
     @classmethod
     def for_checkpoint(cls, model_dir: Path | None) -> "ChatTemplate":
@@ -46,14 +58,23 @@ class ChatTemplate:
         path = Path(model_dir) / "tokenizer_config.json" if model_dir else None
         if path is not None and path.is_file():
             cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
-        if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
         bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-        if not source:
+        named = _template_files(Path(model_dir)) if model_dir else {}
+        if not named:
+            source = cfg.get("chat_template")
+            if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
+                named = {t.get("name"): (t.get("template"), f"{path}'s chat_template {t.get('name')!r}")
+                         for t in source if isinstance(t, dict)}
+            elif source:
+                named = {"default": (source, f"{path}'s chat_template")}
+        named = {k: v for k, v in named.items() if isinstance(k, str) and isinstance(v[0], str) and v[0]}
+        if not named:
+            log.warning("chat template: %s has none (no %s, no chat_template in tokenizer_config.json): "
+                        "using kvhold's plain template (role: content lines)", model_dir, TEMPLATE_FILE)
             return cls(PLAIN_TEMPLATE, bos, eos, is_plain=True)
-        return cls(source, bos, eos)
+        source, origin = named.get("default") or next(iter(named.values()))
+        log.info("chat template: %s%s", origin, "" if "default" in named else " (none is named default)")
+        return cls(source, bos, eos, origin=origin)
 
     def render(self, messages: list[dict]) -> str:
         try:
@@ -61,6 +82,21 @@ class ChatTemplate:
                                         eos_token=self.eos_token, add_generation_prompt=True)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template rejected the messages: {exc}") from None
+
+
+def _template_files(model_dir: Path) -> dict[str, tuple[str, str]]:
+    """Templates kept as files, which transformers prefers to tokenizer_config.json's entry:
+    chat_template.jinja (named "default") and additional_chat_templates/NAME.jinja.
+    Returns {name: (template, its path)}."""
+    files = [(model_dir / TEMPLATE_FILE, "default")]
+    extra = model_dir / TEMPLATE_DIR
+    if extra.is_dir():
+        files += [(f, f.stem) for f in sorted(extra.glob("*.jinja"))]
+    named = {}
+    for f, name in files:
+        if f.is_file() and name not in named:
+            named[name] = (f.read_text(encoding="utf-8"), str(f))
+    return named
 
 
 def _raise(message: str):

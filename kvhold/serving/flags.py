@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvhold.sidecar.flags import add_registry_args, add_sidecar_args, env
+from kvhold.sidecar.flags import add_log_level_arg, add_registry_args, add_sidecar_args, env
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -20,10 +20,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=env("MODEL"),
                    help="a local copy of the served checkpoint, for its tokenizer and chat template "
                         "(without it /v1/chat/completions is unavailable)")
-    p.add_argument("--max-seq-len", type=int, default=None,
+    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
                    help="the sidecars' context length, checked here before routing (default: "
                         "min(model context, 4096))")
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
+    add_log_level_arg(p)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:

@@ -75,6 +75,7 @@ class PoolConfig:
     device: str = "cpu"
     kv_pages: int | None = None
     kv_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None   # share of the GPU for weights + KV (+ reserve)
     page_tokens: int = 16
     max_seq_len: int | None = None
     max_requests: int = 256
@@ -95,6 +96,16 @@ class PoolConfig:
                f"pool.kv_pages must be positive, got {self.kv_pages}", "pool.kv_pages")
         _check(self.kv_memory_bytes is None or self.kv_memory_bytes > 0,
                "pool.kv_memory_bytes must be positive", "pool.kv_memory_bytes")
+        sizes = [self.kv_pages, self.kv_memory_bytes, self.gpu_memory_utilization]
+        _check(sum(x is not None for x in sizes) <= 1, "size the KV pool one way: pool.kv_pages, "
+               "pool.kv_memory_bytes or pool.gpu_memory_utilization", "pool.kv_pages",
+               "pool.kv_memory_bytes", "pool.gpu_memory_utilization")
+        u = self.gpu_memory_utilization
+        _check(u is None or 0.0 < u <= 1.0, f"pool.gpu_memory_utilization must be in (0, 1], got {u}",
+               "pool.gpu_memory_utilization")
+        _check(u is None or self.device.startswith("cuda"), "pool.gpu_memory_utilization sizes the "
+               "KV pool from a GPU's memory and needs a CUDA device; on CPU size it with "
+               "pool.kv_memory_bytes or pool.kv_pages", "pool.gpu_memory_utilization")
         _check(1 <= self.page_tokens <= 1024, f"pool.page_tokens must be in 1..1024, got {self.page_tokens}",
                "pool.page_tokens")
         _check(1 <= self.max_requests <= 65536,
@@ -275,6 +286,18 @@ class JournalConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LogsConfig:
+    """What the sidecar logs on its own (kvhold.sidecar.stats_log)."""
+
+    stats_interval_s: float = 10.0    # a stats line this often while there is work; 0: never
+
+    def __post_init__(self):
+        _check(self.stats_interval_s == 0 or 1.0 <= self.stats_interval_s <= 3600,
+               f"logs.stats_interval_s must be 0 (off) or in 1..3600, got {self.stats_interval_s}",
+               "logs.stats_interval_s")
+
+
+@dataclass(frozen=True, slots=True)
 class SidecarConfig:
     instance: str = "default"
     runtime_root: Path | None = None
@@ -284,6 +307,7 @@ class SidecarConfig:
     client_tcp: ClientTcpConfig = field(default_factory=ClientTcpConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    logs: LogsConfig = field(default_factory=LogsConfig)
 
     def __post_init__(self):
         validate_instance(self.instance)
@@ -314,10 +338,16 @@ class SidecarConfig:
         if spec is not None and max_seq > spec.max_position:
             raise ValueError(f"--max-seq-len {max_seq} exceeds the model's "
                              f"max_position_embeddings ({spec.max_position})")
+        if spec is not None and self.executors.workload == "engine" and pool.device.startswith("cuda"):
+            refusal = spec.cuda_refusal(max_seq)
+            if refusal is not None:
+                raise ValueError(refusal)
         if pool.kv_pages is not None:
             pages = pool.kv_pages
         elif pool.kv_memory_bytes is not None:
             pages = pool.kv_memory_bytes // kv.page_bytes
+        elif pool.gpu_memory_utilization is not None:
+            pages = self.kv_bytes_for_utilization(spec) // kv.page_bytes
         else:  # enough for a handful of full-length sequences
             pages = max(64, 4 * math.ceil(max_seq / kv.page_tokens) + 1)
         if pages - 1 < math.ceil(max_seq / kv.page_tokens):  # page 0 is the reserved null page
@@ -325,6 +355,26 @@ class SidecarConfig:
                              f"cannot hold one sequence of --max-seq-len {max_seq}")
         return TableGeometry(kv=kv, num_pages=pages, num_slots=pool.max_requests,
                              max_seq_len=max_seq, num_leases=self.executors.num_leases)
+
+    def kv_bytes_for_utilization(self, spec, total_bytes: int | None = None) -> int:
+        """The KV pool that `pool.gpu_memory_utilization` of the device leaves: that share of
+        its memory (NVML's total), less the weights (held once, by the sidecar) and
+        EXECUTOR_RESERVE_BYTES for each executor's own context, kernels and activations
+        (the active one and every standby). A share too small for any KV is an error."""
+        pool = self.pool
+        if total_bytes is None:
+            total_bytes = gpu_total_bytes(pool.device)
+        weights = _weights_bytes(spec, pool.compute_dtype_for(spec)) if spec is not None else 0
+        executors = 1 + self.executors.standbys
+        reserve = EXECUTOR_RESERVE_BYTES * executors
+        budget = int(pool.gpu_memory_utilization * total_bytes) - weights - reserve
+        if budget <= 0:
+            raise SettingError(
+                f"pool.gpu_memory_utilization {pool.gpu_memory_utilization} of {total_bytes / 2**30:.1f} "
+                f"GiB leaves no KV memory after the weights ({weights / 2**30:.1f} GiB) and "
+                f"{executors} executors' reserve ({reserve / 2**30:.1f} GiB)",
+                "pool.gpu_memory_utilization")
+        return budget
 
     def executor_settings(self, spec=None) -> ExecutorSettings:
         pool, ex = self.pool, self.executors
@@ -335,6 +385,29 @@ class SidecarConfig:
             prefill_chunk=ex.prefill_chunk or None,
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode)
+
+
+EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations
+
+
+def _weights_bytes(spec, dtype: str) -> int:
+    itemsize = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return itemsize * sum(math.prod(shape) for shape in spec.expected_tensors().values())
+
+
+def gpu_total_bytes(device: str) -> int:
+    """The device's memory, from NVML (the sidecar holds no CUDA context)."""
+    index = int(device.partition(":")[2] or 0)
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:   # noqa: BLE001 - no NVML, no device: one clear message
+        raise SettingError(f"pool.gpu_memory_utilization needs the memory of {device} from NVML "
+                           f"(nvidia-ml-py): {exc}", "pool.gpu_memory_utilization") from None
 
 
 def _check_vllm(cfg: "SidecarConfig") -> None:

@@ -49,6 +49,7 @@ from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, 
 from kvhold.sidecar.regions import PoolMemory, create_regions
 from kvhold.sidecar.request_deaths import RequestDeaths
 from kvhold.sidecar.restore import Restore
+from kvhold.sidecar.stats_log import StatsLog
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
 from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
 from kvhold.sidecar.timeline import RecoveryTimeline
@@ -144,6 +145,7 @@ class Sidecar:
                                send_client=self.send_client,
                                unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
         self.frontend.restored = self.restore
+        self.stats_log = StatsLog(cfg.logs.stats_interval_s)
         self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
         self.frontend.add_handler(m.Resume, self.restore.on_resume)
 
@@ -411,7 +413,17 @@ class Sidecar:
         self.supervisor.check_heartbeats(now)
         self.supervisor.rearm(now)
         self.frontend.tick(now)
+        if self.stats_log.due(now):
+            self._log_stats(now)
         self.loop.turn_ended()
+
+    def _log_stats(self, now: int) -> None:
+        fe, counts = self.frontend, PageTable(self.tables).counts()
+        waiting = sum(st.sent == st.prefix for st in fe.streams.values())
+        self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
+                            running=len(fe.streams) - waiting, waiting=waiting,
+                            pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
+                            recoveries=fe.timeline.num_recovered)     # page 0, the null page, counts as free
 
     def status(self) -> dict:
         pages = PageTable(self.tables)

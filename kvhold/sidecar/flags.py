@@ -44,7 +44,36 @@ def add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-root", type=Path, default=None,
                    help="directory for sockets and the token (env KVHOLD_RUNTIME_DIR, default "
                         "$XDG_RUNTIME_DIR/kvhold or /tmp/kvhold-<uid>)")
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
+    add_log_level_arg(p)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+VLLM_DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+               "float": "float32", "float32": "float32", "float64": "float64"}
+
+
+def add_log_level_arg(p: argparse.ArgumentParser, default: str = "INFO") -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=env("LOG_LEVEL", default),
+                   metavar="LEVEL", help=f"least severe log messages shown: {', '.join(LOG_LEVELS)} "
+                                         f"(env KVHOLD_LOG_LEVEL, default %(default)s)")
+
+
+def parse_dtype(text: str) -> str | None:
+    """A compute dtype by kvhold's or vLLM's name (--dtype auto: the default)."""
+    try:
+        return VLLM_DTYPES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: one of {', '.join(VLLM_DTYPES)}") from None
+
+
+def parse_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def add_sidecar_args(p: argparse.ArgumentParser) -> None:
@@ -60,9 +89,14 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
     kv.add_argument("--kv-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB")
+    kv.add_argument("--gpu-memory-utilization", type=parse_fraction, default=None, metavar="FRACTION",
+                    help="size the KV pool from the GPU instead (CUDA only): this share of its memory, "
+                         "less the weights and a 3 GiB reserve per executor (active and standbys), "
+                         "as vLLM's flag of the same name")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (default 16)")
-    p.add_argument("--max-seq-len", type=int, default=None,
-                   help="longest sequence (prompt + output); default min(model context, 4096)")
+    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
+                   help="longest sequence (prompt + output); default min(model context, 4096) "
+                        "(--max-model-len: vLLM's name)")
     p.add_argument("--max-requests", type=int, default=256, help="journal slots (default 256)")
     p.add_argument("--max-prompt-bytes", type=parse_size, default=1 << 20,
                    help="largest text prompt accepted, in UTF-8 bytes, checked before tokenizing; a "
@@ -73,8 +107,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per sequence per step; chunks are cut at fixed positions "
                         "(default: --max-batch-tokens minus --max-batch)")
-    p.add_argument("--compute-dtype", default=None, choices=("float64", "float32", "bfloat16", "float16"),
-                   help="engine arithmetic and KV dtype (default: float64 on CPU, the checkpoint's on CUDA)")
+    p.add_argument("--compute-dtype", "--dtype", dest="compute_dtype", type=parse_dtype, default=None,
+                   metavar="DTYPE",
+                   help="engine arithmetic and KV dtype: float64, float32, bfloat16, float16, or vLLM's "
+                        "names (auto, half, float) (default auto: float64 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per executor on CPU")
     p.add_argument("--standbys", type=int, default=1, help="hot standby executors (default 1)")
     p.add_argument("--lease-ms", type=int, default=1000,
@@ -115,6 +151,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unclaimed-cancel-s", type=float, default=30.0,
                    help="cancel a request whose stream has waited this many seconds for its client "
                         "to reconnect and resume it (freeing its KV); 0: never (default %(default)s)")
+    p.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a stats line (prompt and generation throughput, running and waiting "
+                        "requests, KV pages in use) this often while there is work; 0: never "
+                        "(default %(default)s)")
     add_tcp_args(p)
     add_registry_args(p)
 
@@ -156,6 +196,7 @@ def add_tcp_args(p: argparse.ArgumentParser) -> None:
 SETTINGS = {
     "pool.model": "model", "pool.backend": "backend", "pool.device": "device",
     "pool.kv_pages": "kv_pages", "pool.kv_memory_bytes": "kv_memory", "pool.page_tokens": "page_tokens",
+    "pool.gpu_memory_utilization": "gpu_memory_utilization",
     "pool.max_seq_len": "max_seq_len", "pool.max_requests": "max_requests",
     "pool.max_prompt_bytes": "max_prompt_bytes",
     "pool.compute_dtype": "compute_dtype",
@@ -171,6 +212,7 @@ SETTINGS = {
     "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",
     "registry.url": "registry", "registry.service": "service", "registry.ttl_s": "registry_ttl",
     "journal.dir": "journal_dir", "journal.unclaimed_cancel_s": "unclaimed_cancel_s",
+    "logs.stats_interval_s": "stats_interval",
 }
 _NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn"}   # store_false flags
 FLAGS = {path: _NEGATED.get(dest, "--" + dest.replace("_", "-")) for path, dest in SETTINGS.items()}
@@ -197,10 +239,11 @@ def sidecar_config_from_args(args):
 
 def _sections_from_args(args):
     from kvhold.sidecar.config import (ClientTcpConfig, ExecutorsConfig, HealthConfig, JournalConfig,
-                                       PoolConfig, RegistryConfig, SidecarConfig)
+                                       LogsConfig, PoolConfig, RegistryConfig, SidecarConfig)
 
     sections = {"pool": PoolConfig, "executors": ExecutorsConfig, "health": HealthConfig,
-                "client_tcp": ClientTcpConfig, "registry": RegistryConfig, "journal": JournalConfig}
+                "client_tcp": ClientTcpConfig, "registry": RegistryConfig, "journal": JournalConfig,
+                "logs": LogsConfig}
     values: dict[str, dict] = {name: {} for name in sections}
     for path, dest in SETTINGS.items():
         section, field = path.split(".")

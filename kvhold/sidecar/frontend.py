@@ -64,6 +64,7 @@ class Stream:
     restored_from: int | None = None    # tokens it was restored with, until the first new one
     failed: bool = False                # ended with an error (fail_request): silent until released
     conn: int = 0                       # the owner's connection it streams to (0: not checked)
+    opened_ns: int = 0                  # admitted (for its time to first token)
 
 
 class FrontendHost(Protocol):
@@ -104,6 +105,9 @@ class Frontend:
         self.streams: dict[int, Stream] = {}
         self._next_pump_ns = 0
         self.num_admitted = 0
+        self.num_tokens = 0                                    # generated tokens streamed, in all
+        self.num_prompt_tokens = 0                             # prompt tokens admitted, in all
+        self.first_token_ms: collections.deque = collections.deque(maxlen=256)   # the latest admissions'
         self.num_finished = collections.Counter()
         self.closed: dict[str, str] = {}    # why admissions are closed, by who closed them
         self._handlers: dict[type, Callable] = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
@@ -275,6 +279,7 @@ class Frontend:
             self.records[p.request_id] = dict(p.body, generated=[])
             self._open_stream(p.request_id, slot, p.identity, p.prompt_ids, p.prefix)
             self.num_admitted += 1
+            self.num_prompt_tokens += len(p.prompt_ids)
             admitted += 1
             self.host.send_client(p.identity, m.Accepted(tag=p.tag, request_id=p.request_id,
                                                          prompt_tokens=len(p.prompt_ids)))
@@ -319,7 +324,7 @@ class Frontend:
         self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix),
-                                          conn=self.connection_of(identity))
+                                          conn=self.connection_of(identity), opened_ns=now_ns())
 
     def _record(self, request_id, identity, prompt_ids, prefix, params, seed) -> dict:
         """The request's durable journal record (kvhold.sidecar.durable_journal), as admitted."""
@@ -407,6 +412,9 @@ class Frontend:
             st.restored_from = None
             self.restored.on_first_token()
         if count > st.sent:
+            if st.sent == st.prefix and st.opened_ns:
+                self.first_token_ms.append((now_ns() - st.opened_ns) / 1e6)
+            self.num_tokens += count - st.sent
             ids = self.journal.generated(st.slot, st.sent, count)
             texts = [st.detok.push(t) for t in ids] if st.detok else [""] * len(ids)
             st.text.extend(texts)
@@ -456,8 +464,12 @@ class Frontend:
         return deadline
 
     def status(self) -> dict:
+        ttft = sorted(self.first_token_ms)
         return {"requests": {"in_flight": len(self.streams), "admitted_total": self.num_admitted,
-                             "finished": dict(self.num_finished)},
+                             "finished": dict(self.num_finished),
+                             "waiting": sum(st.sent == st.prefix for st in self.streams.values()),
+                             "tokens_total": self.num_tokens,
+                             "first_token_ms_p50": ttft[len(ttft) // 2] if ttft else None},
                 "recoveries": self.timeline.records(),
                 "admissions": {"open": not self.closed, "closed_by": dict(self.closed),
                                "tokenizing": len(self._tokenizing),

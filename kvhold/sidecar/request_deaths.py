@@ -13,11 +13,21 @@ dead step becomes a suspect with its KV end: the next active executor is promote
 `isolate()` and runs each suspect's step that reaches that position again with no other
 request in it. At a later death with a suspect in the step:
 * the step reached its recorded position from before it: it was that isolated re-run, so the
-  request died again alone at the same place: a second death, and it is failed (MAX_DEATHS);
+  request died again alone at the same place: one more death; at MAX_DEATHS it is failed;
 * the step started at or past that position: the request had already run it alone and
   survived, so the earlier death was not its doing: it is a suspect anew, one death;
 * the step ended before it (recomputation of KV that had been committed, batched with
   others): it proves nothing, and the count stays.
+Only deaths the executor could have caused count. A hang (the lease ran out) and a CUDA
+fault count at once. A death (the liveness mutex or the process's exit) is settled once its
+exit status is known (`exit_known`, from the supervisor's reap, or for an executor forked by
+the zygote from /proc while it is a zombie): a crash (a signal such as SIGSEGV or SIGABRT,
+a non-zero exit) counts; a kill from outside (SIGKILL, SIGTERM: an operator, an orchestrator,
+a supervisor killing a successor mid-takeover) does not, unless the kernel's OOM killer sent
+it (the cgroup's memory.events `oom_kill` count rose), and the death is taken back. An
+unknown status counts. Without this, an outside kill timed onto the successor's first step,
+which is the isolated re-run, fails a healthy request: a soak of 1,000 SIGKILLs, some of them
+of successors during their takeover, failed 8 of the first 60 requests so.
 A failed request's stream gets an error naming the cause, its journal entry is cancelled so
 that the next executor finishes it without running it, and the others continue unchanged.
 What this costs: after a death, one step alone for each request that was in the dead step.
@@ -36,6 +46,7 @@ from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
 MAX_DEATHS = 2       # executor deaths with the same request in the step, at the same position
+OUTSIDE_KILLS = (128 + 9, 128 + 15)   # exit codes of SIGKILL and SIGTERM (128 + signal)
 
 
 @dataclass(slots=True)
@@ -53,14 +64,19 @@ class RequestDeaths:
         self.fail = fail
         self.suspects: dict[int, Suspect] = {}      # by request id
         self.num_failed = 0
+        self.num_forgiven = 0                       # deaths taken back: the executor was killed from outside
+        self._unsettled: dict[int, list[tuple[int, int, int, str | None]]] = {}   # epoch -> counted deaths
+        self._oom_kills = oom_kills()
 
-    def executor_died(self, slot: int, epoch: int) -> list[int]:
+    def executor_died(self, slot: int, epoch: int, cause_known: bool = False) -> list[int]:
         """The active executor of lease `slot` under `epoch` died (or hung): count a death for
-        each request in the step it had open. Returns the request ids it failed."""
+        each request in the step it had open. `cause_known` (a hang, a CUDA fault): the death
+        is the step's doing, settled now; otherwise `exit_known` settles it. Returns the
+        request ids it failed."""
         step = self.leases.open_step(slot)
         if not step:
             return []           # it died between steps: no request was running
-        failed = []
+        counted = []
         for jslot, rid, start, end in self.journal.in_step(epoch, step):
             s = self.suspects.get(rid)
             if s is not None and end < s.end:
@@ -71,14 +87,53 @@ class RequestDeaths:
             s.end = end
             log.warning("request %#x was in the step of a dead executor (epoch %d, step %d, KV up to "
                         "%d): death %d of %d", rid, epoch, step, end, s.deaths, MAX_DEATHS)
+            message = None
             if s.deaths >= MAX_DEATHS:
-                del self.suspects[rid]
-                self.num_failed += 1
-                failed.append(rid)
-                self.fail(rid, jslot, f"request {rid:#x} failed: the executor died {s.deaths} times while "
-                          f"running it, the last time with no other request in its step (at KV position "
-                          f"{end}); it crashes the engine and is not retried (check its prompt and "
-                          f"parameters, or the model's tokenizer and vocabulary)")
+                message = (f"request {rid:#x} failed: the executor died {s.deaths} times while running "
+                           f"it, the last time with no other request in its step (at KV position "
+                           f"{end}); it crashes the engine and is not retried (check its prompt and "
+                           f"parameters, or the model's tokenizer and vocabulary)")
+            counted.append((rid, jslot, end, message))
+        if cause_known:
+            return self._settle(counted)
+        self._unsettled[epoch] = counted
+        if len(self._unsettled) > 64:              # an exit never seen (a process not ours): settled as a crash
+            self._settle(self._unsettled.pop(next(iter(self._unsettled))))
+        return []
+
+    def exit_known(self, epoch: int, exit_code: int) -> list[int]:
+        """The executor of `epoch` exited with `exit_code` (128 + N: signal N; -1: unknown).
+        Its deaths counted by `executor_died` stand, or are taken back if it was killed from
+        outside and not by the OOM killer. Returns the request ids it failed."""
+        counted = self._unsettled.pop(epoch, None)
+        if not counted:
+            return []
+        oom = oom_kills()
+        killed_by_oom = oom is not None and self._oom_kills is not None and oom > self._oom_kills
+        self._oom_kills = oom
+        if exit_code in OUTSIDE_KILLS and not killed_by_oom:
+            for rid, _, _, _ in counted:
+                s = self.suspects.get(rid)
+                if s is not None:
+                    s.deaths -= 1
+                    if s.deaths <= 0:
+                        del self.suspects[rid]      # nothing to isolate: the kill was not its doing
+            self.num_forgiven += 1
+            log.info("executor of epoch %d was killed from outside (exit code %d): its death counts "
+                     "against none of the %d requests in its step", epoch, exit_code, len(counted))
+            return []
+        return self._settle(counted)
+
+    def _settle(self, counted) -> list[int]:
+        failed = []
+        for rid, jslot, _, message in counted:
+            s = self.suspects.get(rid)
+            if message is None or s is None or s.deaths < MAX_DEATHS:
+                continue
+            del self.suspects[rid]
+            self.num_failed += 1
+            failed.append(rid)
+            self.fail(rid, jslot, message)
         return failed
 
     def isolate(self) -> list[list[int]]:
@@ -97,4 +152,20 @@ class RequestDeaths:
 
     def status(self) -> dict:
         self._forget_released()
-        return {"suspects": len(self.suspects), "failed_total": self.num_failed}
+        return {"suspects": len(self.suspects), "failed_total": self.num_failed,
+                "forgiven_total": self.num_forgiven}
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this cgroup (v2), None if unknown."""
+    try:
+        for line in open("/proc/self/cgroup"):
+            if line.startswith("0::"):
+                path = "/sys/fs/cgroup" + line[3:].strip().rstrip("/")
+                for entry in open(path + "/memory.events"):
+                    key, _, value = entry.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+    except (OSError, ValueError):
+        return None
+    return None

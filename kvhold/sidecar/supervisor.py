@@ -401,7 +401,8 @@ class Supervisor:
             self.active_slot = None
             self._takeover_until_ns = 0   # whatever takeover ran is over: re-arming may start now
             if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
-                self.deaths.executor_died(h.slot, old_epoch)   # before the successor is promoted
+                # before the successor is promoted; a death is settled by its exit status (on_exit)
+                self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
                 h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
                 self.want_active = True
@@ -428,6 +429,8 @@ class Supervisor:
         exit_code = self._reap(h)
         if not h.fenced:
             self.fence(h, "exited" if h.stopping else "died", detect_ns, detail=f"exit code {exit_code}")
+        if self.deaths is not None:
+            self.deaths.exit_known(h.epoch, exit_code)
         released = [h.epoch] if h.epoch in self.pending_epochs else []
         self.pending_epochs.discard(h.epoch)
         self.leases.release(h.slot, exit_code)
@@ -446,7 +449,16 @@ class Supervisor:
         if h.popen is not None:
             code = h.popen.wait()
             return code if code >= 0 else 128 - code
-        return -1  # not our child (the zygote's, or adopted): its parent has the exit status
+        # not our child (the zygote's, or adopted): its parent reaps it, but until then the
+        # zombie's /proc stat holds its wait status (its last field)
+        try:
+            fields = open(f"/proc/{h.pid}/stat").read().rpartition(")")[2].split()
+            if fields and fields[0] == "Z":
+                code = os.waitstatus_to_exitcode(int(fields[-1]))
+                return code if code >= 0 else 128 - code
+        except (OSError, ValueError):
+            pass
+        return -1  # reaped already: unknown
 
     def _lease_ms(self, h: ExecutorHandle) -> float:
         """Starting executors get the start-up lease; an active one gets FIRST_STEP_GRACE leases

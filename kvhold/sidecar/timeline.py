@@ -40,6 +40,7 @@ class RecoveryTimeline:
         self._awaiting_first_token: dict[int, dict] = {}    # executor epoch -> its record
         self._events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
         self._detected: dict[int, int] = {}    # fenced epoch -> detect ns, until its exit
+        self.num_recovered = 0                 # takeovers reported, in all
 
     def event(self, ev: dict) -> None:
         """An executor lifecycle event from the supervisor (kind, ns, slot, pid, epoch, ...)."""
@@ -62,6 +63,7 @@ class RecoveryTimeline:
         fields = report.to_dict()
         rec = dict(fields, pid=pid, epoch=epoch, received_ns=now_ns())
         self._records.append(rec)
+        self.num_recovered += 1
         if report.requests_waiting:
             self._awaiting_first_token[epoch] = rec
         log.info("executor pid %d took over: %s", pid, ", ".join(

@@ -17,8 +17,9 @@ holds a lease, maps the tables, the weights region and the KV region, and follow
 standby -> active lifecycle (kvhold.executor.runtime). Its workload (`TrtllmWorkload`):
 * prepare: weights from the region (the designated loader fills and seals it first), an
   `LLM` built with `KvholdCheckpointLoader` (trtllm_weights) and the kvhold connector
-  (trtllm_connector), KV blocks of `page_tokens` tokens, block reuse on and the
-  GUARANTEED_NO_EVICT scheduler (`llm_kwargs` says why); a standby is fully warmed.
+  (trtllm_connector), KV blocks of `page_tokens` tokens, block reuse on, the
+  GUARANTEED_NO_EVICT scheduler and CUDA graphs off (`llm_kwargs` says why); a standby is
+  fully warmed.
 * promote: validate the mirrored pages of every live journal request
   (`KvMirror.plan_restore`, full blocks only), then resubmit each (prompt plus committed
   tokens); the connector loads the intact blocks instead of prefilling them, and the
@@ -32,20 +33,18 @@ validly but not bit-identically. TP=1 only (one kvhold pool per GPU).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
 import time
 
-import numpy as np
 import torch
 
-from kvhold.executor.engine_workload import EngineWorkload
+from kvhold.executor.engine_bridge import BridgeWorkload
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.takeover import MAX_REPORTED_REQUESTS
 from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import AdmitState, ExecState, FinishReason
+from kvhold.protocol.layout import FinishReason
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
@@ -72,6 +71,14 @@ OWNED = {
     "speculative_config": "TensorRT-LLM refuses a KV connector with speculative decoding "
                           "(py_executor_creator.py: 'KV connector is not supported with speculative decoding')",
 }
+# TensorRT-LLM turns CUDA graphs on by default (TorchLlmArgs.cuda_graph_config = CudaGraphConfig());
+# with a KV connector, some of its versions refuse them at start (py_executor_creator.py: "CUDA
+# graphs are not supported with KV connector hooks") and its own connector tests and examples
+# (tests/unittest/_torch/test_connector.py, llm_kv_cache_connector) all run with
+# cuda_graph_config=None: the bridge pins them off.
+NO_CUDA_GRAPHS = ("CUDA graphs stay off with the kvhold connector (TensorRT-LLM refuses them with a KV "
+                  "connector in some versions and tests connectors only without them); set "
+                  "cuda_graph_config: null or leave it out")
 # attention backend -> token order inside a KV block (resource_manager.get_buffers' kv_layout)
 BACKEND_LAYOUTS = {"TRTLLM": "hnd", "VANILLA": "nhd", "FLASHINFER": "nhd"}
 NO_EVICT = "GUARANTEED_NO_EVICT"
@@ -83,17 +90,20 @@ def llm_kwargs(settings: ExecutorSettings, geometry, options: dict | None = None
     KV blocks hold exactly kvhold's `page_tokens`. Block reuse is on: TensorRT-LLM asks the
     connector for matched tokens only when it is (kvCacheManager.cpp's addSequence), so without
     it nothing would be loaded after a takeover. The capacity scheduler is GUARANTEED_NO_EVICT,
-    the only policy TensorRT-LLM accepts with a connector. `options` (a YAML mapping, as for
+    the only policy TensorRT-LLM accepts with a connector. CUDA graphs are off
+    (`cuda_graph_config=None`; `NO_CUDA_GRAPHS` says why). `options` (a YAML mapping, as for
     trtllm-serve's --extra_llm_api_options) is applied last; a key the bridge owns (`OWNED`),
     or a value contradicting one it pins, is refused with a ValueError that names it."""
     kv_cache = {"tokens_per_block": geometry.kv.page_tokens, "enable_block_reuse": True}
     kw = {"model": settings.model, "max_batch_size": settings.max_batch,
           "max_num_tokens": settings.max_batch_tokens, "max_seq_len": geometry.max_seq_len,
           "kv_cache_config": dict(kv_cache), "scheduler_config": {"capacity_scheduler_policy": NO_EVICT},
-          "kv_connector_config": dict(CONNECTOR)}
+          "kv_connector_config": dict(CONNECTOR), "cuda_graph_config": None}
     for key, value in (options or {}).items():
         if key in OWNED:
             raise ValueError(f"--llm-options may not set {key}: {OWNED[key]}")
+        if key == "cuda_graph_config" and value is not None:
+            raise ValueError(f"--llm-options may not set cuda_graph_config={value!r}: {NO_CUDA_GRAPHS}")
         if key == "kv_cache_config":
             value = _pinned(key, value, kv_cache)
         elif key == "scheduler_config":
@@ -161,18 +171,17 @@ def build_llm(kwargs: dict, weights):                    # pragma: no cover - ne
     return LLM(checkpoint_loader=KvholdCheckpointLoader(weights), kv_connector_config=connector, **kwargs)
 
 
-class TrtllmWorkload(EngineWorkload):
-    """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring)."""
-
-    cold_first_step = True
+class TrtllmWorkload(BridgeWorkload):
+    """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring).
+    `live` maps a journal slot to its `RequestOutput`."""
 
     def __init__(self, ctx, options: dict | None = None, head_major: bool = True):
         super().__init__(ctx)
         self.options, self.head_major = options or {}, head_major
         self.events: queue.Queue = queue.Queue()
-        self.live: dict[int, object] = {}                 # journal slot -> RequestOutput
-        self.offsets: dict[int, int] = {}                 # journal slot -> tokens before submission
-        self.marks: dict = {}
+
+    def mirror_lock(self):
+        return self.bridge.lock          # the connector mirrors on TensorRT-LLM's executor thread
 
     def prepare(self) -> None:
         os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
@@ -199,16 +208,12 @@ class TrtllmWorkload(EngineWorkload):
         `tokens_kept` is what the engine got from kvhold pages and `tokens_recomputed` what
         it computes again of the KV the dead executor had mirrored."""
         t0, bt = now_ns(), self.ctx.tables.geometry.kv.page_tokens
-        entries = [e for e in map(self.journal.entry, map(int, self.journal.live_slots()))
-                   if e.taken and e.exec_state != ExecState.FINISHED]
+        entries = self._live_entries()
         counts = PageTable(self.ctx.tables).snapshot()["num_tokens"]
         recorded = {e.request_id: min(max(0, e.num_tokens - 1), int(sum(
             min(int(counts[p]), bt) for p in self.journal.pages_of(e.slot, e.num_pages).tolist())))
             for e in entries}
-        with self.bridge.lock:
-            plans = self.bridge.mirror.plan_restore(
-                {e.request_id: math.ceil(max(0, e.num_tokens - 1) / bt) for e in entries},
-                msg.pending_epochs, full_blocks_only=True)
+        plans = self._plan_restore(entries, msg.pending_epochs, full_blocks_only=True)
         validated = now_ns()
         self.bridge.restorable = {rid: p.pages for rid, p in plans.items() if p.pages}
         self.bridge.await_outcomes(recorded)
@@ -245,28 +250,14 @@ class TrtllmWorkload(EngineWorkload):
         out = self.llm.generate_async(tokens, SamplingParams(**sampling_kwargs(entry, entry.num_generated)),
                                       streaming=True)
         self.bridge.client_ids[int(out.request_id)] = entry.request_id
-        self.offsets[entry.slot] = entry.num_generated
-        self.live[entry.slot] = out
+        self._track(entry, out)
         threading.Thread(target=self._drain, args=(entry.slot, out), daemon=True).start()
 
     def _drain(self, slot: int, out) -> None:
         """Engine results -> events for the main loop (which alone writes the journal)."""
         for step in out:
             c = step.outputs[0]
-            self.events.put((slot, list(c.token_ids), step.finished, c.finish_reason))
-
-    def _admit(self) -> None:
-        for slot in self.journal.untaken_slots():
-            e = self.journal.entry(int(slot))
-            self.ctx.lease.check()
-            self.journal.take(e.slot, e.request_id, self.ctx.epoch)
-            if e.admit_state == AdmitState.CANCELLED:
-                self.journal.finish(e.slot, FinishReason.CANCELLED)
-            else:
-                self._submit(self.journal.entry(e.slot))
-
-    def has_work(self) -> bool:
-        return bool(self.live) or len(self.journal.untaken_slots()) > 0
+            self.events.put((slot, out, list(c.token_ids), step.finished, c.finish_reason))
 
     def step(self) -> list[int]:
         self._admit()
@@ -277,7 +268,9 @@ class TrtllmWorkload(EngineWorkload):
             return changed
         while not self.events.empty():
             events.append(self.events.get_nowait())
-        for slot, tokens, finished, reason in events:
+        for slot, out, tokens, finished, reason in events:
+            if self.live.get(slot) is not out:
+                continue            # a submission that ended already (aborted): the slot is not its now
             if self._commit(slot, tokens, finished, reason):
                 changed.append(slot)
         return changed
@@ -297,36 +290,14 @@ class TrtllmWorkload(EngineWorkload):
 
         `tokens` is the cumulative output of this executor's submission, which began after
         `self.offsets[slot]` tokens were already committed (they are part of its prompt)."""
-        e = self.journal.entry(slot)
-        new = tokens[e.num_generated - self.offsets[slot]:] if tokens else []
-        self.ctx.lease.check()
-        for i, token in enumerate(new):
-            self.journal.commit_tokens(np.array([slot]), np.array([e.num_tokens + i]),
-                                       np.array([token], dtype=np.int32),
-                                       np.array([e.num_generated + i + 1], dtype=np.uint32))
+        e, new = self._new_tokens(slot, tokens)
+        for token in new:
+            e = self._append_token(slot, e, token)
         with self.bridge.lock:
-            self._list_pages(e)
+            self._list_pages(slot, e.request_id)
             if finished:
-                self.journal.finish(slot, REASONS.get(reason, FinishReason.STOP))
-                self.journal.set_num_pages(slot, 0)        # the list shrinks before the records clear
-                self.bridge.mirror.release(e.request_id)
-        if finished:
-            self.live.pop(slot, None)
+                self._end_request(slot, e.request_id, REASONS.get(reason, FinishReason.STOP))
         return bool(new) or finished
-
-    def _list_pages(self, e) -> None:
-        pages = []
-        while (page := self.bridge.mirror.page_of(e.request_id, len(pages))) is not None:
-            pages.append(page)
-        self.journal.set_pages(e.slot, pages)
-
-    def on_reaped(self, epochs) -> None:
-        with self.bridge.lock:
-            self.bridge.mirror.release_quarantined(epochs)
-
-    def take_marks(self) -> dict:
-        marks, self.marks = self.marks, {}
-        return marks
 
 
 def recovery_report(msg, stats: dict, plans: dict, recorded: dict, outcomes: dict, *,

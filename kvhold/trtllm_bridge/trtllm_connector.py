@@ -67,6 +67,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kvhold.executor.block_layout import PooledBlocks
+from kvhold.executor.engine_bridge import Installed
 from kvhold.executor.kv_mirror import Committed, KvMirror
 
 log = logging.getLogger(__name__)
@@ -142,18 +143,10 @@ class Bridge:
             o.settled = True
 
 
-_BRIDGE: Bridge | None = None
-
-
-def install(bridge: Bridge) -> None:
-    global _BRIDGE
-    _BRIDGE = bridge
-
-
-def current() -> Bridge:
-    if _BRIDGE is None:
-        raise RuntimeError("no kvhold bridge installed: run TensorRT-LLM through kvhold.trtllm_bridge.launcher")
-    return _BRIDGE
+_INSTALLED: Installed[Bridge] = Installed(
+    "no kvhold bridge installed: run TensorRT-LLM through kvhold.trtllm_bridge.launcher")
+install = _INSTALLED.install          # the workload's, before the engine is built
+current = _INSTALLED.current          # the connector classes', from inside the engine
 
 
 @dataclass

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from kvhold.executor.block_layout import BlockLayout
+from kvhold.executor.engine_bridge import Installed
 from kvhold.executor.kv_mirror import Committed, KvMirror
 
 log = logging.getLogger(__name__)
@@ -118,18 +119,9 @@ class Bridge:
     mirrored_blocks: int = 0
 
 
-_BRIDGE: Bridge | None = None
-
-
-def install(bridge: Bridge | None) -> None:
-    global _BRIDGE
-    _BRIDGE = bridge
-
-
-def current() -> Bridge:
-    if _BRIDGE is None:
-        raise RuntimeError("no kvhold bridge installed: run vLLM through kvhold (workload vllm)")
-    return _BRIDGE
+_INSTALLED: Installed[Bridge] = Installed("no kvhold bridge installed: run vLLM through kvhold (workload vllm)")
+install = _INSTALLED.install          # the workload's, before the engine is built
+current = _INSTALLED.current          # the connector classes', from inside the engine
 
 
 # --------------------------------------------------------------------------- scheduler side

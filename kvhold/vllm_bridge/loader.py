@@ -15,14 +15,21 @@ name, shape, dtype and bytes, into a view of the region and frees the private co
 embedding table and the RMSNorm weights, which vLLM's CPU kernels read from the parameter
 itself. `last_report` says, per parameter, which it is: "view" (points into the region),
 "copy" (a private tensor) or "packed" (emptied: vLLM computes from its own packed copy).
+
+`register` is also kvhold's vLLM general plugin (pyproject's `vllm.general_plugins` entry point
+`kvhold`): vLLM's `load_general_plugins` calls it, with no arguments, once in every process vLLM
+starts (the engine core and each worker too), so `load_format="kvhold"` is known wherever vLLM
+builds a model, not only in the process that called `register` itself. It only registers: the
+region is installed by the kvhold executor that builds vLLM, and a load with no region
+installed fails naming `install`. This module imports neither vLLM nor torch until called.
 """
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvhold.executor.materialize import rebind_unchanged
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 LOAD_FORMAT = "kvhold"
@@ -50,7 +57,8 @@ def classify(model, bounds: tuple[int, int] | None) -> dict[str, str]:
 
 
 def register() -> None:
-    """Register the loader with vLLM (idempotent)."""
+    """Register the loader with vLLM as `load_format="kvhold"`: idempotent, and needs no region
+    installed (vLLM's general-plugin entry point; module docstring)."""
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -79,6 +87,8 @@ def register() -> None:
                 raise ValueError(f"the kvhold weights region lacks {sorted(missing)[:8]}")
 
         def load_model(self, vllm_config, model_config, prefix: str = ""):
+            from kvhold.executor.materialize import rebind_unchanged
+
             global last_report
             model = super().load_model(vllm_config, model_config, prefix=prefix)
             rebound = rebind_unchanged(model, _REGION)

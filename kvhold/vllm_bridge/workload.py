@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvhold.executor.engine_workload import EngineWorkload
+from kvhold.executor.engine import finish_reason
+from kvhold.executor.engine_bridge import BridgeWorkload
 from kvhold.executor.kv_cache import KvCache
 from kvhold.protocol import messages as m
 from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import AdmitState, ExecState, FinishReason, PageFlag
+from kvhold.protocol.layout import FinishReason, PageFlag
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
@@ -63,7 +61,6 @@ MAX_REPORTED = 64
 class _Live:
     request_id: int
     external: str             # the vLLM request id (before vLLM's random suffix)
-    offset: int               # tokens generated before this submission (they are in its prompt)
 
 
 def engine_kwargs(settings, geometry) -> dict:
@@ -90,9 +87,7 @@ def sampling_params(entry, num_generated: int):
                           detokenize=False, skip_special_tokens=False, extra_args=keyed)
 
 
-class VllmWorkload(EngineWorkload):
-    cold_first_step = True
-
+class VllmWorkload(BridgeWorkload):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.live: dict[int, _Live] = {}            # journal slot -> its vLLM request
@@ -144,20 +139,15 @@ class VllmWorkload(EngineWorkload):
     def promote(self, msg: m.Promote) -> RecoveryReport | None:
         t0 = now_ns()
         b = self.bridge
-        entries = [e for e in map(self.journal.entry, map(int, self.journal.live_slots()))
-                   if e.taken and e.exec_state != ExecState.FINISHED]
+        entries = self._live_entries()
         recorded = _recorded_tokens(self.bridge.mirror.page_table.snapshot())
-        bt = self.page_tokens
-        plans = b.mirror.plan_restore({e.request_id: math.ceil(max(0, e.num_tokens - 1) / bt) for e in entries},
-                                      msg.pending_epochs)
+        plans = self._plan_restore(entries, msg.pending_epochs)
         t_validated = now_ns()
         counts = {rid: tuple(int(b.mirror.counts[p]) for p in plan.pages) for rid, plan in plans.items()}
         b.restorable = {rid: (plan.pages, counts[rid]) for rid, plan in plans.items() if plan.pages}
         b.active = True
         rows = []
         for e in entries:
-            self.ctx.lease.check()
-            self.journal.set_pages(e.slot, list(plans[e.request_id].pages))   # the kept prefix only
             b.watch[e.request_id] = e.num_tokens
             self._submit(e)
             r = plans[e.request_id].restored
@@ -217,21 +207,8 @@ class VllmWorkload(EngineWorkload):
         tokens = self.journal.all_tokens(entry.slot, entry.num_tokens).tolist()
         ext = connector.external_id(entry.request_id, self.ctx.epoch)
         self.engine.add_request(ext, {"prompt_token_ids": tokens}, sampling_params(entry, entry.num_generated))
-        self.live[entry.slot] = _Live(entry.request_id, ext, entry.num_generated)
+        self._track(entry, _Live(entry.request_id, ext))
         self.by_external[ext] = entry.slot
-
-    def _admit(self) -> None:
-        for slot in self.journal.untaken_slots():
-            e = self.journal.entry(int(slot))
-            self.ctx.lease.check()
-            self.journal.take(e.slot, e.request_id, self.ctx.epoch)
-            if e.admit_state == AdmitState.CANCELLED:
-                self.journal.finish(e.slot, FinishReason.CANCELLED)
-            else:
-                self._submit(self.journal.entry(e.slot))
-
-    def has_work(self) -> bool:
-        return bool(self.live) or len(self.journal.untaken_slots()) > 0
 
     def step(self) -> list[int]:
         self._admit()
@@ -260,17 +237,12 @@ class VllmWorkload(EngineWorkload):
         live = self.live.get(slot)
         if live is None:
             return False
-        e = self.journal.entry(slot)
-        new = tokens[e.num_generated - live.offset:]
+        e, new = self._new_tokens(slot, tokens)
         self._list_pages(slot, live.request_id)
         reason = None
         for token in new:
-            self.ctx.lease.check()
-            g = e.num_generated + 1
-            self.journal.commit_tokens(np.array([slot]), np.array([e.num_tokens]),
-                                       np.array([token], dtype=np.int32), np.array([g], dtype=np.uint32))
-            e = self.journal.entry(slot)
-            reason = self._finish_reason(e, token)
+            e = self._append_token(slot, e, token)
+            reason = finish_reason(e, token, self.eos, self.max_seq_len)
             if reason is not None:
                 break
         if reason is None and finished:
@@ -279,45 +251,12 @@ class VllmWorkload(EngineWorkload):
             self._end(slot, reason, abort=not finished)
         return bool(new) or reason is not None
 
-    def _finish_reason(self, e, token: int) -> FinishReason | None:
-        if token in e.stop_ids or (token in self.eos and not e.ignore_eos):
-            return FinishReason.STOP
-        if e.num_generated >= e.max_tokens:
-            return FinishReason.LENGTH
-        if e.num_tokens >= self.max_seq_len:
-            return FinishReason.CONTEXT
-        return None
-
     def _end(self, slot: int, reason: FinishReason, abort: bool) -> None:
-        live = self.live.pop(slot)
+        live = self.live[slot]
         self.by_external.pop(live.external, None)
         if abort:
             self.engine.abort_request([live.external])
-        self.ctx.lease.check()
-        self.journal.finish(slot, reason)
-        self.journal.set_num_pages(slot, 0)         # the list shrinks before the records clear
-        self.bridge.mirror.release(live.request_id)
-
-    def _list_pages(self, slot: int, request_id: int) -> None:
-        """Journal page list := the kvhold pages of the request's mirrored prefix."""
-        mirror, listed = self.bridge.mirror, self.journal.num_pages(slot)
-        new = []
-        while (page := mirror.page_of(request_id, listed + len(new))) is not None:
-            new.append(page)
-        if new:
-            self.ctx.lease.check()
-            self.journal.set_pages(slot, new, listed)
-
-    def flush(self) -> list[int]:
-        return []                 # every step commits at once: nothing is left pending
-
-    def take_marks(self) -> dict:
-        return {}
-
-    def on_reaped(self, epochs) -> None:
-        released = self.bridge.mirror.release_quarantined(epochs)
-        if released:
-            log.info("released %d quarantined pages of exited epochs %s", released, list(epochs))
+        self._end_request(slot, live.request_id, reason)
 
 
 def _recorded_tokens(records) -> dict[int, int]:

@@ -12,21 +12,24 @@ import math
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from kvhold.executor.kv_cache import KvCache
 from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.layout import ExecState, KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease
 from kvhold.protocol.memory import HostRegion
 from kvhold.protocol.naming import InstancePaths
@@ -541,3 +544,66 @@ def test_with_block_reuse_off_the_connector_is_never_asked_and_says_so(pool, cap
         engine.run()
     assert engine.connector_asked == 0 and bridge.mirror.page_of(7, 0) is None
     assert "enable_block_reuse off" in caplog.text
+
+
+def test_a_late_output_of_an_aborted_submission_is_not_journaled_for_the_slots_next_request(pool):
+    """A cancelled request's engine output can still be on its way (the drain thread) when the
+    slot is released and admitted again: it belongs to the old submission, not to the new
+    request in that slot, and is dropped."""
+    tables, kv = pool
+    journal = Journal(tables)
+    w = launcher.TrtllmWorkload(SimpleNamespace(tables=tables, lease=lease(tables, 0), epoch=1))
+    w.bridge, w.journal = Bridge(tables, kv, w.ctx.lease), journal
+    MirrorExecutor(w.bridge, KV.page_tokens, KV.num_kv_heads, KV.head_dim).register(trt_pool())
+    step = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length")], finished=True)
+    old, new = _Output([step]), _Output([])
+    rid = journal.new_request_id()
+    journal.admit(0, rid, PROMPT, max_tokens=8, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    journal.take(0, rid, 1)
+    w._track(journal.entry(0), old)
+    journal.cancel(0)
+    assert w.step() == [0] and old.aborted and journal.entry(0).exec_state == ExecState.FINISHED
+    journal.release(0)
+    rid2 = journal.new_request_id()
+    journal.admit(0, rid2, PROMPT, max_tokens=8, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    journal.take(0, rid2, 1)
+    w._track(journal.entry(0), new)
+    w._drain(0, old)                                  # the old submission's last output arrives now
+    w.step()
+    e = journal.entry(0)
+    assert e.request_id == rid2 and e.num_generated == 0 and e.exec_state != ExecState.FINISHED
+
+
+class _Output(list):
+    """A streaming `RequestOutput` stand-in: iterates its steps; `abort` is recorded."""
+
+    aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+def _llm_options_examples():
+    """Every YAML block of the TensorRT-LLM deploy and bridge docs: `--llm-options` files."""
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("deploy/trtllm.md", "docs/TRTLLM_BRIDGE.md", "kvhold/trtllm_bridge/README.md"):
+        for block in re.findall(r"```yaml\n(.*?)```", (root / doc).read_text(), re.S):
+            yield doc, yaml.safe_load(block)
+
+
+def test_the_documented_llm_options_are_what_the_launcher_accepts():
+    examples = list(_llm_options_examples())
+    assert examples, "the deploy docs lost their --llm-options example"
+    for doc, options in examples:
+        kw = llm_kwargs(SETTINGS, GEOM, options)
+        assert kw["cuda_graph_config"] is None, doc
+
+
+def test_cuda_graphs_stay_off_with_the_connector():
+    """TensorRT-LLM turns CUDA graphs on by default (TorchLlmArgs.cuda_graph_config); some of its
+    versions refuse them with a KV connector at start, and its own connector tests run without
+    them: the launcher turns them off and refuses an options file that turns them on."""
+    assert llm_kwargs(SETTINGS, GEOM)["cuda_graph_config"] is None
+    assert llm_kwargs(SETTINGS, GEOM, {"cuda_graph_config": None})["cuda_graph_config"] is None
+    with pytest.raises(ValueError, match="cuda_graph_config"):
+        llm_kwargs(SETTINGS, GEOM, {"cuda_graph_config": {"max_batch_size": 64}})

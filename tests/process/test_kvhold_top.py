@@ -1,9 +1,15 @@
 """`kvhold top` and `kvhold status --json` against a real sidecar, and the page map they show."""
+import fcntl
 import json
 import os
+import pty
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 
 import numpy as np
 import pytest
@@ -85,8 +91,46 @@ def test_top_shows_executors_pages_and_a_recovery(sidecar):
     out = _cli(sidecar, "top", "--once")
     assert out.returncode == 0, out.stderr
     assert f"{active['epoch']}→{rec['epoch']}" in out.stdout
-    assert "recent recoveries" in out.stdout and "KV page pool" in out.stdout
+    assert "recoveries (ms after detection)" in out.stdout and "KV page pool" in out.stdout
     assert str(rec["pid"]) in out.stdout
+
+
+def _read_until(fd, needle: bytes, timeout_s: float) -> bytes:
+    out, deadline = b"", time.monotonic() + timeout_s
+    while needle not in out and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:
+                break
+    return out
+
+
+def test_live_top_marks_a_silent_sidecar_stale_and_quits_on_q(sidecar):
+    """On a terminal: frames at the interval; a sidecar that stops answering leaves the last
+    frame, marked stale; `q` ends top with status 0 (and the terminal mode restored)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    saved = termios.tcgetattr(slave)
+    top = subprocess.Popen([sys.executable, "-m", "kvhold", "top", "--interval", "0.2", "--timeout", "0.5",
+                            "--instance", sidecar.instance, "--runtime-root", str(sidecar.runtime_root)],
+                           stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        assert b"KV page pool" in _read_until(master, b"KV page pool", 30)
+        os.kill(sidecar.proc.pid, signal.SIGSTOP)
+        try:
+            shown = _read_until(master, b"STALE", 20)
+        finally:
+            os.kill(sidecar.proc.pid, signal.SIGCONT)
+        assert b"STALE: the sidecar has not answered for" in shown and b"executors" in shown
+        os.write(master, b"q")
+        assert top.wait(timeout=10) == 0
+        assert termios.tcgetattr(slave)[3] == saved[3]       # cbreak undone: echo, canonical mode
+    finally:
+        if top.poll() is None:
+            top.kill()
+        os.close(master)
+        os.close(slave)
 
 
 def test_status_json_for_scripts(sidecar):

@@ -40,6 +40,10 @@ def test_zygote_forks_the_replacement_when_no_standby_is_ready(tiny_model, refer
     spawns = [e for e in st["events"] if e["kind"] == "spawn"]
     assert [e["via"] for e in spawns][-2:] == ["zygote", "zygote"]
     assert len(st["recoveries"]) == 2 and all(r["requests_lost"] == 0 for r in st["recoveries"])
+    # the zygote keeps its dead children zombies a while, so the sidecar reads how they died
+    # (SIGKILL: 128 + 9), although their parent is the zygote
+    exits = [e for e in st["events"] if e["kind"] == "exit" and e["pid"] == victim]
+    assert [e["exit_code"] for e in exits] == [137]
 
 
 def test_a_dead_zygote_is_restarted_and_executors_start_cold_meanwhile(tiny_model, start_sidecar):

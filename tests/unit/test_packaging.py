@@ -126,6 +126,8 @@ def test_a_built_wheel_installs_only_kvhold(tmp_path):
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata and "Author" in metadata
     assert "Requires-Dist: torch" in metadata and "extra == \"engine\"" in metadata
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/entry_points.txt"))).decode()
+    assert "[vllm.general_plugins]\nkvhold = kvhold.vllm_bridge.loader:register" in entry_points
 
 
 def test_every_benchmark_result_is_in_the_index():

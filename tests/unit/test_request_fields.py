@@ -20,6 +20,7 @@ from kvhold.sidecar.durable_journal import DurableJournal, encode_record
 from kvhold.sidecar.frontend import Frontend
 from kvhold.sidecar.restore import Restore
 from kvhold.sidecar.timeline import RecoveryTimeline
+from kvhold.testing.frontend_host import FrontendHost
 
 GEOMETRY = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4,
                          max_seq_len=64, num_leases=4)
@@ -32,23 +33,9 @@ def _name():
     return f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}"
 
 
-class _Host:
-    def __init__(self):
-        self.sent = []
-
-    def send_client(self, key, msg):
-        self.sent.append((key, msg))
-
-    def wake_executor(self):
-        pass
-
-    def status(self):
-        return {}
-
-
 def _frontend(tables, durable):
     return Frontend(tables, types.SimpleNamespace(vocab_size=VOCAB), None, runs_model=True,
-                    durable=durable, fingerprint=FINGERPRINT, timeline=RecoveryTimeline(), host=_Host())
+                    durable=durable, fingerprint=FINGERPRINT, timeline=RecoveryTimeline(), host=FrontendHost())
 
 
 @pytest.fixture

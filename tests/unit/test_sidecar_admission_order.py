@@ -4,7 +4,6 @@ request is acknowledged and enters the shared-memory journal only once its batch
 admissions closed meanwhile refuse it and drop its record; a stop answers every admission
 still on its way."""
 import os
-import queue
 import threading
 
 import pytest
@@ -17,36 +16,9 @@ from kvhold.sidecar.config import PoolConfig, SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
+from kvhold.testing.frontend_host import FrontendHost
 
 PARAMS = {"max_tokens": 4, "temperature": 0.0}
-
-
-class Host:
-    """The sidecar around the frontend: what it sends, and its loop's posted callbacks."""
-
-    def __init__(self):
-        self.sent: list[tuple[bytes, object]] = []
-        self.posted: queue.SimpleQueue = queue.SimpleQueue()
-
-    def send_client(self, key, msg):
-        self.sent.append((key, msg))
-
-    def wake_executor(self):
-        pass
-
-    def status(self):
-        return {}
-
-    def post(self, callback):
-        self.posted.put(callback)
-
-    def run_posted(self, timeout=10.0):
-        """One loop turn: its posted callbacks (waits for the first), then the frontend's share
-        of the turn's deadlines (entering admissions that are on disk)."""
-        self.posted.get(timeout=timeout)()
-        while not self.posted.empty():
-            self.posted.get()()
-        self.frontend._admit_ready()
 
 
 @pytest.fixture
@@ -54,7 +26,7 @@ def frontend(tiny_model, tmp_path):
     spec = ModelSpec.from_dir(tiny_model)
     geometry = SidecarConfig(pool=PoolConfig(model=tiny_model, max_seq_len=256, kv_pages=64)).table_geometry(spec)
     tables = Tables.create(f"/kvhold-test-adm-{os.getpid()}", geometry, generation=1)
-    host = Host()
+    host = FrontendHost()
     durable = DurableJournal(tmp_path / "journal")
     fe = Frontend(tables, spec, tiny_model, runs_model=True, durable=durable, fingerprint="f",
                   timeline=RecoveryTimeline(), host=host)

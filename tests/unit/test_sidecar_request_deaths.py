@@ -1,7 +1,9 @@
 """The rule that fails a request killing its executors (kvhold.sidecar.request_deaths), over real
 shared tables written as the engine writes them: step marks in the journal, the open step in
 the lease. A death counts against the requests in the open step; a second death fails a request
-only in the re-run of its step that it had alone; one that ran past that point is a suspect anew."""
+only in the re-run of its step that it had alone; one that ran past that point is a suspect anew.
+A crash or a hang counts; a kill from outside (SIGKILL, SIGTERM) does not, unless the OOM killer
+sent it."""
 import os
 
 import numpy as np
@@ -54,9 +56,12 @@ class World:
                                np.array([ranges[n][0] for n in names]), np.array([ranges[n][1] for n in names]))
         lease.open_step(number)
 
-    def die(self, lease: Lease) -> list[str]:
+    def die(self, lease: Lease, exit_code: int = 128 + 11, hang: bool = False) -> list[str]:
+        """The executor dies (by default of SIGSEGV) or hangs; what the rule fails."""
         self.leases.fence(lease.slot)
-        failed = self.deaths.executor_died(lease.slot, lease.epoch)
+        failed = self.deaths.executor_died(lease.slot, lease.epoch, cause_known=hang)
+        if not hang:
+            failed += self.deaths.exit_known(lease.epoch, exit_code)
         return sorted(n for n, rid in self.ids.items() if rid in failed)
 
     def isolate(self) -> dict[str, int]:
@@ -123,3 +128,59 @@ def test_a_death_between_steps_counts_against_nobody(tables):
     w.step(e1, 1, a=(0, 8))
     e1.open_step(0)
     assert w.die(e1) == [] and w.isolate() == {}
+
+
+def test_a_kill_from_outside_on_the_isolated_re_run_counts_against_nobody(tables):
+    """What a supervisor killing the successor mid-takeover does: SIGKILL lands on the re-run."""
+    w = World(tables)
+    w.admit("a")
+    e1 = w.executor()
+    w.step(e1, 1, a=(8, 9))
+    assert w.die(e1) == [] and w.isolate() == {"a": 9}           # a crash: a suspect
+    e2 = w.executor()
+    w.step(e2, 1, a=(8, 9))                                       # its isolated re-run...
+    assert w.die(e2, exit_code=128 + 9) == []                     # ...SIGKILLed from outside
+    assert w.isolate() == {"a": 9} and w.deaths.status()["forgiven_total"] == 1
+    e3 = w.executor()
+    w.step(e3, 1, a=(8, 9))
+    assert w.die(e3, exit_code=128 + 15) == []                    # SIGTERM: the same
+    e4 = w.executor()
+    w.step(e4, 1, a=(8, 9))
+    assert w.die(e4, exit_code=128 + 6) == ["a"]                  # SIGABRT there: its doing
+
+
+def test_outside_kills_alone_make_no_suspect(tables):
+    w = World(tables)
+    w.admit("a")
+    for _ in range(3):
+        e = w.executor()
+        w.step(e, 1, a=(8, 9))
+        assert w.die(e, exit_code=128 + 9) == []
+    assert w.isolate() == {}
+
+
+def test_a_sigkill_from_the_oom_killer_counts(tables, monkeypatch):
+    from kvhold.sidecar import request_deaths
+    counter = [5]
+    monkeypatch.setattr(request_deaths, "oom_kills", lambda: counter[0])
+    w = World(tables)
+    w.admit("a")
+    e1 = w.executor()
+    w.step(e1, 1, a=(8, 9))
+    counter[0] += 1                                               # the kernel killed a process here
+    assert w.die(e1, exit_code=128 + 9) == [] and w.isolate() == {"a": 9}
+    e2 = w.executor()
+    w.step(e2, 1, a=(8, 9))
+    counter[0] += 1
+    assert w.die(e2, exit_code=128 + 9) == ["a"]
+
+
+def test_hangs_and_unknown_exits_count(tables):
+    w = World(tables)
+    w.admit("a")
+    e1 = w.executor()
+    w.step(e1, 1, a=(8, 9))
+    assert w.die(e1, hang=True) == []
+    e2 = w.executor()
+    w.step(e2, 1, a=(8, 9))
+    assert w.die(e2, exit_code=-1) == ["a"]                       # reaped elsewhere: not known

@@ -2,9 +2,7 @@
 them is refused when the frontend loads it, and a text prompt's ids are checked at admission
 like a token-id prompt's (a frontend over real shared tables and the demo checkpoint)."""
 import os
-import queue
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -18,42 +16,9 @@ from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
+from kvhold.testing.frontend_host import FrontendHost
 
 EXTRA = ["<extra-a>", "<extra-b>"]
-
-
-class Host:
-    """The sidecar around the frontend: what it sends, and its loop's posted callbacks."""
-
-    def __init__(self):
-        self.sent: list[tuple[bytes, object]] = []
-        self.posted: queue.SimpleQueue = queue.SimpleQueue()
-
-    def send_client(self, client_key, msg):
-        self.sent.append((client_key, msg))
-
-    def wake_executor(self):
-        pass
-
-    def status(self):
-        return {}
-
-    def post(self, callback):
-        self.posted.put(callback)
-
-    def reply(self, frontend, tag, timeout=10.0):
-        """Run loop turns (posted callbacks, then admissions on disk) until `tag` is answered."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for _, msg in self.sent:
-                if getattr(msg, "tag", None) == tag:
-                    return msg
-            try:
-                self.posted.get(timeout=0.05)()
-            except queue.Empty:
-                pass
-            frontend._admit_ready()
-        raise TimeoutError(f"no reply for tag {tag}")
 
 
 @pytest.fixture
@@ -72,15 +37,17 @@ def _bigger_tokenizer(model_dir) -> Tokenizer:
 
 
 def _frontend(tables, model_dir, tmp_path) -> Frontend:
-    return Frontend(tables, ModelSpec.from_dir(model_dir), model_dir, runs_model=True,
-                    durable=DurableJournal(tmp_path / "journal"), fingerprint="f",
-                    timeline=RecoveryTimeline(), host=Host())
+    host = FrontendHost()
+    host.frontend = Frontend(tables, ModelSpec.from_dir(model_dir), model_dir, runs_model=True,
+                             durable=DurableJournal(tmp_path / "journal"), fingerprint="f",
+                             timeline=RecoveryTimeline(), host=host)
+    return host.frontend
 
 
 def _generate(frontend, tag, prompt):
     """A text prompt is tokenized off the loop: its answer is sent once it is back and on disk."""
     assert frontend.handle(b"uclient", m.Generate(tag=tag, params={"max_tokens": 2}, prompt=prompt)) is None
-    return frontend.host.reply(frontend, tag)
+    return frontend.host.reply(tag)
 
 
 def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(tiny_model, tables, tmp_path):

@@ -53,7 +53,7 @@ def test_sigkill_of_the_vllm_engine_mid_stream_continues_identically(vllm_sideca
     before = len(sc.status()["recoveries"])
     with sc.new_client(timeout=120) as client:
         streams = submit_requests(client, [*REQUESTS, SAMPLED])
-        results = _kill_when(sc, streams, threshold=45)
+        results = _kill_when(sc, streams, threshold=12)   # early: a busy client lags the engine
     # token for token, greedy and sampled (draws keyed by (seed, position): KeyedSampling)
     assert ids(results) == reference
     sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)

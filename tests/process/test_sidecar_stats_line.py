@@ -1,0 +1,29 @@
+"""The sidecar's periodic stats line, from a real sidecar serving real requests."""
+import re
+import time
+
+import pytest
+
+from kvhold.testing.sidecar_process import SidecarProcess
+
+
+@pytest.mark.slow
+def test_a_busy_sidecar_logs_throughput_running_waiting_and_kv_use(tiny_model, tmp_path):
+    log = tmp_path / "sidecar.log"
+    with SidecarProcess(["--model", str(tiny_model), "--max-seq-len", "256", "--standbys", "0",
+                         "--stats-interval", "1"], log_path=log) as sc:
+        sc.wait_steady(standbys=0)
+        with sc.new_client(timeout=60) as client:
+            streams = [client.generate(prompt_ids=[5, 6, 7 + i], max_tokens=120, temperature=0.0,
+                                       ignore_eos=True) for i in range(3)]
+            deadline = time.monotonic() + 60
+            while "generation throughput" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for s in streams:
+                assert s.result().completion_tokens == 120
+    lines = [line for line in log.read_text().splitlines() if "generation throughput" in line]
+    assert lines, log.read_text()[-2000:]
+    m = re.search(r"prompt throughput ([\d.]+) tokens/s, generation throughput ([\d.]+) tokens/s, "
+                  r"running (\d+), waiting (\d+), KV pages (\d+)/(\d+)", lines[0])
+    assert m, lines[0]
+    assert float(m.group(2)) > 0 and int(m.group(3)) + int(m.group(4)) >= 1 and int(m.group(5)) >= 1

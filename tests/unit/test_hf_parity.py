@@ -1,0 +1,165 @@
+"""Checkpoints as transformers writes them give transformers' outputs.
+
+Each case builds a tiny random model with transformers (`save_pretrained`: its config.json,
+its safetensors names, its sharding and tied embeddings), a byte-level BPE tokenizer trained
+here by `tokenizers`, and compares kvhold's CPU engine (float64, paged KV, prefill then one
+token per step) with the transformers model in float64: the logits of the whole sequence and
+the greedy tokens of `generate`.
+"""
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+
+from kvhold.executor.kv_cache import KvCache  # noqa: E402
+from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput  # noqa: E402
+from kvhold.protocol.checkpoint import build_manifest  # noqa: E402
+from kvhold.protocol.layout import KvGeometry  # noqa: E402
+from kvhold.protocol.model_spec import ModelSpec  # noqa: E402
+from kvhold.testing.make_model import train_tokenizer  # noqa: E402
+
+PAGE = 4
+PROMPT = "The quick brown fox jumps over the lazy dog and the sidecar keeps every page of the cache"
+NEW_TOKENS = 10
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+            rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+def _randomize(model, seed):
+    """Weights large enough that the greedy tokens vary (transformers' init is nearly uniform)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if "norm" in name:
+                p.copy_(1 + 0.2 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(noise * (1.0 if "embed" in name else p.shape[-1] ** -0.5 * 1.5))
+
+
+def build_checkpoint(path, tokenizer, config_cls, model_cls, seed=0, shard=None, **cfg):
+    tok = tokenizer
+    ids = dict(bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
+               pad_token_id=None)
+    config = config_cls(**{**TINY, "vocab_size": tok.get_vocab_size(), **ids, **cfg})
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    _randomize(model, seed)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model.double().eval()
+
+
+def kvhold_model(path) -> tuple[ModelSpec, LlamaModel]:
+    spec = ModelSpec.from_dir(path)
+    manifest = build_manifest(path, spec)       # the names and shapes kvhold expects, checked
+    weights = {}
+    for f in sorted({e.file for e in manifest.entries}):
+        weights.update(load_file(str(path / f)))
+    return spec, LlamaModel(spec, weights, torch.float64, torch.device("cpu"), 256)
+
+
+class Session:
+    """One sequence through the engine: the prompt as one prefill step, then one token per step."""
+
+    def __init__(self, spec, llm, pages=64):
+        self.llm = llm
+        self.kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                             "float64", PAGE), pages)
+        self.pages = torch.arange(1, pages)
+        self.done = 0
+
+    def step(self, ids) -> torch.Tensor:
+        n, end = len(ids), self.done + len(ids)
+        pos = torch.arange(self.done, end)
+        step = StepInput(token_ids=torch.tensor(ids), positions=pos, write_pages=self.pages[pos // PAGE],
+                         write_slots=pos % PAGE,
+                         seqs=[SeqSlice(0, n, end, self.pages[:(end + PAGE - 1) // PAGE])],
+                         logits_rows=torch.arange(n))
+        self.done = end
+        return self.llm.forward(step, self.kv)
+
+
+def kvhold_greedy(spec, llm, prompt, n):
+    s = Session(spec, llm)
+    logits, out = s.step(prompt), []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = s.step([out[-1]])
+    return out
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def check_parity(path, model, tokenizer, prompt_text=PROMPT, new_tokens=NEW_TOKENS):
+    spec, llm = kvhold_model(path)
+    prompt = tokenizer.encode(prompt_text).ids
+    got = kvhold_greedy(spec, llm, prompt, new_tokens)
+    want = hf_greedy(model, prompt, new_tokens)
+    assert got == want
+    assert len(set(got)) > 1          # the comparison means something: not one token repeated
+    full = prompt + got
+    with torch.no_grad():
+        hf_logits = model(torch.tensor([full])).logits[0]
+    kv_logits = Session(spec, llm).step(full)
+    # transformers computes its RoPE frequencies in float32, kvhold in float64
+    assert (kv_logits - hf_logits).abs().max() < 1e-4
+    return spec, llm, full, hf_logits
+
+
+CASES = {
+    "llama": (lambda t: (t.LlamaConfig, t.LlamaForCausalLM), {}),
+    "llama-tied-sharded": (lambda t: (t.LlamaConfig, t.LlamaForCausalLM),
+                           dict(tie_word_embeddings=True, shard="60KB", seed=4)),  # seed: tokens vary
+    "qwen2": (lambda t: (t.Qwen2Config, t.Qwen2ForCausalLM), {}),
+    "qwen3": (lambda t: (t.Qwen3Config, t.Qwen3ForCausalLM), {}),
+    "phi3": (lambda t: (t.Phi3Config, t.Phi3ForCausalLM), {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_output_equals_transformers(case, tokenizer, tmp_path):
+    classes, kwargs = CASES[case]
+    model = build_checkpoint(tmp_path, tokenizer, *classes(transformers), **kwargs)
+    spec, _, _, _ = check_parity(tmp_path, model, tokenizer)
+    assert spec.model_type == case.split("-")[0]
+    if case == "llama-tied-sharded":
+        assert spec.tie_word_embeddings and len(list(tmp_path.glob("model-*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("case,cfg", [
+    ("mistral", dict(sliding_window=16)),
+    ("phi3", dict(sliding_window=16)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+])
+def test_sliding_window_past_the_window_equals_transformers(case, cfg, tokenizer, tmp_path):
+    t = transformers
+    classes = {"mistral": (t.MistralConfig, t.MistralForCausalLM), "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+               "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM)}
+    model = build_checkpoint(tmp_path, tokenizer, *classes[case], **cfg)
+    spec, llm, full, hf_logits = check_parity(tmp_path, model, tokenizer, new_tokens=12)
+    assert len(full) > 2 * 16                    # prompt + generation well past the window
+    want = (16,) * 2 if case in ("mistral", "phi3") else (None, 16)   # qwen: from max_window_layers on
+    assert spec.sliding_windows == want
+    # and the window matters here: attending over everything gives other logits
+    full_attention = LlamaModel(dataclasses.replace(spec, sliding_windows=()), llm.w, torch.float64,
+                                torch.device("cpu"), 256)
+    other = Session(spec, full_attention).step(full)
+    assert not torch.allclose(other[20:], hf_logits[20:], atol=1e-3)
