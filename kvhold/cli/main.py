@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -139,6 +140,19 @@ def cmd_serve(args) -> int:
         return 1
 
 
+def cmd_serve_http(args) -> int:
+    """The HTTP server process of `kvhold serve` (started by it; its configuration in the environment)."""
+    from kvhold.serving.serve import CONFIG_ENV, ServeConfig, run_http
+
+    text = os.environ.pop(CONFIG_ENV, None)
+    if text is None:
+        print(f"kvhold serve-http: started by `kvhold serve` only ({CONFIG_ENV} is not set)", file=sys.stderr)
+        return 2
+    config = ServeConfig.from_json(text)
+    setup_logging(config.log_level, role="serve-http")
+    return run_http(config, args.fd)
+
+
 def cmd_router(args) -> int:
     """Serve the OpenAI-compatible HTTP API by routing to the sidecars registered in etcd."""
     from kvhold.serving.router_http import router_config_from_args, run_router
@@ -181,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description=cmd_serve.__doc__)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("serve-http", help="(internal) the HTTP server process that `kvhold serve` starts", description=cmd_serve_http.__doc__)
+    p.add_argument("--fd", type=int, required=True, help="the listening socket's descriptor")
+    p.set_defaults(func=cmd_serve_http)
 
     p = sub.add_parser("router", help="an OpenAI-compatible HTTP API over the sidecars in etcd",
                        description=cmd_router.__doc__)

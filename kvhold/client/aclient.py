@@ -158,6 +158,34 @@ class AsyncClient:
             prefix_generated=req.prefix or None))
         return AsyncStream(self, state)
 
+    async def attach(self, request_id: int) -> AsyncStream:
+        """Take up the stream of a request this client's key owns but this client has no stream
+        for: one a previous process with the same routing id (and the same principal: uid or
+        CurveZMQ key) started. The sidecar sends every token again from the first, then the rest
+        as they are committed, and the end; a request that ended while no owner was connected
+        is served from its kept result. `NotFound` if the sidecar has no such request of this
+        key's (unknown, another's, cancelled, or ended and delivered)."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id:#x} already has a stream on this client")
+        self._ensure_receiver()
+        st = _StreamState(request_id, 0)
+        self._streams[request_id] = st
+        asked = time.monotonic()
+        try:
+            self._sock.send(wire.encode(m.Resume(request_ids=[request_id], next_indices=[0])), zmq.NOBLOCK)
+            # answered by its tokens, its end, an error, or a keepalive naming it (nothing sent yet)
+            while not (st.pending or st.finished or st.heard > asked):
+                st.changed.clear()
+                await self._wait(st.changed.wait())
+        except zmq.Again:
+            raise SidecarUnavailable(f"cannot queue a message to {self.endpoint}") from None
+        finally:
+            if not (st.pending or st.finished or st.heard > asked) and self._streams.get(request_id) is st:
+                del self._streams[request_id]
+        if st.error is not None and not st.pending:
+            raise st.error
+        return AsyncStream(self, st)
+
     async def cancel(self, request_id: int) -> None:
         await self._request(lambda tag: m.Cancel(tag=tag, request_id=request_id))
 
@@ -259,6 +287,10 @@ class AsyncClient:
 
     def _on_keepalive(self, msg: m.Keepalive) -> None:
         hear_keepalive(self._streams, msg)
+        for rid in msg.request_ids:           # wakes an `attach` waiting for the sidecar's word
+            st = self._streams.get(rid)
+            if st is not None:
+                st.changed.set()
         self._pause_until = 0.0    # a sidecar serves our streams (again): normal timeout
 
     def _fail_all(self, exc: Exception) -> None:

@@ -49,6 +49,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.prompt_tokens = stream.prompt_tokens
         self.completion_tokens = 0
+        self.tokens_seen = 0          # token events taken from the stream so far
+        self.ended = False            # the stream's tokens are all taken: what follows is its end
         self.first_token_at: float | None = None
 
     async def deltas(self):
@@ -69,14 +71,18 @@ class Generation:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             self.completion_tokens += 1
+            self.tokens_seen += 1
             raw.append(event.text)
             out, stopped = self.matcher.push(event.text)
             yield out
             if stopped:
+                self.ended = True
                 await self.stream.cancel()
                 self.finish_reason = "stop"
                 return
         result = await self.stream.result()
+        self.ended = True
+        self.prompt_tokens = result.prompt_tokens     # a stream taken up again learns it here
         if result.finish_reason == "error":
             raise ApiError(500, "the request failed in the engine", type="server_error")
         joined = "".join(raw)
@@ -93,9 +99,34 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def sse(payload) -> bytes:
+def sse(payload, event_id: str | None = None) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {data}\n\n".encode()
+
+
+class EventIds:
+    """The `id:` of a resumable stream's events (kvhold.serving.stream_resume): REQUEST-N, the
+    request id in hex and N the number of the request's tokens the text through this event
+    covers (0 for a chat stream's first chunk); the events after the last token (the rest of
+    the text, the finish chunk, the usage chunk) continue from there, one each, so that the
+    numbers only grow. Events numbered `after` or lower are not sent: a stream taken up again
+    from its first token, numbered the same way, goes on right after the last event the client
+    got."""
+
+    def __init__(self, request_id: int, after: int = -1):
+        self.request_id, self.after = request_id, after
+        self.last = -1
+
+    def event(self, payload, gen: "Generation", first: bool = False) -> bytes:
+        if first:
+            n = 0
+        elif not gen.ended:
+            n = gen.tokens_seen
+        else:
+            n = max(self.last, gen.tokens_seen) + 1
+        self.last = n
+        return sse(payload, f"{self.request_id:x}-{n}") if n > self.after else b""
 
 
 class ResponseShape:
@@ -132,16 +163,23 @@ class ResponseShape:
         return {**self._head(obj), "choices": [], "usage": usage}
 
 
-async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, on_end=None):
-    """The SSE byte stream of one streaming response, ending with `data: [DONE]`."""
+async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, on_end=None,
+                   ids: EventIds | None = None):
+    """The SSE byte stream of one streaming response, ending with `data: [DONE]`; with `ids`,
+    its events carry ids and those up to `ids.after` are left out (a resumed stream)."""
+    def event(payload, first=False) -> bytes:
+        return sse(payload) if ids is None else ids.event(payload, gen, first)
     try:
         if shape.chat:
-            yield sse(shape.chunk(None, first=True))
+            if out := event(shape.chunk(None, first=True), first=True):
+                yield out
         async for piece in gen.deltas():
-            yield sse(shape.chunk(piece))
-        yield sse(shape.chunk(None, gen.finish_reason))
-        if include_usage:
-            yield sse(shape.usage_chunk(gen.usage))
+            if out := event(shape.chunk(piece)):
+                yield out
+        if out := event(shape.chunk(None, gen.finish_reason)):
+            yield out
+        if include_usage and (out := event(shape.usage_chunk(gen.usage))):
+            yield out
     except ApiError as exc:
         yield sse(exc.body())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API of `kvhold serve` (FastAPI), over the async SDK.
 
 Routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (SSE when
-`stream` is true), GET /health, GET /metrics (Prometheus). Every /v1 route asks for
+`stream` is true), GET /v1/streams/{request_id} (a stream taken up again after the HTTP
+server restarted, from its Last-Event-ID: kvhold.serving.stream_resume), GET /health,
+GET /metrics (Prometheus). Every /v1 route asks for
 `Authorization: Bearer <key>` when an API key is configured; /health and /metrics
 stay open for probes and scrapers. Errors are OpenAI-shaped JSON
 ({"error": {"message", "type", "param", "code"}}) and never stop the server nor close the
@@ -37,12 +39,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhold.client.aclient import AsyncClient
-from kvhold.protocol.errors import KvholdError
+from kvhold.protocol.errors import KvholdError, NotFound
 from kvhold.protocol.wire import WireError
 from kvhold.serving.chat_template import ChatTemplate, TemplateError
-from kvhold.serving.generation import Generation, ResponseShape, sse_body
+from kvhold.serving.generation import EventIds, Generation, ResponseShape, sse_body
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
+from kvhold.serving import stream_resume
 from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest, api_error_for,
                                   bad_request, from_validation_errors, parse_body, too_large)
 
@@ -61,6 +64,8 @@ class AppSettings:
     client_timeout: float = 30.0  # sidecar silence (no keepalive either) that fails a request
     poll_interval_s: float = 1.0  # status polls that feed /metrics
     body_timeout_s: float = BODY_TIMEOUT_S   # a slower request body is answered 408
+    routing_id: bytes | None = None   # the SDK's ZeroMQ routing id (None: a random one)
+    stream_dir: Path | None = None    # where resumable streams' records go (None: streams not resumable)
 
 
 class Gate:
@@ -147,6 +152,20 @@ def _guarded(path: str) -> bool:
 
 
 _DESCRIPTION = {"/docs", "/redoc", "/openapi.json"}
+_RESUME_DOC = {
+    "summary": "Resume a streamed completion or chat completion",
+    "description": "Continues an SSE stream of POST /v1/completions or /v1/chat/completions after "
+                   "the connection broke (the HTTP server restarted): the events after the one "
+                   "named by Last-Event-ID (each event's `id:` line, `<request id hex>-<N>`), then "
+                   "`data: [DONE]`, as the original stream would have sent them; without "
+                   "Last-Event-ID, the whole stream. 400: a malformed id; 404: nothing to resume "
+                   "(delivered, cancelled, unknown); 409: the stream is being sent elsewhere.",
+    "parameters": [{"name": "Last-Event-ID", "in": "header", "required": False,
+                    "schema": {"type": "string", "pattern": "^[0-9a-f]{1,16}-[0-9]{1,10}$"},
+                    "description": "the id of the last event received"}],
+    "responses": {"200": {"description": "the rest of the stream",
+                          "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+}
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 
 
@@ -160,7 +179,8 @@ class SidecarBackend:
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.client = AsyncClient(self.settings.endpoint, timeout=self.settings.client_timeout)
+        self.client = AsyncClient(self.settings.endpoint, timeout=self.settings.client_timeout,
+                                  identity=self.settings.routing_id)
         self._poller = asyncio.create_task(self.poll_forever())
 
     async def close(self) -> None:
@@ -169,6 +189,9 @@ class SidecarBackend:
 
     async def generate(self, **request):
         return await self.client.generate(**request)
+
+    async def attach(self, request_id: int):
+        return await self.client.attach(request_id)
 
     async def poll_forever(self) -> None:
         while True:
@@ -210,6 +233,8 @@ class _Service:
         self.template = ChatTemplate.for_checkpoint(settings.model_dir)
         self.tokenizer = _load_tokenizer(settings.model_dir)
         self.created = int(time.time())
+        resumable = settings.stream_dir is not None and hasattr(backend, "attach")
+        self.records = stream_resume.StreamRecords(settings.stream_dir) if resumable else None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
@@ -259,14 +284,59 @@ class _Service:
             if g.first_token_at is not None:
                 self.metrics.ttft.labels(endpoint).observe(g.first_token_at - t0)
         if req.stream:
-            return StreamingResponse(sse_body(gen, shape, req.include_usage, on_end),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            ids = None
+            if self.records is not None:   # what a resume needs and the sidecar does not keep
+                self.records.write(stream.request_id, {
+                    "kind": kind, "stop": list(req.stop or []), "include_usage": req.include_usage,
+                    "created": shape.created, "prompt_tokens": stream.prompt_tokens})
+                ids = EventIds(stream.request_id)
+            return self.stream_response(gen, shape, req.include_usage, on_end, ids)
         try:
             text = "".join([piece async for piece in gen.deltas()])
         finally:
             on_end(gen)
         return JSONResponse(shape.full(text, gen.finish_reason, gen.usage))
+
+    def stream_response(self, gen, shape, include_usage, on_end, ids) -> StreamingResponse:
+        def ended(g: Generation) -> None:
+            if ids is not None:
+                self.records.remove(g.stream.request_id)
+            on_end(g)
+        return StreamingResponse(sse_body(gen, shape, include_usage, ended, ids), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def resume(self, path_id: str, last_event_id: str | None):
+        """GET /v1/streams/{request_id}: the events after Last-Event-ID (kvhold.serving.stream_resume)."""
+        if self.records is None:
+            raise ApiError(501, "this server does not resume streams", type="not_implemented",
+                           code="resume_unsupported")
+        rid = stream_resume.parse_request_id(path_id)
+        after = stream_resume.parse_last_event_id(last_event_id, rid)
+        if self.gate.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable",
+                           code="shutting_down")
+        record = self.records.read(rid)
+        if record is None:
+            raise stream_resume.not_found(rid, "this server streamed no such request, or its stream ended here")
+        if any(g.stream.request_id == rid for g in self.gate.active):
+            raise ApiError(409, f"the stream of request {rid:x} is being sent on another connection",
+                           code="stream_in_use")
+        try:
+            stream = await self.backend.attach(rid)
+        except NotFound as exc:
+            self.records.remove(rid)
+            raise stream_resume.not_found(rid, str(exc)) from None
+        except ValueError:
+            raise ApiError(409, f"the stream of request {rid:x} is being sent on another connection",
+                           code="stream_in_use") from None
+        gen = Generation(stream, record["stop"])
+        gen.prompt_tokens = record["prompt_tokens"]
+        self.gate.active.add(gen)
+        shape = ResponseShape(record["kind"], rid, self.settings.served_model_name)
+        shape.created = record["created"]
+        log.info("stream of request %#x taken up again after event %d", rid, after)
+        return self.stream_response(gen, shape, record["include_usage"], self.gate.active.discard,
+                                    EventIds(rid, after))
 
 
 def _load_tokenizer(model_dir: Path | None):
@@ -394,6 +464,10 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
         max_tokens = svc.max_tokens(req.requested_max_tokens, len(ids), default=None,
                                     prompt_param="messages")
         return await svc.serve(req, "chat", {"prompt_ids": ids}, max_tokens)
+
+    @app.get("/v1/streams/{request_id}", openapi_extra=_RESUME_DOC)
+    async def resume_stream(request_id: str, request: Request):
+        return await svc.resume(request_id, request.headers.get("last-event-id"))
 
     @app.get("/health")
     async def health():

@@ -145,7 +145,7 @@ def run_router(config: RouterConfig) -> int:
                                                log_level=config.log_level.lower(), access_log=False,
                                                timeout_graceful_shutdown=5,
                                                **config.guards.uvicorn_options()),
-                                app.state.service.gate, None, config.drain_timeout_s)
+                                app.state.service.gate, config.drain_timeout_s)
         log.info("routing %r on http://%s:%d to service %r at %s", name, config.host, config.port,
                  config.service, config.registry)
         server.run()

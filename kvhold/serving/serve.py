@@ -1,23 +1,41 @@
-"""`kvhold serve`: a sidecar (with its active and standby executors) plus the HTTP API.
+"""`kvhold serve`: a sidecar (with its active and standby executors) plus the HTTP API, as
+separate processes under a small supervisor (this process).
 
-The sidecar runs as a child process (`python -m kvhold sidecar ...`, in its own
-session, sent SIGTERM if this process dies); this process waits until it can serve,
-then runs uvicorn with the FastAPI app (kvhold.serving.http_api). The sidecar, not this
-process, owns the memory and the in-flight requests: an executor crash is handled
-there, and HTTP streams merely pause.
+Processes (three failure domains):
 
-SIGTERM or SIGINT drains: new requests get 503 and /health turns 503 at once, the
-streams in flight finish (for at most --drain-timeout seconds), then the HTTP server
-and the sidecar stop and the process exits 0. A second signal stops at once. If the
-sidecar dies, the server exits 1 so that a process supervisor restarts both.
+    kvhold serve           supervisor: starts and watches the other two; binds the HTTP
+                           port once the sidecar can serve, and holds it
+    ├─ kvhold sidecar      own session; sent SIGTERM (a drain) if the supervisor dies
+    └─ kvhold serve-http   uvicorn + the FastAPI app (kvhold.serving.http_api) on the
+                           supervisor's listening socket; own session; SIGKILLed if the
+                           supervisor dies
+
+The sidecar, not the HTTP server, owns the memory and the in-flight requests: an executor
+crash is handled there, and HTTP streams merely pause. The HTTP server is restarted when it
+dies (after 0.5 s, doubling up to 30 s while it keeps dying within a minute of its start;
+each death logged with its exit code or signal), and the sidecar with its executors is left
+running. The port stays bound by the supervisor meanwhile, so new connections wait in its
+backlog instead of being refused. The HTTP server speaks to the sidecar with a ZeroMQ routing
+id of its instance's (`ServeConfig.routing_id`) from the same uid: a restarted one is the same owner
+of the requests, which the sidecar holds meanwhile, and its clients take their streams up
+again with `GET /v1/streams/{request_id}` and Last-Event-ID (kvhold.serving.stream_resume).
+A stream nobody takes up is cancelled by the sidecar after --unclaimed-cancel-s.
+
+SIGTERM or SIGINT drains: the HTTP server is told first (new requests get 503 and /health
+turns 503 at once, the streams in flight finish, for at most --drain-timeout seconds), then
+the sidecar is stopped and the process exits 0. A second signal stops at once. If the
+sidecar dies, the HTTP server is stopped and the supervisor exits 1, so that a process
+supervisor (systemd, Kubernetes) restarts the whole.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +49,10 @@ from kvhold.serving.http_guards import HttpGuards
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+CONFIG_ENV = "KVHOLD_SERVE_HTTP_CONFIG"   # the HTTP server's configuration, from the supervisor
+RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first, largest
+HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
+STOP_SIGNAL = signal.SIGUSR1           # to the HTTP server: stop without a drain (the sidecar is gone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +73,36 @@ class ServeConfig:
     guards: HttpGuards = HttpGuards()
 
     @property
+    def paths(self) -> InstancePaths:
+        return InstancePaths.for_instance(self.instance, self.runtime_root)
+
+    @property
     def endpoint(self) -> str:
-        return InstancePaths.for_instance(self.instance, self.runtime_root).client_endpoint
+        return self.paths.client_endpoint
+
+    @property
+    def routing_id(self) -> bytes:
+        """The HTTP server's ZeroMQ routing id: one per instance, so a restarted server owns its requests."""
+        return b"kvhold-serve-http." + self.instance.encode()
+
+    def to_json(self) -> str:
+        """What the HTTP server process needs (sent in its environment: the API key is in it)."""
+        return json.dumps({"model": str(self.model), "served_model_name": self.served_model_name,
+                           "host": self.host, "port": self.port, "api_key": self.api_key,
+                           "instance": self.instance,
+                           "runtime_root": str(self.runtime_root) if self.runtime_root else None,
+                           "lease_ms": self.lease_ms, "context_len": self.context_len,
+                           "drain_timeout_s": self.drain_timeout_s, "log_level": self.log_level,
+                           "header_timeout_s": self.guards.header_timeout_s,
+                           "body_timeout_s": self.guards.body_timeout_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServeConfig":
+        d = json.loads(text)
+        guards = HttpGuards(header_timeout_s=d.pop("header_timeout_s"), body_timeout_s=d.pop("body_timeout_s"))
+        root = d.pop("runtime_root")
+        return cls(model=Path(d.pop("model")), runtime_root=Path(root) if root else None, sidecar_argv=(),
+                   guards=guards, **d)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -106,8 +156,16 @@ def sidecar_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def _killed_with_parent() -> None:
+    _die_with_parent(signal.SIGKILL)
+
+
+def _how_it_ended(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
 class SidecarChild:
@@ -157,13 +215,124 @@ class SidecarChild:
             self.proc.wait()
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT drains instead of closing the listener at once.
-    With a `child` (kvhold serve), the server also stops when that sidecar exits."""
+class HttpChild:
+    """The HTTP server process (`kvhold serve-http`), on the supervisor's listening socket."""
 
-    def __init__(self, config: uvicorn.Config, gate, child: SidecarChild | None, drain_timeout_s: float):
+    def __init__(self, config: ServeConfig, listener: socket.socket):
+        self.config, self.listener = config, listener
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def start(self) -> None:
+        fd = self.listener.fileno()
+        cmd = [sys.executable, "-m", "kvhold", "serve-http", "--fd", str(fd)]
+        env = dict(os.environ, **{CONFIG_ENV: self.config.to_json()})
+        self.proc = subprocess.Popen(cmd, pass_fds=(fd,), env=env, start_new_session=True,
+                                     preexec_fn=_killed_with_parent)
+        self.started = time.monotonic()
+        log.info("started the HTTP server pid %d", self.proc.pid)
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(STOP_SIGNAL)       # no drain: closes, streams cut after 5 s (run_http)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.error("the HTTP server pid %d did not stop in %.0f s: SIGKILL", self.proc.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP server's listening socket, held by the supervisor across HTTP server restarts."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Signals:
+    """SIGTERM/SIGINT, counted, for the supervisor's loop."""
+
+    def __init__(self):
+        self.count = 0
+        self.name = ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on)
+
+    def _on(self, sig: int, frame) -> None:
+        self.count += 1
+        self.name = signal.Signals(sig).name
+
+
+def supervise(config: ServeConfig, sidecar: SidecarChild, http: HttpChild, signals: _Signals) -> int:
+    """Watch both children: restart the HTTP server when it dies, drain on a signal (the HTTP
+    server first, then the sidecar), exit 1 if the sidecar dies. Returns the exit code."""
+    delay = RESTART_BACKOFF_S[0]
+    restart_at: float | None = None
+    forwarded = 0               # signals passed on to the HTTP server
+    drain_deadline = None
+    http.start()
+    while True:
+        now = time.monotonic()
+        if sidecar.exited():
+            log.critical("the sidecar %s: stopping", _how_it_ended(sidecar.proc.returncode))
+            http.stop(10.0)
+            return 1
+        if signals.count > forwarded:
+            if forwarded == 0:
+                log.info("%s: draining the HTTP server (at most %.0f s), then the sidecar",
+                         signals.name, config.drain_timeout_s)
+                drain_deadline = now + config.drain_timeout_s + 5.0   # + uvicorn's graceful shutdown
+            http.signal(signal.SIGTERM)
+            forwarded = min(signals.count, 2)
+        code = http.poll()
+        if code is not None and drain_deadline is not None:
+            if code != 0:
+                log.warning("the HTTP server %s while draining", _how_it_ended(code))
+            return 0
+        if code is not None and restart_at is None:
+            ran = now - http.started
+            if ran >= HEALTHY_RUN_S:
+                delay = RESTART_BACKOFF_S[0]
+            log.error("the HTTP server pid %d %s after %.1f s: restarting it in %.1f s (the sidecar "
+                      "keeps its requests for its clients to resume)", http.proc.pid, _how_it_ended(code),
+                      ran, delay)
+            restart_at = now + delay
+            delay = min(delay * 2, RESTART_BACKOFF_S[1])
+        if restart_at is not None and now >= restart_at:
+            restart_at = None
+            http.start()
+        if drain_deadline is not None and now > drain_deadline:
+            log.error("the HTTP server did not finish its drain in time: SIGKILL")
+            http.proc.kill()
+            http.proc.wait()
+            return 0
+        time.sleep(0.05)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains instead of closing the listener at once."""
+
+    def __init__(self, config: uvicorn.Config, gate, drain_timeout_s: float):
         super().__init__(config)
-        self.gate, self.child, self.drain_timeout_s = gate, child, drain_timeout_s
+        self.gate, self.drain_timeout_s = gate, drain_timeout_s
         self.drain_deadline: float | None = None
         self.exit_code = 0
 
@@ -179,34 +348,47 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
             return True
-        if self.child is not None and self.child.exited():
-            log.critical("the sidecar exited with code %s: stopping", self.child.proc.returncode)
-            self.exit_code = 1
-            return True
         if self.drain_deadline is not None:
             return self.gate.idle or time.monotonic() > self.drain_deadline
         return False
 
 
 def run_serve(config: ServeConfig) -> int:
+    """The supervisor: the sidecar, then the HTTP server once the sidecar serves."""
+    sidecar = SidecarChild(config).start()
+    listener = http = None
+    try:
+        sidecar.wait_until_serving()
+        listener = bind_listener(config.host, config.port)   # the port opens once the sidecar serves
+        http = HttpChild(config, listener)
+        log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
+                 config.host, listener.getsockname()[1], config.instance)
+        return supervise(config, sidecar, http, _Signals())
+    finally:
+        if http is not None:
+            http.stop(10.0)
+        sidecar.stop()
+        if listener is not None:
+            listener.close()
+        log.info("stopped")
+
+
+def run_http(config: ServeConfig, fd: int) -> int:
+    """The HTTP server process (`kvhold serve-http`): uvicorn on the listening socket `fd`."""
     from kvhold.serving.http_api import AppSettings, create_app
 
-    child = SidecarChild(config).start()
-    try:
-        child.wait_until_serving()
-        app = create_app(AppSettings(endpoint=config.endpoint, model_dir=config.model,
-                                     served_model_name=config.served_model_name,
-                                     context_len=config.context_len, lease_ms=config.lease_ms,
-                                     api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s))
-        server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_level=config.log_level.lower(), access_log=False,
-                                               timeout_graceful_shutdown=5,
-                                               **config.guards.uvicorn_options()),
-                                app.state.service.gate, child, config.drain_timeout_s)
-        log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
-                 config.host, config.port, config.instance)
-        server.run()
-        return server.exit_code
-    finally:
-        child.stop()
-        log.info("stopped")
+    listener = socket.socket(fileno=fd)
+    app = create_app(AppSettings(endpoint=config.endpoint, model_dir=config.model,
+                                 served_model_name=config.served_model_name,
+                                 context_len=config.context_len, lease_ms=config.lease_ms,
+                                 api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
+                                 routing_id=config.routing_id,
+                                 stream_dir=config.paths.runtime_dir / "http-streams"))
+    server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
+                                           timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),
+                            app.state.service.gate, config.drain_timeout_s)
+    def stop(sig, frame) -> None:          # uvicorn's own shutdown, without the drain
+        server.should_exit = True
+    signal.signal(STOP_SIGNAL, stop)
+    server.run(sockets=[listener])
+    return server.exit_code

@@ -25,7 +25,11 @@ ZMQ_SRCFD) has not been seen to close since (socket monitor: DISCONNECTED or CLO
 or ACCEPTED of a new connection reusing the descriptor; the monitor's queue is
 unbounded, so no event is lost). Otherwise the message is dropped and the caller told;
 the frontend then holds the stream until its owner resumes it (the SDK sends `Resume`
-after a second of silence, from whatever connection it has by then). The monitors are
+after a second of silence, from whatever connection it has by then). A stream also goes
+only to the connection its owner was on when it was admitted or last resumed (`connection`
+numbers them): another connection of the same owner under the same routing id, such as a
+restarted HTTP server, does not know the stream and would drop it, so the stream is held
+for its `Resume` too. The monitors are
 drained right before every send and before every message from a client is attributed
 (their ZMQ_EVENTS read each time: ZMQ_FD is edge-triggered, and a poll(2) of it can miss
 an event already queued, which then, applied after a reconnected owner's `Resume`,
@@ -36,6 +40,7 @@ within the microseconds between a check and its send.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 
@@ -83,6 +88,8 @@ class ClientPeers:
         self._monitors: list[zmq.Socket] = []
         self._holder: dict[tuple[bytes, bytes], tuple[bytes, int]] = {}   # (via, routing id) -> (principal, fd)
         self._by_fd: dict[int, set[tuple[bytes, bytes]]] = {}
+        self._serial: dict[tuple[bytes, bytes], int] = {}     # (via, routing id) -> its connection's number
+        self._serials = itertools.count(1)
         self.num_refused_sends = 0
 
     def add(self, via: bytes, sock: zmq.Socket, how: str) -> None:
@@ -109,15 +116,28 @@ class ClientPeers:
         old = self._holder.get(slot)
         if old is not None and old[1] != fd:
             self._by_fd.get(old[1], set()).discard(slot)
+        if old is None or old[1] != fd or old[0] != principal:
+            self._serial[slot] = next(self._serials)          # a new connection holds the id
         self._holder[slot] = (principal, fd)
         self._by_fd.setdefault(fd, set()).add(slot)
         return client_key(via, principal, routing_id)
 
-    def may_send(self, via: bytes, routing_id: bytes, principal: bytes) -> bool:
-        """Whether the connection that holds `routing_id` now is known to be `principal`'s."""
+    def connection(self, via: bytes, routing_id: bytes, principal: bytes) -> int:
+        """A number naming the connection that holds `routing_id` now, if it is `principal`'s
+        (0 if none is): a stream remembers the one its owner spoke on, and is held for a
+        `Resume` when another connection of the same owner holds the id (a restarted process
+        with the same routing id, which does not know the stream)."""
         self.refresh()
         holder = self._holder.get((via, routing_id))
-        if holder is not None and holder[0] == principal:
+        return self._serial.get((via, routing_id), 0) if holder is not None and holder[0] == principal else 0
+
+    def may_send(self, via: bytes, routing_id: bytes, principal: bytes, connection: int = 0) -> bool:
+        """Whether the connection that holds `routing_id` now is known to be `principal`'s (and,
+        when `connection` is given, is that one)."""
+        self.refresh()
+        holder = self._holder.get((via, routing_id))
+        if holder is not None and holder[0] == principal and (
+                not connection or self._serial.get((via, routing_id)) == connection):
             return True
         self.num_refused_sends += 1
         return False
@@ -131,6 +151,7 @@ class ClientPeers:
                 if event in _ENDS:
                     for slot in self._by_fd.pop(fd, ()):
                         self._holder.pop(slot, None)
+                        self._serial.pop(slot, None)
 
     def status(self) -> dict:
         return {"attached": len(self._holder), "refused_sends": self.num_refused_sends}

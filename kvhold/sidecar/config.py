@@ -276,9 +276,16 @@ class RegistryConfig:
 
 @dataclass(frozen=True, slots=True)
 class JournalConfig:
-    """The durable request journal (kvhold.sidecar.durable_journal)."""
+    """The durable request journal (kvhold.sidecar.durable_journal), and how long a request
+    whose client is not connected is held for it (kvhold.sidecar.restore)."""
 
     dir: Path | None = None           # None: a persistent per-instance default
+    unclaimed_cancel_s: float = 30.0  # a stream held this long with no owner connected is cancelled; 0: never
+
+    def __post_init__(self):
+        _check(math.isfinite(self.unclaimed_cancel_s) and self.unclaimed_cancel_s >= 0,
+               f"journal.unclaimed_cancel_s must be >= 0 seconds (0: never), got {self.unclaimed_cancel_s}",
+               "journal.unclaimed_cancel_s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,7 +158,8 @@ class Sidecar:
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,
                                generation=self.tables.generation, started_ns=self.started_ns,
-                               send_client=self.send_client)
+                               send_client=self.send_client,
+                               unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
         self.frontend.restored = self.restore
         self.stats_log = StatsLog(cfg.logs.stats_interval_s)
         self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
@@ -395,11 +396,17 @@ class Sidecar:
         if reply is not None:
             self._reply(sock, identity, reply)
 
-    def send_client(self, client_key: bytes, msg) -> bool:
-        """Send to a client as the frontend knows it (transport, principal, routing id); False,
-        sending nothing, while the connection under that routing id is not that principal's."""
+    def client_connection(self, client_key: bytes) -> int:
+        """The number of the connection a client key speaks on now (0: none; client_peers)."""
         via, principal, identity = split_client_key(client_key)
-        if not self.peers.may_send(via, identity, principal):
+        return self.peers.connection(via, identity, principal)
+
+    def send_client(self, client_key: bytes, msg, connection: int = 0) -> bool:
+        """Send to a client as the frontend knows it (transport, principal, routing id); False,
+        sending nothing, while the connection under that routing id is not that principal's
+        (or, with `connection`, not that one: client_peers)."""
+        via, principal, identity = split_client_key(client_key)
+        if not self.peers.may_send(via, identity, principal, connection):
             return False
         self._reply(self._client_sockets[via], identity, msg)
         return True

@@ -152,6 +152,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                         "KVHOLD_JOURNAL_DIR; default STATE/journal/INSTANCE, STATE being "
                         "$KVHOLD_STATE_DIR, systemd's $STATE_DIRECTORY, /var/lib/kvhold as root, "
                         "else $XDG_STATE_HOME/kvhold)")
+    p.add_argument("--unclaimed-cancel-s", type=float, default=30.0,
+                   help="cancel a request whose stream has waited this many seconds for its client "
+                        "to reconnect and resume it (freeing its KV); 0: never (default %(default)s)")
     p.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="log a stats line (prompt and generation throughput, running and waiting "
                         "requests, KV pages in use) this often while there is work; 0: never "
@@ -213,7 +216,8 @@ SETTINGS = {
     "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",
     "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",
     "registry.url": "registry", "registry.service": "service", "registry.ttl_s": "registry_ttl",
-    "journal.dir": "journal_dir", "logs.stats_interval_s": "stats_interval",
+    "journal.dir": "journal_dir", "journal.unclaimed_cancel_s": "unclaimed_cancel_s",
+    "logs.stats_interval_s": "stats_interval",
 }
 _NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn"}   # store_false flags
 FLAGS = {path: _NEGATED.get(dest, "--" + dest.replace("_", "-")) for path, dest in SETTINGS.items()}

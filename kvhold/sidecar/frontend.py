@@ -63,13 +63,15 @@ class Stream:
     awaiting_resume: bool = False       # restored by a pool restart: silent until its client resumes
     restored_from: int | None = None    # tokens it was restored with, until the first new one
     failed: bool = False                # ended with an error (fail_request): silent until released
+    conn: int = 0                       # the owner's connection it streams to (0: not checked)
     opened_ns: int = 0                  # admitted (for its time to first token)
 
 
 class FrontendHost(Protocol):
     """What the frontend needs of the sidecar around it."""
 
-    def send_client(self, client_key: bytes, msg) -> bool: ...   # False: not sent (owner away)
+    def send_client(self, client_key: bytes, msg, connection: int = 0) -> bool: ...   # False: not sent
+    def client_connection(self, client_key: bytes) -> int: ...   # optional: the owner's connection now
     def wake_executor(self) -> None: ...
     def post(self, callback: Callable[[], None]) -> None: ...   # run on the loop, from any thread
     def status(self) -> dict: ...
@@ -94,6 +96,8 @@ class Frontend:
         self.fingerprint = fingerprint
         self.timeline = timeline
         self.host = host
+        # a host without it (a test's) does not tell connections apart: 0, never checked
+        self.connection_of = getattr(host, "client_connection", lambda client_key: 0)
         self.restored: RestoredStreams | None = None
         self.tokenizer = self._load_tokenizer(model_dir)
         if self.tokenizer is not None:
@@ -320,7 +324,7 @@ class Frontend:
         self.streams[request_id] = Stream(request_id=request_id, slot=slot, identity=identity,
                                           prompt_len=len(prompt_ids), detok=detok,
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix),
-                                          opened_ns=now_ns())
+                                          conn=self.connection_of(identity), opened_ns=now_ns())
 
     def _record(self, request_id, identity, prompt_ids, prefix, params, seed) -> dict:
         """The request's durable journal record (kvhold.sidecar.durable_journal), as admitted."""
@@ -344,8 +348,12 @@ class Frontend:
 
     def _send(self, st: Stream, msg) -> None:
         # a restored stream's client may not be connected yet; a stream whose owner is not
-        # connected as itself (kvhold.sidecar.client_peers) waits for it to resume, like one
-        if not st.awaiting_resume and not self.host.send_client(st.identity, msg):
+        # connected as itself (kvhold.sidecar.client_peers), or is connected anew (a restarted
+        # process that does not know the stream), waits for it to resume, like one
+        if st.awaiting_resume:
+            return
+        sent = self.host.send_client(st.identity, msg, st.conn) if st.conn else self.host.send_client(st.identity, msg)
+        if not sent:
             st.awaiting_resume = True
 
     def _wake_executor(self) -> None:

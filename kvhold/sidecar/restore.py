@@ -16,8 +16,14 @@ rest as they are committed). The client skips nothing and receives nothing twice
 Only the client key recorded at admission (transport, authenticated principal and
 routing id: kvhold.sidecar.client_peers) may resume. A live stream whose owner is not
 connected as itself when a message is due is held the same way until its owner resumes.
-* A restored request whose client never comes back still runs to the end; its result
-  is kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S (at most UNCLAIMED_MAX
+* A stream held for its owner (restored, or live with its owner not connected as itself)
+  for longer than `unclaimed_cancel_s` (`--unclaimed-cancel-s`, default
+  UNCLAIMED_CANCEL_S; 0: never) is cancelled: its journal entry is cancelled (the executor
+  frees its KV), its durable record removed, the cancellation logged and counted in the
+  status (`pool_restart.unclaimed_cancelled_total`), and an owner that resumes it later
+  gets a `NotFound` naming why. Requests nobody claims are not run for nobody.
+* A restored or held request that ends before its owner comes back (within that time)
+  has its result kept for pickup by a later `Resume` for UNCLAIMED_KEEP_S (at most UNCLAIMED_MAX
   results, the oldest dropped first), counted and listed (the newest UNCLAIMED_LISTED) in
   the status (`pool_restart.unclaimed`, `unclaimed_total`) and logged, then dropped with a
   log line.
@@ -44,6 +50,8 @@ from kvhold.sidecar.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.durable_journal import FailedRecord
 
 log = logging.getLogger(__name__)
+UNCLAIMED_CANCEL_S = 30.0   # a stream held this long for an owner who is not connected is cancelled
+UNCLAIMED_CHECK_NS = 100_000_000   # how often held streams are looked at
 UNCLAIMED_KEEP_S = 600.0
 UNCLAIMED_MAX = 4096        # results kept at most: past it the oldest is dropped (and logged)
 UNCLAIMED_LISTED = 64       # the newest so many are listed in the status, all are counted
@@ -60,7 +68,10 @@ class Unclaimed:
 
 class Restore:
     def __init__(self, frontend, durable, *, fingerprint: str, vocab_size: int, generation: int,
-                 started_ns: int, send_client: Callable[[bytes, object], bool]):
+                 started_ns: int, send_client: Callable[[bytes, object], bool],
+                 unclaimed_cancel_s: float = UNCLAIMED_CANCEL_S):
+        if not 0 <= unclaimed_cancel_s < float("inf"):
+            raise ValueError(f"unclaimed_cancel_s must be >= 0 seconds (0: never), got {unclaimed_cancel_s}")
         self.frontend = frontend
         self.durable = durable
         self.fingerprint = fingerprint
@@ -72,6 +83,11 @@ class Restore:
         self.unclaimed: dict[int, Unclaimed] = {}
         self.report: dict = {}
         self.adopting = False
+        self.cancel_after_ns = int(unclaimed_cancel_s * 1e9)
+        self._away: dict[int, int] = {}          # held stream -> since when (ns) it is held
+        self.cancelled: dict[int, str] = {}      # cancelled for want of a client -> why (the newest)
+        self.num_cancelled = 0
+        self._next_check_ns = 0
 
     # ------------------------------------------------------------------ start-up
     def restore(self, adopting: bool = False) -> None:
@@ -191,6 +207,11 @@ class Restore:
 
     def park(self, st, ids: list[int], done: m.Done) -> None:
         """A restored or held request ended before its client came back: keep the result for pickup."""
+        self._away.pop(st.request_id, None)
+        if st.request_id in self.cancelled:       # cancelled for want of a client: nothing to keep
+            log.info("request %#x, cancelled with no client attached, ended (%d tokens)",
+                     st.request_id, len(ids))
+            return
         self.unclaimed.pop(st.request_id, None)          # kept in the order they finished
         self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
                                                   now_ns())
@@ -221,10 +242,14 @@ class Restore:
     def _resume_one(self, identity: bytes, rid: int, index: int) -> str | None:
         fe = self.frontend
         st = fe.streams.get(rid)
+        if rid in self.cancelled and (st is None or st.identity == identity):
+            return self.cancelled[rid]
         if st is not None and st.identity == identity:
             if not 0 <= index <= st.sent:
                 return f"request {rid:#x}: cannot resume at token {index} (have {st.sent})"
             was_waiting, st.awaiting_resume = st.awaiting_resume, False
+            self._away.pop(rid, None)
+            st.conn = fe.connection_of(identity)       # the connection it streams to from now on
             if index < st.sent:
                 ids = fe.journal.generated(st.slot, index, st.sent)
                 if self.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
@@ -250,6 +275,9 @@ class Restore:
                 f"{self.generation}); it is not in its durable journal")
 
     def tick(self, now: int) -> None:
+        if now >= self._next_check_ns:
+            self._next_check_ns = now + UNCLAIMED_CHECK_NS
+            self._cancel_unclaimed(now)
         oldest_kept = now - int(UNCLAIMED_KEEP_S * 1e9)
         while self.unclaimed:                     # in finishing order: only the expired are visited
             rid = next(iter(self.unclaimed))
@@ -258,6 +286,34 @@ class Restore:
             del self.unclaimed[rid]
             log.warning("dropped the unclaimed result of request %#x after %.0f s", rid, UNCLAIMED_KEEP_S)
 
+    def _cancel_unclaimed(self, now: int) -> None:
+        """Cancel the streams held longer than `cancel_after_ns` for an owner who is not connected."""
+        fe = self.frontend
+        away: dict[int, int] = {}
+        for rid, st in fe.streams.items():
+            if not st.awaiting_resume or st.failed or rid in self.cancelled:
+                continue
+            since = away[rid] = self._away.get(rid, now)
+            if self.cancel_after_ns and now - since >= self.cancel_after_ns:
+                del away[rid]
+                self._cancel(st, (now - since) / 1e9)
+        self._away = away
+
+    def _cancel(self, st, held_s: float) -> None:
+        fe = self.frontend
+        rid = st.request_id
+        reason = (f"request {rid:#x} was cancelled: no client claimed it for {held_s:.0f} s "
+                  f"(--unclaimed-cancel-s {self.cancel_after_ns / 1e9:g})")
+        self.cancelled[rid] = reason
+        while len(self.cancelled) > UNCLAIMED_MAX:
+            del self.cancelled[next(iter(self.cancelled))]
+        self.num_cancelled += 1
+        fe.journal.cancel(st.slot)        # the executor ends it and frees its KV
+        fe.durable.remove(rid)            # not journaled again by a drain or a pool restart
+        fe.records.pop(rid, None)
+        fe._wake_executor()
+        log.warning("%s; %d tokens generated", reason, st.sent - st.prefix)
+
     def status(self) -> dict:
         return {"restore": {k: v for k, v in self.report.items() if k != "previous_drain"},
                 "previous_drain": self.report.get("previous_drain"),
@@ -265,5 +321,7 @@ class Restore:
                 "unclaimed": [{"request_id": rid, "tokens": len(u.ids), "finish_reason": u.done.finish_reason}
                               for rid, u in reversed(list(islice(reversed(self.unclaimed.items()), UNCLAIMED_LISTED)))],
                 "unclaimed_total": len(self.unclaimed),
+                "unclaimed_cancel_s": self.cancel_after_ns / 1e9,
+                "unclaimed_cancelled_total": self.num_cancelled,
                 "awaiting_resume": sorted(st.request_id for st in self.frontend.streams.values()
                                           if st.awaiting_resume)}

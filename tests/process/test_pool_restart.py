@@ -43,7 +43,8 @@ def http_stream_text(base: str, body: dict, out: dict) -> None:
     with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
         out["status"] = r.status_code
         raw = r.read().decode()
-    events = raw.split("\n\n")
+    # each event's data line (an event also carries its id line: kvhold.serving.stream_resume)
+    events = [e.rpartition("\n")[2] for e in raw.split("\n\n")]
     out["done"] = events[-2] == "data: [DONE]"
     out["text"] = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2])
 
@@ -83,7 +84,8 @@ def test_pool_restart_under_load_sdk_and_http(tiny_model, runtime_root, tmp_path
 
 def test_reboot_after_drain_and_a_damaged_record(tiny_model, runtime_root, tmp_path):
     journal = tmp_path / "journal"
-    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(journal)]
+    # the client that goes away leaves its request to run to the end (never cancelled for it)
+    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(journal), "--unclaimed-cancel-s", "0"]
     sc = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "sidecar.log").start()
     fresh = None
     try:

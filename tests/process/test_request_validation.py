@@ -108,7 +108,8 @@ def test_a_sidecar_restart_comes_up_whatever_its_journal_holds(tiny_model, data)
         write_record(journal, rid, dict(valid_record(rid, fingerprint), **{field: value}))
     ids = randoms + poison + [(2 << 40) | 200]
     write_record(journal, ids[-1], valid_record(ids[-1], fingerprint))
-    sc = SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--journal-dir", str(journal)],
+    sc = SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--journal-dir", str(journal),
+                         "--unclaimed-cancel-s", "0"],      # restored with no client: run to the end
                         runtime_root=root, log_path=root / "sidecar.log")
     try:
         status = sc.start().status()

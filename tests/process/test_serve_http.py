@@ -6,6 +6,7 @@ without a standby, checks /health during a failover and the SIGTERM drain.
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,9 +123,13 @@ def test_httpx_sse_framing_and_stop_strings(server):
         raw = r.read().decode()
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
-    texts = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2]]
+    # each event but [DONE]: its id (request id hex - tokens covered: kvhold.serving.stream_resume), its data
+    heads = [e.split("\n", 1) for e in events[:-2]]
+    assert all(len(h) == 2 and re.fullmatch(r"id: [0-9a-f]+-[0-9]+", h[0]) for h in heads), heads
+    datas = [h[1] for h in heads]
+    texts = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in datas]
     full = "".join(texts)
-    assert full and all(e.startswith("data: ") for e in events[:-1])
+    assert full and all(e.startswith("data: ") for e in datas)
     stop = full.strip()[3:5]
     cut = server.post("/v1/completions", {**body, "stream": False, "stop": [stop]}).json()
     assert cut["choices"][0]["text"] == full[:full.index(stop)]
@@ -259,7 +264,7 @@ def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path):
 
         body = {"prompt": "Drain me", "max_tokens": 400, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
+            lines = (line for line in r.iter_lines() if not line.startswith("id: "))
             assert next(lines).startswith("data: {")
             srv.proc.send_signal(signal.SIGTERM)
             wait_until(lambda: srv.health().status_code == 503, what="the drain to start")

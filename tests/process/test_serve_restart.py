@@ -1,0 +1,200 @@
+"""`kvhold serve` as three failure domains: the HTTP server process is SIGKILLed mid-stream
+and the sidecar with its executors keeps running (same pids), the supervisor restarts the
+HTTP server, and a client that resumes with Last-Event-ID gets exactly the rest of its
+stream (a live one, and one that finished while no HTTP server was up), so that the whole
+equals an uninterrupted run. A stream nobody resumes is cancelled after --unclaimed-cancel-s."""
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.process.helpers import wait_until
+from tests.process.test_serve_http import Server
+
+pytestmark = pytest.mark.slow      # two servers, real kills and restarts: `pytest -m slow`
+
+COMPLETION = {"prompt": "The sidecar keeps the memory", "max_tokens": 1000, "temperature": 0,
+              "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 80, "temperature": 0,
+        "ignore_eos": True, "stream": True}
+
+
+def http_child(srv) -> int:
+    """The pid of the supervisor's `kvhold serve-http` child."""
+    def find():
+        for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
+            for pid in open(f"/proc/{srv.proc.pid}/task/{task}/children").read().split():
+                try:
+                    if b"serve-http" in open(f"/proc/{pid}/cmdline", "rb").read():
+                        return int(pid)
+                except FileNotFoundError:
+                    pass
+        return None
+    return wait_until(find, 30, 0.05, what="the HTTP server process")
+
+
+class Events:
+    """The complete SSE events read from a response: (id or None, data)."""
+
+    def __init__(self, response):
+        self.lines = response.iter_lines()
+        self.events: list[tuple[str | None, str]] = []
+        self._id = self._data = None
+
+    def read(self, n=None) -> "Events":
+        """Read `n` more events (all, up to the end or a broken connection, when None)."""
+        want = None if n is None else len(self.events) + n
+        try:
+            for line in self.lines:
+                if line.startswith("id: "):
+                    self._id = line[4:]
+                elif line.startswith("data: "):
+                    self._data = line[6:]
+                elif line == "" and self._data is not None:
+                    self.events.append((self._id, self._data))
+                    self._id = self._data = None
+                    if want is not None and len(self.events) >= want:
+                        break
+        except httpx.TransportError:
+            pass              # the server was killed: what came before is all there is
+        return self
+
+
+def whole(srv, path, body) -> list:
+    with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return Events(r).read().events
+
+
+def comparable(events) -> list:
+    """What must equal between two runs of one request: each event's number and content."""
+    out = []
+    for event_id, data in events:
+        if data == "[DONE]":
+            out.append((event_id, data))
+            continue
+        obj = json.loads(data)
+        out.append((event_id.rsplit("-", 1)[1], obj["choices"], obj.get("usage"), obj["object"]))
+    return out
+
+
+def executor_pids(status) -> set:
+    return {e["pid"] for e in status["executors"]}
+
+
+def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path):
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")  # a long stream
+    try:
+        reference = {"/v1/completions": whole(srv, "/v1/completions", COMPLETION),
+                     "/v1/chat/completions": whole(srv, "/v1/chat/completions", CHAT)}
+        before = srv.sidecar_status()
+        old_http = http_child(srv)
+        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as a, \
+                httpx.stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as b:
+            assert a.status_code == b.status_code == 200
+            parts = {"/v1/completions": Events(a).read(5), "/v1/chat/completions": Events(b).read(3)}
+            os.kill(srv.proc.pid, signal.SIGSTOP)     # no restart until the chat has ended
+            try:
+                os.kill(old_http, signal.SIGKILL)
+                for p in parts.values():
+                    p.read()                          # to the broken connection
+                chat_rid = int(parts["/v1/chat/completions"].events[-1][0].split("-")[0], 16)
+                comp_rid = int(parts["/v1/completions"].events[-1][0].split("-")[0], 16)
+                # the chat ends with no HTTP server up: its result waits for pickup in the sidecar
+                status = wait_until(lambda: (st := srv.sidecar_status()) and chat_rid in [
+                    u["request_id"] for u in st["pool_restart"]["unclaimed"]] and st, 60, 0.1,
+                    what="the chat to finish unclaimed")
+                assert comp_rid in status["pool_restart"]["awaiting_resume"]   # still generating
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+        # resumed at once: the supervisor holds the port, the connection waits for the new server
+        for path, part in parts.items():
+            last = part.events[-1][0]
+            rid = last.split("-")[0]
+            with httpx.stream("GET", f"{srv.base}/v1/streams/{rid}", headers={"Last-Event-ID": last},
+                              timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                rest = Events(r).read().events
+            got = part.events + rest
+            assert rest[-1] == (None, "[DONE]")
+            assert comparable(got) == comparable(reference[path]), path        # nothing skipped or repeated
+            heads = {(json.loads(d)["id"], json.loads(d)["created"]) for _, d in got if d != "[DONE]"}
+            assert len(heads) == 1, heads                         # the same response, chunk for chunk
+        assert http_child(srv) != old_http
+        after = srv.sidecar_status()
+        assert after["pid"] == before["pid"] and executor_pids(after) == executor_pids(before)
+        assert after["requests"]["finished"].get("cancelled", 0) == 0
+        log = (tmp_path / "serve.log").read_text()
+        assert f"the HTTP server pid {old_http} was killed by SIGKILL" in log and "restarting it in" in log
+        assert f"request {chat_rid:#x} finished with no client attached" in log      # served from the sidecar
+        assert f"request {comp_rid:#x} finished with no client attached" not in log  # resumed while live
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+
+
+def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
+    # one request runs at a time: the second waits for the first, with no token sent yet when the
+    # HTTP server dies, and starts once a new HTTP server (the same owner, which knows nothing
+    # of it) is connected
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--unclaimed-cancel-s", "6",
+                 "--max-seq-len", "1024", "--max-batch", "1")      # a first stream that outlasts the 6 s
+    try:
+        body = dict(COMPLETION, max_tokens=1000)
+        sidecar_pid = srv.sidecar_status()["pid"]
+        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r, \
+                httpx.stream("POST", srv.base + "/v1/completions", json=dict(body, max_tokens=990),
+                             timeout=120) as queued:
+            assert r.status_code == queued.status_code == 200, r.read()
+            events = Events(r).read(3)
+            held_at = time.monotonic()
+            os.kill(http_child(srv), signal.SIGKILL)
+            events.read()
+            assert not Events(queued).read().events
+        last = events.events[-1][0]
+        rid = int(last.split("-")[0], 16)
+        try:
+            status = wait_until(lambda: (st := srv.sidecar_status())["requests"]["in_flight"] == 0 and st,
+                                90, 0.1, what="both requests to end")
+        except AssertionError:
+            print(json.dumps(srv.sidecar_status(), indent=1)[:4000], (tmp_path / "serve.log").read_text()[-4000:])
+            raise
+        waited = time.monotonic() - held_at
+        assert waited >= 12.0, (waited, status["requests"], status["pool_restart"], status.get("client_peers"))                    # each held --unclaimed-cancel-s, one after the other
+        assert status["pid"] == sidecar_pid and status["pool_restart"]["unclaimed_cancelled_total"] == 2
+        assert status["requests"]["finished"] == {"cancelled": 2}      # neither ran for nobody
+        assert status["pool_restart"]["unclaimed_total"] == 0           # nor was kept for nobody
+        srv.wait_healthy()
+        r = httpx.get(f"{srv.base}/v1/streams/{rid:x}", headers={"Last-Event-ID": last}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+        assert "cancelled: no client claimed it" in r.json()["error"]["message"]
+        assert f"request {rid:#x} was cancelled: no client claimed it" in (tmp_path / "serve.log").read_text()
+
+        # a second death soon after the first: a longer delay before the restart
+        second = http_child(srv)
+        os.kill(second, signal.SIGKILL)
+        wait_until(lambda: http_child(srv) != second, 30, 0.05, what="the second restart")
+        log = (tmp_path / "serve.log").read_text()
+        assert f"the HTTP server pid {second} was killed by SIGKILL" in log and "restarting it in 1.0 s" in log
+        srv.wait_healthy()
+
+        # the supervisor's own death: the HTTP server dies with it, the sidecar is told to drain
+        http_pid = http_child(srv)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+        wait_until(lambda: not _alive(http_pid), 10, 0.05, what="the HTTP server to die with the supervisor")
+        wait_until(lambda: not _alive(sidecar_pid), 60, 0.1, what="the sidecar to drain and exit")
+        assert "admissions closed by stop: the sidecar is stopping" in (tmp_path / "serve.log").read_text()
+    finally:
+        srv.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
