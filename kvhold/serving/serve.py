@@ -24,8 +24,12 @@ A stream nobody takes up is cancelled by the sidecar after --unclaimed-cancel-s.
 SIGTERM or SIGINT drains: the HTTP server is told first (new requests get 503 and /health
 turns 503 at once, the streams in flight finish, for at most --drain-timeout seconds), then
 the sidecar is stopped and the process exits 0. A second signal stops at once. If the
-sidecar dies, the HTTP server is stopped and the supervisor exits 1, so that a process
-supervisor (systemd, Kubernetes) restarts the whole.
+sidecar dies (SIGKILL, an OOM kill, a crash), it is started again at once (then after 1 s,
+2 s): its executors outlive it and wait with their memory (--sidecar-wait-ms), the new
+sidecar re-adopts them with the tables and the in-flight requests (kvhold.sidecar.adoption),
+and the HTTP server's streams resume with nothing recomputed. If it stops by itself (exit 0)
+or dies a fourth time within a minute, the HTTP server is stopped and the supervisor exits
+1, so that a process supervisor (systemd, Kubernetes) restarts the whole.
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 CONFIG_ENV = "KVHOLD_SERVE_HTTP_CONFIG"   # the HTTP server's configuration, from the supervisor
 RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first, largest
+SIDECAR_RESTARTS = 3                   # sidecar deaths within HEALTHY_RUN_S before serve gives up
+SIDECAR_RESTART_DELAY_S = 1.0          # times the restarts so far: 0 s, 1 s, 2 s
 HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
 STOP_SIGNAL = signal.SIGUSR1           # to the HTTP server: stop without a drain (the sidecar is gone)
 
@@ -172,10 +178,13 @@ class SidecarChild:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.restarts = 0
 
     def start(self) -> "SidecarChild":
         cmd = [sys.executable, "-m", "kvhold", "sidecar", *self.config.sidecar_argv]
         self.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
         log.info("started sidecar pid %d: %s", self.proc.pid, " ".join(cmd[3:]))
         return self
 
@@ -282,19 +291,37 @@ class _Signals:
 
 
 def supervise(config: ServeConfig, sidecar: SidecarChild, http: HttpChild, signals: _Signals) -> int:
-    """Watch both children: restart the HTTP server when it dies, drain on a signal (the HTTP
-    server first, then the sidecar), exit 1 if the sidecar dies. Returns the exit code."""
+    """Watch both children: restart the HTTP server when it dies, and the sidecar when it dies
+    of anything but a clean stop (a new one re-adopts the executors, which wait for it with
+    their memory: kvhold.sidecar.adoption); drain on a signal (the HTTP server first, then the
+    sidecar). Exit 1 if the sidecar stops by itself or keeps dying. Returns the exit code."""
     delay = RESTART_BACKOFF_S[0]
     restart_at: float | None = None
+    sidecar_restart_at: float | None = None
     forwarded = 0               # signals passed on to the HTTP server
     drain_deadline = None
     http.start()
     while True:
         now = time.monotonic()
-        if sidecar.exited():
-            log.critical("the sidecar %s: stopping", _how_it_ended(sidecar.proc.returncode))
-            http.stop(10.0)
-            return 1
+        if sidecar.exited() and drain_deadline is None:
+            code = sidecar.proc.returncode
+            if code == 0 or sidecar_restart_at is None and now - sidecar.started < HEALTHY_RUN_S \
+                    and sidecar.restarts >= SIDECAR_RESTARTS:
+                log.critical("the sidecar %s%s: stopping", _how_it_ended(code),
+                             "" if code == 0 else f", {sidecar.restarts} restarts within a minute")
+                http.stop(10.0)
+                return 1
+            if sidecar_restart_at is None:
+                if now - sidecar.started >= HEALTHY_RUN_S:
+                    sidecar.restarts = 0
+                log.error("the sidecar pid %d %s: restarting it (its executors wait for it with "
+                          "their memory; the HTTP server's streams resume)", sidecar.proc.pid,
+                          _how_it_ended(code))
+                sidecar_restart_at = now + SIDECAR_RESTART_DELAY_S * sidecar.restarts
+            if now >= sidecar_restart_at:
+                sidecar_restart_at = None
+                sidecar.restarts += 1
+                sidecar.start()
         if signals.count > forwarded:
             if forwarded == 0:
                 log.info("%s: draining the HTTP server (at most %.0f s), then the sidecar",

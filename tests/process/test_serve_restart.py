@@ -198,3 +198,35 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path):
+    """The memory owner dies mid-stream: the supervisor starts a new sidecar, which re-adopts
+    the executors (same pids) and the requests; the HTTP stream pauses and goes on to the same
+    events as an uninterrupted run, with nothing recomputed and no weights loaded again."""
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")
+    try:
+        body = dict(COMPLETION, max_tokens=300)
+        reference = whole(srv, "/v1/completions", body)
+        srv.wait_healthy()
+        before = srv.sidecar_status()
+        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            events = Events(r).read(5)
+            os.kill(before["pid"], signal.SIGKILL)        # the sidecar alone
+            events.read()
+        got = events.events
+        assert got[-1] == (None, "[DONE]") and comparable(got) == comparable(reference)
+        after = wait_until(lambda: (st := srv.sidecar_status()) and st["pid"] != before["pid"] and st,
+                           30, 0.1, what="the new sidecar")
+        assert executor_pids(after) == executor_pids(before)               # re-adopted, not replaced
+        assert after["adoption"]["previous_pid"] == before["pid"]
+        assert after["weights"]["load_ms"] is None and not after["recoveries"]
+        usage = json.loads(got[-2][1])["usage"]
+        assert usage["completion_tokens"] == 300
+        log = (tmp_path / "serve.log").read_text()
+        assert f"the sidecar pid {before['pid']} was killed by SIGKILL: restarting it" in log
+        assert srv.wait_healthy(timeout=60)["status"] == "ok"
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
