@@ -40,4 +40,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="model id in the API (default: the checkpoint directory's name)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight streams finish (default 30)")
+    p.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="access_log",
+                   action="store_false",
+                   help="do not log a line per HTTP request (method, path, status, client), which is "
+                        "logged by default at INFO (--disable-uvicorn-access-log: vLLM's name)")
     add_guard_args(p)

@@ -52,6 +52,8 @@ class Generation:
         self.tokens_seen = 0          # token events taken from the stream so far
         self.ended = False            # the stream's tokens are all taken: what follows is its end
         self.first_token_at: float | None = None
+        self.token_times: list[float] = []      # when each token event arrived (time.monotonic())
+        self.preemptions = 0
 
     async def deltas(self):
         """Yield text pieces; finish_reason and usage are set once this ends."""
@@ -68,8 +70,10 @@ class Generation:
     async def _pieces(self):
         raw = []
         async for event in self.stream:
+            now = time.monotonic()
             if self.first_token_at is None:
-                self.first_token_at = time.monotonic()
+                self.first_token_at = now
+            self.token_times.append(now)
             self.completion_tokens += 1
             self.tokens_seen += 1
             raw.append(event.text)
@@ -82,6 +86,7 @@ class Generation:
                 return
         result = await self.stream.result()
         self.ended = True
+        self.preemptions = result.preemptions
         self.prompt_tokens = result.prompt_tokens     # a stream taken up again learns it here
         if result.finish_reason == "error":
             raise ApiError(500, "the request failed in the engine", type="server_error")

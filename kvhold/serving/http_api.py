@@ -174,7 +174,7 @@ class SidecarBackend:
 
     def __init__(self, settings: AppSettings):
         self.settings = settings
-        self.metrics = SidecarMetrics()
+        self.metrics = SidecarMetrics(settings.served_model_name)
         self.client: AsyncClient | None = None
         self._poller: asyncio.Task | None = None
 
@@ -283,6 +283,10 @@ class _Service:
             self.gate.active.discard(g)
             if g.first_token_at is not None:
                 self.metrics.ttft.labels(endpoint).observe(g.first_token_at - t0)
+            self.metrics.observe_request(
+                received=t0, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
+                prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
+                preemptions=g.preemptions, finish_reason=g.finish_reason)
         if req.stream:
             ids = None
             if self.records is not None:   # what a resume needs and the sidecar does not keep

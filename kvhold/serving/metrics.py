@@ -10,18 +10,30 @@ Two kinds of series:
   executor restarts by reason.
 Recovery times count from the sidecar's detection of the failure (a SIGKILL is
 detected ~0.2 ms after the death; `python -m tools.bench_detect` measures that part).
+* per-request series as vLLM exports them (labelled `model_name`), observed by the HTTP
+  server as each request ends (`observe_request`): prompt and generation token counters,
+  time to first token, time per output token (each gap between two tokens), end-to-end
+  latency, decode time (first token to last), prompt and generation lengths, preemptions;
+  and, from the status, running and waiting requests and the KV cache usage ratio.
+  docs/METRICS.md maps vLLM's names to these.
 """
 from __future__ import annotations
 
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvhold.protocol.recovery_report import FENCE_REASONS, RECORD_CLASSES, RECOVERY_PHASES
 
-RECOVERY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+RECOVERY_BUCKETS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075,
+                    0.1, 0.15, 0.2, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)      # vLLM's time-to-first-token buckets, less the largest
+TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                     0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 # recovery record field -> phase name (each measured from detect_ns); "fence" is the fence event's
 PHASES = {mark: phase for phase, mark in RECOVERY_PHASES.items() if phase != "fence"}
 CLASSES = RECORD_CLASSES
@@ -30,8 +42,64 @@ FIRST_TOKEN_WAIT_S = 30.0
 disable_created_metrics()  # the *_created series only add noise to a sidecar's dashboard
 
 
+class RequestMetrics:
+    """The per-request series (module docstring), in `registry`, labelled `model_name`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        from kvhold import __version__
+
+        self.model_name = model_name
+        r, m = registry, ["model_name"]
+        self.prompt_tokens = Counter("kvhold_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.generation_tokens = Counter("kvhold_generation_tokens", "Tokens generated for finished "
+                                         "requests", m, registry=r)
+        self.request_ttft = Histogram("kvhold_time_to_first_token_seconds", "Request received to its "
+                                      "first token", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.token_gap = Histogram("kvhold_time_per_output_token_seconds", "Time between two tokens of "
+                                   "one request (inter-token latency)", m, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("kvhold_e2e_request_latency_seconds", "Request received to its last "
+                             "token", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("kvhold_request_decode_time_seconds", "A request's first token to its "
+                                "last", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_len = Histogram("kvhold_request_prompt_tokens", "Prompt length of finished "
+                                    "requests", m, buckets=LENGTH_BUCKETS, registry=r)
+        self.generation_len = Histogram("kvhold_request_generation_tokens", "Tokens generated per "
+                                        "finished request", m, buckets=LENGTH_BUCKETS, registry=r)
+        self.preemptions = Counter("kvhold_num_preemptions", "Times a finished request was preempted "
+                                   "(its KV evicted and recomputed) for want of KV pages", m, registry=r)
+        self.finished = Counter("kvhold_request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        Gauge("kvhold_build_info", "kvhold's version", ["version"], registry=r).labels(__version__).set(1)
+        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+            c.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(model_name, reason)
+
+    def observe(self, *, received: float, first_token: float | None, token_times: list[float],
+                end: float, prompt_tokens: int, generation_tokens: int, preemptions: int,
+                finish_reason: str | None) -> None:
+        """One request as it ended (times: time.monotonic()); a request that produced nothing
+        counts its length and reason only."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generation_tokens)
+        self.prompt_len.labels(name).observe(prompt_tokens)
+        self.generation_len.labels(name).observe(generation_tokens)
+        self.preemptions.labels(name).inc(preemptions)
+        self.finished.labels(name, finish_reason if finish_reason in ("stop", "length") else "abort").inc()
+        self.e2e.labels(name).observe(max(0.0, end - received))
+        if first_token is not None:
+            self.request_ttft.labels(name).observe(max(0.0, first_token - received))
+            self.decode.labels(name).observe(max(0.0, end - first_token))
+        gap = self.token_gap.labels(name)
+        for a, b in zip(token_times, token_times[1:]):
+            gap.observe(max(0.0, b - a))
+
+
+
 class SidecarMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         self.recovery = Histogram("kvhold_recovery_seconds", "Executor failover: detection to the "
                                   "first resumed token", buckets=RECOVERY_BUCKETS, registry=r)
@@ -50,6 +118,7 @@ class SidecarMetrics:
         self.http = Counter("kvhold_http_requests", "HTTP API requests", ["endpoint", "code"], registry=r)
         self.ttft = Histogram("kvhold_http_time_to_first_token_seconds", "Request received to first "
                               "token", ["endpoint"], buckets=RECOVERY_BUCKETS, registry=r)
+        self.requests = RequestMetrics(r, model_name)
         # Every known label value exists from the first scrape, at zero: Prometheus's increase()
         # and rate() need a sample before the first event to count it.
         for phase in RECOVERY_PHASES:
@@ -66,6 +135,9 @@ class SidecarMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def observe_request(self, **request) -> None:
+        self.requests.observe(**request)
 
     def unavailable(self, reason: str) -> None:
         self.status, self.status_error = None, reason
@@ -130,13 +202,29 @@ class _LiveCollector:
         if st is None:
             return
         yield from _executor_metrics(st.get("executors", []))
-        pages = GaugeMetricFamily("kvhold_kv_pages", "KV pool pages by state", labels=["state"])
-        for state, n in st.get("pages", {}).items():
-            pages.add_metric([state], n)
+        pages = GaugeMetricFamily("kvhold_kv_pages", "KV pool pages by state (they add up to "
+                                  "kvhold_kv_pool_pages)", labels=["state"])
+        counts = st.get("pages", {})
+        for state, n in counts.items():
+            if state != "total":
+                pages.add_metric([state], n)
         yield pages
+        total = counts.get("total", 0)
+        yield GaugeMetricFamily("kvhold_kv_pool_pages", "KV pool pages in all (page 0, the null page, "
+                                "included)", value=total)
+        yield _usage(self.owner.model_name, total, counts.get("free", 0))
         req = st.get("requests", {})
         yield GaugeMetricFamily("kvhold_requests_in_flight", "Requests admitted and not finished",
                                 value=req.get("in_flight", 0))
+        waiting = req.get("waiting", 0)
+        running = GaugeMetricFamily("kvhold_num_requests_running", "Requests with a token generated, "
+                                    "not finished", labels=["model_name"])
+        running.add_metric([self.owner.model_name], max(0, req.get("in_flight", 0) - waiting))
+        yield running
+        queued = GaugeMetricFamily("kvhold_num_requests_waiting", "Requests admitted with no token "
+                                   "generated yet (queued or in prefill)", labels=["model_name"])
+        queued.add_metric([self.owner.model_name], waiting)
+        yield queued
         yield CounterMetricFamily("kvhold_requests_admitted", "Requests admitted by the sidecar",
                                   value=req.get("admitted_total", 0))
         fin = CounterMetricFamily("kvhold_requests_finished", "Finished requests by reason",
@@ -151,13 +239,21 @@ class _LiveCollector:
         yield from _health_metrics(st.get("health"))
 
 
+def _usage(model_name: str, total: int, free: int) -> GaugeMetricFamily:
+    g = GaugeMetricFamily("kvhold_kv_cache_usage_ratio", "KV pool pages in use, 0 to 1 (the null page "
+                          "left out)", labels=["model_name"])
+    g.add_metric([model_name], (total - free) / max(1, total - 1) if total else 0.0)
+    return g
+
+
 def _executor_metrics(executors: list[dict]):
+    # by lease slot and role, not pid: a new pid at every restart would start a new series
     age = GaugeMetricFamily("kvhold_executor_heartbeat_age_seconds", "Time since each executor's "
-                            "last heartbeat", labels=["slot", "role", "pid"])
+                            "last heartbeat", labels=["slot", "role"])
     roles = GaugeMetricFamily("kvhold_executors", "Executors by role", labels=["role"])
     counts: dict[str, int] = {}
     for e in executors:
-        age.add_metric([str(e["slot"]), e["role"], str(e["pid"])], e["heartbeat_age_ms"] / 1e3)
+        age.add_metric([str(e["slot"]), e["role"]], e["heartbeat_age_ms"] / 1e3)
         counts[e["role"]] = counts.get(e["role"], 0) + 1
     for role in sorted(set(counts) | {"active", "standby"}):
         roles.add_metric([role], counts.get(role, 0))

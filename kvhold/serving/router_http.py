@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvhold.routing.arouter import AsyncRoutedClient
 from kvhold.routing.registry_client import HEALTH, EtcdGateway, RegistryView, validate_service
 from kvhold.serving.http_guards import HttpGuards
-from kvhold.serving.metrics import RECOVERY_BUCKETS
+from kvhold.serving.metrics import RECOVERY_BUCKETS, RequestMetrics
 
 log = logging.getLogger(__name__)
 DEFAULT_CONTEXT = 4096
@@ -38,6 +38,7 @@ class RouterConfig:
     context_len: int
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    access_log: bool = True
     guards: HttpGuards = HttpGuards()
 
 
@@ -56,14 +57,15 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                         api_key=api_key, model=model,
                         served_model_name=args.served_model_name or (model.name if model else None),
                         context_len=context, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
-                        guards=HttpGuards.from_args(args))
+                        access_log=args.access_log, guards=HttpGuards.from_args(args))
 
 
 class RouterMetrics:
     """The router's own series; sidecar internals are each sidecar's /metrics."""
 
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         self.registry = r = CollectorRegistry()
+        self.requests = RequestMetrics(r, model_name)
         self.http = Counter("kvhold_http_requests", "HTTP API requests", ["endpoint", "code"], registry=r)
         self.ttft = Histogram("kvhold_http_time_to_first_token_seconds", "Request received to first "
                               "token", ["endpoint"], buckets=RECOVERY_BUCKETS, registry=r)
@@ -96,13 +98,16 @@ class RouterMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def observe_request(self, **request) -> None:
+        self.requests.observe(**request)
+
 
 class RouterBackend:
     """http_api's backend over a registry view: generate routes, health counts serving sidecars."""
 
-    def __init__(self, view: RegistryView):
+    def __init__(self, view: RegistryView, model_name: str = ""):
         self.view = view
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(model_name)
         self.metrics.backend = self
         self.client: AsyncRoutedClient | None = None
 
@@ -140,9 +145,9 @@ def run_router(config: RouterConfig) -> int:
         app = create_app(AppSettings(endpoint="", model_dir=config.model, served_model_name=name,
                                      context_len=config.context_len, api_key=config.api_key,
                                      body_timeout_s=config.guards.body_timeout_s),
-                         backend=RouterBackend(view))
+                         backend=RouterBackend(view, name))
         server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_level=config.log_level.lower(), access_log=False,
+                                               log_level=config.log_level.lower(), access_log=config.access_log,
                                                timeout_graceful_shutdown=5,
                                                **config.guards.uvicorn_options()),
                                 app.state.service.gate, config.drain_timeout_s)

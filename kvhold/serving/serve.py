@@ -76,6 +76,7 @@ class ServeConfig:
     start_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    access_log: bool = True
     guards: HttpGuards = HttpGuards()
 
     @property
@@ -99,6 +100,7 @@ class ServeConfig:
                            "runtime_root": str(self.runtime_root) if self.runtime_root else None,
                            "lease_ms": self.lease_ms, "context_len": self.context_len,
                            "drain_timeout_s": self.drain_timeout_s, "log_level": self.log_level,
+                           "access_log": self.access_log,
                            "header_timeout_s": self.guards.header_timeout_s,
                            "body_timeout_s": self.guards.body_timeout_s})
 
@@ -128,7 +130,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        runtime_root=args.runtime_root, sidecar_argv=tuple(sidecar_argv(args)),
                        lease_ms=args.lease_ms, context_len=geometry.max_seq_len,
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
-                       log_level=args.log_level, guards=HttpGuards.from_args(args))
+                       log_level=args.log_level, access_log=args.access_log, guards=HttpGuards.from_args(args))
 
 
 def http_flags_from_args(args: argparse.Namespace) -> str | None:
@@ -411,7 +413,7 @@ def run_http(config: ServeConfig, fd: int) -> int:
                                  api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
                                  routing_id=config.routing_id,
                                  stream_dir=config.paths.runtime_dir / "http-streams"))
-    server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
+    server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=config.access_log,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),
                             app.state.service.gate, config.drain_timeout_s)
     def stop(sig, frame) -> None:          # uvicorn's own shutdown, without the drain
