@@ -100,8 +100,11 @@ class Generation:
 
     @property
     def usage(self) -> dict:
+        # no prompt prefix is served from a cache: every prompt token is computed (or its KV
+        # recovered from kvhold's pages after a crash, which is not a cache hit)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def sse(payload, event_id: str | None = None) -> bytes:
@@ -169,10 +172,13 @@ class ResponseShape:
 
 
 async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, on_end=None,
-                   ids: EventIds | None = None):
+                   ids: EventIds | None = None, continuous_usage: bool = False):
     """The SSE byte stream of one streaming response, ending with `data: [DONE]`; with `ids`,
-    its events carry ids and those up to `ids.after` are left out (a resumed stream)."""
+    its events carry ids and those up to `ids.after` are left out (a resumed stream);
+    `continuous_usage`: every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
     def event(payload, first=False) -> bytes:
+        if continuous_usage and payload.get("choices"):
+            payload = {**payload, "usage": gen.usage}
         return sse(payload) if ids is None else ids.event(payload, gen, first)
     try:
         if shape.chat:

@@ -46,8 +46,9 @@ from kvhold.serving.generation import EventIds, Generation, ResponseShape, sse_b
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
 from kvhold.serving import stream_resume
-from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest, api_error_for,
-                                  bad_request, from_validation_errors, parse_body, too_large)
+from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest,
+                                          DetokenizeRequest, TokenizeRequest, api_error_for, bad_request,
+                                          from_validation_errors, parse_body, too_large)
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
@@ -105,8 +106,9 @@ def serving_state(status: dict, lease_ms: int) -> tuple[bool, str]:
 
 
 class _ApiMiddleware:
-    """Bearer-key check on /v1 routes and the API's description (/docs, /redoc, /openapi.json),
-    and request counting, as plain ASGI (streams untouched). /health and /metrics stay open."""
+    """Bearer-key check on /v1 routes, /tokenize, /detokenize and the API's description (/docs,
+    /redoc, /openapi.json), request counting, and X-Request-Id echoed on the response, as plain
+    ASGI (streams untouched). /health, /metrics and /version stay open."""
 
     def __init__(self, app, settings: AppSettings, metrics):
         self.app, self.metrics = app, metrics
@@ -124,12 +126,18 @@ class _ApiMiddleware:
             return await JSONResponse(err.body(), 401)(scope, receive, send)
 
         started = False
+        request_id = dict(scope["headers"]).get(b"x-request-id")
+        if request_id is not None and (len(request_id) > MAX_REQUEST_ID or not request_id.isascii()):
+            request_id = None
 
         async def counting_send(message):
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
                 self.metrics.http.labels(endpoint, str(message["status"])).inc()
+                if request_id is not None:        # echoed, as vLLM and proxies do
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-request-id", request_id)]}
             await send(message)
         try:
             await self.app(scope, receive, counting_send)
@@ -148,7 +156,10 @@ class _ApiMiddleware:
 
 
 def _guarded(path: str) -> bool:
-    return path.startswith(("/v1", "/docs/")) or path in _DESCRIPTION
+    return path.startswith(("/v1", "/docs/")) or path in _DESCRIPTION or path in _TOKENIZER
+
+
+_TOKENIZER = {"/tokenize", "/detokenize"}
 
 
 _DESCRIPTION = {"/docs", "/redoc", "/openapi.json"}
@@ -166,7 +177,9 @@ _RESUME_DOC = {
     "responses": {"200": {"description": "the rest of the stream",
                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
 }
-_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
+              "/tokenize", "/detokenize", "/version"}
+MAX_REQUEST_ID = 256        # an X-Request-Id longer than this is not echoed
 
 
 class SidecarBackend:
@@ -242,6 +255,25 @@ class _Service:
                                 f"'{self.settings.served_model_name}'.", param="model",
                            code="model_not_found")
 
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ApiError(501, "this server has no tokenizer (no tokenizer.json in the model "
+                           "directory, or no --model for the router)", type="not_implemented",
+                           code="no_tokenizer")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        tok = self._need_tokenizer()
+        size = tok.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in ids if t >= size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is not in the vocabulary ({size} ids)", param="tokens",
+                              code="invalid_value")
+        return tok.decode(ids, skip_special_tokens=False)
+
     def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat is unavailable", param="messages")
@@ -292,21 +324,23 @@ class _Service:
             if self.records is not None:   # what a resume needs and the sidecar does not keep
                 self.records.write(stream.request_id, {
                     "kind": kind, "stop": list(req.stop or []), "include_usage": req.include_usage,
+                    "continuous_usage": req.continuous_usage,
                     "created": shape.created, "prompt_tokens": stream.prompt_tokens})
                 ids = EventIds(stream.request_id)
-            return self.stream_response(gen, shape, req.include_usage, on_end, ids)
+            return self.stream_response(gen, shape, req.include_usage, on_end, ids, req.continuous_usage)
         try:
             text = "".join([piece async for piece in gen.deltas()])
         finally:
             on_end(gen)
         return JSONResponse(shape.full(text, gen.finish_reason, gen.usage))
 
-    def stream_response(self, gen, shape, include_usage, on_end, ids) -> StreamingResponse:
+    def stream_response(self, gen, shape, include_usage, on_end, ids, continuous_usage=False) -> StreamingResponse:
         def ended(g: Generation) -> None:
             if ids is not None:
                 self.records.remove(g.stream.request_id)
             on_end(g)
-        return StreamingResponse(sse_body(gen, shape, include_usage, ended, ids), media_type="text/event-stream",
+        return StreamingResponse(sse_body(gen, shape, include_usage, ended, ids, continuous_usage),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def resume(self, path_id: str, last_event_id: str | None):
@@ -340,7 +374,7 @@ class _Service:
         shape.created = record["created"]
         log.info("stream of request %#x taken up again after event %d", rid, after)
         return self.stream_response(gen, shape, record["include_usage"], self.gate.active.discard,
-                                    EventIds(rid, after))
+                                    EventIds(rid, after), bool(record.get("continuous_usage")))
 
 
 def _load_tokenizer(model_dir: Path | None):
@@ -369,7 +403,7 @@ def create_app(settings: AppSettings, backend=None) -> FastAPI:
     _install_error_handlers(app)
     _install_routes(app, svc)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)   # inside the key check
-    _declare_request_models(app, (CompletionRequest, ChatRequest))
+    _declare_request_models(app, (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest))
     app.add_middleware(_ApiMiddleware, settings=settings, metrics=backend.metrics)
     return app
 
@@ -443,11 +477,45 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_routes(app: FastAPI, svc: _Service) -> None:
+    def model_card() -> dict:
+        return {"id": svc.settings.served_model_name, "object": "model", "created": svc.created,
+                "owned_by": "kvhold", "max_model_len": svc.settings.context_len}
+
     @app.get("/v1/models")
     async def list_models():
-        card = {"id": svc.settings.served_model_name, "object": "model", "created": svc.created,
-                "owned_by": "kvhold", "max_model_len": svc.settings.context_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id != svc.settings.served_model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist", type="not_found_error",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        from kvhold import __version__
+        return {"version": __version__}
+
+    @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize(request: Request):
+        req = parse_body(await read_body(request), TokenizeRequest)
+        svc.check_model(req.model)
+        if req.messages is not None:
+            chat = ChatRequest(messages=req.messages, model=req.model)
+            ids = svc.chat_prompt_ids(chat)
+        elif req.prompt is not None:
+            ids = svc.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("send 'prompt' or 'messages'", param="prompt",
+                              code="missing_required_parameter")
+        return {"tokens": ids, "count": len(ids), "max_model_len": svc.settings.context_len}
+
+    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize(request: Request):
+        req = parse_body(await read_body(request), DetokenizeRequest)
+        svc.check_model(req.model)
+        return {"prompt": svc.detokenize(req.tokens)}
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):

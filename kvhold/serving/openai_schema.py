@@ -3,7 +3,9 @@
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
 ignored: `n`/`best_of` above 1, `logprobs`, non-zero penalties, `logit_bias`, `echo`,
-`suffix`, tools and non-text response formats. Supported: max_tokens (or
+`suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
+value (`repetition_penalty`, `min_p`, `min_tokens`, `length_penalty`, beam search, guided
+decoding, `include_stop_str_in_output`) and unknown `stream_options`. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
 layer), and the vLLM-style extensions top_k, stop_token_ids, ignore_eos. Numeric bounds are the
 protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts and its journal holds).
@@ -116,6 +118,12 @@ def _check_json(data) -> None:
             stack.append((item, path + (key,), depth + 1))
 
 
+NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "length_penalty": 1.0,
+                      "use_beam_search": False, "include_stop_str_in_output": False, "guided_json": None,
+                      "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -136,6 +144,17 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(None, ge=LIMITS["top_k"].lo, le=LIMITS["top_k"].hi)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
     ignore_eos: bool = False
+    # vLLM-style extensions kvhold does not implement: refused unless at their neutral value
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    length_penalty: float = 1.0
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -157,10 +176,26 @@ class _Sampling(BaseModel):
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias",
                               code="unsupported_value")
+        for name, neutral in NEUTRAL_EXTENSIONS.items():
+            if getattr(self, name) != neutral:
+                raise bad_request(f"{name} is not supported (only {neutral!r}, which changes nothing)",
+                                  param=name, code="unsupported_value")
+        unknown = sorted(set(self.stream_options or {}) - STREAM_OPTIONS)
+        if unknown:
+            raise bad_request(f"stream_options.{unknown[0]} is not supported (supported: "
+                              f"{', '.join(sorted(STREAM_OPTIONS))})", param="stream_options",
+                              code="unsupported_value")
+        if self.stream_options and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk."""
+        return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
 
     def sampling(self, max_tokens: int) -> dict:
         """Keyword arguments for AsyncClient.generate (kvhold.protocol.sampling.SamplingParams)."""
@@ -259,6 +294,24 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM's: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_BODY_BYTES)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, as vLLM's."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(..., max_length=1 << 20)
+
+
 def api_error_for(exc: Exception) -> ApiError:
     """The HTTP answer for an error raised while talking to the sidecar."""
     from kvhold.protocol import errors as e
@@ -275,6 +328,8 @@ def api_error_for(exc: Exception) -> ApiError:
         return bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, e.InvalidParams):
         return bad_request(str(exc), code="invalid_value")
+    if isinstance(exc, e.NotFound):
+        return ApiError(404, str(exc), type="not_found_error", code="not_found")
     if isinstance(exc, e.RequestFailed):     # the request crashes the engine: its own fault
         return ApiError(422, str(exc), type="invalid_request_error", code="request_crashed_engine")
     if isinstance(exc, e.Overloaded):

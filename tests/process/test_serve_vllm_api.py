@@ -1,0 +1,80 @@
+"""The routes and options people coming from vLLM use, against a real `kvhold serve`: /version,
+GET /v1/models/{id} (the openai client's models.retrieve), /tokenize and /detokenize, an echoed
+X-Request-Id, continuous usage stats, cached_tokens, and vLLM's extensions refused by name
+unless neutral (never accepted and ignored)."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.process.test_serve_http import KEY, Server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt")
+    srv = Server(tiny_model, root, root / "serve.log", api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+def test_version_and_model_retrieval(server):
+    from kvhold import __version__
+    assert httpx.get(server.base + "/version", timeout=10).json() == {"version": __version__}
+    client = server.openai()
+    assert client.models.retrieve("tiny-v1").id == "tiny-v1"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_tokenize_round_trips_and_matches_usage(server):
+    tok = server.post("/tokenize", {"prompt": "Once upon a time", "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    back = server.post("/detokenize", {"tokens": tok["tokens"]}).json()
+    assert back["prompt"] == "Once upon a time"
+    done = server.post("/v1/completions", {"prompt": tok["tokens"], "max_tokens": 2}).json()
+    assert done["usage"]["prompt_tokens"] == tok["count"]
+    assert done["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 0
+    assert server.post("/detokenize", {"tokens": [10**6]}).status_code == 400
+    assert server.post("/tokenize", {}).status_code == 400
+    assert httpx.post(server.base + "/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
+
+
+def test_request_id_is_echoed(server):
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                   headers={**server.headers, "X-Request-Id": "abc-123"}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+
+
+def test_continuous_usage_stats_on_every_chunk(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "stream": True, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, headers=server.headers,
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    with_choices = [c for c in chunks if c["choices"]]
+    assert with_choices and all("usage" in c for c in with_choices)
+    counts = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("option", [{"repetition_penalty": 5}, {"min_p": 0.9}, {"min_tokens": 3},
+                                    {"use_beam_search": True}, {"guided_regex": "a+"},
+                                    {"stream": True, "stream_options": {"bogus": 1}},
+                                    {"stream_options": {"include_usage": True}}])
+def test_unimplemented_options_are_refused_by_name(server, option):
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, **option})
+    assert r.status_code == 400, r.text
+    name = next(iter(option)) if "stream_options" not in option else "stream_options"
+    assert r.json()["error"]["param"] == name
+
+
+def test_neutral_values_of_vllm_extensions_are_accepted(server):
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.0,
+                                        "min_p": 0.0, "min_tokens": 0})
+    assert r.status_code == 200, r.text
