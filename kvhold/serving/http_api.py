@@ -188,6 +188,7 @@ class SidecarBackend:
     def __init__(self, settings: AppSettings):
         self.settings = settings
         self.metrics = SidecarMetrics(settings.served_model_name)
+        self._served = False            # it could serve once: past its start-up
         self.client: AsyncClient | None = None
         self._poller: asyncio.Task | None = None
 
@@ -223,8 +224,14 @@ class SidecarBackend:
     async def health(self) -> tuple[bool, dict]:
         status = await self.poll()
         if status is None:
+            if not self._served:          # the port opens while the sidecar still starts
+                return False, {"status": "starting", "reason": f"the sidecar is starting "
+                               f"({self.metrics.status_error})"}
             return False, {"status": "unavailable", "reason": self.metrics.status_error}
         ok, reason = serving_state(status, self.settings.lease_ms)
+        if not ok and not self._served:
+            return False, {"status": "starting", "reason": reason}
+        self._served = self._served or ok
         active = next((e for e in status["executors"] if e["role"] == "active"), None)
         return ok, {"status": "ok" if ok else "unavailable", "reason": reason,
                     "active_pid": active["pid"] if active else None,

@@ -4,7 +4,8 @@ separate processes under a small supervisor (this process).
 Processes (three failure domains):
 
     kvhold serve           supervisor: starts and watches the other two; binds the HTTP
-                           port once the sidecar can serve, and holds it
+                           port first (the HTTP server answers during the start-up, /health
+                           503 "starting"), and holds it
     ├─ kvhold sidecar      own session; sent SIGTERM (a drain) if the supervisor dies
     └─ kvhold serve-http   uvicorn + the FastAPI app (kvhold.serving.http_api) on the
                            supervisor's listening socket; own session; SIGKILLed if the
@@ -302,7 +303,8 @@ def supervise(config: ServeConfig, sidecar: SidecarChild, http: HttpChild, signa
     sidecar_restart_at: float | None = None
     forwarded = 0               # signals passed on to the HTTP server
     drain_deadline = None
-    http.start()
+    if http.proc is None:
+        http.start()
     while True:
         now = time.monotonic()
         if sidecar.exited() and drain_deadline is None:
@@ -383,13 +385,17 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_serve(config: ServeConfig) -> int:
-    """The supervisor: the sidecar, then the HTTP server once the sidecar serves."""
+    """The supervisor: the port, the sidecar and the HTTP server (503 "starting" until the
+    sidecar serves), then `supervise`."""
+    listener = bind_listener(config.host, config.port)   # refused at once if the port is taken
     sidecar = SidecarChild(config).start()
-    listener = http = None
+    http = None
     try:
-        sidecar.wait_until_serving()
-        listener = bind_listener(config.host, config.port)   # the port opens once the sidecar serves
         http = HttpChild(config, listener)
+        http.start()       # the port answers during the start-up: /health is 503 "starting"
+        log.info("listening on http://%s:%d while the sidecar starts (instance %r)", config.host,
+                 listener.getsockname()[1], config.instance)
+        sidecar.wait_until_serving()
         log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
                  config.host, listener.getsockname()[1], config.instance)
         return supervise(config, sidecar, http, _Signals())
@@ -397,8 +403,7 @@ def run_serve(config: ServeConfig) -> int:
         if http is not None:
             http.stop(10.0)
         sidecar.stop()
-        if listener is not None:
-            listener.close()
+        listener.close()
         log.info("stopped")
 
 

@@ -78,3 +78,34 @@ def test_neutral_values_of_vllm_extensions_are_accepted(server):
     r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.0,
                                         "min_p": 0.0, "min_tokens": 0})
     assert r.status_code == 200, r.text
+
+
+def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.process.helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--model", str(tiny_model),
+                             "--port", str(port), "--instance", f"starting{port}", "--runtime-root",
+                             str(tmp_path), "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                seen.append((r.status_code, r.json()["status"]))
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert (503, "starting") in seen and seen[-1] == (200, "ok"), seen[-5:]
+    assert seen.index((503, "starting")) < len(seen) - 1
