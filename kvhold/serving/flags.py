@@ -26,6 +26,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_log_level_arg(p)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in 0..3600 seconds, got {value}")
+    return value
+
+
 def add_http_args(p: argparse.ArgumentParser) -> None:
     from kvhold.serving.http_guards import add_guard_args
     p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="HTTP bind address (default %(default)s)")
@@ -40,6 +50,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                    help="model id in the API (default: the checkpoint directory's name)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight streams finish (default 30)")
+    p.add_argument("--sse-keepalive", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="send an SSE comment on a stream silent this long (a failover's pause), so "
+                        "that proxies do not close it as idle; 0: never (default %(default)s)")
     p.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="access_log",
                    action="store_false",
                    help="do not log a line per HTTP request (method, path, status, client), which is "

@@ -171,11 +171,49 @@ class ResponseShape:
         return {**self._head(obj), "choices": [], "usage": usage}
 
 
+KEEPALIVE = b": keepalive\n\n"      # an SSE comment: clients skip it, proxies see traffic
+
+
+async def with_keepalives(pieces, interval_s: float):
+    """`pieces` (an async iterator), with None yielded after each `interval_s` of silence: a
+    stream that pauses (a failover, a sidecar restart) keeps its connection through proxies
+    that close idle ones. The pending item is awaited on, never cancelled."""
+    it = pieces.__aiter__()
+    if interval_s <= 0:
+        async for piece in it:
+            yield piece
+        return
+    nxt = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                piece = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield piece
+            nxt = asyncio.ensure_future(it.__anext__())
+    finally:
+        if not nxt.done():
+            nxt.cancel()              # the consumer went away: the generator's finally runs
+            try:
+                await nxt
+            except BaseException:     # noqa: BLE001 - its cancellation or its end, as expected
+                pass
+        if hasattr(it, "aclose"):
+            await it.aclose()
+
+
 async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, on_end=None,
-                   ids: EventIds | None = None, continuous_usage: bool = False):
+                   ids: EventIds | None = None, continuous_usage: bool = False,
+                   keepalive_s: float = 0.0):
     """The SSE byte stream of one streaming response, ending with `data: [DONE]`; with `ids`,
     its events carry ids and those up to `ids.after` are left out (a resumed stream);
-    `continuous_usage`: every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+    `continuous_usage`: every chunk carries the usage so far (vLLM's continuous_usage_stats);
+    `keepalive_s`: an SSE comment after each such silence (kept across a failover's pause)."""
     def event(payload, first=False) -> bytes:
         if continuous_usage and payload.get("choices"):
             payload = {**payload, "usage": gen.usage}
@@ -184,8 +222,10 @@ async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, o
         if shape.chat:
             if out := event(shape.chunk(None, first=True), first=True):
                 yield out
-        async for piece in gen.deltas():
-            if out := event(shape.chunk(piece)):
+        async for piece in with_keepalives(gen.deltas(), keepalive_s):
+            if piece is None:
+                yield KEEPALIVE
+            elif out := event(shape.chunk(piece)):
                 yield out
         if out := event(shape.chunk(None, gen.finish_reason)):
             yield out

@@ -67,6 +67,7 @@ class AppSettings:
     body_timeout_s: float = BODY_TIMEOUT_S   # a slower request body is answered 408
     routing_id: bytes | None = None   # the SDK's ZeroMQ routing id (None: a random one)
     stream_dir: Path | None = None    # where resumable streams' records go (None: streams not resumable)
+    sse_keepalive_s: float = 10.0     # a stream silent this long gets an SSE comment (0: never)
 
 
 class Gate:
@@ -346,7 +347,8 @@ class _Service:
             if ids is not None:
                 self.records.remove(g.stream.request_id)
             on_end(g)
-        return StreamingResponse(sse_body(gen, shape, include_usage, ended, ids, continuous_usage),
+        return StreamingResponse(sse_body(gen, shape, include_usage, ended, ids, continuous_usage,
+                                          self.settings.sse_keepalive_s),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -39,6 +39,7 @@ class RouterConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
     access_log: bool = True
+    sse_keepalive_s: float = 10.0
     guards: HttpGuards = HttpGuards()
 
 
@@ -57,7 +58,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                         api_key=api_key, model=model,
                         served_model_name=args.served_model_name or (model.name if model else None),
                         context_len=context, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
-                        access_log=args.access_log, guards=HttpGuards.from_args(args))
+                        access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
+                        guards=HttpGuards.from_args(args))
 
 
 class RouterMetrics:
@@ -144,7 +146,8 @@ def run_router(config: RouterConfig) -> int:
         name = config.served_model_name or next((e.model for e in view.entries()), "default")
         app = create_app(AppSettings(endpoint="", model_dir=config.model, served_model_name=name,
                                      context_len=config.context_len, api_key=config.api_key,
-                                     body_timeout_s=config.guards.body_timeout_s),
+                                     body_timeout_s=config.guards.body_timeout_s,
+                                     sse_keepalive_s=config.sse_keepalive_s),
                          backend=RouterBackend(view, name))
         server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_level=config.log_level.lower(), access_log=config.access_log,

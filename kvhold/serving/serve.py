@@ -78,6 +78,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
     access_log: bool = True
+    sse_keepalive_s: float = 10.0
     guards: HttpGuards = HttpGuards()
 
     @property
@@ -101,7 +102,7 @@ class ServeConfig:
                            "runtime_root": str(self.runtime_root) if self.runtime_root else None,
                            "lease_ms": self.lease_ms, "context_len": self.context_len,
                            "drain_timeout_s": self.drain_timeout_s, "log_level": self.log_level,
-                           "access_log": self.access_log,
+                           "access_log": self.access_log, "sse_keepalive_s": self.sse_keepalive_s,
                            "header_timeout_s": self.guards.header_timeout_s,
                            "body_timeout_s": self.guards.body_timeout_s})
 
@@ -131,7 +132,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        runtime_root=args.runtime_root, sidecar_argv=tuple(sidecar_argv(args)),
                        lease_ms=args.lease_ms, context_len=geometry.max_seq_len,
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
-                       log_level=args.log_level, access_log=args.access_log, guards=HttpGuards.from_args(args))
+                       log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
+                       guards=HttpGuards.from_args(args))
 
 
 def http_flags_from_args(args: argparse.Namespace) -> str | None:
@@ -416,7 +418,7 @@ def run_http(config: ServeConfig, fd: int) -> int:
                                  served_model_name=config.served_model_name,
                                  context_len=config.context_len, lease_ms=config.lease_ms,
                                  api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
-                                 routing_id=config.routing_id,
+                                 routing_id=config.routing_id, sse_keepalive_s=config.sse_keepalive_s,
                                  stream_dir=config.paths.runtime_dir / "http-streams"))
     server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=config.access_log,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),

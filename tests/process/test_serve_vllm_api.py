@@ -109,3 +109,45 @@ def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path
         proc.wait(60)
     assert (503, "starting") in seen and seen[-1] == (200, "ok"), seen[-5:]
     assert seen.index((503, "starting")) < len(seen) - 1
+
+
+def test_a_paused_stream_gets_sse_keepalive_comments(tiny_model, tmp_path):
+    """The active executor frozen (SIGSTOP, within its lease): the stream is silent, and SSE
+    comments keep its connection alive; it then goes on to the same text."""
+    import os
+    import signal
+    import time
+
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--sse-keepalive", "0.3", "--lease-ms", "30000")
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        reference = srv.post("/v1/completions", dict(body, stream=False)).json()["choices"][0]["text"]
+        active = srv.wait_healthy()["active_pid"]
+        comments, text = 0, []
+        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+                    if len(text) == 3:
+                        os.kill(active, signal.SIGSTOP)
+                        stopped = time.monotonic()
+                        break
+            try:
+                for line in lines:
+                    if line.startswith("data: {"):       # sent before the stop took hold
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                    if line == ": keepalive":
+                        comments += 1
+                        if time.monotonic() - stopped > 1.5:
+                            break
+            finally:
+                os.kill(active, signal.SIGCONT)
+            for line in lines:
+                if line.startswith("data: {"):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        assert comments >= 3
+        assert "".join(text) == reference
+    finally:
+        srv.stop()
