@@ -149,21 +149,27 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def choice(self, text: str, finish_reason: str, index: int = 0) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        return self.full_choices([self.choice(text, finish_reason)], usage)
+
+    def full_choices(self, choices: list[dict], usage: dict) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              index: int = 0) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else (
                 {"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -238,4 +244,68 @@ async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, o
     finally:
         if on_end is not None:
             on_end(gen)
+    yield sse("[DONE]")
+
+
+def summed_usage(gens: list["Generation"], prompts_of: list[int]) -> dict:
+    """The usage of several choices: each distinct prompt counted once (choices of one prompt
+    share it, as OpenAI counts), completions summed."""
+    seen, prompt = set(), 0
+    for g, p in zip(gens, prompts_of):
+        if p not in seen:
+            seen.add(p)
+            prompt += g.prompt_tokens or 0
+    completion = sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def multi_sse_body(gens: list["Generation"], prompts_of: list[int], shape: ResponseShape,
+                         include_usage: bool, on_end, keepalive_s: float = 0.0):
+    """The SSE stream of a request with several choices (a batch of prompts, n > 1): each
+    choice's chunks carry its index, in the order they come; then each finish chunk, the usage
+    (summed) and `data: [DONE]`. Not resumable by Last-Event-ID (no event ids)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: "Generation"):
+        try:
+            if shape.chat:
+                await queue.put(("chunk", shape.chunk(None, first=True, index=i)))
+            async for piece in gen.deltas():
+                await queue.put(("chunk", shape.chunk(piece, index=i)))
+            await queue.put(("chunk", shape.chunk(None, gen.finish_reason, index=i)))
+        except Exception as exc:  # noqa: BLE001 - reported in-band, as one choice's error
+            await queue.put(("error", exc))
+        finally:
+            await queue.put(("done", i))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    left = len(tasks)
+    try:
+        while left:
+            try:
+                kind, item = await asyncio.wait_for(queue.get(), keepalive_s) if keepalive_s > 0 \
+                    else await queue.get()
+            except asyncio.TimeoutError:
+                yield KEEPALIVE
+                continue
+            if kind == "done":
+                left -= 1
+            elif kind == "error":
+                yield sse(api_error_for(item).body())
+            else:
+                yield sse(item)
+        if include_usage:
+            yield sse(shape.usage_chunk(summed_usage(gens, prompts_of)))
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except BaseException:  # noqa: BLE001 - cancelled with the response
+                pass
+        for g in gens:
+            on_end(g)
     yield sse("[DONE]")

@@ -42,7 +42,8 @@ from kvhold.client.aclient import AsyncClient
 from kvhold.protocol.errors import KvholdError, NotFound
 from kvhold.protocol.wire import WireError
 from kvhold.serving.chat_template import ChatTemplate, TemplateError
-from kvhold.serving.generation import EventIds, Generation, ResponseShape, sse_body
+from kvhold.serving.generation import (EventIds, Generation, ResponseShape, multi_sse_body, sse_body,
+                                       summed_usage)
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
 from kvhold.serving import stream_resume
@@ -342,6 +343,53 @@ class _Service:
             on_end(gen)
         return JSONResponse(shape.full(text, gen.finish_reason, gen.usage))
 
+    async def serve_choices(self, req, kind: str, prompts: list[dict], max_tokens: list[int]):
+        """Several choices: each prompt of a batch, `req.n` times (choice j with seed + j), as
+        one request each in the sidecar; the answer lists them by index (prompt-major, as
+        OpenAI and vLLM do), usage summed. A stream of several choices has no event ids."""
+        if self.gate.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable",
+                           code="shutting_down")
+        if req.continuous_usage:
+            raise bad_request("continuous_usage_stats is not supported with several choices",
+                              param="stream_options", code="unsupported_value")
+        t0 = time.monotonic()
+        gens, prompts_of = [], []
+        try:
+            for p, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+                for j in range(req.n):
+                    stream = await self.backend.generate(**prompt, **req.sampling(limit, choice=j))
+                    gens.append(Generation(stream, req.stop))
+                    prompts_of.append(p)
+        except BaseException:
+            for g in gens:          # the choices admitted before one was refused go too
+                await g.stream.cancel()
+            raise
+        for g in gens:
+            self.gate.active.add(g)
+        shape = ResponseShape(kind, gens[0].stream.request_id, self.settings.served_model_name)
+
+        def on_end(g: Generation) -> None:
+            self.gate.active.discard(g)
+            self.metrics.observe_request(
+                received=t0, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
+                prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
+                preemptions=g.preemptions, finish_reason=g.finish_reason)
+        if req.stream:
+            return StreamingResponse(multi_sse_body(gens, prompts_of, shape, req.include_usage, on_end,
+                                                    self.settings.sse_keepalive_s),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def collect(g: Generation) -> str:
+            try:
+                return "".join([piece async for piece in g.deltas()])
+            finally:
+                on_end(g)
+        texts = await asyncio.gather(*(collect(g) for g in gens))
+        choices = [shape.choice(text, g.finish_reason, i) for i, (text, g) in enumerate(zip(texts, gens))]
+        return JSONResponse(shape.full_choices(choices, summed_usage(gens, prompts_of)))
+
     def stream_response(self, gen, shape, include_usage, on_end, ids, continuous_usage=False) -> StreamingResponse:
         def ended(g: Generation) -> None:
             if ids is not None:
@@ -531,10 +579,12 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
         req = parse_body(await read_body(request), CompletionRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
-        prompt = req.prompt_input()
-        prompt_len = len(prompt["prompt_ids"]) if "prompt_ids" in prompt else None
-        max_tokens = svc.max_tokens(req.max_tokens, prompt_len, default=16)  # OpenAI's default
-        return await svc.serve(req, "completion", prompt, max_tokens)
+        prompts = req.prompt_inputs()
+        max_tokens = [svc.max_tokens(req.max_tokens, len(p["prompt_ids"]) if "prompt_ids" in p else None,
+                                     default=16) for p in prompts]                # OpenAI's default
+        if len(prompts) == 1 and req.n == 1:
+            return await svc.serve(req, "completion", prompts[0], max_tokens[0])
+        return await svc.serve_choices(req, "completion", prompts, max_tokens)
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request):
@@ -544,7 +594,9 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
         ids = svc.chat_prompt_ids(req)
         max_tokens = svc.max_tokens(req.requested_max_tokens, len(ids), default=None,
                                     prompt_param="messages")
-        return await svc.serve(req, "chat", {"prompt_ids": ids}, max_tokens)
+        if req.n == 1:
+            return await svc.serve(req, "chat", {"prompt_ids": ids}, max_tokens)
+        return await svc.serve_choices(req, "chat", [{"prompt_ids": ids}], [max_tokens])
 
     @app.get("/v1/streams/{request_id}", openapi_extra=_RESUME_DOC)
     async def resume_stream(request_id: str, request: Request):

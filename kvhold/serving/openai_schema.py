@@ -2,7 +2,7 @@
 
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
-ignored: `n`/`best_of` above 1, `logprobs`, non-zero penalties, `logit_bias`, `echo`,
+ignored: `best_of` above 1, `logprobs`, non-zero penalties, `logit_bias`, `echo`,
 `suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
 value (`repetition_penalty`, `min_p`, `min_tokens`, `length_penalty`, beam search, guided
 decoding, `include_stop_str_in_output`) and unknown `stream_options`. Supported: max_tokens (or
@@ -122,6 +122,7 @@ NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, 
                       "use_beam_search": False, "include_stop_str_in_output": False, "guided_json": None,
                       "guided_regex": None, "guided_choice": None, "guided_grammar": None}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+MAX_CHOICES = 64            # prompts times n in one request
 
 
 class _Sampling(BaseModel):
@@ -167,9 +168,11 @@ class _Sampling(BaseModel):
         return stops
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise bad_request("n > 1 is not supported: send one request per choice", param="n",
-                              code="unsupported_value")
+        if self.n > MAX_CHOICES:
+            raise bad_request(f"n is at most {MAX_CHOICES}", param="n", code="invalid_value")
+        if self.n > 1 and self.temperature == 0:
+            raise bad_request("n > 1 needs sampling (temperature > 0): greedy choices are all the "
+                              "same", param="n", code="invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported", param=name, code="unsupported_value")
@@ -197,19 +200,29 @@ class _Sampling(BaseModel):
         """vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk."""
         return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
 
-    def sampling(self, max_tokens: int) -> dict:
-        """Keyword arguments for AsyncClient.generate (kvhold.protocol.sampling.SamplingParams)."""
+    def sampling(self, max_tokens: int, choice: int = 0) -> dict:
+        """Keyword arguments for AsyncClient.generate (kvhold.protocol.sampling.SamplingParams);
+        choice j of n > 1 samples with seed + j (its own draws, reproducible across a recovery)."""
         out: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
         for name in ("temperature", "top_p", "seed", "top_k"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if choice and self.seed is not None:
+            out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         return out
 
 
+def _check_ids(v: list) -> list:
+    bad = next((x for x in v if not 0 <= x <= TOKEN_ID_MAX), None)
+    if bad is not None:
+        raise ValueError(f"token ids must be integers in [0, {TOKEN_ID_MAX}], got {show(bad)}")
+    return v
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[TokenId]]
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
@@ -222,11 +235,12 @@ class CompletionRequest(_Sampling):
         if isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)):
             return v
         if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            bad = next((x for x in v if not 0 <= x <= TOKEN_ID_MAX), None)
-            if bad is not None:
-                raise ValueError(f"token ids must be integers in [0, {TOKEN_ID_MAX}], got {show(bad)}")
-            return v
-        raise ValueError("must be a string, a list of strings or a list of token ids")
+            return _check_ids(v)
+        if isinstance(v, list) and v and all(isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x) for x in v):
+            return [_check_ids(x) for x in v]
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of "
+                         "lists of token ids")
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -235,21 +249,25 @@ class CompletionRequest(_Sampling):
             if not ok:
                 raise bad_request(f"{name} is not supported", param=name, code="unsupported_value")
 
-    def prompt_input(self) -> dict:
-        """{'prompt': str} or {'prompt_ids': [...]}; one prompt per request."""
+    def prompt_inputs(self) -> list[dict]:
+        """Each prompt as {'prompt': str} or {'prompt_ids': [...]}: one, or a batch (a list of
+        strings or of token-id lists), each answered as its own choices."""
         p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            if len(p) != 1:
-                raise bad_request("batched prompts are not supported: send one prompt per request",
-                                  param="prompt", code="unsupported_value")
-            p = p[0]
-        if isinstance(p, str):
-            if not p:
-                raise bad_request("prompt must not be empty", param="prompt")
-            return {"prompt": p}
-        if not p:
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            batch = [p]
+        else:
+            batch = list(p)
+        if not batch:
             raise bad_request("prompt must not be empty", param="prompt")
-        return {"prompt_ids": list(p)}
+        if len(batch) * self.n > MAX_CHOICES:
+            raise bad_request(f"a request has at most {MAX_CHOICES} choices (prompts times n)",
+                              param="prompt", code="invalid_value")
+        out = []
+        for one in batch:
+            if not one:
+                raise bad_request("prompt must not be empty", param="prompt")
+            out.append({"prompt": one} if isinstance(one, str) else {"prompt_ids": list(one)})
+        return out
 
 
 class ChatMessage(BaseModel):

@@ -151,3 +151,54 @@ def test_a_paused_stream_gets_sse_keepalive_comments(tiny_model, tmp_path):
         assert "".join(text) == reference
     finally:
         srv.stop()
+
+
+def _one(server, prompt, **kw):
+    body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True, **kw}
+    return server.post("/v1/completions", body).json()["choices"][0]["text"]
+
+
+def _streamed(server, body) -> tuple[dict, dict]:
+    texts, usage = {}, None
+    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True},
+                      headers=server.headers, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                obj = json.loads(line[6:])
+                for c in obj["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                usage = obj.get("usage") or usage
+    return texts, usage
+
+
+def test_batched_prompts_each_as_its_own_choice(server):
+    prompts = ["Once upon a time", "The sidecar keeps"]
+    body = {"prompt": prompts, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = server.post("/v1/completions", body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    want = [_one(server, p, temperature=0) for p in prompts]
+    assert [c["text"] for c in r["choices"]] == want
+    assert r["usage"]["completion_tokens"] == 16
+    ids = server.post("/tokenize", {"prompt": prompts[0]}).json()["tokens"]
+    r2 = server.post("/v1/completions", {**body, "prompt": [ids, ids]}).json()
+    assert r2["choices"][0]["text"] == r2["choices"][1]["text"]
+    texts, usage = _streamed(server, {**body, "stream_options": {"include_usage": True}})
+    assert [texts[0], texts[1]] == want and usage["completion_tokens"] == 16
+
+
+def test_n_choices_sample_with_seed_plus_their_index(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9, "seed": 5,
+            "ignore_eos": True, "n": 3}
+    r = server.post("/v1/completions", body).json()
+    got = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+    assert got == [_one(server, "Once upon a time", temperature=0.9, seed=5 + j) for j in range(3)]
+    assert len(set(got)) > 1
+    assert r["usage"]["prompt_tokens"] == server.post("/tokenize", {"prompt": "Once upon a time"}).json()["count"]
+    texts, _ = _streamed(server, body)
+    assert [texts[j] for j in range(3)] == got
+    chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 4, "temperature": 0.9, "n": 2}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert server.post("/v1/completions", {**body, "temperature": 0}).status_code == 400
+    assert server.post("/v1/completions", {**body, "n": 65}).status_code == 400
