@@ -152,7 +152,7 @@ def test_a_sigkilled_sidecar_s_requests_move_and_complete(cluster):
     killed = []
 
     def on_event(stream, event):
-        if not killed and stream.sidecars[-1] == key and event.index >= 3:
+        if not killed and stream.sidecars[-1] == key and event.index >= 1:   # early: a busy client lags
             os.killpg(victim.proc.pid, signal.SIGKILL)       # the sidecar and its executors
             killed.append(True)
 
