@@ -89,7 +89,7 @@ def test_typed_errors_and_the_client_keeps_working(sidecar):
                 await client.generate(prompt_ids=list(range(2, 300)), max_tokens=5)
             with pytest.raises(ValueError):
                 await client.generate("a", prompt_ids=[1])
-            return await (await client.generate("still here", max_tokens=3)).result()
+            return await (await client.generate("still here", max_tokens=3, ignore_eos=True)).result()
 
     assert asyncio.run(main()).completion_tokens == 3
 

@@ -93,7 +93,7 @@ def test_the_sidecar_validates_everything_itself(sidecar, params, prompt_ids, co
 def test_garbage_gets_an_error_and_the_service_keeps_serving(sidecar, client, frame):
     reply = _raw(sidecar, frame)
     assert isinstance(reply, m.Error)
-    assert client.generate("still serving", max_tokens=3).result().completion_tokens == 3
+    assert client.generate("still serving", max_tokens=3, ignore_eos=True).result().completion_tokens == 3
 
 
 def test_typed_errors_from_the_sidecar(client):

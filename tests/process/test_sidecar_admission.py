@@ -106,7 +106,7 @@ def test_a_prompt_over_the_limit_is_refused_as_too_large(tiny_model, start_sidec
             client.generate(prompt_ids=[5] * 100_000, max_tokens=4)     # refused before decoding
         with pytest.raises(PromptTooLong):
             client.generate("x" * limit, max_tokens=4)                  # at the limit: tokenized
-        assert client.generate("Once upon a time", max_tokens=3).result().completion_tokens == 3
+        assert client.generate("Once upon a time", max_tokens=3, ignore_eos=True).result().completion_tokens == 3
 
 
 def test_http_answers_413_for_a_prompt_too_large(tiny_model, runtime_root, tmp_path):
