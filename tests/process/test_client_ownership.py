@@ -189,8 +189,8 @@ def _owner_away_then_back(sc, relay, owner, intruder_endpoint, keys=None, uid=No
     stream = owner.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     first = [next(stream) for _ in range(2)]
     wait_stopped(active["pid"])                         # the executor stopped itself mid-request
-    relay.cut()
-    refused = sc.status().get("client_peers", {}).get("refused_sends", 0)
+    refused = sc.status().get("client_peers", {}).get("refused_sends", 0)   # before the owner goes:
+    relay.cut()                                         # its first held message may come at once
     asked, heard = _intrude(sc, active["pid"], intruder_endpoint, routing_id, stream.request_id,
                             keys=keys, uid=uid)
     assert asked["cancel"] == {"type": "error", "code": NOT_FOUND, "request_id": stream.request_id, "ids": []}, asked
