@@ -113,6 +113,7 @@ class ExecutorRuntime:
         self.paths = config.paths
         self.active = False
         self.sidecar_pidfd = -1
+        self.sidecar_pid = 0
         self.stop_reason = ""
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -185,6 +186,7 @@ class ExecutorRuntime:
         os._exit(EXIT_CUDA_FAULT)
 
     def _watch_sidecar(self, pid: int) -> None:
+        self.sidecar_pid = pid        # the sidecar this executor serves (its death is this pid's)
         try:
             self.sidecar_pidfd = os.pidfd_open(pid)
         except OSError:
@@ -204,7 +206,8 @@ class ExecutorRuntime:
         if not self._outlives_sidecar(ctx.settings):
             log.error("sidecar exited; exiting")
             return False
-        old_pid = ctx.tables.sidecar_pid
+        # the pid that died, not the header's: a new sidecar may have written its own already
+        old_pid = self.sidecar_pid
         if self.active:
             workload.flush()      # the pending commit is published: nothing of this step is lost
         os.close(self.sidecar_pidfd)

@@ -102,6 +102,36 @@ def test_idle_pool_is_readopted_and_a_takeover_follows(runtime_root, tmp_path):
         first.stop(signal.SIGKILL)
 
 
+def test_an_executor_that_notices_the_death_after_the_new_sidecar_started_reattaches(runtime_root, tmp_path):
+    """The standby is frozen across the kill and the new sidecar's start: when it looks, the
+    header already names the new sidecar. It must wait for a sidecar other than the one that
+    died (the pid it watched), not other than the header's, or it never re-attaches."""
+    flags = IDLE[:1] + ["idle", "--lease-ms", "20000", "--log-level", "INFO",
+                        "--journal-dir", str(tmp_path / "j")]
+    first = start(flags, runtime_root, tmp_path / "a.log")
+    second = None
+    try:
+        first.wait_steady()
+        before = roles(first.status())
+        standby = next(p for p, r in before.items() if r == "standby")
+        os.kill(standby, signal.SIGSTOP)
+        try:
+            kill_sidecar_only(first)
+            second = start(flags, runtime_root, tmp_path / "b.log", instance=first.instance)
+            active = next(p for p, r in before.items() if r == "active")
+            wait_until(lambda: active in {e["pid"] for e in second.events("attach")}, timeout_s=20,
+                       what="the active executor to attach again")
+        finally:
+            os.kill(standby, signal.SIGCONT)
+        wait_until(lambda: standby in {e["pid"] for e in second.events("attach")}, timeout_s=20,
+                   what="the standby, woken after the new sidecar started, to attach again")
+        assert roles(second.status()) == before
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
+
+
 def test_a_pool_that_cannot_be_adopted_is_replaced_and_its_executors_killed(runtime_root, tmp_path):
     flags = IDLE + ["--journal-dir", str(tmp_path / "j")]
     first = start(flags + ["--kv-pages", "160"], runtime_root, tmp_path / "a.log")
