@@ -274,7 +274,11 @@ def summarize(trials, http_reqs, sdk_reqs, startup_s, planned) -> dict:
     """Latencies over the kills that interrupted generation (the takeover resumed requests);
     a kill that lands after the engine has finished every request only delays delivery."""
     mid = [t for t in trials if (t["requests_resumable"] or 0) + (t["requests_damaged"] or 0) > 0]
-    lat = np.array([t["first_resumed_token_ms"] for t in mid if t["first_resumed_token_ms"] is not None])
+    # the goal's figure: the kill to the first token the sidecar recorded as resumed; a client can
+    # see a token sooner (one in flight at the kill), counted apart
+    lat = np.array([t["kill_to_first_resumed_token_ms"] for t in mid if t.get("kill_to_first_resumed_token_ms")
+                    is not None])
+    client = np.array([t["first_resumed_token_ms"] for t in mid if t["first_resumed_token_ms"] is not None])
     allr = np.array([t["all_streams_resumed_ms"] for t in mid if t["all_streams_resumed_ms"] is not None])
     side = np.array([t["sidecar_detect_to_first_token_ms"] for t in mid
                      if t["sidecar_detect_to_first_token_ms"] is not None])
@@ -288,6 +292,8 @@ def summarize(trials, http_reqs, sdk_reqs, startup_s, planned) -> dict:
         "startup_to_ready_s": round(startup_s, 1), "kills_planned": planned, "kills": len(trials),
         "kills_mid_generation": len(mid),
         "kill_to_first_resumed_token_ms": {"p50": pct(lat, 50), "p99": pct(lat, 99), "max": pct(lat, 100)},
+        "client_first_token_after_kill_ms": {"p50": pct(client, 50), "p99": pct(client, 99),
+                                             "max": pct(client, 100)},
         "kill_to_all_streams_resumed_ms": {"p50": pct(allr, 50), "p99": pct(allr, 99)},
         "sidecar_detect_to_first_token_ms": {"p50": pct(side, 50), "p99": pct(side, 99)},
         "tokens_loaded_from_kvhold_total": sum(t["tokens_loaded_from_kvhold"] or 0 for t in trials),
