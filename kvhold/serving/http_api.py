@@ -321,13 +321,7 @@ class _Service:
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
         def on_end(g: Generation) -> None:
-            self.gate.active.discard(g)
-            if g.first_token_at is not None:
-                self.metrics.ttft.labels(endpoint).observe(g.first_token_at - t0)
-            self.metrics.observe_request(
-                received=t0, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
-                prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
-                preemptions=g.preemptions, finish_reason=g.finish_reason)
+            self._ended(g, t0, endpoint)
         if req.stream:
             ids = None
             if self.records is not None:   # what a resume needs and the sidecar does not keep
@@ -342,6 +336,16 @@ class _Service:
         finally:
             on_end(gen)
         return JSONResponse(shape.full(text, gen.finish_reason, gen.usage))
+
+    def _ended(self, g: Generation, received: float, endpoint: str) -> None:
+        """A generation is over (answered, streamed to its end, or cut off): count it."""
+        self.gate.active.discard(g)
+        if g.first_token_at is not None:
+            self.metrics.ttft.labels(endpoint).observe(g.first_token_at - received)
+        self.metrics.observe_request(
+            received=received, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
+            prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
+            preemptions=g.preemptions, finish_reason=g.finish_reason)
 
     async def serve_choices(self, req, kind: str, prompts: list[dict], max_tokens: list[int]):
         """Several choices: each prompt of a batch, `req.n` times (choice j with seed + j), as
@@ -369,12 +373,10 @@ class _Service:
             self.gate.active.add(g)
         shape = ResponseShape(kind, gens[0].stream.request_id, self.settings.served_model_name)
 
+        endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
         def on_end(g: Generation) -> None:
-            self.gate.active.discard(g)
-            self.metrics.observe_request(
-                received=t0, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
-                prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
-                preemptions=g.preemptions, finish_reason=g.finish_reason)
+            self._ended(g, t0, endpoint)
         if req.stream:
             return StreamingResponse(multi_sse_body(gens, prompts_of, shape, req.include_usage, on_end,
                                                     self.settings.sse_keepalive_s),

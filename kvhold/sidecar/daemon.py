@@ -457,7 +457,7 @@ class Sidecar:
 
     def _log_stats(self, now: int) -> None:
         fe, counts = self.frontend, PageTable(self.tables).counts()
-        waiting = sum(st.sent == st.prefix for st in fe.streams.values())
+        waiting = fe.num_waiting()
         self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
                             running=len(fe.streams) - waiting, waiting=waiting,
                             pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,

@@ -463,11 +463,15 @@ class Frontend:
             deadline = min(deadline, min(st.last_send_ns for st in self.streams.values()) + KEEPALIVE_NS)
         return deadline
 
+    def num_waiting(self) -> int:
+        """Streams admitted with no token generated yet (queued, or in their prefill)."""
+        return sum(st.sent == st.prefix for st in self.streams.values())
+
     def status(self) -> dict:
         ttft = sorted(self.first_token_ms)
         return {"requests": {"in_flight": len(self.streams), "admitted_total": self.num_admitted,
                              "finished": dict(self.num_finished),
-                             "waiting": sum(st.sent == st.prefix for st in self.streams.values()),
+                             "waiting": self.num_waiting(),
                              "tokens_total": self.num_tokens,
                              "first_token_ms_p50": ttft[len(ttft) // 2] if ttft else None},
                 "recoveries": self.timeline.records(),

@@ -6,19 +6,11 @@ import signal
 
 import pytest
 
-from tests.process.test_serve_http import KEY, Server
+from tests.process.test_serve_http import KEY, Server, server  # noqa: F401 (the fixture, per module)
 
 langchain_openai = pytest.importorskip("langchain_openai")
 pytestmark = pytest.mark.slow            # a server start and three model runs: the slow suite
 PROMPT = "Tell me about the pool"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rt")
-    srv = Server(tiny_model, root, root / "serve.log", api_key=KEY)
-    yield srv
-    srv.stop()
 
 
 def chat(server, **kw):

@@ -8,15 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.process.test_serve_http import KEY, Server
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rt")
-    srv = Server(tiny_model, root, root / "serve.log", api_key=KEY)
-    yield srv
-    srv.stop()
+from tests.process.test_serve_http import KEY, Server, server  # noqa: F401 (the fixture, per module)
 
 
 def test_version_and_model_retrieval(server):
