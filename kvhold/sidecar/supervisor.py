@@ -384,7 +384,8 @@ class Supervisor:
         if self.leases.role(h.slot) == Role.STARTING:
             self.leases.set_role(h.slot, Role.STANDBY)
         self._event("ready", h, warm_ms=msg.warm_ms, private_mib=msg.private_mib)
-        log.info("executor pid %d ready as standby (warm-up %.0f ms)", h.pid, msg.warm_ms)
+        log.info("executor pid %d ready as standby (warm-up %.0f ms, %.0f ms from spawn: %s)", h.pid, msg.warm_ms,
+                 h.info["spawn_to_ready_ms"], ", ".join(f"{k} {v}" for k, v in msg.phases.items()))
         if self.active_slot is None and self.want_active:
             fenced_epoch, detect_ns = self._unserved_failover
             self._unserved_failover = (0, 0)
