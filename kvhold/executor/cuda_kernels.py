@@ -137,6 +137,9 @@ def _aot_shapes(shapes) -> None:
     cos = meta((shapes.max_seq_len, dim), dt)
     for t in (shapes.max_batch, shapes.prefill_chunk):
         rmsnorm(meta((t, shapes.hidden_size), dt), meta((shapes.hidden_size,), dt), 1e-5)
+        if shapes.qk_norm:          # each query and key head (kvhold.executor.cuda_layers.FusedLayers)
+            for n in (heads, kv_heads):
+                rmsnorm(meta((t * n, dim), dt), meta((dim,), dt), 1e-5)
         silu_mul(meta((t, 2 * shapes.intermediate_size), dt))
         qkv = meta((t, (heads + 2 * kv_heads) * dim), dt)
         staged = meta((4, t), torch.int64).unbind(0)        # ids, positions, pages, slots

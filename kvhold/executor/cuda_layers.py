@@ -13,7 +13,9 @@ a GPU step that is bound by reading weights:
 * A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda_gemm's
   kernel, which streams each weight once; prefill chunks run on cuBLAS.
 * RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
-  each (kvhold.executor.cuda_kernels).
+  each (kvhold.executor.cuda_kernels). Qwen3's RMSNorm of each query and key head runs the
+  same row kernel over the heads, before RoPE; Phi-3's single q|k|v and gate|up tensors are
+  the fused projections as they are stored.
 * A decode step's attention applies RoPE and stores the keys and values itself
   (kvhold.executor.cuda_attention.rope_decode_attention): 8 launches per layer instead of 9.
   Folding RMSNorm into the next GEMM as well (row sums of squares left by the GEMM
@@ -86,18 +88,26 @@ class FusedLayers:
         self.model = model
         self.eps = spec.rms_norm_eps
         self.layers_w = []
+        self.qk_norms = []          # per layer: (q_norm, k_norm) weights (Qwen3), else None
         for layer in range(spec.num_layers):
             p = f"model.layers.{layer}."
             w = model._weight
             bias = [w(p + f"self_attn.{x}_proj.bias") for x in "qkv"] if spec.attention_bias else None
+            if spec.fused_tensors:      # Phi-3 stores q|k|v and gate|up as one tensor each
+                qkv_w, gate_up_w = [w(p + "self_attn.qkv_proj.weight")], [w(p + "mlp.gate_up_proj.weight")]
+            else:
+                qkv_w = [w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+                gate_up_w = [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
             self.layers_w.append((
                 w(p + "input_layernorm.weight"),
-                _Projection([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"], bias),
+                _Projection(qkv_w, bias),
                 w(p + "self_attn.o_proj.weight"),
                 w(p + "post_attention_layernorm.weight"),
-                _Projection([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], None),
+                _Projection(gate_up_w, None),
                 w(p + "mlp.down_proj.weight"),
             ))
+            self.qk_norms.append((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight"))
+                                 if spec.qk_norm else None)
         self.norm = w("model.norm.weight")
 
     @property
@@ -125,6 +135,8 @@ class FusedLayers:
         h = model.w["model.embed_tokens.weight"][token_ids].to(model.dtype)
         for layer, (ln1, qkv_proj, o_w, ln2, gate_up, down_w) in enumerate(self.layers_w):
             qkv = qkv_proj(rmsnorm(h, ln1, self.eps))
+            if self.qk_norms[layer] is not None:
+                self._norm_heads(qkv, *self.qk_norms[layer])
             if attend_qkv is not None:
                 attn = attend_qkv(layer, qkv)
             else:
@@ -134,6 +146,17 @@ class FusedLayers:
             add_linear_(h, attn.reshape(t, -1), o_w)
             add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w)
         return h
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
+        """RMSNorm of each query head and each key head of `qkv` [T, (H + 2 KV) * D], in place,
+        before RoPE (Qwen3): the row kernel over [T * heads, D] copies of the two slices. Each
+        row's arithmetic is the row kernel's, whatever T is, so decode stays batch-invariant."""
+        spec = self.spec
+        t, dim = qkv.shape[0], spec.head_dim
+        nq, nk = spec.num_heads * dim, spec.num_kv_heads * dim
+        for start, width, weight in ((0, nq, q_norm), (nq, nk, k_norm)):
+            part = qkv[:, start:start + width]
+            part.copy_(rmsnorm(part.reshape(-1, dim), weight, self.eps).view(t, width))
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         return linear(rmsnorm(h, self.norm, self.eps), head)

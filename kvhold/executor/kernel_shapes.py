@@ -38,6 +38,7 @@ class KernelShapes:
     max_batch: int              # decode runs padded to exactly this many rows
     prefill_chunk: int          # prefill runs padded to exactly this many rows
     kv_dtype: str = ""          # the KV pool's dtype when it differs from `dtype`
+    qk_norm: bool = False       # RMSNorm of each query and key head (Qwen3)
 
     def __post_init__(self):
         for name in ("dtype", "kv_dtype"):
@@ -45,7 +46,7 @@ class KernelShapes:
             if value and value not in _DTYPES:
                 raise ValueError(f"kernel shapes: {name} {value!r} not one of {sorted(_DTYPES)}")
         for name, value in asdict(self).items():
-            if isinstance(value, int) and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                 raise ValueError(f"kernel shapes: {name}={value} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("kernel shapes: num_heads must be a multiple of num_kv_heads")
@@ -85,7 +86,8 @@ class KernelShapes:
                    hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                    vocab_size=spec.vocab_size, page_tokens=geometry.kv.page_tokens,
                    num_pages=geometry.num_pages, max_seq_len=geometry.max_seq_len,
-                   max_batch=settings.max_batch, prefill_chunk=chunk, kv_dtype=geometry.kv.dtype)
+                   max_batch=settings.max_batch, prefill_chunk=chunk, kv_dtype=geometry.kv.dtype,
+                   qk_norm=spec.qk_norm)
 
     @classmethod
     def from_json(cls, text: str) -> "KernelShapes | None":

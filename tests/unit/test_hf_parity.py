@@ -163,3 +163,17 @@ def test_sliding_window_past_the_window_equals_transformers(case, cfg, tokenizer
                                 torch.device("cpu"), 256)
     other = Session(spec, full_attention).step(full)
     assert not torch.allclose(other[20:], hf_logits[20:], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3"])
+def test_family_checkpoints_written_without_transformers_are_what_transformers_reads(family, tokenizer, tmp_path):
+    """kvhold.testing.families writes these for machines without transformers (the GPU tests):
+    transformers loads each as its family, and its outputs equal kvhold's."""
+    from kvhold.testing.families import build_family
+
+    path = build_family(tmp_path / family, family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    assert type(model).__name__ == {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
+    spec, _, _, _ = check_parity(path, model, tokenizer)
+    assert spec.model_type == family
