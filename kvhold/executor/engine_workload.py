@@ -91,12 +91,15 @@ class EngineWorkload(WorkloadBase):
         self.engine = self._make_engine(model, kv, max_batch, max_tokens, runner, checksum, chunk)
         self._phase("engine")
         self.engine.warm_up_sampler()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            self._phase("sampler_warm_up")
         zero = torch.zeros(1, dtype=torch.long, device=device)   # warm the checksum kernels (read-only)
         self.engine.checksum.pages(zero, zero)
         self.engine.checksum.ranges(zero, zero, zero + 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
-            self._phase("sampler_and_checksum_warm_up")
+            self._phase("checksum_warm_up")
             self.private_mib = torch.cuda.memory_reserved(device) / 2**20
             log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
                      self.private_mib)

@@ -107,6 +107,15 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def _make_device_context(device: int) -> None:
+    """Create torch's CUDA context on `device` (what mapping a CUDA region needs first)."""
+    import torch
+
+    torch.cuda.init()
+    torch.cuda.set_device(device)
+    torch.zeros(1, device=f"cuda:{device}")
+
+
 class ExecutorRuntime:
     def __init__(self, config: ExecutorConfig):
         self.config = config
@@ -134,14 +143,30 @@ class ExecutorRuntime:
 
     def _run(self, channel: Channel, token: str) -> int:
         t_attach = time.monotonic()
+        laps: dict[str, float] = {}       # the start's parts, ms (Ready.phases)
+        mark = [t_attach]
+
+        def lap(name: str) -> None:
+            now = time.monotonic()
+            laps[name] = round((now - mark[0]) * 1e3, 2)
+            mark[0] = now
+
         attached = channel.attach(token)
         if not self._outlives_sidecar(attached.settings):
             _set_parent_death_signal()
+        lap("attach")
         fds = channel.fetch_fds(attached)
         infos = {d["name"]: RegionInfo.from_wire(d) for d in attached.regions}
+        lap("fetch_fds")
         try:
             tables = Tables.attach_fd(fds.pop("tables"))
-            mappings = {name: map_region(fd, infos[name]) for name, fd in fds.items()}
+            mappings = {}
+            for name, fd in fds.items():
+                if infos[name].backend == "cuda" and "device_context" not in laps:
+                    _make_device_context(infos[name].device)
+                    lap("device_context")
+                mappings[name] = map_region(fd, infos[name])
+                lap(f"map_{name}")
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -161,7 +186,7 @@ class ExecutorRuntime:
             ctx.beat()
             channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
                                  warm_ms=(time.monotonic() - t0) * 1e3, private_mib=float(workload.private_mib),
-                                 phases={"attach_and_map": mapped_ms, **workload.phases}))
+                                 phases={"attach_and_map": mapped_ms, **laps, **workload.phases}))
             return self._loop(ctx, workload)
         except Exception as exc:
             if not is_device_fault(exc):
