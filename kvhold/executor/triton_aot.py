@@ -369,3 +369,22 @@ def _compile_all(tri: _Triton, launchers: bool) -> tuple[dict, list[str]]:
 def stats() -> dict:
     """Per kernel: specializations prepared, AOT launches, JIT fallbacks, failure if any."""
     return {k.name: k.stats() for k in _KERNELS}
+
+
+def load_all(device: int) -> int:
+    """Load every prepared specialization's cubin into the current context of `device` now
+    (what each one's first launch would do); returns how many. A zygote's spare child does
+    this before it is handed a request (kvhold.executor.zygote). A cubin that cannot load
+    there is left to its first launch, which reports it."""
+    loaded = 0
+    for kernel in _KERNELS:
+        tri = kernel._tri
+        if tri is None or kernel.broken is not None:
+            continue
+        for entry in kernel.prepared.values():
+            try:
+                entry.function(device, tri.utils)
+                loaded += 1
+            except Exception as exc:  # the launch path decides: JIT fallback, logged there
+                log.info("Triton AOT: %s not preloaded: %s", kernel.name, exc)
+    return loaded

@@ -19,6 +19,15 @@ that exit while it lives, ZOMBIE_KEEP_S after they exit (until then the sidecar 
 each died from its /proc stat), and logs their exit codes. The zygote exits when the
 sidecar does.
 
+With `--spare`, the zygote keeps one child forked ahead of the next request (`Spare`):
+the child makes its CUDA context, loads the prepared Triton kernels, runs the sampler's
+and cuBLAS's first calls (each a module load under lazy loading) and waits on a pipe. A
+fork request is then handed to it (the reply says `spare`), and the next spare is forked
+SPARE_DELAY_S later, so that its start does not compete with the replacement's. A request
+whose environment changes a CUDA variable the spare was started with gets a fresh fork.
+A spare costs its context's GPU memory; one that dies is replaced, up to SPARE_FAILURES
+in a row. The zygote's own process never touches CUDA.
+
 Forking is safe only from a single-threaded process: a lock some other thread
 held at the fork (malloc's, a thread pool's, the import lock) stays locked
 forever in the child, which then deadlocks. The zygote's main thread is its only
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import select
@@ -52,6 +62,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 ZOMBIE_KEEP_S = 2.0     # an exited child stays a zombie this long before it is reaped
 TASK_DIR = "/proc/self/task"
+SPARE_DELAY_S = 5.0     # the next spare is forked this long after one was handed a request
+SPARE_FAILURES = 3      # spares that die before their request, in a row, before none is made
+CUDA_ENV = ("CUDA_", "NVIDIA_", "PYTORCH_CUDA", "TORCH_CUDA")   # set at a CUDA context's creation
 
 
 def threads() -> list[str]:
@@ -108,34 +121,222 @@ def gpu_arch_in_a_child(timeout_s: float = 60.0) -> int | None:
     return int(lines[-1]) if lines and lines[-1].isdigit() else None
 
 
+def warm_spare(device: str, kernel_shapes) -> dict[str, float]:
+    """What a spare child does before its request (ms per part): on CUDA, make the context,
+    load the prepared Triton kernels, and make the first calls of the sampler's operations at
+    a decode step's shape and of cuBLAS. Nothing of it touches the sidecar's memory."""
+    phases: dict[str, float] = {}
+    if not device.startswith("cuda"):
+        return phases
+    import torch
+
+    from kvhold.executor import triton_aot
+    from kvhold.executor.sampler import sample
+    from kvhold.executor.sequence import Sequence
+
+    t = [time.monotonic()]
+
+    def lap(name: str) -> None:
+        torch.cuda.synchronize()
+        now = time.monotonic()
+        phases[name] = round((now - t[0]) * 1e3, 2)
+        t[0] = now
+
+    dev = torch.device(device)
+    torch.cuda.init()
+    torch.cuda.set_device(dev)
+    torch.zeros(1, device=dev)
+    lap("cuda_context")
+    phases["triton_kernels_loaded"] = triton_aot.load_all(torch.cuda.current_device())
+    lap("triton_modules")
+    if kernel_shapes is not None:
+        rows, vocab = kernel_shapes.max_batch, kernel_shapes.vocab_size
+        logits = torch.randn(rows, vocab, device=dev)
+        for temperature in (0.0, 0.8):
+            seqs = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=i,
+                             temperature=temperature, top_p=0.9, top_k=40, stop_ids=frozenset(),
+                             ignore_eos=True) for i in range(rows)]
+            sample(logits, seqs, pad_rows=rows)
+            sample(logits[:2], seqs[:2])
+        del logits
+        lap("sampler")
+        x = torch.randn(16, kernel_shapes.hidden_size, device=dev, dtype=kernel_shapes.torch_dtype)
+        torch.nn.functional.linear(x, x)
+        lap("cublas")
+    torch.cuda.empty_cache()
+    return phases
+
+
+class Spare:
+    """A child forked ahead of the next request, warming up, then waiting for it on a pipe."""
+
+    def __init__(self, pid: int, request_fd: int, ready_fd: int, env: dict[str, str]):
+        self.pid = pid
+        self.request_fd = request_fd      # the zygote writes the request here
+        self.ready_fd = ready_fd          # the spare writes its warm-up parts here once warm
+        self.env = env                    # the environment it made its context with
+        self.warm: dict | None = None     # its warm-up parts, once it said so
+
+    def takes(self, env: dict) -> bool:
+        """Whether a request with `env` may run in this spare (same CUDA environment)."""
+        keys = {k for k in (*env, *self.env) if k.startswith(CUDA_ENV)}
+        return all(str(env.get(k, self.env.get(k))) == str(self.env.get(k)) for k in keys)
+
+    def read_ready(self) -> None:
+        try:
+            data = os.read(self.ready_fd, 65536)
+        except OSError:
+            data = b""
+        if data:
+            try:
+                self.warm = json.loads(data.decode())
+            except ValueError:
+                self.warm = {"unreadable": True}
+        self.close_ready()
+
+    def close_ready(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+
+    def hand(self, argv: list[str], env: dict) -> None:
+        """Give it its request: it becomes an executor."""
+        try:
+            os.write(self.request_fd, json.dumps({"argv": argv, "env": env}).encode())
+        finally:
+            os.close(self.request_fd)
+            self.request_fd = -1
+        self.close_ready()
+
+    def close(self) -> None:
+        for fd in (self.request_fd, self.ready_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.request_fd = self.ready_fd = -1
+
+    def discard(self) -> None:
+        """Kill it (never handed a request) and reap it."""
+        self.close()
+        if self.pid <= 0:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
 class Zygote:
-    def __init__(self, socket_path: str, sidecar_pid: int):
+    def __init__(self, socket_path: str, sidecar_pid: int, spare_device: str | None = None,
+                 kernel_shapes=None):
         self.socket_path = socket_path
         self.sidecar_pid = sidecar_pid
         self.children: set[int] = set()
         self._exited: dict[int, float] = {}     # exited child -> when first seen so (a zombie kept)
+        self.spare_device = spare_device        # None: no spare
+        self.kernel_shapes = kernel_shapes
+        self.spare: Spare | None = None
+        self.spare_due = time.monotonic()       # when the next spare may be forked
+        self.spare_failures = 0
 
     def serve(self) -> int:
         listener = fdpass.listen(self.socket_path)
         sidecar_fd = os.pidfd_open(self.sidecar_pid)
-        log.info("zygote ready on %s", self.socket_path)
+        log.info("zygote ready on %s%s", self.socket_path, " (keeps a spare)" if self.spare_device else "")
         try:
             while True:
-                ready = select.select([listener, sidecar_fd], [], [], POLL_S)[0]
+                self._keep_spare(listener)
+                watched = [listener, sidecar_fd]
+                if self.spare is not None and self.spare.ready_fd >= 0:
+                    watched.append(self.spare.ready_fd)
+                ready = select.select(watched, [], [], POLL_S)[0]
                 self._reap()
                 if sidecar_fd in ready:
                     log.info("sidecar exited; zygote exiting")
                     return 0
+                if self.spare is not None and self.spare.ready_fd in ready:
+                    self.spare.read_ready()
+                    log.info("spare pid %d warm: %s", self.spare.pid, self.spare.warm)
                 if listener in ready:
                     conn, _ = listener.accept()
                     with conn:
                         self._serve_one(conn, listener)
         finally:
+            if self.spare is not None:
+                self.spare.discard()
+                self.spare = None
             listener.close()
             try:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
+
+    # ------------------------------------------------------------------ the spare
+    def _keep_spare(self, listener) -> None:
+        if (self.spare_device is None or self.spare is not None or time.monotonic() < self.spare_due
+                or self.spare_failures >= SPARE_FAILURES):
+            return
+        if len(threads()) != 1:
+            return                      # never fork while another thread runs (module docstring)
+        request_r, request_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(request_w)
+            os.close(ready_r)
+            self._become_spare(request_r, ready_w, listener)      # never returns
+        os.close(request_r)
+        os.close(ready_w)
+        self.spare = Spare(pid, request_w, ready_r, dict(os.environ))
+        log.info("forked spare pid %d", pid)
+
+    def _become_spare(self, request_fd: int, ready_fd: int, listener) -> None:
+        code = 1
+        try:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            t0 = time.monotonic()
+            phases = warm_spare(self.spare_device, self.kernel_shapes)
+            phases["total_ms"] = round((time.monotonic() - t0) * 1e3, 2)
+            try:
+                os.write(ready_fd, json.dumps(phases).encode())
+            except OSError:
+                pass                    # handed a request before it was warm: nobody reads this
+            os.close(ready_fd)
+            chunks = []
+            while chunk := os.read(request_fd, 1 << 20):      # until the zygote closes its end
+                chunks.append(chunk)
+            os.close(request_fd)
+            if not chunks:
+                os._exit(0)             # the zygote went away, or discarded us
+            request = json.loads(b"".join(chunks).decode())
+            self._become_executor(request["argv"], request.get("env") or {}, None, None)   # never returns
+        except BaseException:
+            logging.getLogger("executor").exception("zygote spare failed")
+        finally:
+            os._exit(code)
+
+    def _hand_to_spare(self, argv: list[str], env: dict) -> Spare | None:
+        """The spare that took the request, or None (none, or it cannot take this one)."""
+        spare = self.spare
+        if spare is None:
+            return None
+        if not spare.takes(env):
+            log.info("spare pid %d discarded: the request changes its CUDA environment", spare.pid)
+            spare.discard()
+            self.spare = None
+            return None
+        try:
+            spare.hand(argv, env)
+        except OSError as exc:          # it died meanwhile: _reap counts it
+            log.warning("spare pid %d could not take the request: %s", spare.pid, exc)
+            return None
+        self.spare = None
+        self.spare_failures = 0
+        self.spare_due = time.monotonic() + SPARE_DELAY_S
+        self.children.add(spare.pid)
+        return spare
 
     def _serve_one(self, conn: socket.socket, listener: socket.socket) -> None:
         conn.settimeout(2.0)
@@ -158,6 +359,12 @@ class Zygote:
                           "child a lock no thread will release", len(running), ", ".join(running))
                 fdpass.send(conn, {"ok": False, "error": f"the zygote has {len(running)} threads"})
                 return
+            spare = self._hand_to_spare(argv, env)
+            if spare is not None:
+                fdpass.send(conn, {"ok": True, "pid": spare.pid, "threads": len(running), "spare": True,
+                                   "spare_warm": spare.warm})
+                log.info("handed the request to spare pid %d (warm: %s)", spare.pid, spare.warm)
+                return
             child = os.fork()
             if child == 0:
                 self._become_executor(argv, env, conn, listener)   # never returns
@@ -171,8 +378,9 @@ class Zygote:
     def _become_executor(argv: list[str], env: dict, conn, listener) -> None:
         code = 1
         try:
-            conn.close()
-            listener.close()
+            for sock in (conn, listener):
+                if sock is not None:
+                    sock.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.environ.update({str(k): str(v) for k, v in env.items()})
             os.environ.pop("KVHOLD_PARENT_PID", None)   # our parent is the zygote: no PDEATHSIG
@@ -193,6 +401,19 @@ class Zygote:
         stat holds its wait status for the sidecar (which counts a death against a request only
         if it was a crash, not a kill from outside: kvhold.sidecar.request_deaths)."""
         now = time.monotonic()
+        spare = self.spare
+        if spare is not None:
+            try:
+                died = os.waitpid(spare.pid, os.WNOHANG)[0] == spare.pid
+            except ChildProcessError:
+                died = True
+            if died:               # reaped above
+                self.spare = None
+                spare.close()
+                self.spare_failures += 1
+                self.spare_due = now + SPARE_DELAY_S
+                log.warning("spare died before its request (%d in a row)%s", self.spare_failures,
+                            "; no more spares" if self.spare_failures >= SPARE_FAILURES else "")
         for pid in list(self.children):
             try:
                 exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -237,17 +458,21 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-shapes", default="",
                         help="JSON: the executors' settings and the table geometry (a KernelShapesRequest, "
                              "see kvhold.executor.kernel_shapes); their Triton kernels are then compiled here")
+    parser.add_argument("--spare", action="store_true",
+                        help="keep one child forked ahead, warmed up (CUDA context, kernels, sampler), "
+                             "and hand it the next request")
     parser.add_argument("--log-level", default=os.environ.get("KVHOLD_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     from kvhold.protocol.logs import setup_logging
     setup_logging(args.log_level, role="zygote")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ms = preload(args.device, _kernel_shapes(args.kernel_shapes))
+    shapes = _kernel_shapes(args.kernel_shapes)
+    ms = preload(args.device, shapes)
     gc.freeze()     # children must not copy the preloaded heap on their first collection
     running = threads()
     log.info("preloaded torch and the engine in %.0f ms (%d thread%s)", ms, len(running),
              "" if len(running) == 1 else "s: " + ", ".join(running))
-    return Zygote(args.socket, args.sidecar_pid).serve()
+    return Zygote(args.socket, args.sidecar_pid, args.device if args.spare else None, shapes).serve()
 
 
 if __name__ == "__main__":

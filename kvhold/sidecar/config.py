@@ -31,6 +31,7 @@ from kvhold.protocol.naming import InstancePaths, validate_instance
 from kvhold.protocol.settings import KV_MODES, WORKLOADS, ExecutorSettings  # the executors' definitions
 
 BACKENDS = ("host", "cuda")
+ZYGOTE_SPARE = ("auto", "on", "off")
 TAKEOVER_MODES = ("fast", "wait-exit")
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20   # ~250k tokens of English: above any context kvhold serves
 
@@ -158,6 +159,7 @@ class ExecutorsConfig:
     token_file: Path | None = None
     restart_backoff_ms: tuple[int, int] = (50, 5000)
     zygote: bool = False              # keep a torch-imported zygote to fork executors from
+    zygote_spare: str = "auto"        # the zygote keeps a child warmed ahead: auto (on CUDA), on, off
     takeover: str = "fast"            # fast: promote at once; wait-exit: after the dead process exits
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
@@ -170,6 +172,8 @@ class ExecutorsConfig:
         lo, hi = self.restart_backoff_ms
         _check(0 <= lo <= hi, f"executors.restart_backoff_ms needs 0 <= LO <= HI, got {lo},{hi}",
                "executors.restart_backoff_ms")
+        _check(self.zygote_spare in ZYGOTE_SPARE, f"executors.zygote_spare must be one of {ZYGOTE_SPARE}, "
+               f"got {self.zygote_spare!r}", "executors.zygote_spare")
         _check(self.takeover in TAKEOVER_MODES, f"executors.takeover must be one of {TAKEOVER_MODES}, "
                f"got {self.takeover!r}", "executors.takeover")
         _check(self.kv_mode in KV_MODES, f"executors.kv_mode must be one of {KV_MODES}, "

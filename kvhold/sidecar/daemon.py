@@ -142,8 +142,10 @@ class Sidecar:
         cfg, fingerprint = self.config, self.manifest.fingerprint if self.manifest is not None else ""
         zygote = None
         if cfg.executors.zygote:
+            spare = cfg.executors.zygote_spare
             zygote = ZygoteKeeper(self.paths.runtime_dir / "zygote.sock", cfg.pool.device, self.loop,
-                                  self.executor_settings, self.tables.geometry)
+                                  self.executor_settings, self.tables.geometry,
+                                  spare=spare == "on" or (spare == "auto" and cfg.pool.device.startswith("cuda")))
         launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
                                 settings=self.executor_settings)
         self.deaths = RequestDeaths(self.tables, lambda *failed: self.frontend.fail_request(*failed))

@@ -134,6 +134,11 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zygote", action="store_true", default=env("ZYGOTE") == "1",
                    help="keep a zygote (torch imported, no CUDA context) and fork executors from it "
                         "instead of starting them cold (env KVHOLD_ZYGOTE=1)")
+    p.add_argument("--zygote-spare", default="auto", choices=("auto", "on", "off"),
+                   help="the zygote keeps one child forked ahead, its CUDA context made and its "
+                        "kernels and the sampler's loaded, and hands it the next request: a replacement "
+                        "then skips that part of its start (costs the spare's context, about 0.5 GiB "
+                        "of GPU memory); auto: on for a CUDA device (default)")
     p.add_argument("--takeover", default="fast", choices=("fast", "wait-exit"),
                    help="fast: promote a standby as soon as the active dies, continuing in fresh "
                         "copies of the pages it could still write; wait-exit: promote only once the "
@@ -210,6 +215,7 @@ SETTINGS = {
     "executors.max_batch_tokens": "max_batch_tokens", "executors.prefill_chunk": "prefill_chunk",
     "executors.cpu_threads": "cpu_threads", "executors.token_file": "token_file",
     "executors.restart_backoff_ms": "restart_backoff_ms", "executors.zygote": "zygote",
+    "executors.zygote_spare": "zygote_spare",
     "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
     "executors.sidecar_wait_ms": "sidecar_wait_ms",
     "health.source": "health", "health.interval_s": "health_interval",

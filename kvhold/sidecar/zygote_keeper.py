@@ -6,7 +6,8 @@ supervisor starts the executor cold instead. A zygote that dies is restarted,
 no sooner than `RESTART_DELAY_NS` after the previous start. The keeper gets the
 socket path, the device, the event loop (to watch the zygote's pidfd) and the
 settings and table geometry executors will run with (for the kernel shapes).
-The zygote is started with `OPENBLAS_NUM_THREADS=1`, so that importing numpy starts
+With `spare`, the zygote keeps a child forked and warmed ahead of the next request
+(kvhold.executor.zygote, `Spare`). The zygote is started with `OPENBLAS_NUM_THREADS=1`, so that importing numpy starts
 no BLAS threads in it: it must stay single-threaded to fork safely.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ RESTART_DELAY_NS = 2_000_000_000
 
 
 class ZygoteKeeper:
-    def __init__(self, socket_path, device: str, loop, settings: dict, geometry):
+    def __init__(self, socket_path, device: str, loop, settings: dict, geometry, spare: bool = False):
         self.socket_path = str(socket_path)
         self.device = device
         self.loop = loop                  # watch_fd / unwatch_fd (kvhold.sidecar.event_loop)
@@ -38,6 +39,9 @@ class ZygoteKeeper:
         self.started_ns = 0
         self.forks = 0
         self.threads_at_fork: int | None = None   # the zygote's thread count at its last fork
+        self.spare = spare                # the zygote keeps a warmed child for the next request
+        self.spare_forks = 0              # requests a warmed spare took
+        self.last_spare: dict | None = None   # the last spare handed a request: its warm-up parts
         self.restarts = -1
 
     # ------------------------------------------------------------------ lifecycle
@@ -52,7 +56,7 @@ class ZygoteKeeper:
             pass
         cmd = [sys.executable, "-m", "kvhold.executor.zygote", "--socket", self.socket_path,
                "--sidecar-pid", str(os.getpid()), "--device", self.device,
-               "--kernel-shapes", self._kernel_shapes(),
+               "--kernel-shapes", self._kernel_shapes(), *(["--spare"] if self.spare else []),
                "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")   # no BLAS thread pool: forks stay safe
         self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True, env=env)
@@ -118,10 +122,16 @@ class ZygoteKeeper:
             return None
         self.forks += 1
         self.threads_at_fork = reply.get("threads")
+        if reply.get("spare"):
+            self.spare_forks += 1
+            self.last_spare = {"pid": reply["pid"], "warm": reply.get("spare_warm")}
+            log.info("zygote handed the request to its spare pid %d (warm: %s)", reply["pid"],
+                     reply.get("spare_warm"))
         return reply["pid"]
 
     def status(self) -> dict:
         return {"pid": self.popen.pid if self.popen else None,
                 "ready": self.popen is not None and os.path.exists(self.socket_path),
                 "forks": self.forks, "threads_at_fork": self.threads_at_fork,
+                "spare": self.spare, "spare_forks": self.spare_forks, "last_spare": self.last_spare,
                 "restarts": max(0, self.restarts)}

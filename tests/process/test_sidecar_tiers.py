@@ -101,3 +101,39 @@ def test_the_zygote_forks_single_threaded_and_its_executors_serve(tiny_model, st
     log = sidecar_log(sc)
     assert "preloaded torch and the engine" in log and "(1 thread)" in log
     assert "multi-threaded, use of fork()" not in log and "not forking" not in log
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(entry))
+    return out
+
+
+def test_the_zygote_hands_the_request_to_a_spare_forked_ahead(tiny_model, reference, start_sidecar):
+    """With a spare, the replacement is a child the zygote forked (and warmed) before the kill;
+    the zygote forks the next spare after it, and each takeover continues every request."""
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--zygote",
+                        "--zygote-spare", "on"])
+    sc.wait_steady(standbys=0, timeout=120)
+    zygote = sc.wait_for(lambda st: st["zygote"] if _zygote_ready(st) else None, timeout=120)
+    assert zygote["spare"] is True
+    with sc.new_client(timeout=60) as client:
+        for trial in range(2):
+            before = sc.wait_for(lambda st: _children(zygote["pid"]) - {e["pid"] for e in st["executors"]},
+                                 timeout=60)      # a child of the zygote that is no executor yet: the spare
+            got, victim = _kill_mid_stream(sc, client, 20 + 25 * trial)
+            assert got == reference, f"trial {trial}"
+            st = sc.wait_for(lambda st: st if st["zygote"]["spare_forks"] == trial + 1 else None, timeout=30)
+            active = sc.executors(st, "active")[0]
+            assert active["via"] == "zygote" and active["pid"] in before
+            assert st["zygote"]["last_spare"]["pid"] == active["pid"]
+    assert len(sc.status()["recoveries"]) == 2
+    assert all(r["requests_lost"] == 0 for r in sc.status()["recoveries"])
