@@ -128,8 +128,10 @@ class CudaRunner:
         """Load every kernel a step uses, size the allocator and capture the decode graph;
         returns the parts' times in ms. All rows are padding: only the reserved null page is
         written. An urgent executor (it takes over as soon as it is ready, and its first step
-        is decode-only) warms the decode path only: prefill kernels load on its first prefill
-        and the graph is captured a few steps later (see `capture`)."""
+        is decode-only) warms the decode path only, at its largest bucket (a zygote's spare has
+        loaded every bucket's kernels; without one a smaller bucket's load on its first use):
+        prefill kernels load on its first prefill and the graph is captured a few steps later
+        (see `capture`)."""
         times, t0 = {}, time.monotonic()
 
         def lap(name):
@@ -139,8 +141,8 @@ class CudaRunner:
             t0 = time.monotonic()
 
         self._reset_padding()
-        for _ in range(1 if urgent else 2):
-            for rows in self.buckets:
+        for _ in range(1 if urgent else 2):     # urgent: the largest bucket sizes the allocator for all
+            for rows in (self.buckets[-1:] if urgent else self.buckets):
                 self._decode_forward(rows)
         lap("decode_warm_up")
         if not urgent:
