@@ -58,6 +58,7 @@ class Engine:
         self.blocks = BlockManager(PageAllocator([]), self.page_table, self.journal,
                                    self.page_tokens, lease.epoch)
         self.scheduler = Scheduler(self.blocks, max_batch, max_batch_tokens, prefill_chunk)
+        self.max_batch = max_batch
         self.seqs: dict[int, Sequence] = {}          # by journal slot
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
@@ -226,13 +227,17 @@ class Engine:
         self.lease.beat(self.num_steps)
 
     def warm_up_sampler(self) -> None:
-        """Load the sampling kernels before the first real step (a takeover must not pay it)."""
+        """Load the sampling kernels before the first real step (a takeover must not pay it), at
+        the shapes a step samples at: on a GPU, sampled rows go in groups of the runner's batch
+        (kvhold.executor.cuda_runner), whose reductions may take other kernels than one row's."""
         vocab = self.model.lm_head.shape[0]
-        logits = torch.randn(2, vocab, device=self.device)
-        probe = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=1,
-                          temperature=t, top_p=0.9, top_k=40, stop_ids=frozenset(), ignore_eos=True)
-                 for t in (0.0, 0.8)]
-        sample(logits, probe)
+        rows = self.max_batch if self.device.type == "cuda" else 2
+        logits = torch.randn(rows, vocab, device=self.device)
+        probe = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=i,
+                          temperature=0.8 if i % 2 else 0.0, top_p=0.9, top_k=40, stop_ids=frozenset(),
+                          ignore_eos=True) for i in range(rows)]
+        sample(logits, probe, pad_rows=rows if self.device.type == "cuda" else 0)
+        sample(logits[:2], probe[:2])
 
     def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         return finish_reason(seq, token, self.eos, self.max_seq_len)
