@@ -259,14 +259,24 @@ class CudaRunner:
             out, _ = self._decode(decode)
             for i, p in enumerate(decode):
                 logits[id(p)] = out[i]
+        ran = None         # the event after the chunk before the last one queued
         for p in prefill:
             if p.n > self.prefill_chunk:
                 raise RuntimeError(f"a prefill chunk of {p.n} exceeds {self.prefill_chunk}")
             out = self._prefill(p)
             logits[id(p)] = out[0]
             if beat is not None:   # a step of many chunks is progress, not a hang: beat once each
-                torch.cuda.current_stream().synchronize()    # chunk has run, not when it is queued
-                beat()
+                # chunk has run, not when it is queued; waiting for the previous chunk's end while
+                # this one is queued keeps the GPU fed through the wait
+                done = torch.cuda.Event()
+                done.record()
+                if ran is not None:
+                    ran.synchronize()
+                    beat()
+                ran = done
+        if ran is not None:
+            ran.synchronize()
+            beat()
         self.queued_ns = time.monotonic_ns()
         rows = [logits[id(p)] for p in plan if p.samples]
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)
