@@ -1,8 +1,9 @@
 """Benchmark: SIGKILL of the sidecar (the memory owner) mid-stream -> first resumed token.
 
-    python -m tools.bench_sidecar_crash [--kills 20] [--out bench/results/sidecar_crash_cpu.json]
+    python -m tools.bench_sidecar_crash [--kills 20] [--device cpu|cuda:N] [--out FILE]
 
-A sidecar on the tiny demo model (CPU engine, a hot standby) serves SDK clients that stream
+A sidecar on the tiny demo model (the CPU engine on host memory, or with `--device cuda:N` the
+CUDA engine on VMM device memory; a hot standby) serves SDK clients that stream
 greedy and seeded-sampled requests. For each kill: every request is streaming; the sidecar
 alone is SIGKILLed (not its process group: the executors outlive it and wait, keeping their
 mappings); a new sidecar of the same instance is started at once and re-adopts the tables,
@@ -101,6 +102,7 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
         "executors_kept": before == after,
         "requests_adopted": st["pool_restart"]["restore"].get("requests_adopted"),
         "weights_loaded": st["weights"].get("load_ms") is not None,
+        "hand_back": (st.get("adoption") or {}).get("hand_back"),
     }
     return row, nxt
 
@@ -108,8 +110,14 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20, help="sidecar SIGKILLs (default 20)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/sidecar_crash_cpu.json"))
+    ap.add_argument("--device", default="cpu", help="cpu (host memory) or cuda:N (VMM device memory)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default bench/results/sidecar_crash_cpu.json, or _cuda.json with --device cuda")
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.out is None:
+        args.out = Path(f"bench/results/sidecar_crash_{'cpu' if args.device == 'cpu' else 'cuda'}.json")
     model, _ = ensure_demo_model()
     root = Path(tempfile.mkdtemp(prefix="kvh-crash-"))
     logs = root / "logs"
@@ -117,15 +125,17 @@ def main(argv=None) -> int:
     flags = ["--model", str(model), "--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64",
              "--max-batch", "16", "--standbys", "1", "--journal-dir", str(root / "journal"),
              "--lease-ms", "3000"]
+    if args.device != "cpu":
+        flags += ["--device", args.device, "--backend", "cuda", "--prefill-chunk", "64"]
     out = {"command": "python -m tools.bench_sidecar_crash " + " ".join(argv or os.sys.argv[1:]),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()},
+           "device": args.device, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()},
            "requests": REQUESTS, "goals": {"first_resumed_token_p99_ms": 1000, "requests_lost": 0,
                                            "tokens_recomputed": 0}}
     sc = SidecarProcess(flags, runtime_root=root, log_path=logs / "sidecar-0.log").start(timeout=120)
     rows = []
     try:
-        sc.wait_steady(standbys=1, timeout=180)
+        sc.wait_steady(standbys=1, timeout=600)     # a GPU's first start compiles kernels
         with sc.new_client(timeout=60) as c:
             reference = [r.token_ids for r in wait_all(submit_requests(c, REQUESTS))]
         for i in range(args.kills):
