@@ -53,6 +53,7 @@ EXIT_OK = 0
 EXIT_SIDECAR_GONE = 69
 EXIT_FENCED = 75
 EXIT_CUDA_FAULT = 70      # the device context faulted (an illegal address, a kernel's trap)
+REATTACH_TIMEOUT_MS = 30_000   # an adopting sidecar's answer to the attach after the hand-back
 
 
 def is_device_fault(exc: BaseException) -> bool:
@@ -245,8 +246,8 @@ class ExecutorRuntime:
                 log.error("sidecar pid %d refused the region descriptors: %s", pid, reply.get("error"))
         except (OSError, RuntimeError) as exc:
             log.warning("could not hand the region descriptors back to sidecar pid %d: %s", pid, exc)
-        try:
-            attached = ctx.channel.attach(self.token)
+        try:    # the sidecar binds its control socket once it has the regions and its streams
+            attached = ctx.channel.attach(self.token, timeout_ms=REATTACH_TIMEOUT_MS)
         except Exception as exc:      # refused (a stale lease), or no answer in time
             log.error("the sidecar pid %d that adopted the tables did not take this executor back: "
                       "%s; exiting", pid, exc)
