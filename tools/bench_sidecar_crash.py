@@ -14,7 +14,9 @@ after it. Counted: requests lost or differing from an uninterrupted run, tokens 
 executors replaced (pids that changed) and weight loads. The goals (issue of failure
 domains): first resumed token P99 <= 1 s, 0 lost, KV kept (0 recomputed). The restart's
 cost is mostly the new sidecar's Python start-up; what the kill costs after that is the
-re-attach and the clients' resume (they resume after a second of silence).
+re-attach and the clients' resume (as soon as their socket reconnects; after a second of
+silence if they saw no reconnect): `first_token_after_answer_ms` is that part alone. Tokens read
+before the old sidecar is reaped were sent before the kill and are not counted.
 Writes JSON (and prints a summary).
 """
 from __future__ import annotations
@@ -58,12 +60,12 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
     streams = submit_requests(client, REQUESTS)
     for s in streams:                      # every request is streaming at the kill
         next(s)
-    kill_ns = [0]
+    kill_ns, reaped_ns = [0], [0]
     first_after: dict[int, int] = {}
     lock = threading.Lock()
 
-    def on_event(stream, event):
-        if kill_ns[0]:
+    def on_event(stream, event):      # a token read before the old sidecar was reaped was sent before the kill
+        if reaped_ns[0]:
             with lock:
                 first_after.setdefault(id(stream), time.monotonic_ns())
 
@@ -74,6 +76,7 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
     kill_ns[0] = time.monotonic_ns()
     os.kill(current.proc.pid, signal.SIGKILL)          # the sidecar alone
     current.proc.wait()
+    reaped_ns[0] = time.monotonic_ns()
     nxt = SidecarProcess(flags, instance=current.instance, runtime_root=root,
                          log_path=logs / f"sidecar-{index + 1}.log").start(timeout=120)
     answered_ns = time.monotonic_ns()
@@ -96,6 +99,8 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
         "answered_ms": ms(answered_ns), "executors_attached_ms": ms(attached_ns),
         "first_token_after_kill_ms": ms(min(first_after.values())) if first_after else None,
         "all_streams_resumed_ms": ms(max(first_after.values())) if len(first_after) == len(streams) else None,
+        # the SDK's part: from the new sidecar answering (its sockets bound) to the first resumed token
+        "first_token_after_answer_ms": (min(first_after.values()) - answered_ns) / 1e6 if first_after else None,
         "requests": len(REQUESTS), "completed": len(results),
         "identical": sum(r.token_ids == ref for r, ref in zip(results, reference)),
         "tokens_recomputed": sum(r.recomputed_tokens for r in results),
@@ -154,6 +159,8 @@ def main(argv=None) -> int:
         "first_token_after_kill_ms": summarize(first),
         "all_streams_resumed_ms": summarize([r["all_streams_resumed_ms"] for r in rows if r["all_streams_resumed_ms"]]),
         "sidecar_answered_ms": summarize([r["answered_ms"] for r in rows]),
+        "first_token_after_answer_ms": summarize([r["first_token_after_answer_ms"] for r in rows
+                                                  if r["first_token_after_answer_ms"] is not None]),
         "executors_attached_ms": summarize([r["executors_attached_ms"] for r in rows if r["executors_attached_ms"]]),
         "requests": sum(r["requests"] for r in rows), "lost": sum(r["requests"] - r["completed"] for r in rows),
         "differing": sum(r["completed"] - r["identical"] for r in rows),

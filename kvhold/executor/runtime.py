@@ -53,6 +53,7 @@ EXIT_OK = 0
 EXIT_SIDECAR_GONE = 69
 EXIT_FENCED = 75
 EXIT_CUDA_FAULT = 70      # the device context faulted (an illegal address, a kernel's trap)
+SIDECAR_POLL_S = 0.01         # while waiting for a new sidecar: how often the header is read
 REATTACH_TIMEOUT_MS = 30_000   # an adopting sidecar's answer to the attach after the hand-back
 
 
@@ -228,7 +229,7 @@ class ExecutorRuntime:
             pid = ctx.tables.sidecar_pid
             if pid != old_pid and _alive(pid):
                 return self._reattach(ctx, pid)
-            time.sleep(ctx.settings.heartbeat_ms / 1e3)
+            time.sleep(min(ctx.settings.heartbeat_ms / 1e3, SIDECAR_POLL_S))
         log.error("no sidecar adopted this executor within %.0f s; exiting", wait_s)
         return False
 
