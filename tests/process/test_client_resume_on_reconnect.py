@@ -33,6 +33,7 @@ async def _async_streams(instance, root, started: threading.Event, reference, ou
         out["reconnects"] = client._reconnect.reconnects
 
 
+@pytest.mark.slow
 def test_streams_resume_on_reconnect_without_the_silence_timer(tiny_model, runtime_root, tmp_path, monkeypatch):
     monkeypatch.setattr(client_module, "RESUME_AFTER_S", 3600.0)    # the fallback never fires
     monkeypatch.setattr(aclient_module, "RESUME_AFTER_S", 3600.0)
