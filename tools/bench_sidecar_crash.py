@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="kvh-crash-"))
     logs = root / "logs"
     logs.mkdir()
-    flags = ["--model", str(model), "--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64",
+    flags = ["--model", str(model), "--kv-pages", "256", "--max-seq-len", "512",
+             "--max-batch-tokens", "64" if args.device == "cpu" else "256",   # a chunk + the batch fit
              "--max-batch", "16", "--standbys", "1", "--journal-dir", str(root / "journal"),
              "--lease-ms", "3000"]
     if args.device != "cpu":
