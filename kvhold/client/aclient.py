@@ -113,9 +113,10 @@ class AsyncStream:
 class AsyncClient:
     def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
                  context: zmq.asyncio.Context | None = None, curve_server_key=None,
-                 curve_secret_key_file: os.PathLike | None = None):
-        """`endpoint` and the CURVE arguments as for kvhold.client.client.Client: over tcp://, give the
-        server's public key and this client's .key_secret file to speak CurveZMQ."""
+                 curve_secret_key_file: os.PathLike | None = None, resume_on_reconnect: bool = True):
+        """`endpoint`, the CURVE arguments and `resume_on_reconnect` as for
+        kvhold.client.client.Client: over tcp://, give the server's public key and this client's
+        .key_secret file to speak CurveZMQ."""
         if (curve_server_key is None) != (curve_secret_key_file is None):
             raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
@@ -134,7 +135,7 @@ class AsyncClient:
                 if self._own_ctx:
                     self._ctx.term()
                 raise
-        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS) if resume_on_reconnect else None
         self._reconnect = ReconnectWatch()
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
@@ -210,8 +211,9 @@ class AsyncClient:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
-        self._sock.disable_monitor()
-        self._monitor.close(0)
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
         self._sock.close(0)
         if self._own_ctx:
             self._ctx.term()
@@ -262,7 +264,7 @@ class AsyncClient:
             raise SidecarUnavailable("the client is closed")
         if self._receiver is None or self._receiver.done():
             self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
-        if self._watcher is None or self._watcher.done():
+        if self._monitor is not None and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.get_running_loop().create_task(self._watch_reconnects())
 
     async def _watch_reconnects(self) -> None:

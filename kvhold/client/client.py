@@ -182,7 +182,10 @@ class Client:
 
     def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
                  context: zmq.Context | None = None, curve_server_key=None,
-                 curve_secret_key_file: os.PathLike | None = None):
+                 curve_secret_key_file: os.PathLike | None = None, resume_on_reconnect: bool = True):
+        """`resume_on_reconnect`: re-attach open streams as soon as the socket has connected again
+        (a socket monitor); False leaves only the silence timer (a router, which moves streams
+        elsewhere when a connection drops, watches the socket itself)."""
         if (curve_server_key is None) != (curve_secret_key_file is None):
             raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
@@ -199,11 +202,12 @@ class Client:
             except BaseException:
                 self.close()
                 raise
-        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS) if resume_on_reconnect else None
         self._reconnect = ReconnectWatch()
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, object] = {}
@@ -305,7 +309,7 @@ class Client:
             if now - self._last_resume >= RESUME_AFTER_S:
                 self._send_resume()
             ready = dict(self._poller.poll(max(1, int(min(deadline - now, RESUME_AFTER_S) * 1000))))
-            if self._monitor in ready:
+            if self._monitor is not None and self._monitor in ready:
                 self._on_monitor()
             if self._sock in ready:
                 self._last_rx = time.monotonic()
