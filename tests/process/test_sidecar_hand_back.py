@@ -142,3 +142,36 @@ def test_with_no_descriptors_handed_back_in_time_the_pool_is_replaced(runtime_ro
         if second is not None:
             second.stop()
         first.stop(signal.SIGKILL)
+
+
+def test_descriptors_that_are_not_the_named_regions_are_refused_and_the_pool_replaced(runtime_root, tmp_path):
+    """The kv object under its name is replaced while no sidecar runs: the executors' kept
+    descriptors are the old object, not the one the name opens. Both are refused, their pool
+    is not adopted, and a fresh one is made."""
+    flags = IDLE + ["--journal-dir", str(tmp_path / "j")]
+    first = _start(flags, runtime_root, tmp_path / "a.log")
+    second = None
+    try:
+        first.wait_steady()
+        old, generation = list(_roles(first.status())), first.status()["generation"]
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        paths = InstancePaths.for_instance(first.instance, runtime_root)
+        name = paths.shm_name("kv")
+        size = os.stat(os.path.join(SHM_DIR, name.lstrip("/"))).st_size
+        posix_ipc.unlink_shared_memory(name)
+        posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=size).close_fd()
+        second = _start(flags, runtime_root, tmp_path / "b.log", instance=first.instance)
+        second.wait_steady()
+        st = second.status()
+        assert st["adoption"] is None and st["generation"] == generation + 1
+        assert not any(_alive(p) for p in old) and not set(_roles(st)) & set(old)
+        log = sidecar_log(second)
+        refusals = [line for line in log.splitlines() if "refused the descriptors handed back by pid" in line]
+        assert {int(line.split("by pid ")[1].split(":")[0]) for line in refusals} == set(old)
+        assert all(f"region kv: the descriptor is not {name}" in line for line in refusals)
+        assert "every live executor was refused or died" in log
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
