@@ -104,7 +104,7 @@ for phase in "${@:-tests}"; do
       timeout $(left) python3 -m tools.bench_sidecar_crash --device cuda:0 --kills ${SIDECAR_KILLS:-5} \
           --out "$OUT/sidecar_crash_cuda.json" 2>&1 | tail -30
     fi
-    for f in /tmp/pytest-of-*/pytest-*/test_sigkilled_sidecar_on_vmm*/*.log /tmp/kvh-crash-*/logs/*.log; do
+    for f in /tmp/pytest-of-*/pytest-*/test_sigkilled_sidecar_on_vmm*[0-9]/*.log /tmp/kvh-crash-*/logs/*.log; do
       [ -f "$f" ] && tail -c 200000 "$f" | gzip > "$OUT/$(basename "$(dirname "$f")")-$(basename "$f").gz"
     done
     ;;
