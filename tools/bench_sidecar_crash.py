@@ -1,8 +1,9 @@
 """Benchmark: SIGKILL of the sidecar (the memory owner) mid-stream -> first resumed token.
 
-    python -m tools.bench_sidecar_crash [--kills 20] [--out bench/results/sidecar_crash_cpu.json]
+    python -m tools.bench_sidecar_crash [--kills 20] [--device cpu|cuda:N] [--out FILE]
 
-A sidecar on the tiny demo model (CPU engine, a hot standby) serves SDK clients that stream
+A sidecar on the tiny demo model (the CPU engine on host memory, or with `--device cuda:N` the
+CUDA engine on VMM device memory; a hot standby) serves SDK clients that stream
 greedy and seeded-sampled requests. For each kill: every request is streaming; the sidecar
 alone is SIGKILLed (not its process group: the executors outlive it and wait, keeping their
 mappings); a new sidecar of the same instance is started at once and re-adopts the tables,
@@ -13,7 +14,9 @@ after it. Counted: requests lost or differing from an uninterrupted run, tokens 
 executors replaced (pids that changed) and weight loads. The goals (issue of failure
 domains): first resumed token P99 <= 1 s, 0 lost, KV kept (0 recomputed). The restart's
 cost is mostly the new sidecar's Python start-up; what the kill costs after that is the
-re-attach and the clients' resume (they resume after a second of silence).
+re-attach and the clients' resume (as soon as their socket reconnects; after a second of
+silence if they saw no reconnect): `first_token_after_answer_ms` is that part alone. Tokens read
+before the old sidecar is reaped were sent before the kill and are not counted.
 Writes JSON (and prints a summary).
 """
 from __future__ import annotations
@@ -57,12 +60,12 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
     streams = submit_requests(client, REQUESTS)
     for s in streams:                      # every request is streaming at the kill
         next(s)
-    kill_ns = [0]
+    kill_ns, reaped_ns = [0], [0]
     first_after: dict[int, int] = {}
     lock = threading.Lock()
 
-    def on_event(stream, event):
-        if kill_ns[0]:
+    def on_event(stream, event):      # a token read before the old sidecar was reaped was sent before the kill
+        if reaped_ns[0]:
             with lock:
                 first_after.setdefault(id(stream), time.monotonic_ns())
 
@@ -73,6 +76,7 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
     kill_ns[0] = time.monotonic_ns()
     os.kill(current.proc.pid, signal.SIGKILL)          # the sidecar alone
     current.proc.wait()
+    reaped_ns[0] = time.monotonic_ns()
     nxt = SidecarProcess(flags, instance=current.instance, runtime_root=root,
                          log_path=logs / f"sidecar-{index + 1}.log").start(timeout=120)
     answered_ns = time.monotonic_ns()
@@ -95,12 +99,15 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
         "answered_ms": ms(answered_ns), "executors_attached_ms": ms(attached_ns),
         "first_token_after_kill_ms": ms(min(first_after.values())) if first_after else None,
         "all_streams_resumed_ms": ms(max(first_after.values())) if len(first_after) == len(streams) else None,
+        # the SDK's part: from the new sidecar answering (its sockets bound) to the first resumed token
+        "first_token_after_answer_ms": (min(first_after.values()) - answered_ns) / 1e6 if first_after else None,
         "requests": len(REQUESTS), "completed": len(results),
         "identical": sum(r.token_ids == ref for r, ref in zip(results, reference)),
         "tokens_recomputed": sum(r.recomputed_tokens for r in results),
         "executors_kept": before == after,
         "requests_adopted": st["pool_restart"]["restore"].get("requests_adopted"),
         "weights_loaded": st["weights"].get("load_ms") is not None,
+        "hand_back": (st.get("adoption") or {}).get("hand_back"),
     }
     return row, nxt
 
@@ -108,24 +115,33 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20, help="sidecar SIGKILLs (default 20)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/sidecar_crash_cpu.json"))
+    ap.add_argument("--device", default="cpu", help="cpu (host memory) or cuda:N (VMM device memory)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default bench/results/sidecar_crash_cpu.json, or _cuda.json with --device cuda")
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.out is None:
+        args.out = Path(f"bench/results/sidecar_crash_{'cpu' if args.device == 'cpu' else 'cuda'}.json")
     model, _ = ensure_demo_model()
     root = Path(tempfile.mkdtemp(prefix="kvh-crash-"))
     logs = root / "logs"
     logs.mkdir()
-    flags = ["--model", str(model), "--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64",
+    flags = ["--model", str(model), "--kv-pages", "256", "--max-seq-len", "512",
+             "--max-batch-tokens", "64" if args.device == "cpu" else "256",   # a chunk + the batch fit
              "--max-batch", "16", "--standbys", "1", "--journal-dir", str(root / "journal"),
              "--lease-ms", "3000"]
+    if args.device != "cpu":
+        flags += ["--device", args.device, "--backend", "cuda", "--prefill-chunk", "64"]
     out = {"command": "python -m tools.bench_sidecar_crash " + " ".join(argv or os.sys.argv[1:]),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()},
+           "device": args.device, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()},
            "requests": REQUESTS, "goals": {"first_resumed_token_p99_ms": 1000, "requests_lost": 0,
                                            "tokens_recomputed": 0}}
     sc = SidecarProcess(flags, runtime_root=root, log_path=logs / "sidecar-0.log").start(timeout=120)
     rows = []
     try:
-        sc.wait_steady(standbys=1, timeout=180)
+        sc.wait_steady(standbys=1, timeout=600)     # a GPU's first start compiles kernels
         with sc.new_client(timeout=60) as c:
             reference = [r.token_ids for r in wait_all(submit_requests(c, REQUESTS))]
         for i in range(args.kills):
@@ -144,6 +160,8 @@ def main(argv=None) -> int:
         "first_token_after_kill_ms": summarize(first),
         "all_streams_resumed_ms": summarize([r["all_streams_resumed_ms"] for r in rows if r["all_streams_resumed_ms"]]),
         "sidecar_answered_ms": summarize([r["answered_ms"] for r in rows]),
+        "first_token_after_answer_ms": summarize([r["first_token_after_answer_ms"] for r in rows
+                                                  if r["first_token_after_answer_ms"] is not None]),
         "executors_attached_ms": summarize([r["executors_attached_ms"] for r in rows if r["executors_attached_ms"]]),
         "requests": sum(r["requests"] for r in rows), "lost": sum(r["requests"] - r["completed"] for r in rows),
         "differing": sum(r["completed"] - r["identical"] for r in rows),

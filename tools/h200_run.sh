@@ -20,6 +20,9 @@
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
+#   sidecar-crash  SIGKILL of the sidecar on VMM memory mid-stream: its executors hand the
+#                  descriptors back (tests/gpu/test_gpu_sidecar_crash.py), then the benchmark
+#                  (SIDECAR_KILLS, default 5; 0 skips it)                          -> sidecar_crash_cuda.json
 #
 # BUDGET_S (default 585) bounds the whole call: the last phase gets what is left of it.
 set -uo pipefail
@@ -93,6 +96,17 @@ for phase in "${@:-tests}"; do
     timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny --trials ${FAULT_TRIALS:-5} --requests 8 \
         --out "$OUT/cuda_fault_cuda.json" 2>&1 | tail -40
     gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  sidecar-crash)
+    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/gpu/test_gpu_sidecar_crash.py 2>&1 | tail -40 | tee "$OUT/pytest_sidecar_crash.txt"
+    if [ "${SIDECAR_KILLS:-5}" -gt 0 ]; then
+      timeout $(left) python3 -m tools.bench_sidecar_crash --device cuda:0 --kills ${SIDECAR_KILLS:-5} \
+          --out "$OUT/sidecar_crash_cuda.json" 2>&1 | tail -30
+    fi
+    for f in /tmp/pytest-of-*/pytest-*/test_sigkilled_sidecar_on_vmm*[0-9]/*.log /tmp/kvh-crash-*/logs/*.log; do
+      [ -f "$f" ] && tail -c 200000 "$f" | gzip > "$OUT/$(basename "$(dirname "$f")")-$(basename "$f").gz"
+    done
     ;;
   *)
     echo "unknown phase: $phase (see the head of tools/h200_run.sh)"; exit 2

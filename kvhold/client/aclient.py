@@ -14,7 +14,9 @@ executor crashes with no duplicate and no gap (indices are checked), exactly as 
 the sync SDK. Liveness follows the Paranoid Pirate rule: any frame from the sidecar,
 keepalives included, proves it alive; a caller that waits while the sidecar has been
 silent for `timeout` seconds gets `SidecarUnavailable`, never a hang. Pool restarts work
-as in the sync SDK: the announced pause is waited through, then `Resume` re-attaches.
+as in the sync SDK: the announced pause is waited through, then `Resume` re-attaches; a
+restarted sidecar's streams are re-attached as soon as the socket has connected to it (a
+monitor task watches the socket's events), with the silence timer as the fallback.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ import zmq
 import zmq.asyncio
 
 from kvhold.protocol import messages as m, wire
-from kvhold.client.client import (RESUME_AFTER_S, GenerationResult, TokenEvent, hear_keepalive, resume_message,
-                        take_tokens)
+from kvhold.client.client import (RECONNECT_EVENTS, RESUME_AFTER_S, GenerationResult, ReconnectWatch, TokenEvent,
+                                  hear_keepalive, resume_all, resume_message, take_tokens)
 from kvhold.protocol.curve import apply_client_curve
 from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from kvhold.protocol.naming import InstancePaths
@@ -111,9 +113,10 @@ class AsyncStream:
 class AsyncClient:
     def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
                  context: zmq.asyncio.Context | None = None, curve_server_key=None,
-                 curve_secret_key_file: os.PathLike | None = None):
-        """`endpoint` and the CURVE arguments as for kvhold.client.client.Client: over tcp://, give the
-        server's public key and this client's .key_secret file to speak CurveZMQ."""
+                 curve_secret_key_file: os.PathLike | None = None, resume_on_reconnect: bool = True):
+        """`endpoint`, the CURVE arguments and `resume_on_reconnect` as for
+        kvhold.client.client.Client: over tcp://, give the server's public key and this client's
+        .key_secret file to speak CurveZMQ."""
         if (curve_server_key is None) != (curve_secret_key_file is None):
             raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
@@ -132,11 +135,14 @@ class AsyncClient:
                 if self._own_ctx:
                     self._ctx.term()
                 raise
+        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS) if resume_on_reconnect else None
+        self._reconnect = ReconnectWatch()
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
         self._streams: dict[int, _StreamState] = {}
         self._receiver: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self._last_rx = self._last_resume = time.monotonic()
         self._pause_until = 0.0    # a pool restart announced a pause until then (monotonic)
         self._closed = False
@@ -198,12 +204,16 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._closed = True
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._receiver, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
         self._sock.close(0)
         if self._own_ctx:
             self._ctx.term()
@@ -254,6 +264,16 @@ class AsyncClient:
             raise SidecarUnavailable("the client is closed")
         if self._receiver is None or self._receiver.done():
             self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+        if self._monitor is not None and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_reconnects())
+
+    async def _watch_reconnects(self) -> None:
+        """Re-attach every open stream as soon as the socket has connected again."""
+        while True:
+            frames = await self._monitor.recv_multipart()
+            if self._reconnect.seen(frames):
+                self._last_resume = time.monotonic()
+                self._queue(resume_all(self._streams))
 
     async def _receive_loop(self) -> None:
         while True:
@@ -274,7 +294,9 @@ class AsyncClient:
         if now - self._last_resume < RESUME_AFTER_S:
             return
         self._last_resume = now
-        msg = resume_message(self._streams, now)
+        self._queue(resume_message(self._streams, now))
+
+    def _queue(self, msg) -> None:
         if msg is None:
             return
         try:

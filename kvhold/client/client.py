@@ -11,8 +11,11 @@ A stream survives executor crashes with no action by the caller: the sidecar
 keeps it open, sends keepalives during the pause and continues from the next
 token, with no duplicate and no gap (the SDK checks the indices). A pool restart
 (`kvhold pool-restart`) is a longer pause: the sidecar announces it (`Restarting`), the
-SDK waits that long, then re-attaches its streams to the new sidecar (`Resume`, sent
-after each second of silence) and continues from the index it has. Errors are
+SDK waits that long, then re-attaches its streams to the new sidecar (`Resume`) and
+continues from the index it has. The Resume goes as soon as the socket has connected again
+after a disconnect (a ZeroMQ socket monitor: the handshake with the new sidecar succeeded),
+so a restarted sidecar's streams continue without waiting for a silence; after each second
+of silence it is sent as well, the fallback for a restart the socket did not see. Errors are
 typed (kvhold.protocol.errors): bad parameters raise `InvalidParams` and its subclasses
 before or after a round trip; a sidecar that stays silent for `timeout` seconds
 raises `SidecarUnavailable`, never a hang. One Client is one socket: use it from
@@ -27,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvhold.protocol import messages as m, wire
 from kvhold.protocol.curve import apply_client_curve
@@ -35,6 +39,8 @@ from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.sampling import RequestInput
 
 RESUME_AFTER_S = 1.0   # silence (two missed keepalives) after which open streams are re-attached
+# the monitor's events: a new connection is usable once its handshake succeeded
+RECONNECT_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,32 @@ def resume_message(streams: dict, now: float) -> m.Resume | None:
     if not ids:
         return None
     return m.Resume(request_ids=ids, next_indices=[len(streams[r].token_ids) for r in ids])
+
+
+def resume_all(streams: dict) -> m.Resume | None:
+    """Re-attach every open stream (the socket reconnected: the sidecar may be a new one)."""
+    if not streams:
+        return None
+    return m.Resume(request_ids=list(streams), next_indices=[len(st.token_ids) for st in streams.values()])
+
+
+class ReconnectWatch:
+    """Reads a socket monitor's events: `seen(frames)` is True for a handshake that succeeded
+    after a disconnect (not for the first connection)."""
+
+    def __init__(self):
+        self.disconnected = False
+        self.reconnects = 0
+
+    def seen(self, frames) -> bool:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self.disconnected = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.disconnected:
+            self.disconnected = False
+            self.reconnects += 1
+            return True
+        return False
 
 
 def hear_keepalive(streams: dict, msg: m.Keepalive) -> None:
@@ -150,7 +182,10 @@ class Client:
 
     def __init__(self, endpoint: str, timeout: float = 10.0, identity: bytes | None = None,
                  context: zmq.Context | None = None, curve_server_key=None,
-                 curve_secret_key_file: os.PathLike | None = None):
+                 curve_secret_key_file: os.PathLike | None = None, resume_on_reconnect: bool = True):
+        """`resume_on_reconnect`: re-attach open streams as soon as the socket has connected again
+        (a socket monitor); False leaves only the silence timer (a router, which moves streams
+        elsewhere when a connection drops, watches the socket itself)."""
         if (curve_server_key is None) != (curve_secret_key_file is None):
             raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
@@ -167,6 +202,12 @@ class Client:
             except BaseException:
                 self.close()
                 raise
+        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS) if resume_on_reconnect else None
+        self._reconnect = ReconnectWatch()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, object] = {}
@@ -224,6 +265,10 @@ class Client:
         return self._wait_reply(tag)
 
     def close(self) -> None:
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            self._sock.disable_monitor()
+            monitor.close(0)
         self._sock.close(0)
         if self._own_ctx:
             self._ctx.term()
@@ -252,7 +297,8 @@ class Client:
     def _receive_one(self) -> None:
         """Receive and dispatch one message; SidecarUnavailable after `timeout` of silence (or
         after the pause a pool restart announced, if longer). Open streams are re-attached with
-        `Resume` after each RESUME_AFTER_S of silence: a restarted sidecar re-sends from there."""
+        `Resume` as soon as the socket connected again, and after each RESUME_AFTER_S of
+        silence: a restarted sidecar re-sends from there."""
         started = time.monotonic()
         while True:
             now = time.monotonic()
@@ -262,14 +308,29 @@ class Client:
                                          f"{self.timeout:.1f} s")
             if now - self._last_resume >= RESUME_AFTER_S:
                 self._send_resume()
-            if self._sock.poll(max(1, int(min(deadline - now, RESUME_AFTER_S) * 1000)), zmq.POLLIN):
+            ready = dict(self._poller.poll(max(1, int(min(deadline - now, RESUME_AFTER_S) * 1000))))
+            if self._monitor is not None and self._monitor in ready:
+                self._on_monitor()
+            if self._sock in ready:
                 self._last_rx = time.monotonic()
                 self._dispatch(self._sock.recv())
                 return
 
+    def _on_monitor(self) -> None:
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self._reconnect.seen(frames):
+                self._last_resume = time.monotonic()
+                self._queue(resume_all(self._streams))
+
     def _send_resume(self) -> None:
         now = self._last_resume = time.monotonic()
-        msg = resume_message(self._streams, now)
+        self._queue(resume_message(self._streams, now))
+
+    def _queue(self, msg) -> None:
         if msg is None:
             return
         try:

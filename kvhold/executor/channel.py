@@ -14,6 +14,7 @@ import zmq
 
 from kvhold.protocol import fdpass, messages as m, wire
 from kvhold.protocol.errors import error_from_code
+from kvhold.protocol.hand_back import HandBack
 from kvhold.protocol.naming import InstancePaths
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,22 @@ class Channel:
                 os.close(fd)
             raise RuntimeError("descriptor count does not match region names")
         return dict(zip(names, fds))
+
+    def hand_back(self, token: str, slot: int, epoch: int, kept: dict, timeout_s: float = 5.0) -> dict:
+        """Give a restarted sidecar the region descriptors this executor kept (name -> (fd,
+        RegionInfo)); the fds stay open here. Returns the sidecar's reply."""
+        names = list(kept)
+        msg = HandBack(token=token, pid=os.getpid(), slot=slot, epoch=epoch,
+                       regions=tuple(kept[n][1] for n in names))
+        sock = fdpass.connect(str(self.paths.fd_socket), timeout_s)
+        try:
+            fdpass.send(sock, msg.to_wire(), [kept[n][0] for n in names])
+            reply, stray = fdpass.recv(sock)
+        finally:
+            sock.close()
+        for fd in stray:
+            os.close(fd)
+        return reply
 
     def close(self) -> None:
         if not self.ctx.closed:

@@ -18,9 +18,10 @@ control socket path with its pid; the new sidecar answers with the same lease (s
 epoch), and the executor carries on in its role with its batch, KV and weights as they
 were. A sidecar that does not adopt it, or no sidecar within the wait, ends it
 (EXIT_SIDECAR_GONE). With `sidecar_wait_ms` 0 it exits with the sidecar (pidfd, and
-PR_SET_PDEATHSIG when the sidecar spawned it). On a CUDA device the region descriptors
-would have to be handed back to the new sidecar (it cannot open VMM memory by name):
-adoption is host memory only, and a CUDA executor exits with its sidecar.
+PR_SET_PDEATHSIG when the sidecar spawned it). Before it attaches again it hands the new
+sidecar a dup of every region descriptor it received, kept open for this
+(kvhold.protocol.hand_back): CUDA VMM memory has no name to open it by, and a received
+descriptor is itself the shareable handle, so the new sidecar builds its regions from them.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ EXIT_OK = 0
 EXIT_SIDECAR_GONE = 69
 EXIT_FENCED = 75
 EXIT_CUDA_FAULT = 70      # the device context faulted (an illegal address, a kernel's trap)
+SIDECAR_POLL_S = 0.01         # while waiting for a new sidecar: how often the header is read
+REATTACH_TIMEOUT_MS = 30_000   # an adopting sidecar's answer to the attach after the hand-back
 
 
 def is_device_fault(exc: BaseException) -> bool:
@@ -124,6 +127,7 @@ class ExecutorRuntime:
         self.sidecar_pidfd = -1
         self.sidecar_pid = 0
         self.stop_reason = ""
+        self.kept: dict[str, tuple[int, RegionInfo]] = {}   # a dup of each region descriptor received
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_reason = signal.Signals(signum).name
@@ -167,6 +171,8 @@ class ExecutorRuntime:
                     lap("device_context")
                 mappings[name] = map_region(fd, infos[name])
                 lap(f"map_{name}")
+            if self._outlives_sidecar(attached.settings):   # for a restarted sidecar (kvhold.protocol.hand_back)
+                self.kept = {name: (os.dup(fd), infos[name]) for name, fd in fds.items()}
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -222,8 +228,8 @@ class ExecutorRuntime:
 
     @staticmethod
     def _outlives_sidecar(settings: ExecutorSettings) -> bool:
-        """Whether this executor waits for a new sidecar when its own dies: host memory only."""
-        return settings.sidecar_wait_ms > 0 and settings.device == "cpu"
+        """Whether this executor waits for a new sidecar when its own dies."""
+        return settings.sidecar_wait_ms > 0
 
     def _await_sidecar(self, ctx: ExecutorContext, workload: Workload) -> bool:
         """The sidecar died: keep the mappings, stop stepping, and wait for a sidecar that adopts
@@ -248,15 +254,26 @@ class ExecutorRuntime:
             pid = ctx.tables.sidecar_pid
             if pid != old_pid and _alive(pid):
                 return self._reattach(ctx, pid)
-            time.sleep(ctx.settings.heartbeat_ms / 1e3)
+            time.sleep(min(ctx.settings.heartbeat_ms / 1e3, SIDECAR_POLL_S))
         log.error("no sidecar adopted this executor within %.0f s; exiting", wait_s)
         return False
 
     def _reattach(self, ctx: ExecutorContext, pid: int) -> bool:
-        """Attach to the adopting sidecar `pid`: it must give back this very lease."""
+        """Hand the region descriptors back to the adopting sidecar `pid`, then attach to it: it
+        must give back this very lease. Whether it kept the descriptors is its decision: one
+        that did not adopt the pool refuses the attach (or has killed this executor)."""
         self.channel = ctx.channel = Channel(self.paths)
         try:
-            attached = ctx.channel.attach(self.token)
+            reply = ctx.channel.hand_back(self.token, ctx.attached.slot, ctx.epoch, self.kept)
+            if reply.get("ok"):
+                log.info("handed the region descriptors back to sidecar pid %d (%s)", pid,
+                         "kept" if reply.get("kept") else reply.get("reason", "not needed"))
+            else:
+                log.error("sidecar pid %d refused the region descriptors: %s", pid, reply.get("error"))
+        except (OSError, RuntimeError) as exc:
+            log.warning("could not hand the region descriptors back to sidecar pid %d: %s", pid, exc)
+        try:    # the sidecar binds its control socket once it has the regions and its streams
+            attached = ctx.channel.attach(self.token, timeout_ms=REATTACH_TIMEOUT_MS)
         except Exception as exc:      # refused (a stale lease), or no answer in time
             log.error("the sidecar pid %d that adopted the tables did not take this executor back: "
                       "%s; exiting", pid, exc)

@@ -4,7 +4,9 @@ Sidecar side (`VmmAllocation`): cuInit, then cuMemCreate with the POSIX-fd handl
 type and cuMemExportToShareableHandle. No context is created: the physical memory
 belongs to the allocation handle, which the sidecar holds until it exits, so the
 memory outlives every executor that imported it (tools/gpu_probe_vmm.py and the GPU
-tests show it on an H200). Executor side (`VmmMapping`): import the fd, reserve a virtual range at a
+tests show it on an H200). A restarted sidecar that takes a dead one's memory back from
+its executors (`adopt_handle`, kvhold.protocol.hand_back) imports their descriptors, again
+with no context, and holds the imported handles instead. Executor side (`VmmMapping`): import the fd, reserve a virtual range at a
 deterministic hint (so the same region has the same address in every executor
 when the driver honours the hint; `stable` says whether it did), map, set access
 read-write or read-only, and expose the range as a torch tensor without copying
@@ -95,6 +97,48 @@ class VmmAllocation:
         if self.handle is not None:
             check(driver().cuMemRelease(self.handle), "cuMemRelease")
             self.handle = None
+
+
+def adopt_handle(fd: int, size: int, device: int):
+    """Import a POSIX-fd handle another process received, in a process with no CUDA context
+    (a restarted sidecar, kvhold.sidecar.hand_back), and check that it is device memory of
+    `device` holding at least `size` bytes: the imported handle is reserved a virtual range
+    and mapped there with no access (which the driver refuses for a smaller allocation), then
+    unmapped. Returns (the imported handle, which keeps the memory alive until released,
+    what was checked). Raises CudaError, naming the check that failed."""
+    cu = driver()
+    init()
+    handle = check(cu.cuMemImportFromShareableHandle(
+        fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        "cuMemImportFromShareableHandle (not a CUDA memory handle)")
+    try:
+        prop = check(cu.cuMemGetAllocationPropertiesFromHandle(handle),
+                     "cuMemGetAllocationPropertiesFromHandle")
+        if (prop.location.type != cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                or int(prop.location.id) != device):
+            raise CudaError(f"the allocation is not memory of device {device} "
+                            f"(location {prop.location.type!r} {int(prop.location.id)})")
+        gran = granularity(device)
+        checked = f"imported: memory of device {device}, {size} bytes mapped with no context"
+        try:
+            va = int(check(cu.cuMemAddressReserve(round_up(size, gran), gran, 0, 0), "cuMemAddressReserve"))
+        except CudaError as exc:      # a driver that wants a context for it: the importers' map checks
+            if "CONTEXT" not in str(exc):
+                raise
+            va, checked = 0, f"imported: memory of device {device}; size not checked here ({exc})"
+        if va:
+            try:
+                check(cu.cuMemMap(va, size, 0, handle, 0),
+                      f"cuMemMap of {size} bytes (the allocation is smaller than the region)")
+                check(cu.cuMemUnmap(va, size), "cuMemUnmap")
+            finally:
+                check(cu.cuMemAddressFree(va, round_up(size, gran)), "cuMemAddressFree")
+        if has_current_context():
+            raise CudaError("checking the handle made a CUDA context current in the sidecar")
+    except BaseException:
+        cu.cuMemRelease(handle)
+        raise
+    return handle, checked
 
 
 @dataclass

@@ -10,6 +10,8 @@ executors never open regions by name. Two backends:
 * `cuda` (`CudaRegion`, over kvhold.protocol.cuda_vmm): physical memory from
   cuMemCreate with the POSIX-fd handle type; the exported fd travels the same
   way and the importer maps it at a deterministic virtual address, read-only for weights.
+  A restarted sidecar takes a dead one's CUDA regions back from an executor that kept their
+  descriptors (`AdoptedCudaRegion`, kvhold.protocol.hand_back).
 
 `Mapping.tensor` wraps mapped memory as a torch tensor without copying.
 
@@ -193,6 +195,40 @@ class CudaRegion:
 
     def unlink(self) -> None:
         self.allocation.release()
+
+
+class AdoptedCudaRegion:
+    """A dead sidecar's CUDA region, taken back from an executor that kept its descriptor
+    (kvhold.protocol.hand_back). An imported handle cannot be exported again, but the received
+    POSIX fd is itself the shareable handle: each recipient gets a dup of it. `handle` is this
+    process's import of it (kvhold.protocol.cuda_vmm.adopt_handle), which keeps the memory
+    alive, as the creator's handle did, until the region is released."""
+
+    backend = "cuda"
+
+    def __init__(self, name: str, info: RegionInfo, fd: int, handle):
+        self.name = name
+        self.device = info.device
+        self.size = info.size
+        self.va_hint = info.va_hint
+        self.fd = fd
+        self.handle = handle
+
+    def info(self, readonly: bool) -> RegionInfo:
+        return RegionInfo(self.name, self.size, self.backend, readonly, self.device, self.va_hint)
+
+    def export_fd(self, readonly: bool) -> int:
+        return os.dup(self.fd)
+
+    def unlink(self) -> None:
+        if self.handle is not None:
+            from kvhold.protocol import cuda_vmm
+
+            cuda_vmm.check(cuda_vmm.driver().cuMemRelease(self.handle), "cuMemRelease")
+            self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class CudaMapping:

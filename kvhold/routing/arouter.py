@@ -41,7 +41,7 @@ class _TrackedAsyncClient(AsyncClient):
     """An AsyncClient that can tell whether its connection dropped (a socket monitor)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, resume_on_reconnect=False, **kwargs)   # this monitor is the router's
         self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     @property

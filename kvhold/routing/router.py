@@ -42,7 +42,7 @@ class _TrackedClient(Client):
     moment its connection drops (the socket monitor wakes the same poll)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, resume_on_reconnect=False, **kwargs)   # this monitor is the router's
         self.last_heard = time.monotonic()
         self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()

@@ -1,20 +1,25 @@
 """Re-adoption: a sidecar that starts where one of its instance died takes over its live pool.
 
 A sidecar killed outright (SIGKILL, OOM, a crash) leaves its tables segment, its memory
-regions and (with `sidecar_wait_ms` > 0, on host memory) its executors behind: they keep
+regions and (with `sidecar_wait_ms` > 0) its executors behind: they keep
 their mappings, and so the memory, and wait (kvhold.executor.runtime). The next sidecar
 of the instance, once it holds the instance lock, looks at what is there before it cleans
 anything (`find`):
 
 * the tables segment by name, validated as any reader does (magic, layout version, header
   CRC, offsets), then against this start: the same geometry, a READY pool of the durable
-  journal's generation, the same sealed weights (fingerprint), host memory, the executor
+  journal's generation, the same sealed weights (fingerprint), the executor
   token still in place;
 * each lease's holder, by its liveness mutex (kvhold.protocol.liveness): held (EBUSY) is a
   live executor, EOWNERDEAD one that died, free one that never took it;
-* the KV and weights regions by name, with the sizes this pool needs.
+* the KV and weights regions by name, with the sizes this pool needs (host memory; CUDA
+  memory has no name: its descriptors are handed back, below).
 
-If some ACTIVE or STANDBY executor is alive and everything agrees, the pool is adopted:
+If some ACTIVE or STANDBY executor is alive and everything agrees, the pool is adoptable. It
+is adopted once a live executor has handed back the regions' descriptors and they passed
+the checks of kvhold.sidecar.hand_back (the same object as the host region's name; for CUDA,
+device memory of the pool's size); if none does within `--sidecar-wait-ms`, `abandon` kills
+the executors and the start makes a fresh pool. Adopted:
 nothing is unlinked, the generation is kept, and `Adoptable` says which leases live. A
 live executor that was still starting or was already fenced is killed first, and waited
 for (so is a dead lease's process that has not fully exited), so that no writer of unknown
@@ -69,6 +74,7 @@ class Adoptable:
     dead: list[LeaseHolder]            # leases whose holder is gone (any role)
     previous_pid: int = 0
     killed: list[int] = field(default_factory=list)    # starting or fenced executors killed
+    taken_back: object = None          # kvhold.sidecar.hand_back.TakenBack, once handed back
 
 
 def _holder_state(tables: Tables, slot: int) -> str:
@@ -143,7 +149,7 @@ def find(paths, geometry, *, backend: str, generation: int, fingerprint: str, to
         else:                          # starting, fenced, or alive without its mutex
             starting.append(h)
     reason = (_refusal(tables, geometry, backend, generation, fingerprint, token_path, live)
-              or _regions_refusal(paths, region_sizes))
+              or (_regions_refusal(paths, region_sizes) if backend == "host" else None))
     if reason is not None:
         doomed = [h.pid for h in live + starting if _is_executor(h.pid)]
         log.warning("not adopting the pool of sidecar pid %d: %s%s", tables.sidecar_pid, reason,
@@ -161,6 +167,16 @@ def find(paths, geometry, *, backend: str, generation: int, fingerprint: str, to
                      killed=[h.pid for h in starting])
 
 
+def abandon(found: Adoptable, reason: str) -> None:
+    """Give up a pool found adoptable (its regions were not handed back): kill its live
+    executors, which map memory no one will serve, and close its tables."""
+    doomed = [h.pid for h in found.live if _is_executor(h.pid)]
+    log.warning("not adopting the pool of sidecar pid %d: %s%s", found.previous_pid, reason,
+                f"; killing its executors {doomed}" if doomed else "")
+    _kill_and_wait(doomed)
+    found.tables.close()
+
+
 def _regions_refusal(paths, sizes: dict[str, int]) -> str | None:
     for name, size in sizes.items():
         try:
@@ -176,8 +192,6 @@ def _refusal(tables: Tables, geometry, backend: str, generation: int, fingerprin
              token_path, live) -> str | None:
     if not live:
         return "no executor of it is alive"
-    if backend != "host":
-        return f"backend {backend!r}: only host memory can be adopted"
     if tables.geometry != geometry:
         return "its table geometry differs from this start's"
     if int(tables.header["state"]) != PoolState.READY:

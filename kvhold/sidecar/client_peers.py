@@ -25,7 +25,8 @@ ZMQ_SRCFD) has not been seen to close since (socket monitor: DISCONNECTED or CLO
 or ACCEPTED of a new connection reusing the descriptor; the monitor's queue is
 unbounded, so no event is lost). Otherwise the message is dropped and the caller told;
 the frontend then holds the stream until its owner resumes it (the SDK sends `Resume`
-after a second of silence, from whatever connection it has by then). A stream also goes
+as soon as its socket has connected again, and after a second of silence, from whatever
+connection it has by then). A stream also goes
 only to the connection its owner was on when it was admitted or last resumed (`connection`
 numbers them): another connection of the same owner under the same routing id, such as a
 restarted HTTP server, does not know the stream and would drop it, so the stream is held

@@ -38,7 +38,7 @@ from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
-from kvhold.sidecar import adoption
+from kvhold.sidecar import adoption, hand_back
 from kvhold.sidecar.client_peers import CURVE, NOBODY, PEERCRED, ClientPeers, split_client_key
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
@@ -47,7 +47,7 @@ from kvhold.sidecar.frontend import Frontend
 from kvhold.sidecar.health_responder import HealthResponder
 from kvhold.sidecar.instance_lock import InstanceLock
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
-from kvhold.sidecar.regions import PoolMemory, create_regions
+from kvhold.sidecar.regions import PoolMemory, create_regions, expected_infos
 from kvhold.sidecar.request_deaths import RequestDeaths
 from kvhold.sidecar.restore import Restore
 from kvhold.sidecar.stats_log import StatsLog
@@ -78,6 +78,7 @@ class Sidecar:
         self._stack = contextlib.ExitStack()
         self._started = False     # a start refused (instance busy) made nothing to clean up
         self.adoption: dict | None = None   # what this start re-adopted (kvhold.sidecar.adoption)
+        self.fd_listener = None
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
@@ -102,6 +103,10 @@ class Sidecar:
         self.durable = DurableJournal(cfg.journal_path)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
         self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None)
+        if found is not None:
+            found = self._take_back_regions(stack, found, geometry)
+            if found is None:           # no executor handed its descriptors back: a fresh pool
+                self.lock.remove_stale(SHM_PARTS)
         generation = self._next_generation() if found is None else found.tables.generation
         self.token, self.token_path = self._load_token(stack, reuse=found is not None)
         self.memory = self._create_memory(stack, geometry, generation, found)
@@ -116,9 +121,9 @@ class Sidecar:
             self.supervisor.adopt(found.live, found.dead)
         self._open_sockets(stack)
         self._write_state_file(stack)
-        if found is not None:           # waiting executors attach again once they see this pid
-            self.tables.claim(os.getpid())
+        if found is not None:           # the header names this sidecar since the hand-back
             self.adoption = {"previous_pid": found.previous_pid, "killed": found.killed,
+                             "hand_back": found.taken_back.record,
                              "executors": [{"pid": h.pid, "slot": h.slot, "role": h.role.name.lower()}
                                            for h in found.live],
                              "dead": [h.pid for h in found.dead], "adopted_ns": now_ns(),
@@ -216,8 +221,31 @@ class Sidecar:
             self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
         stack.callback(self.tables.unlink)
         regions = create_regions(sizes, self.config.pool, self.paths,
-                                 lambda region: stack.callback(region.unlink), adopt=found is not None)
+                                 lambda region: stack.callback(region.unlink), adopt=found is not None,
+                                 taken_back=found.taken_back.regions if found is not None else None)
         return PoolMemory(self.tables, regions)
+
+    def _take_back_regions(self, stack: contextlib.ExitStack, found, geometry):
+        """Open the descriptor socket, name this sidecar in the header and wait for a live
+        executor to hand the regions' descriptors back (kvhold.sidecar.hand_back); `found`
+        with them, or None (its executors killed) if none did in time."""
+        cfg = self.config
+        self._listen_fds(stack)
+        found.tables.claim(os.getpid())         # the waiting executors' sign to hand back and attach
+        token_path = cfg.executors.token_file or self.paths.token_file
+        expected = expected_infos(self._region_sizes(geometry), cfg.pool)
+        receiver = hand_back.Receiver(found, expected, token_path.read_text().strip(), self.paths,
+                                      cfg.pool.backend)
+        log.info("waiting up to %.1f s for an executor to hand back the regions' descriptors",
+                 cfg.executors.sidecar_wait_ms / 1e3)
+        found.taken_back = receiver.wait(self.fd_listener, cfg.executors.sidecar_wait_ms / 1e3)
+        if found.taken_back is not None:
+            return found
+        adoption.abandon(found, "no live executor handed back the regions' descriptors"
+                         + (f" (refused: {receiver.refused})" if receiver.refused else ""))
+        self.fd_listener.close()       # remove_stale unlinks its path; _open_sockets binds it anew
+        self.fd_listener = None
+        return None
 
     def _next_generation(self) -> int:
         path = self.paths.runtime_dir / "generation"
@@ -267,15 +295,19 @@ class Sidecar:
         if self.tcp is not None:
             self._client_sockets[b"t"] = self.tcp.socket
             self.peers.add(b"t", self.tcp.socket, CURVE if self.tcp.curve else NOBODY)
-        stack.callback(_unlink, self.paths.fd_socket)
-        self.fd_listener = fdpass.listen(str(self.paths.fd_socket))
-        stack.callback(self.fd_listener.close)
-        self.fd_listener.setblocking(False)
+        if self.fd_listener is None:            # not opened already to take regions back
+            self._listen_fds(stack)
         self.loop.register(self.control)
         self.loop.register(self.client)
         if self.tcp is not None:
             self.tcp.register(self.loop.poller)
         self.loop.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
+
+    def _listen_fds(self, stack: contextlib.ExitStack) -> None:
+        stack.callback(_unlink, self.paths.fd_socket)
+        self.fd_listener = fdpass.listen(str(self.paths.fd_socket))
+        stack.callback(self.fd_listener.close)
+        self.fd_listener.setblocking(False)
 
     def _router(self, endpoint: str, path, stack: contextlib.ExitStack) -> zmq.Socket:
         sock = self.zctx.socket(zmq.ROUTER)

@@ -120,7 +120,8 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sidecar-wait-ms", type=int, default=30_000,
                    help="how long executors outlive a sidecar that dies (SIGKILL, a crash), waiting "
                         "for a restarted sidecar of the instance to re-adopt them with their memory; "
-                        "0: they exit with it (default 30000)")
+                        "a restarted sidecar waits as long for one to hand back the regions' "
+                        "descriptors, then makes a fresh pool; 0: they exit with it (default 30000)")
     p.add_argument("--restart-backoff-ms", default="50,5000",
                    help="after 3 executor deaths within a minute, wait LO*2^k ms (at most HI) before "
                         "each re-spawn (default 50,5000; 0,0 disables)")

@@ -4,28 +4,55 @@
 host (POSIX shm) or on a CUDA device (VMM), calling `on_created` with each as it
 is made so its owner can register the unlink at once. `PoolMemory` describes the
 regions to an attaching executor and exports their descriptors: the weights are
-read-only except to the designated loader.
+read-only except to the designated loader. A dead predecessor's regions are adopted: host
+ones opened by name, CUDA ones built from the descriptors an executor handed back.
 """
 from __future__ import annotations
 
 import os
 from typing import Callable
 
-from kvhold.protocol.memory import CudaRegion, HostRegion
+from kvhold.protocol.memory import HOST_ALIGN, AdoptedCudaRegion, CudaRegion, HostRegion, RegionInfo, round_up
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.tables import Tables
 
 
+def _device(pool_config) -> int:
+    return int(pool_config.device.partition(":")[2] or 0) if pool_config.backend == "cuda" else 0
+
+
+def expected_infos(sizes: dict[str, int], pool_config) -> dict[str, RegionInfo]:
+    """What each region's RegionInfo is in a pool of these sizes (its size rounded as the
+    backend allocates it): a handed-back region must match it (kvhold.sidecar.hand_back)."""
+    if pool_config.backend == "cuda":
+        from kvhold.protocol import cuda_vmm
+
+        device = _device(pool_config)
+        cuda_vmm.init()
+        gran = cuda_vmm.granularity(device)
+        return {name: RegionInfo(name, cuda_vmm.round_up(size, gran), "cuda", False, device,
+                                 cuda_vmm.va_hint(index))
+                for index, (name, size) in enumerate(sizes.items())}
+    return {name: RegionInfo(name, round_up(size, HOST_ALIGN), "host", False) for name, size in sizes.items()}
+
+
 def create_regions(sizes: dict[str, int], pool_config, paths: InstancePaths,
-                   on_created: Callable[[object], None], adopt: bool = False) -> dict:
+                   on_created: Callable[[object], None], adopt: bool = False,
+                   taken_back: dict | None = None) -> dict:
     """`sizes`: region name -> bytes; `pool_config`: SidecarConfig.pool (backend, device);
-    `adopt`: open a dead predecessor's host regions by name instead (kvhold.sidecar.adoption)."""
+    `adopt`: open a dead predecessor's host regions by name instead (kvhold.sidecar.adoption);
+    CUDA regions, which have no name, are built from `taken_back` (name -> (fd, imported
+    handle), kvhold.sidecar.hand_back), whose descriptors they then own."""
     regions = {}
-    device = int(pool_config.device.partition(":")[2] or 0) if pool_config.backend == "cuda" else 0
-    if adopt and pool_config.backend != "host":
-        raise ValueError("only host memory can be adopted by name")
+    device = _device(pool_config)
+    if adopt and pool_config.backend == "cuda" and set(taken_back or {}) != set(sizes):
+        raise ValueError("CUDA regions are adopted only from descriptors handed back for each")
+    infos = expected_infos(sizes, pool_config) if adopt and pool_config.backend == "cuda" else {}
     for index, (name, size) in enumerate(sizes.items()):
-        if pool_config.backend == "cuda":
+        if pool_config.backend == "cuda" and adopt:
+            fd, handle = taken_back[name]
+            regions[name] = AdoptedCudaRegion(name, infos[name], fd, handle)
+        elif pool_config.backend == "cuda":
             regions[name] = CudaRegion(name, size, device, index)
         else:
             regions[name] = HostRegion(paths.shm_name(name), name, size, adopt=adopt)

@@ -10,8 +10,8 @@ at the same position with the same seed, and draws depend only on (seed, positio
 
 Streams: the new sidecar cannot know how far each client got, and a ROUTER drops
 what it sends to a client that has not reconnected yet. So a restored stream sends
-nothing until its owner speaks: the SDK, after a silence, sends `Resume(request_ids,
-next_indices)`, and the sidecar re-sends from each index (tokens it has, then the
+nothing until its owner speaks: the SDK, as soon as its socket has connected to the new
+sidecar (or after a silence), sends `Resume(request_ids, next_indices)`, and the sidecar re-sends from each index (tokens it has, then the
 rest as they are committed). The client skips nothing and receives nothing twice.
 Only the client key recorded at admission (transport, authenticated principal and
 routing id: kvhold.sidecar.client_peers) may resume. A live stream whose owner is not

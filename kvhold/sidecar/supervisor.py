@@ -51,6 +51,7 @@ from typing import Callable, Protocol
 
 from kvhold.protocol import fdpass, messages as m
 from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.hand_back import is_hand_back
 from kvhold.protocol.layout import PageFlag, Role
 from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.liveness import DeathWatcher
@@ -58,6 +59,7 @@ from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.recovery_report import FENCE_REASONS
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.config import ExecutorsConfig
+from kvhold.sidecar.hand_back import late_reply
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
@@ -327,6 +329,9 @@ class Supervisor:
         """Hand region descriptors to the process that holds a lease (checked by SO_PEERCRED)."""
         try:
             req, stray = fdpass.recv(conn)
+            if is_hand_back(req):      # an executor of an adopted pool, after the regions came back
+                fdpass.send(conn, late_reply(req, stray))
+                return
             for fd in stray:
                 os.close(fd)
             pid, uid, _ = fdpass.peer_credentials(conn)

@@ -190,6 +190,9 @@ def test_sigkilled_sidecar_is_readopted_with_its_executors_and_streams(tiny_mode
         assert sorted(e["pid"] for e in status["adoption"]["executors"]) == sorted(before)
         assert status["pool_restart"]["restore"]["requests_adopted"] == len(REQUESTS)
         assert status["pool_restart"]["restore"]["requests_restored"] == 0
+        hand_back = status["adoption"]["hand_back"]     # the regions came back from an executor
+        assert hand_back["pid"] in before and set(hand_back["regions"]) == {"kv", "weights"}
+        assert all(r["check"].startswith("the same object as") for r in hand_back["regions"].values())
 
         # while the streams finish: one writer only; the standby runs no step
         seen_active, events = set(), [0]
