@@ -423,8 +423,8 @@ class Supervisor:
             self._takeover_until_ns = now_ns() + TAKEOVER_GRACE_NS
         self.leases.set_role(h.slot, Role.ACTIVE)
         self.active_slot = h.slot
-        self._event("promote", h, fenced_epoch=fenced_epoch)
         isolate = self.deaths.isolate() if self.deaths is not None else None
+        self._event("promote", h, fenced_epoch=fenced_epoch, isolated=len(isolate or ()))
         self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs),
                                fenced_epoch=fenced_epoch, detect_ns=detect_ns, isolate=isolate))
         log.info("promoted executor pid %d (lease %d, epoch %d) to active", h.pid, h.slot, h.epoch)
@@ -475,6 +475,9 @@ class Supervisor:
             if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
                 # before the successor is promoted; a death is settled by its exit status (on_exit)
                 self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
+                early = self._exit_code_while_exiting(h) if reason == "died" else None
+                if early is not None:      # settled before the promotion: an outside kill isolates nothing
+                    self.deaths.exit_known(old_epoch, early)
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
                 h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
                 self.want_active = True
@@ -516,6 +519,24 @@ class Supervisor:
         if h.deferred_failover is not None and not self._stopping:
             self.failover(*h.deferred_failover)
         self.rearm(now_ns())
+
+    @staticmethod
+    def _exit_code_while_exiting(h: ExecutorHandle) -> int | None:
+        """How a dying executor is exiting (128 + N: signal N), read before it is a zombie, or None.
+
+        The kernel sets a task's exit code at the start of its exit, before it releases its
+        robust futexes (the liveness mutex whose release is the death signal) and long before
+        a GPU process becomes a zombie (its CUDA context's teardown takes ~100 ms on an H200).
+        /proc/PID/stat's last field shows it; 0 there means not known yet."""
+        try:
+            fields = open(f"/proc/{h.pid}/stat").read().rpartition(")")[2].split()
+            raw = int(fields[-1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if raw == 0:
+            return None
+        code = os.waitstatus_to_exitcode(raw)
+        return code if code >= 0 else 128 - code
 
     @staticmethod
     def _reap(h: ExecutorHandle) -> int:

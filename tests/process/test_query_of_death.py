@@ -120,3 +120,31 @@ def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside
         assert srv.post("/v1/completions", good).json()["choices"][0]["text"] == reference
     finally:
         srv.stop()
+
+
+def test_an_outside_sigkill_isolates_nothing_and_a_crash_isolates_its_step(tiny_model, start_sidecar):
+    """A kill from outside is known for what it is as the executor dies (its exit status is set
+    before it releases its liveness mutex), so the successor re-runs no step alone: no pause of
+    one step per stream. A crash (SIGSEGV) still isolates every request of its step."""
+    import signal
+
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"})
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        streams = [client.generate(**dict(GOOD, seed=i)) for i in range(4)]
+        sc.wait_for(lambda st: st["requests"]["in_flight"] == 4 and any(
+            e["kind"] == "ready" for e in st["events"]), timeout=30)
+        victim = sc.wait_steady()["pid"]
+        time.sleep(0.3)                             # mid-stream: the four are in every step
+        os.kill(victim, signal.SIGKILL)
+        for s in streams:
+            s.result()
+        promotes = [e for e in sc.status()["events"] if e["kind"] == "promote" and e.get("fenced_epoch")]
+        assert promotes and promotes[-1]["isolated"] == 0, promotes
+        assert sc.status()["request_deaths"]["forgiven_total"] == 1
+
+        bad = client.generate(**BAD)              # a crash: its step's requests are isolated
+        with pytest.raises(RequestFailed):
+            bad.result()
+        promotes = [e for e in sc.status()["events"] if e["kind"] == "promote" and e.get("fenced_epoch")]
+        assert promotes[-1]["isolated"] >= 1, promotes
