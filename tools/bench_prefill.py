@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,8 +95,8 @@ def served_chunk(device: str, prefill_chunk: int | None, max_batch_tokens: int, 
     return prefill_chunk or max(1, max_batch_tokens - max_batch)       # kvhold.executor.scheduler
 
 
-def run_variant(args, label: str, flags: dict) -> dict:
-    """Every (prompt, concurrency) row of one variant, in this process."""
+def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
+    """Every (prompt, concurrency) row of one variant, in this process; `save(out)` after each row."""
     import torch
 
     from kvhold.protocol.journal import Journal
@@ -120,6 +122,11 @@ def run_variant(args, label: str, flags: dict) -> dict:
     journal = Journal(tables)
     gen = torch.Generator().manual_seed(0)
     rows = []
+    out = {"variant": label, "engine_flags": cfg, "environment": {k: v for k, v in os.environ.items()
+                                                                  if k.startswith("KVHOLD_")},
+           "setup": setup, "complete": False, "rows": rows}
+    if cuda:
+        out["device"] = torch.cuda.get_device_name(args.device)
 
     def one_run(prompt: int, k: int) -> dict:
         slots: list[int] = []
@@ -161,17 +168,16 @@ def run_variant(args, label: str, flags: dict) -> dict:
                        "runs_wall_s": [round(r["wall_s"], 5) for r in runs],
                        "first_token_s": runs[len(runs) // 2]["first_token_s"]}
                 rows.append(row)
+                if cuda:
+                    out["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 2)
+                save(out)
                 print(f"{label}: prompt {prompt:5d} x{k:2d}: {row['wall_s'] * 1e3:9.1f} ms, "
                       f"{row['tokens_per_s']:9.0f} tok/s, {row['model_tflops_per_s']:7.1f} TFLOP/s, "
                       f"mfu {row['mfu']:.3f} ({row['steps']} steps, chunk {chunk})", flush=True)
     finally:
         tables.unlink()
-    out = {"variant": label, "engine_flags": cfg, "environment": {k: v for k, v in os.environ.items()
-                                                                  if k.startswith("KVHOLD_")},
-           "setup": setup, "rows": rows}
-    if cuda:
-        out["device"] = torch.cuda.get_device_name(args.device)
-        out["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 2)
+    out["complete"] = True
+    save(out)
     return out
 
 
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         label, flags = json.loads(args.child)
-        args.out.write_text(json.dumps(run_variant(args, label, flags)) + "\n")
+        run_variant(args, label, flags, save=lambda out: args.out.write_text(json.dumps(out) + "\n"))
         return 0
     variants = args.variant or [("served", {}, {})]
     if len({v[0] for v in variants}) != len(variants):
@@ -209,29 +215,43 @@ def main(argv=None) -> int:
     spec = ModelSpec.from_dir(args.model)
     base = [a for i, a in enumerate(argv) if a != "--variant" and (i == 0 or argv[i - 1] != "--variant")
             and not a.startswith("--variant=")]
-    results = []
-    for label, env, flags in variants:
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+    signal.signal(signal.SIGTERM, _stop)      # `timeout` ran out: write what has been measured
+    results, tmpdir = [], Path(tempfile.mkdtemp(prefix="kvhold-prefill-"))
+    try:
+        for label, env, flags in variants:
+            part = tmpdir / f"{label}.json"
             cmd = [sys.executable, "-m", "tools.bench_prefill", *base, "--child", json.dumps([label, flags]),
-                   "--out", tmp.name]
-            proc = subprocess.run(cmd, env={**os.environ, **env})
-            if proc.returncode:
-                results.append({"variant": label, "environment": env, "engine_flags": flags,
-                                "error": f"exited with {proc.returncode}", "rows": []})
-                continue
-            results.append(json.loads(Path(tmp.name).read_text()))
-            results[-1]["environment_set"] = env
-    rows = [r for v in results for r in v["rows"]]
-    result = {"command": "python -m tools.bench_prefill " + " ".join(argv),
-              "machine": results[0].get("device", f"CPU, {os.cpu_count()} cores") if results else None,
-              "model": str(args.model), "peak_tflops": args.peak_tflops, "flops_formula": FLOPS_FORMULA,
-              "layer_params": layer_params(spec), "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
-              "rows": rows, "variants": [{k: v for k, v in r.items() if k != "rows"} for r in results]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}: {len(rows)} rows")
-    return 0 if all("error" not in r for r in results) else 1
+                   "--out", str(part)]
+            try:
+                rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
+            except BaseException:
+                rc = "stopped"
+                raise
+            finally:
+                got = json.loads(part.read_text()) if part.is_file() and part.stat().st_size else {
+                    "variant": label, "engine_flags": flags, "rows": []}
+                got["environment_set"] = env
+                if rc:
+                    got["error"] = f"exited with {rc}" if rc != "stopped" else "stopped (SIGTERM)"
+                results.append(got)
+    finally:
+        rows = [r for v in results for r in v["rows"]]
+        result = {"command": "python -m tools.bench_prefill " + " ".join(argv),
+                  "machine": next((v["device"] for v in results if "device" in v), f"CPU, {os.cpu_count()} cores"),
+                  "model": str(args.model), "peak_tflops": args.peak_tflops, "flops_formula": FLOPS_FORMULA,
+                  "layer_params": layer_params(spec), "vocab_size": spec.vocab_size,
+                  "hidden_size": spec.hidden_size, "complete": len(results) == len(variants) and all(
+                      v.get("complete") and "error" not in v for v in results),
+                  "rows": rows, "variants": [{k: v for k, v in r.items() if k != "rows"} for r in results]}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        print(f"wrote {args.out}: {len(rows)} rows")
+    return 0 if result["complete"] else 1
 
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -240,8 +240,7 @@ def kill_summary(results: list[dict], kill_at: float | None, reference: list[dic
     return out
 
 
-def plot(path: Path, levels: list[dict], kill: dict | None, kill_results: list[dict] | None,
-         kill_at: float | None) -> bool:
+def plot(path: Path, levels: list[dict], kill_results: list[dict] | None, kill_at: float | None) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -298,12 +297,37 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.out.with_suffix(".serve.log")
     t_start = time.monotonic()
+    signal.signal(signal.SIGTERM, _stop)      # `timeout` ran out: stop the server, keep what was measured
     server = Server(args.model, args.device, max_seq, shlex.split(args.serve_args), log_path,
                     start_timeout=args.start_timeout)
     print(f"kvhold serve ready in {server.ready_s:.1f} s: {' '.join(server.cmd)}", flush=True)
     name = httpx.get(server.base + "/v1/models", timeout=10).json()["data"][0]["id"]
-    levels, raw, kill = [], {}, None
-    kill_results = kill_at_rel = None
+    levels, raw = [], {}
+    machine = f"{os.cpu_count()} CPU cores"
+    if args.device.startswith("cuda"):
+        try:
+            import torch
+            machine = f"{torch.cuda.get_device_name(args.device)}, {machine}"
+        except Exception as exc:          # the device name is a label; the figures stand without it
+            machine += f" (device name unknown: {exc})"
+    result = {"command": "python -m tools.bench_serve " + " ".join(shlex.quote(a) for a in argv),
+              "serve_command": server.cmd, "machine": machine, "model": str(args.model), "device": args.device,
+              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "ready_s": round(server.ready_s, 1), "complete": False, "levels": levels, "kill": None,
+              "notes": "ITL: gaps between consecutive content chunks of one stream; TTFT: request sent -> "
+                       "first content chunk; E2E: sent -> last content chunk; output tokens/s: completion "
+                       "tokens (usage) over the level's wall time",
+              "raw_per_request": {}}
+
+    def save():
+        result["total_s"] = round(time.monotonic() - t_start, 1)
+        result["raw_per_request"] = {str(c): [{"ttft_ms": round((r["chunks"][0] - r["t0"]) * 1e3, 3)
+                                               if r["chunks"] else None, "chunks": len(r["chunks"]),
+                                               "completion_tokens": r["completion_tokens"], "error": r["error"]}
+                                              for r in rs] for c, rs in raw.items()}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    kill_results = kill_at = None
     try:
         warm = request_bodies(2, args.prompt_len, min(8, args.max_tokens), vocab, args.seed + 999, name)
         asyncio.run(run_level(server.base, warm, 2))
@@ -313,6 +337,7 @@ def main(argv=None) -> int:
             level = {"concurrency": c, **summarise(results, wall, args.max_tokens)}
             levels.append(level)
             raw[c] = results
+            save()
             print(f"C={c:3d}: {level['output_tokens_per_s']:8.1f} tok/s, TTFT p50 "
                   f"{(level['ttft_ms'] or {}).get('p50')} ms, ITL p50 {(level['itl_ms'] or {}).get('p50')} ms, "
                   f"errors {level['errors']}, chunks/token {level['chunks_per_token']}", flush=True)
@@ -336,42 +361,29 @@ def main(argv=None) -> int:
                 marks["kill"] = time.perf_counter()
                 os.kill(victim, signal.SIGKILL)
             kill_results, wall = asyncio.run(run_level(server.base, bodies, c, kill=killer))
+            kill_at = marks.get("kill")
             kill = {"concurrency": c, "victim_pid": victim, **summarise(kill_results, wall, args.max_tokens),
-                    **kill_summary(kill_results, marks.get("kill"), raw.get(c))}
+                    **kill_summary(kill_results, kill_at, raw.get(c))}
             t0 = min(r["t0"] for r in kill_results)
-            kill_at_rel = marks.get("kill")
-            kill["kill_s_after_start"] = round(kill_at_rel - t0, 3) if kill_at_rel else None
-            after = server.get_health() or {}
-            kill["active_pid_after"] = after.get("active_pid")
+            kill["kill_s_after_start"] = round(kill_at - t0, 3) if kill_at else None
+            kill["active_pid_after"] = (server.get_health() or {}).get("active_pid")
             kill["recovery_record"] = server.last_recovery()
+            result["kill"] = kill
+            save()
             print(f"kill at C={c}: longest gap {kill.get('longest_gap_ms')} ms, errors {kill['errors']}, "
                   f"identical {kill.get('identical_to_uninterrupted')}/{kill.get('compared')}", flush=True)
+        result["complete"] = True
     finally:
-        rc = server.stop()
-    machine = f"{os.cpu_count()} CPU cores"
-    if args.device.startswith("cuda"):
-        try:
-            import torch
-            machine = f"{torch.cuda.get_device_name(args.device)}, {machine}"
-        except Exception as exc:          # the device name is a label; the figures stand without it
-            machine += f" (device name unknown: {exc})"
-    result = {"command": "python -m tools.bench_serve " + " ".join(shlex.quote(a) for a in argv),
-              "serve_command": server.cmd, "machine": machine, "model": str(args.model), "device": args.device,
-              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
-              "ready_s": round(server.ready_s, 1), "serve_exit_code": rc,
-              "total_s": round(time.monotonic() - t_start, 1), "levels": levels, "kill": kill,
-              "notes": "ITL: gaps between consecutive content chunks of one stream; TTFT: request sent -> "
-                       "first content chunk; E2E: sent -> last content chunk; output tokens/s: completion "
-                       "tokens (usage) over the level's wall time",
-              "raw_per_request": {str(c): [{"ttft_ms": round((r["chunks"][0] - r["t0"]) * 1e3, 3) if r["chunks"] else None,
-                                            "chunks": len(r["chunks"]), "completion_tokens": r["completion_tokens"],
-                                            "error": r["error"]} for r in rs] for c, rs in raw.items()}}
-    if plot(args.out.with_suffix(".png"), levels, kill, kill_results, kill_at_rel):
-        result["plot"] = str(args.out.with_suffix(".png").name)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+        result["serve_exit_code"] = server.stop()
+        if plot(args.out.with_suffix(".png"), levels, kill_results, kill_at):
+            result["plot"] = args.out.with_suffix(".png").name
+        save()
+        print(f"wrote {args.out}")
     return 0
 
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
 
 if __name__ == "__main__":
     sys.exit(main())
