@@ -95,6 +95,23 @@ def served_chunk(device: str, prefill_chunk: int | None, max_batch_tokens: int, 
     return prefill_chunk or max(1, max_batch_tokens - max_batch)       # kvhold.executor.scheduler
 
 
+def reference_gemm(torch, device: str, rows: int, spec) -> dict:
+    """What the device's bf16 GEMM (cuBLAS, through torch) reaches at one chunk's widest
+    projection, [rows, hidden] x [hidden, intermediate]: a ceiling for the MFU of the layers."""
+    a = torch.randn((rows, spec.hidden_size), device=device, dtype=torch.bfloat16)
+    b = torch.randn((spec.hidden_size, spec.intermediate_size), device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    n, t = 50, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / n
+    return {"shape": [rows, spec.hidden_size, spec.intermediate_size], "ms": round(dt * 1e3, 4),
+            "tflops_per_s": round(2 * rows * spec.hidden_size * spec.intermediate_size / dt / 1e12, 1)}
+
+
 def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     """Every (prompt, concurrency) row of one variant, in this process; `save(out)` after each row."""
     import torch
@@ -127,6 +144,7 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
            "setup": setup, "complete": False, "rows": rows}
     if cuda:
         out["device"] = torch.cuda.get_device_name(args.device)
+        out["reference_gemm"] = reference_gemm(torch, args.device, chunk, spec)
 
     def one_run(prompt: int, k: int) -> dict:
         slots: list[int] = []
