@@ -112,6 +112,32 @@ def reference_gemm(torch, device: str, rows: int, spec) -> dict:
             "tflops_per_s": round(2 * rows * spec.hidden_size * spec.intermediate_size / dt / 1e12, 1)}
 
 
+def profile_run(torch, run, prompt: int, top: int = 20) -> dict:
+    """One prefill of `prompt` tokens under torch.profiler: device time per kernel, the
+    `top` largest, and the share of GEMM and attention kernels in the whole."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = run()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        if us > 0:
+            kernels.append((e.key, us / 1e3, e.count))
+    kernels.sort(key=lambda k: -k[1])
+    total = sum(k[1] for k in kernels)
+
+    def share(*words):
+        if not total:
+            return None
+        return round(sum(ms for name, ms, _ in kernels if any(w in name.lower() for w in words)) / total, 4)
+    return {"prompt_tokens": prompt, "wall_s": round(result["wall_s"], 5), "device_ms": round(total, 3),
+            "gemm_share": share("gemm", "cutlass", "sm90", "nvjet", "matmul"),
+            "attention_share": share("fmha", "attention", "flash", "efficient"),
+            "kernels": [{"name": n[:160], "ms": round(ms, 3), "calls": c} for n, ms, c in kernels[:top]]}
+
+
 def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     """Every (prompt, concurrency) row of one variant, in this process; `save(out)` after each row."""
     import torch
@@ -126,7 +152,7 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     spec = ModelSpec.from_dir(args.model)
     chunk = served_chunk(args.device, cfg["prefill_chunk"], cfg["max_batch_tokens"], cfg["max_batch"])
     pt = 16
-    max_seq = -(-(max(prompts) + 1 + chunk) // pt) * pt
+    max_seq = -(-(max(prompts + [args.profile_prompt]) + 1 + chunk) // pt) * pt
     kv_pages = args.kv_pages or (max(concurrent) * (max_seq // pt) + 64)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -192,6 +218,12 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
                 print(f"{label}: prompt {prompt:5d} x{k:2d}: {row['wall_s'] * 1e3:9.1f} ms, "
                       f"{row['tokens_per_s']:9.0f} tok/s, {row['model_tflops_per_s']:7.1f} TFLOP/s, "
                       f"mfu {row['mfu']:.3f} ({row['steps']} steps, chunk {chunk})", flush=True)
+        if args.profile_prompt:
+            try:
+                out["profile"] = profile_run(torch, lambda: one_run(args.profile_prompt, 1), args.profile_prompt)
+            except Exception as exc:      # the rows stand without it; say why it is missing
+                out["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+            save(out)
     finally:
         tables.unlink()
     out["complete"] = True
@@ -217,11 +249,15 @@ def main(argv=None) -> int:
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool pages (default: what the rows need)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help=f"the device's peak, the MFU's denominator (default {H200_BF16_TFLOPS}: H200 bf16)")
+    p.add_argument("--profile-prompt", type=int, default=0, metavar="TOKENS",
+                   help="after the rows, profile one prefill of this many tokens (CUDA): time per kernel")
     p.add_argument("--variant", action="append", type=parse_variant, default=[],
                    help="LABEL:KEY=VALUE,... (repeatable): see the module docstring")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench/results/prefill_cuda.json"))
     args = p.parse_args(argv)
+    if args.profile_prompt and not args.device.startswith("cuda"):
+        p.error("--profile-prompt profiles CUDA kernels: it needs a CUDA --device")
     if args.child:
         label, flags = json.loads(args.child)
         run_variant(args, label, flags, save=lambda out: args.out.write_text(json.dumps(out) + "\n"))
