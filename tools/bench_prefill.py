@@ -75,6 +75,17 @@ def parse_variant(text: str) -> tuple[str, dict[str, str], dict[str, int]]:
     return label, env, flags
 
 
+def int_list(text: str) -> str:
+    """A comma-separated list of positive integers (kept as text: the children get it as given)."""
+    try:
+        ok = all(int(x) > 0 for x in text.split(",") if x)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"want positive integers separated by commas, got {text!r}")
+    return text
+
+
 def layer_params(spec) -> int:
     """N: the decoder layers' projection weights (q, k, v, o, gate, up, down)."""
     return spec.num_layers * (spec.hidden_size * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
@@ -112,9 +123,14 @@ def reference_gemm(torch, device: str, rows: int, spec) -> dict:
             "tflops_per_s": round(2 * rows * spec.hidden_size * spec.intermediate_size / dt / 1e12, 1)}
 
 
+ATTENTION_KERNELS = ("fmha", "attention", "flash")                  # matched first: cutlass names both
+GEMM_KERNELS = ("gemm", "cutlass", "sm90", "nvjet", "matmul", "skinny")
+
+
 def profile_run(torch, run, prompt: int, top: int = 20) -> dict:
-    """One prefill of `prompt` tokens under torch.profiler: device time per kernel, the
-    `top` largest, and the share of GEMM and attention kernels in the whole."""
+    """One prefill of `prompt` tokens under torch.profiler: device time per kernel, the `top`
+    largest, the shares of attention and GEMM kernels in it, and how busy the device was
+    (its kernels' time over the wall time, which the profiler lengthens a little)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -127,14 +143,13 @@ def profile_run(torch, run, prompt: int, top: int = 20) -> dict:
             kernels.append((e.key, us / 1e3, e.count))
     kernels.sort(key=lambda k: -k[1])
     total = sum(k[1] for k in kernels)
-
-    def share(*words):
-        if not total:
-            return None
-        return round(sum(ms for name, ms, _ in kernels if any(w in name.lower() for w in words)) / total, 4)
+    attention = sum(ms for name, ms, _ in kernels if any(w in name.lower() for w in ATTENTION_KERNELS))
+    gemm = sum(ms for name, ms, _ in kernels if not any(w in name.lower() for w in ATTENTION_KERNELS)
+               and any(w in name.lower() for w in GEMM_KERNELS))
     return {"prompt_tokens": prompt, "wall_s": round(result["wall_s"], 5), "device_ms": round(total, 3),
-            "gemm_share": share("gemm", "cutlass", "sm90", "nvjet", "matmul"),
-            "attention_share": share("fmha", "attention", "flash", "efficient"),
+            "device_busy_share": round(total / 1e3 / result["wall_s"], 4),
+            "attention_share": round(attention / total, 4) if total else None,
+            "gemm_share": round(gemm / total, 4) if total else None,
             "kernels": [{"name": n[:160], "ms": round(ms, 3), "calls": c} for n, ms, c in kernels[:top]]}
 
 
@@ -149,10 +164,11 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     cfg = {k: flags.get(k, getattr(args, k)) for k in ENGINE_KEYS}
     prompts = [int(x) for x in args.prompts.split(",")]
     concurrent = [int(x) for x in args.concurrent.split(",")]
+    profile_prompts = [int(x) for x in args.profile_prompt.split(",") if x]
     spec = ModelSpec.from_dir(args.model)
     chunk = served_chunk(args.device, cfg["prefill_chunk"], cfg["max_batch_tokens"], cfg["max_batch"])
     pt = 16
-    max_seq = -(-(max(prompts + [args.profile_prompt]) + 1 + chunk) // pt) * pt
+    max_seq = -(-(max(prompts + profile_prompts) + 1 + chunk) // pt) * pt
     kv_pages = args.kv_pages or (max(concurrent) * (max_seq // pt) + 64)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -167,7 +183,7 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     rows = []
     out = {"variant": label, "engine_flags": cfg, "environment": {k: v for k, v in os.environ.items()
                                                                   if k.startswith("KVHOLD_")},
-           "setup": setup, "complete": False, "rows": rows}
+           "setup": setup, "complete": False, "rows": rows, "profiles": []}
     if cuda:
         out["device"] = torch.cuda.get_device_name(args.device)
         out["reference_gemm"] = reference_gemm(torch, args.device, chunk, spec)
@@ -218,11 +234,11 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
                 print(f"{label}: prompt {prompt:5d} x{k:2d}: {row['wall_s'] * 1e3:9.1f} ms, "
                       f"{row['tokens_per_s']:9.0f} tok/s, {row['model_tflops_per_s']:7.1f} TFLOP/s, "
                       f"mfu {row['mfu']:.3f} ({row['steps']} steps, chunk {chunk})", flush=True)
-        if args.profile_prompt:
+        for prompt in profile_prompts:
             try:
-                out["profile"] = profile_run(torch, lambda: one_run(args.profile_prompt, 1), args.profile_prompt)
+                out["profiles"].append(profile_run(torch, lambda: one_run(prompt, 1), prompt))
             except Exception as exc:      # the rows stand without it; say why it is missing
-                out["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+                out["profiles"].append({"prompt_tokens": prompt, "error": f"{type(exc).__name__}: {exc}"})
             save(out)
     finally:
         tables.unlink()
@@ -236,8 +252,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--prompts", default="512,2048,8192", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--concurrent", default="1", help="prompts admitted at once, comma-separated")
+    p.add_argument("--prompts", type=int_list, default="512,2048,8192", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--concurrent", type=int_list, default="1", help="prompts admitted at once, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (after one untimed)")
     p.add_argument("--max-batch", type=int, default=64, help="as kvhold serve's flag (default 64)")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
@@ -249,8 +265,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool pages (default: what the rows need)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help=f"the device's peak, the MFU's denominator (default {H200_BF16_TFLOPS}: H200 bf16)")
-    p.add_argument("--profile-prompt", type=int, default=0, metavar="TOKENS",
-                   help="after the rows, profile one prefill of this many tokens (CUDA): time per kernel")
+    p.add_argument("--profile-prompt", type=int_list, default="", metavar="TOKENS,...",
+                   help="after the rows, profile one prefill of each of these lengths (CUDA): time per kernel")
     p.add_argument("--variant", action="append", type=parse_variant, default=[],
                    help="LABEL:KEY=VALUE,... (repeatable): see the module docstring")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -215,24 +215,30 @@ def summarise(results: list[dict], wall: float, max_tokens: int) -> dict:
 
 
 def kill_summary(results: list[dict], kill_at: float | None, reference: list[dict] | None) -> dict:
+    """What the clients saw of the kill: the longest gap between two chunks of any stream, the
+    gap that holds the kill (last chunk before it -> first after it) and the kill -> next chunk
+    per stream, the longest gap that does not hold it, and each stream's chunk times from the kill."""
     out = {"killed": kill_at is not None}
     if kill_at is None:
         return out
-    longest, per_stream, spanning = 0.0, [], []
+    longest, per_stream, spanning, to_next, elsewhere = 0.0, [], [], [], 0.0
     for r in results:
         c = r["chunks"]
         gaps = [(b - a) * 1e3 for a, b in zip(c, c[1:])]
         if gaps:
             per_stream.append(max(gaps))
             longest = max(longest, max(gaps))
-        # the gap that holds the kill: the last chunk before it to the first after it
+        elsewhere = max([elsewhere] + [(b - a) * 1e3 for a, b in zip(c, c[1:]) if not a <= kill_at < b])
         before = [t for t in c if t <= kill_at]
         after = [t for t in c if t > kill_at]
         if before and after:
             spanning.append((after[0] - before[-1]) * 1e3)
+        if after:
+            to_next.append((after[0] - kill_at) * 1e3)
     out.update(longest_gap_ms=round(longest, 3), stream_longest_gap_ms=percentiles(per_stream),
-               gap_across_kill_ms=percentiles(spanning),
-               streams_across_kill=len(spanning))
+               gap_across_kill_ms=percentiles(spanning), kill_to_next_chunk_ms=percentiles(to_next),
+               longest_gap_not_across_kill_ms=round(elsewhere, 3), streams_across_kill=len(spanning),
+               chunk_ms_from_kill=[[round((t - kill_at) * 1e3, 1) for t in r["chunks"]] for r in results])
     if reference is not None:
         out["identical_to_uninterrupted"] = sum(1 for r, ref in zip(results, reference)
                                                 if not r["error"] and r["text"] == ref["text"])

@@ -99,7 +99,7 @@ for phase in "${@:-tests}"; do
     model_8b
     variants=(); for v in ${PREFILL_VARIANTS-served: chunk2048:prefill_chunk=2048}; do variants+=(--variant "$v"); done
     timeout $(left) python3 -m tools.bench_prefill --model /tmp/l8b --device cuda:0 --prompts 512,2048,8192 \
-        --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
+        --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048,8192 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
     ;;
   serve)
     model_8b
