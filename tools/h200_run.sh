@@ -22,8 +22,9 @@
 #                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served:
 #                  chunk2048:prefill_chunk=2048"), each LABEL:KEY=VALUE,... (tools/bench_prefill.py)
 #                                                                                  -> prefill_cuda.json
-#   serve          kvhold serve with Llama-3-8B, streaming HTTP at SERVE_CONCURRENCY (1,8,32,64): TTFT, ITL,
-#                  tokens/s; then a SIGKILL of the active executor at SERVE_KILL_C (32) streams
+#   serve          kvhold serve with Llama-3-8B, streaming HTTP at SERVE_CONCURRENCY (1,8,32,64), SERVE_ROUNDS (2)
+#                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
+#                  SERVE_KILL_C (32) streams; SERVE_ARGS: the serve flags (default: LOAD's batch and KV)
 #                                                                   -> serve_cuda.json (.png, .serve.log.gz)
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
@@ -106,7 +107,7 @@ for phase in "${@:-tests}"; do
     python3 -c "import fastapi, uvicorn, httpx" || echo "serve: the HTTP stack does not import (above)"
     timeout $(left) python3 -m tools.bench_serve --model /tmp/l8b --device cuda:0 \
         --concurrency ${SERVE_CONCURRENCY:-1,8,32,64} --rounds ${SERVE_ROUNDS:-2} --prompt-len 512 --max-tokens 128 \
-        --kill-concurrency ${SERVE_KILL_C:-32} --serve-args "--max-batch-tokens 8192 --kv-memory 24GiB --log-level INFO" \
+        --kill-concurrency ${SERVE_KILL_C:-32} --serve-args "${SERVE_ARGS:---max-batch-tokens 8192 --kv-memory 24GiB --log-level INFO}" \
         --out "$OUT/serve_cuda.json" 2>&1 | tail -30
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
