@@ -81,11 +81,16 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
     return engine, tables
 
 
-def admit(tables: Tables, requests: list[dict]) -> list[int]:
+def admit(tables: Tables, requests: list[dict], slots: list[int] | None = None) -> list[int]:
+    """Request ids, in order; `slots`, if given, gets each one's journal slot."""
     journal = Journal(tables)
     ids = []
     for r in requests:
         slot = journal.free_slot()
+        if slot is None:
+            raise RuntimeError("no free journal slot")
+        if slots is not None:
+            slots.append(slot)
         tables.header["request_counter"] += 1
         rid = (1 << 40) | int(tables.header["request_counter"])
         journal.admit(slot, rid, r["prompt_ids"], max_tokens=r["max_tokens"], seed=r.get("seed", 0),

@@ -18,6 +18,14 @@
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
+#   prefill        Llama-3-8B prefill tokens/s and MFU, prompts 512/2048/8192, 1 and 8 at once, chunked as
+#                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served:
+#                  chunk2048:prefill_chunk=2048"), each LABEL:KEY=VALUE,... (tools/bench_prefill.py)
+#                                                                                  -> prefill_cuda.json
+#   serve          kvhold serve with Llama-3-8B, streaming HTTP at SERVE_CONCURRENCY (1,8,32,64), SERVE_ROUNDS (2)
+#                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
+#                  SERVE_KILL_C (32) streams; SERVE_ARGS: the serve flags (default: LOAD's batch and KV)
+#                                                                   -> serve_cuda.json (.png, .serve.log.gz)
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
 #   sidecar-crash  SIGKILL of the sidecar on VMM memory mid-stream: its executors hand the
@@ -90,6 +98,21 @@ for phase in "${@:-tests}"; do
   cold-restart)
     model_8b
     timeout $(left) python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
+    ;;
+  prefill)
+    model_8b
+    variants=(); for v in ${PREFILL_VARIANTS-served: chunk2048:prefill_chunk=2048}; do variants+=(--variant "$v"); done
+    timeout $(left) python3 -m tools.bench_prefill --model /tmp/l8b --device cuda:0 --prompts 512,2048,8192 \
+        --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048,8192 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
+    ;;
+  serve)
+    model_8b
+    python3 -c "import fastapi, uvicorn, httpx" || echo "serve: the HTTP stack does not import (above)"
+    timeout $(left) python3 -m tools.bench_serve --model /tmp/l8b --device cuda:0 \
+        --concurrency ${SERVE_CONCURRENCY:-1,8,32,64} --rounds ${SERVE_ROUNDS:-2} --prompt-len 512 --max-tokens 128 \
+        --kill-concurrency ${SERVE_KILL_C:-32} --serve-args "${SERVE_ARGS:---max-batch-tokens 8192 --kv-memory 24GiB --log-level INFO}" \
+        --out "$OUT/serve_cuda.json" 2>&1 | tail -30
+    gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)
     [ -d /tmp/tiny ] || python3 -m kvhold.testing.make_model --preset tiny --out /tmp/tiny 2>&1 | tail -1

@@ -33,6 +33,12 @@ DEFAULT_CUDA_PREFILL_CHUNK = 512
 DEFERRED_CAPTURE_STEPS = 8    # an urgent executor captures its decode graph after this many steps
 
 
+def cuda_prefill_chunk(prefill_chunk: int | None, max_batch_tokens: int, max_batch: int) -> int:
+    """The prompt tokens per prefill chunk a CUDA executor runs with (--prefill-chunk, or at
+    most DEFAULT_CUDA_PREFILL_CHUNK within the step's token budget)."""
+    return prefill_chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_batch_tokens - max_batch)
+
+
 class EngineWorkload(WorkloadBase):
     cold_first_step = True     # the first step may load kernels: longer lease until it is done
 
@@ -74,7 +80,7 @@ class EngineWorkload(WorkloadBase):
             from kvhold.executor.cuda_checksum import TritonChecksum
             from kvhold.executor.cuda_runner import CudaRunner
 
-            chunk = chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_tokens - max_batch)
+            chunk = cuda_prefill_chunk(chunk, max_tokens, max_batch)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
                                 use_graph=s.cuda_graph,
                                 slot_hashes=self.slot_hashes)

@@ -75,12 +75,11 @@ class KernelShapes:
         model or the executors do not run on CUDA."""
         if not settings.model or not settings.device.startswith("cuda"):
             return None
-        from kvhold.executor.engine_workload import DEFAULT_CUDA_PREFILL_CHUNK
+        from kvhold.executor.engine_workload import cuda_prefill_chunk
         from kvhold.protocol.model_spec import ModelSpec
 
         spec = ModelSpec.from_dir(settings.model)
-        chunk = settings.prefill_chunk or min(DEFAULT_CUDA_PREFILL_CHUNK,
-                                              settings.max_batch_tokens - settings.max_batch)
+        chunk = cuda_prefill_chunk(settings.prefill_chunk, settings.max_batch_tokens, settings.max_batch)
         return cls(dtype=settings.compute_dtype or spec.dtype, num_layers=spec.num_layers,
                    num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                    hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,

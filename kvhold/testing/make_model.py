@@ -6,6 +6,13 @@
 Writes a Hugging Face style directory: config.json, model*.safetensors,
 tokenizer.json (a byte-level BPE tokenizer trained here, by `tokenizers`, on a
 deterministic synthetic corpus), tokenizer_config.json and generation_config.json.
+A preset whose vocabulary is larger than the trained tokenizer's (llama3-8b: 128,256 ids,
+as Llama 3) gets a tokenizer that covers every id (`covering_tokenizer`): a BPE of 512
+tokens over the ASCII bytes (other bytes encode as `<unk>`), then plain vocabulary entries
+`<|reserved_N|>` up to the model's vocabulary size. Every id but `<s>` and `</s>` then
+decodes, alone or in any sequence, to its own non-empty text, so a stream of generated
+ids is one text piece per token (a lone byte of a multi-byte character would decode to
+nothing until its character completes; a special token to nothing at all).
 Weights are random (seeded), so the text they produce is meaningless; what
 matters to kvhold is that the shapes, the formats and the arithmetic are real.
 `ensure_demo_model` builds the tiny preset once into a cache directory.
@@ -29,12 +36,13 @@ PRESETS = {
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      max_position_embeddings=8192, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=131072, vocab_size=128256, rope_theta=500000.0,
                       torch_dtype="bfloat16",
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 PRESETS["llama3-8b-4l"] = dict(PRESETS["llama3-8b"], num_hidden_layers=4)  # same shapes, fewer layers
+PRESETS["llama3-tiny"] = dict(PRESETS["tiny"], vocab_size=4096)  # tiny shapes, llama3-8b's kind of tokenizer
 DEMO_VERSION = "tiny-v1"
 WORDS = ("the a an of to in and or but with for on at by from over under about after before "
          "sidecar executor memory page cache token request stream crash recover journal lease "
@@ -44,6 +52,8 @@ WORDS = ("the a an of to in and or but with for on at by from over under about a
          "write read copy check seal commit resume continue restart serve answer question "
          "one two three four five six seven eight nine ten hundred thousand").split()
 SPECIAL = ["<s>", "</s>"]
+UNK = "<unk>"
+RESERVED = "<|reserved_{}|>"
 
 
 def synthetic_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
@@ -56,19 +66,59 @@ def synthetic_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     return out
 
 
-def train_tokenizer(vocab_size: int = 512):
+def _byte_char(b: int) -> str:
+    """The character byte-level BPE writes byte `b` as (GPT-2's table, which `tokenizers` uses)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def train_tokenizer(vocab_size: int = 512, ascii_only: bool = False):
+    """A byte-level BPE trained on the synthetic corpus. `ascii_only`: its alphabet is the 128
+    ASCII bytes and any other byte encodes as `<unk>` (a plain token, not a special one), so
+    that no token is a fragment of a character."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(models.BPE(unk_token=UNK, fuse_unk=True) if ascii_only else models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    alphabet = [_byte_char(b) for b in range(128)] if ascii_only else pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL + ([UNK] if ascii_only else []),
+                                  show_progress=False, initial_alphabet=alphabet)
     tok.train_from_iterator(synthetic_corpus(), trainer=trainer)
+    if ascii_only:      # <unk> stays in the model's vocabulary, decoded as its text
+        data = json.loads(tok.to_str())
+        data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] != UNK]
+        tok = Tokenizer.from_str(json.dumps(data))
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", bos)])
     return tok
+
+
+def covering_tokenizer(vocab_size: int, base_size: int = 512):
+    """A tokenizer with exactly `vocab_size` ids, each of which decodes to text: the ASCII BPE of
+    `base_size` tokens, then plain vocabulary entries `<|reserved_N|>` (N the id) up to
+    `vocab_size`. No merge builds them, so encoding never produces them; decoding writes their
+    names (Llama 3 fills its vocabulary with reserved tokens too, special ones there)."""
+    from tokenizers import Tokenizer
+
+    if vocab_size < base_size:
+        raise ValueError(f"a vocabulary of {vocab_size} is smaller than the base BPE's {base_size}")
+    data = json.loads(train_tokenizer(base_size, ascii_only=True).to_str())
+    vocab = data["model"]["vocab"]
+    if len(vocab) != base_size:
+        raise RuntimeError(f"the trained BPE has {len(vocab)} tokens, not {base_size}")
+    vocab.update((RESERVED.format(i), i) for i in range(base_size, vocab_size))
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def tokenizer_for(preset: str):
+    """The tokenizer a preset's checkpoint gets: the 512-token BPE, or one covering the
+    preset's whole vocabulary."""
+    vocab_size = PRESETS[preset]["vocab_size"]
+    return covering_tokenizer(vocab_size) if vocab_size else train_tokenizer()
 
 
 def make_config(preset: str, vocab_size: int, bos: int, eos: int) -> dict:
@@ -116,7 +166,7 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
     out = Path(out)
     tmp = Path(tempfile.mkdtemp(prefix=".kvhold-model-", dir=out.parent if out.parent.exists() else None))
     try:
-        tok = train_tokenizer()
+        tok = tokenizer_for(preset)
         bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
         cfg = make_config(preset, tok.get_vocab_size(), bos, eos)
         tok.save(str(tmp / "tokenizer.json"))

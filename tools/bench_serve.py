@@ -1,0 +1,395 @@
+"""Benchmark: `kvhold serve` under streaming HTTP load, and a kill of its active executor mid-run.
+
+    python -m tools.bench_serve --model DIR --device cuda:0 [--concurrency 1,8,32,64]
+        [--rounds 2] [--prompt-len 512] [--max-tokens 128] [--kill-concurrency 32]
+        [--serve-args "--kv-memory 24GiB --max-batch-tokens 8192"] [--out FILE]
+
+Starts `kvhold serve` (real processes: supervisor, sidecar, active and standby executors,
+HTTP server) and drives streaming /v1/completions from one asyncio process (httpx): for each
+concurrency C, C clients each send --rounds requests back to back (prompts of --prompt-len
+random token ids, greedy, --max-tokens with ignore_eos, usage in the last chunk). Per
+request: time to first token (TTFT: send -> first content chunk), the gaps between content
+chunks (ITL), end to end (E2E), content chunks against completion tokens; per level: their
+percentiles, output tokens/s (completion tokens over the level's wall time) and errors.
+Then the kill run: the same requests as the C = --kill-concurrency level, and once every
+stream has its first chunk and the streams are on average a third through, a SIGKILL of the
+active executor (its pid from /health); reports the longest gap between two chunks any client
+saw, each stream's longest gap, errors, and whether each output equals the uninterrupted one.
+Writes JSON (and a PNG of the gaps if matplotlib is available).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `kvhold serve` with its own instance and runtime root; stopped with SIGTERM."""
+
+    def __init__(self, model: Path, device: str, max_seq_len: int, extra: list[str], log_path: Path,
+                 standbys: int = 1, start_timeout: float = 900.0):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.root = Path(tempfile.mkdtemp(prefix="kvh-bs-", dir="/tmp"))
+        os.chmod(self.root, 0o700)
+        self.instance = f"bench-serve-{os.getpid()}-{self.port}"
+        self.cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(model), "--device", device,
+                    "--port", str(self.port), "--instance", self.instance, "--runtime-root", str(self.root),
+                    "--max-seq-len", str(max_seq_len), "--standbys", str(standbys), "--no-access-log"]
+        if device.startswith("cuda"):
+            self.cmd += ["--backend", "cuda", "--startup-lease-ms", "600000"]
+        self.cmd += extra
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log, start_new_session=True)
+        self.started = time.monotonic()
+        try:
+            self.health = self.wait_healthy(standbys, start_timeout)
+        except BaseException:
+            self.stop()
+            sys.stderr.write(f"kvhold serve did not start; the end of {log_path}:\n"
+                             + log_path.read_bytes()[-4000:].decode(errors="replace"))
+            raise
+        self.ready_s = time.monotonic() - self.started
+
+    def get_health(self) -> dict | None:
+        try:
+            r = httpx.get(self.base + "/health", timeout=5)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.TransportError, ValueError):
+            return None
+
+    def wait_healthy(self, standbys: int, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvhold serve exited with {self.proc.returncode} (log: {self.log.name})")
+            h = self.get_health()
+            if h is not None and h.get("standbys_ready", 0) >= standbys and h.get("active_pid"):
+                return h
+            time.sleep(0.2)
+        raise TimeoutError(f"kvhold serve not healthy with {standbys} standbys in {timeout:.0f} s")
+
+    def last_recovery(self) -> dict | None:
+        """The sidecar's record of its last recovery (`kvhold status --json`'s `recoveries`)."""
+        from kvhold.client.client import Client
+
+        with Client.for_instance(self.instance, self.root, timeout=10) as c:
+            records = c.status().get("recoveries") or []
+        return records[-1] if records else None
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)     # its own session: this server's processes
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        return self.proc.returncode
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    v = sorted(values)
+
+    def q(p):
+        return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+    return {"n": len(v), "mean": round(statistics.fmean(v), 3), "p50": round(q(50), 3), "p90": round(q(90), 3),
+            "p99": round(q(99), 3), "max": round(v[-1], 3)}
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk=None) -> dict:
+    """One streamed completion: send time, each content chunk's arrival, text, usage, error."""
+    out = {"chunks": [], "text": "", "completion_tokens": None, "error": None}
+    pieces = []
+    t0 = time.perf_counter()
+    out["t0"] = t0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    out["completion_tokens"] = event["usage"]["completion_tokens"]
+                for choice in event.get("choices") or []:
+                    if choice.get("text"):
+                        out["chunks"].append(time.perf_counter())
+                        pieces.append(choice["text"])
+                        if on_chunk is not None:
+                            on_chunk()
+                    if choice.get("finish_reason"):
+                        out["finish_reason"] = choice["finish_reason"]
+    except (httpx.HTTPError, ValueError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["text"] = "".join(pieces)
+    return out
+
+
+def request_bodies(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int, model: str) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(prompt_len)],
+             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True}} for _ in range(n)]
+
+
+async def run_level(base: str, bodies: list[dict], concurrency: int, kill=None) -> tuple[list[dict], float]:
+    """`concurrency` clients share `bodies` in order, each sending its next one when the last ends.
+    `kill(results_so_far)` is polled while they run (the kill run)."""
+    results: list[dict | None] = [None] * len(bodies)
+    live: list[dict] = []
+    queue = list(enumerate(bodies))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=30), limits=limits) as client:
+        async def worker():
+            while queue:
+                i, body = queue.pop(0)
+                state = {"chunks": 0}
+                live.append(state)
+                res = await stream_one(client, body, on_chunk=lambda: state.__setitem__("chunks", state["chunks"] + 1))
+                results[i] = res
+        t0 = time.perf_counter()
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        if kill is not None:
+            killer = asyncio.create_task(kill(live))
+        await asyncio.gather(*workers)
+        wall = time.perf_counter() - t0
+        if kill is not None and not killer.done():
+            killer.cancel()                 # the streams ended before its mark: no kill
+    return results, wall
+
+
+def summarise(results: list[dict], wall: float, max_tokens: int) -> dict:
+    ttft, itl, e2e, tpot = [], [], [], []
+    chunks = tokens = 0
+    errors = [r["error"] for r in results if r["error"]]
+    short = 0
+    for r in results:
+        c = r["chunks"]
+        chunks += len(c)
+        tokens += r["completion_tokens"] or 0
+        if r["completion_tokens"] != max_tokens:
+            short += 1
+        if not c:
+            continue
+        ttft.append((c[0] - r["t0"]) * 1e3)
+        e2e.append((c[-1] - r["t0"]) * 1e3)
+        gaps = [(b - a) * 1e3 for a, b in zip(c, c[1:])]
+        itl += gaps
+        if len(c) > 1:
+            tpot.append((c[-1] - c[0]) * 1e3 / (len(c) - 1))
+    return {"requests": len(results), "errors": len(errors), "error_samples": errors[:5],
+            "not_max_tokens": short, "wall_s": round(wall, 3),
+            "output_tokens_per_s": round(tokens / wall, 1), "requests_per_s": round(len(results) / wall, 3),
+            "completion_tokens": tokens, "content_chunks": chunks,
+            "chunks_per_token": round(chunks / tokens, 4) if tokens else None,
+            "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "tpot_ms": percentiles(tpot),
+            "e2e_ms": percentiles(e2e)}
+
+
+def kill_summary(results: list[dict], kill_at: float | None, reference: list[dict] | None) -> dict:
+    """What the clients saw of the kill: the longest gap between two chunks of any stream, the
+    gap that holds the kill (last chunk before it -> first after it) and the kill -> next chunk
+    per stream, the longest gap that does not hold it, and each stream's chunk times from the kill."""
+    out = {"killed": kill_at is not None}
+    if kill_at is None:
+        return out
+    longest, per_stream, spanning, to_next, elsewhere = 0.0, [], [], [], 0.0
+    for r in results:
+        c = r["chunks"]
+        gaps = [(b - a) * 1e3 for a, b in zip(c, c[1:])]
+        if gaps:
+            per_stream.append(max(gaps))
+            longest = max(longest, max(gaps))
+        elsewhere = max([elsewhere] + [(b - a) * 1e3 for a, b in zip(c, c[1:]) if not a <= kill_at < b])
+        before = [t for t in c if t <= kill_at]
+        after = [t for t in c if t > kill_at]
+        if before and after:
+            spanning.append((after[0] - before[-1]) * 1e3)
+        if after:
+            to_next.append((after[0] - kill_at) * 1e3)
+    out.update(longest_gap_ms=round(longest, 3), stream_longest_gap_ms=percentiles(per_stream),
+               gap_across_kill_ms=percentiles(spanning), kill_to_next_chunk_ms=percentiles(to_next),
+               longest_gap_not_across_kill_ms=round(elsewhere, 3), streams_across_kill=len(spanning),
+               chunk_ms_from_kill=[[round((t - kill_at) * 1e3, 1) for t in r["chunks"]] for r in results])
+    if reference is not None:
+        out["identical_to_uninterrupted"] = sum(1 for r, ref in zip(results, reference)
+                                                if not r["error"] and r["text"] == ref["text"])
+        out["compared"] = len(results)
+    return out
+
+
+def plot(path: Path, levels: list[dict], kill_results: list[dict] | None, kill_at: float | None) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    cs = [lv["concurrency"] for lv in levels]
+    for key, label in (("ttft_ms", "TTFT p50"), ("itl_ms", "ITL p50")):
+        axes[0].plot(cs, [(lv[key] or {}).get("p50") for lv in levels], "o-", label=label)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("concurrent streams")
+    axes[0].set_ylabel("ms")
+    axes[0].legend()
+    if kill_results and kill_at is not None:
+        for r in kill_results:
+            c = r["chunks"]
+            axes[1].plot([t - kill_at for t in c[1:]], [(b - a) * 1e3 for a, b in zip(c, c[1:])], ".", ms=2)
+        axes[1].axvline(0, color="k", lw=0.5)
+        axes[1].set_xlabel("s from the SIGKILL")
+        axes[1].set_ylabel("gap before the chunk, ms")
+        axes[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the tiny demo model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--concurrency", default="1,8,32,64", help="concurrent streams per level, comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt token ids per request")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-seq-len", type=int, default=None, help="default: prompt + max tokens, to a page")
+    p.add_argument("--kill-concurrency", type=int, default=32, help="streams in the kill run (0: no kill run)")
+    p.add_argument("--kill-fraction", type=float, default=1 / 3,
+                   help="kill once the streams have on average this share of their tokens")
+    p.add_argument("--serve-args", default="", help="more `kvhold serve` flags, one shell-quoted string")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/results/serve_cuda.json"))
+    args = p.parse_args(argv)
+    levels_c = [int(x) for x in args.concurrency.split(",") if x]
+    if any(c < 1 for c in levels_c) or args.rounds < 1 or args.kill_concurrency < 0:
+        p.error("concurrency levels and rounds must be positive")
+    if args.model is None:
+        from kvhold.testing.make_model import ensure_demo_model
+        args.model, _ = ensure_demo_model()
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    max_seq = args.max_seq_len or -(-(args.prompt_len + args.max_tokens + 1) // 16) * 16
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = args.out.with_suffix(".serve.log")
+    t_start = time.monotonic()
+    signal.signal(signal.SIGTERM, _stop)      # `timeout` ran out: stop the server, keep what was measured
+    server = Server(args.model, args.device, max_seq, shlex.split(args.serve_args), log_path,
+                    start_timeout=args.start_timeout)
+    print(f"kvhold serve ready in {server.ready_s:.1f} s: {' '.join(server.cmd)}", flush=True)
+    name = httpx.get(server.base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    levels, raw = [], {}
+    machine = f"{os.cpu_count()} CPU cores"
+    if args.device.startswith("cuda"):
+        try:
+            import torch
+            machine = f"{torch.cuda.get_device_name(args.device)}, {machine}"
+        except Exception as exc:          # the device name is a label; the figures stand without it
+            machine += f" (device name unknown: {exc})"
+    result = {"command": "python -m tools.bench_serve " + " ".join(shlex.quote(a) for a in argv),
+              "serve_command": server.cmd, "machine": machine, "model": str(args.model), "device": args.device,
+              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "ready_s": round(server.ready_s, 1), "complete": False, "levels": levels, "kill": None,
+              "notes": "ITL: gaps between consecutive content chunks of one stream; TTFT: request sent -> "
+                       "first content chunk; E2E: sent -> last content chunk; output tokens/s: completion "
+                       "tokens (usage) over the level's wall time",
+              "raw_per_request": {}}
+
+    def save():
+        result["total_s"] = round(time.monotonic() - t_start, 1)
+        result["raw_per_request"] = {str(c): [{"ttft_ms": round((r["chunks"][0] - r["t0"]) * 1e3, 3)
+                                               if r["chunks"] else None, "chunks": len(r["chunks"]),
+                                               "completion_tokens": r["completion_tokens"], "error": r["error"]}
+                                              for r in rs] for c, rs in raw.items()}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    kill_results = kill_at = None
+    try:
+        warm = request_bodies(2, args.prompt_len, min(8, args.max_tokens), vocab, args.seed + 999, name)
+        asyncio.run(run_level(server.base, warm, 2))
+        for c in levels_c:
+            bodies = request_bodies(c * args.rounds, args.prompt_len, args.max_tokens, vocab, args.seed + c, name)
+            results, wall = asyncio.run(run_level(server.base, bodies, c))
+            level = {"concurrency": c, **summarise(results, wall, args.max_tokens)}
+            levels.append(level)
+            raw[c] = results
+            save()
+            print(f"C={c:3d}: {level['output_tokens_per_s']:8.1f} tok/s, TTFT p50 "
+                  f"{(level['ttft_ms'] or {}).get('p50')} ms, ITL p50 {(level['itl_ms'] or {}).get('p50')} ms, "
+                  f"errors {level['errors']}, chunks/token {level['chunks_per_token']}", flush=True)
+        if args.kill_concurrency:
+            c = args.kill_concurrency
+            server.wait_healthy(1, 300)            # a standby ready before the kill
+            victim = server.get_health()["active_pid"]
+            bodies = request_bodies(c * args.rounds, args.prompt_len, args.max_tokens, vocab, args.seed + c, name)
+            marks = {}
+
+            async def killer(live):
+                # every stream of the first wave has its first chunk and, on average, the fraction
+                while True:
+                    await asyncio.sleep(0.002)
+                    wave = live[:c]
+                    if len(wave) == c and all(s["chunks"] > 0 for s in wave) and \
+                            statistics.fmean(s["chunks"] for s in wave) >= args.kill_fraction * args.max_tokens:
+                        break
+                    if len(live) > c:           # the first wave ended before the mark: kill now
+                        break
+                marks["kill"] = time.perf_counter()
+                os.kill(victim, signal.SIGKILL)
+            kill_results, wall = asyncio.run(run_level(server.base, bodies, c, kill=killer))
+            kill_at = marks.get("kill")
+            kill = {"concurrency": c, "victim_pid": victim, **summarise(kill_results, wall, args.max_tokens),
+                    **kill_summary(kill_results, kill_at, raw.get(c))}
+            t0 = min(r["t0"] for r in kill_results)
+            kill["kill_s_after_start"] = round(kill_at - t0, 3) if kill_at else None
+            kill["active_pid_after"] = (server.get_health() or {}).get("active_pid")
+            kill["recovery_record"] = server.last_recovery()
+            result["kill"] = kill
+            save()
+            print(f"kill at C={c}: longest gap {kill.get('longest_gap_ms')} ms, errors {kill['errors']}, "
+                  f"identical {kill.get('identical_to_uninterrupted')}/{kill.get('compared')}", flush=True)
+        result["complete"] = True
+    finally:
+        result["serve_exit_code"] = server.stop()
+        if plot(args.out.with_suffix(".png"), levels, kill_results, kill_at):
+            result["plot"] = args.out.with_suffix(".png").name
+        save()
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+if __name__ == "__main__":
+    sys.exit(main())
