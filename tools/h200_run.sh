@@ -18,6 +18,9 @@
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
+#   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), the GEMM's bits across tiles
+#                  and its TFLOP/s against cuBLAS, prefill tokens/s + MFU exact on/off (Llama-3-8B)
+#                                                   -> exact_tests.txt, exact_gemm_cuda.json, exact_prefill_cuda.json
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
 #
@@ -87,6 +90,15 @@ for phase in "${@:-tests}"; do
   cold-restart)
     model_8b
     timeout $(left) python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
+    ;;
+  exact)
+    timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 75 \
+        --out "$OUT/exact_gemm_cuda.json" 2>&1 | tail -40
+    timeout $(( $(left) < 170 ? $(left) : 170 )) python3 -m pytest -q -p no:cacheprovider -x -rs \
+        tests/gpu/test_gpu_exact.py tests/gpu/test_gpu_gemm.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
+    model_8b
+    timeout $(left) python3 -m tools.probe_exact --prefill --model /tmp/l8b --budget-s $(( $(left) - 60 )) \
+        --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -40
     ;;
   cuda-fault)
     [ -d /tmp/tiny ] || python3 -m kvhold.testing.make_model --preset tiny --out /tmp/tiny 2>&1 | tail -1

@@ -181,6 +181,28 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return out
 
 
+def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                           pages: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, layer: int,
+                           block_table: torch.Tensor, context_lens: torch.Tensor, no_context: torch.Tensor,
+                           scale: float, heads: int, kv_heads: int) -> torch.Tensor:
+    """A prefill chunk's RoPE, KV store and attention, each row computed exactly as a decode
+    step computes it: the decode kernel (rope_decode_attention) with one row per position of
+    the chunk. qkv [T, ...] holds the chunk's rows; positions, pages, slots [T]; block_table
+    [T, W] (every row the sequence's pages: a stride-0 view is fine); context_lens [T] int32
+    = positions + 1; no_context [T] int32 zeros.
+
+    Two launches of the same kernel: the first, with no context, only stores every row's
+    rotated key and value (its attention loop runs zero times and its output is dropped);
+    the second attends, row t over positions 0..positions[t] in the decode's blocks of 64,
+    and stores each row's key and value again. The bits it stores are those already
+    there, so a program reading another row's slot while that row's program rewrites it
+    reads the same value either way."""
+    rope_decode_attention(qkv, cos, sin, positions, pages, slots, pool, layer, block_table, no_context, scale,
+                          heads, kv_heads)
+    return rope_decode_attention(qkv, cos, sin, positions, pages, slots, pool, layer, block_table, context_lens,
+                                 scale, heads, kv_heads)
+
+
 @triton_aot.warm_up
 def _aot_shapes(shapes) -> None:
     """Decode as kvhold.executor.cuda_runner runs it, padded to max_batch rows (the grid is all a
@@ -201,3 +223,11 @@ def _aot_shapes(shapes) -> None:
             paged_decode_attention(q, pool, layer, table, ctx, shapes.head_dim ** -0.5)
             rope_decode_attention(qkv, cos, cos, staged64[1], staged64[2], staged64[3], pool, layer, table, ctx,
                                   shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)
+    c = shapes.prefill_chunk     # an exact prefill chunk (kvhold.executor.cuda_runner._prefill_exact)
+    rows64 = triton_aot.meta((4, c), torch.int64).unbind(0)
+    rows32 = triton_aot.meta((2 * c + width,), torch.int32)
+    qkv = triton_aot.meta((c, (shapes.num_heads + 2 * shapes.num_kv_heads) * shapes.head_dim), shapes.dtype)
+    table = rows32[2 * c:][None, :].expand(c, -1)
+    for layer in range(shapes.num_layers):
+        rope_prefill_attention(qkv, cos, cos, rows64[1], rows64[2], rows64[3], pool, layer, table, rows32[:c],
+                               rows32[c:2 * c], shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)

@@ -72,9 +72,11 @@ class _Projection:
             if self.bias is None:
                 self.bias = torch.cat(biases)          # biases are tiny
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if self.fused is not None:
-            return linear(x, self.fused, self.bias)
+            return linear(x, self.fused, self.bias, exact=exact)
+        if exact:
+            raise RuntimeError("exact prefill needs each projection's weights adjacent (one GEMM)")
         biases = self.bias_parts or [None] * len(self.parts)
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.parts, biases)], dim=-1)
 
@@ -116,23 +118,35 @@ class FusedLayers:
                 and self.model.dtype in (torch.bfloat16, torch.float16)
                 and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
 
-    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None) -> torch.Tensor:
+    def exact_prefill(self, max_batch: int) -> str | None:
+        """Why a prefill chunk cannot compute its rows as decode does (None: it can). It can
+        where decode is batch-invariant at `max_batch` rows and every projection runs on
+        the same kernel at any row count (kvhold.executor.cuda_gemm.exact_linear)."""
+        if not self.batch_invariant(max_batch):
+            return ("the decode step is not on the batch-invariant kernels (needs bf16/fp16, no projection "
+                    "biases, adjacent q|k|v and gate|up weights, max_batch <= 64, KVHOLD_SKINNY_GEMM on)")
+        return None
+
+    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None,
+               exact: bool = False) -> torch.Tensor:
         """As LlamaModel.layers; with `attend_qkv(layer, qkv)`, attention also applies RoPE and
-        stores the step's keys and values itself (kvhold.executor.cuda_attention.rope_decode_attention)."""
+        stores the step's keys and values itself (kvhold.executor.cuda_attention.rope_decode_attention).
+        `exact`: every projection on kvhold.executor.cuda_gemm.exact_linear, whatever the rows
+        (the caller checked `exact_prefill`)."""
         spec, model = self.spec, self.model
         t = token_ids.shape[0]
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = model.w["model.embed_tokens.weight"][token_ids].to(model.dtype)
         for layer, (ln1, qkv_proj, o_w, ln2, gate_up, down_w) in enumerate(self.layers_w):
-            qkv = qkv_proj(rmsnorm(h, ln1, self.eps))
+            qkv = qkv_proj(rmsnorm(h, ln1, self.eps), exact)
             if attend_qkv is not None:
                 attn = attend_qkv(layer, qkv)
             else:
                 rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
                                heads, kv_heads, dim)
                 attn = attend(layer, qkv[:, :heads * dim].view(t, heads, dim))
-            add_linear_(h, attn.reshape(t, -1), o_w)
-            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w)
+            add_linear_(h, attn.reshape(t, -1), o_w, exact)
+            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps), exact)), down_w, exact)
         return h
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

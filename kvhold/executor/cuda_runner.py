@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvhold.executor import faults
-from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention
+from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention, rope_prefill_attention
 from kvhold.executor.cuda_checksum import TritonChecksum
 from kvhold.executor.cuda_gemm import decode_buckets
 from kvhold.executor.kv_cache import KvCache
@@ -49,11 +49,20 @@ PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]     # not 
 
 class CudaRunner:
     def __init__(self, model: LlamaModel, kv: KvCache, max_batch: int, prefill_chunk: int,
-                 max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True):
+                 max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True,
+                 exact: bool = True):
         self.model, self.kv = model, kv
         self.device = model.device
         self.max_batch = max_batch
         fused = model.fused
+        # exact prefill: every prefill row computed as a decode step computes it (module docstring)
+        self.exact_refusal = (("no fused layers (KVHOLD_FUSED=0)" if fused is None else fused.exact_prefill(max_batch))
+                              if exact else None)
+        self.exact = exact and self.exact_refusal is None
+        if self.exact_refusal is not None:
+            log.warning("exact prefill unavailable, prefill on cuBLAS and SDPA (a recomputed request may "
+                        "differ from an uninterrupted run where bf16 rounding tips a near-tie): %s",
+                        self.exact_refusal)
         self.buckets = (decode_buckets(max_batch) if fused is not None and fused.batch_invariant(max_batch)
                         else [max_batch])
         self.prefill_chunk = prefill_chunk
@@ -143,7 +152,13 @@ class CudaRunner:
             for rows in self.buckets:
                 self._decode_forward(rows)
         lap("decode_warm_up")
-        if not urgent:
+        if not urgent and self.exact:
+            c = min(self.prefill_chunk, self.max_seq_len)     # each row-count specialisation once
+            for n in sorted({c, c - 1, min(c, 40), min(c, 17), min(c, 5)}):
+                if n > 1:
+                    self._prefill(self._padding_chunk(c, n))
+            lap("prefill_warm_up")
+        elif not urgent:
             for keys in range(self.prefill_chunk, self.max_seq_len + self.prefill_chunk, self.prefill_chunk):
                 self._prefill(self._padding_chunk(max(self.prefill_chunk, min(keys, self.max_seq_len))))
             lap("prefill_warm_up")
@@ -199,12 +214,13 @@ class CudaRunner:
         self.queued_ns = time.monotonic_ns()
         return logits[:n], out[:, :n]
 
-    def _padding_chunk(self, context: int):
-        """The last chunk of a `context`-token prompt, all on the null page."""
+    def _padding_chunk(self, context: int, n: int = 0):
+        """The last chunk (`n` tokens, default prefill_chunk) of a `context`-token prompt, all
+        on the null page."""
         from kvhold.executor.scheduler import Scheduled
         from kvhold.executor.sequence import Sequence
 
-        n, pt = self.prefill_chunk, self.kv.page_tokens
+        n, pt = n or self.prefill_chunk, self.kv.page_tokens
         seq = Sequence(slot=-1, request_id=0, prompt_len=context, tokens=[0] * context, max_tokens=1, seed=0,
                        temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True,
                        num_computed=context - n, pages=[NULL_PAGE] * -(-context // pt))
@@ -213,6 +229,36 @@ class CudaRunner:
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def _prefill(self, item) -> torch.Tensor:
+        """The chunk's last row's logits [1, vocab]; its keys and values go to the pool."""
+        if self.exact:
+            return self._prefill_exact(item)
+        return self._prefill_fast(item)
+
+    def _prefill_exact(self, item) -> torch.Tensor:
+        """The chunk's rows exactly as decode steps compute them (module docstring): the
+        projections on kvhold.executor.cuda_gemm.exact_linear, RoPE + KV store + attention on
+        the decode kernel with one row per position (rope_prefill_attention), the logits of
+        the last row on the decode's logits GEMM. No padding: no kernel's per-row
+        arithmetic depends on the number of rows."""
+        seq, n = item.seq, item.n
+        model, spec, dev = self.model, self.model.spec, self.device
+        pages, slots, positions, ids = positions_of([item], self.kv.page_tokens)
+        rows64 = torch.tensor([ids, positions, pages, slots], dtype=torch.long).to(dev, non_blocking=True)
+        ids_t, pos_t, pages_t, slots_t = rows64.unbind(0)
+        rows32 = torch.tensor([p + 1 for p in positions] + [0] * n + list(seq.pages),
+                              dtype=torch.int32).to(dev, non_blocking=True)
+        ctx, no_ctx = rows32[:n], rows32[n:2 * n]
+        table = rows32[2 * n:][None, :].expand(n, -1)     # every row: the sequence's pages
+        pool = self.kv.pool
+        h = model.fused.layers(
+            ids_t, pos_t, pages_t, slots_t, self.kv, None,
+            lambda layer, qkv: rope_prefill_attention(qkv, model.cos, model.sin, pos_t, pages_t, slots_t, pool,
+                                                      layer, table, ctx, no_ctx, self.scale, spec.num_heads,
+                                                      spec.num_kv_heads),
+            exact=True)
+        return model.logits(h[n - 1:n])
+
+    def _prefill_fast(self, item) -> torch.Tensor:
         seq, n, c = item.seq, item.n, self.prefill_chunk
         pt = self.kv.page_tokens
         pages, slots, positions, ids = positions_of([item], pt)
