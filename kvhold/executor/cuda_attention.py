@@ -8,6 +8,15 @@ with an online softmax, so a row's result depends only on its own query, keys
 and values, never on the other rows of the batch: decode output is the same
 whatever else is batched with it. Padding rows (context 1, block table
 pointing at the reserved null page) compute garbage that nobody reads.
+
+Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's attention on the same
+fused decode kernel, one row per position (`rope_prefill_attention`): a row's keys are
+visited in the same blocks, in the same order, with the same dot shapes ([GROUP_PAD, D]
+by [D, 64]) and the same online-softmax arithmetic as in the decode step that would
+have computed that position, so its output, and the key and value it stores, are the
+same bits. A tiled prefill kernel (many query rows per program) would read each key
+block once for many rows, but its dot shapes, and with them the order in which a row's
+softmax sums are reduced across threads, would differ from the decode's.
 """
 from __future__ import annotations
 

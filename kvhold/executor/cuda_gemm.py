@@ -19,6 +19,16 @@ each weight row block once:
 
 `linear` takes this path only when it applies (CUDA, bf16/fp16, at most 64 rows, N and
 K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
+
+Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's projections on this
+kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
+beyond that on `prefill_tiles` (128-row blocks, wider columns, 8 warps, the grouped
+program order `GROUP_M` for L2 reuse). An element's value is its fp32 accumulator after
+the k16 tensor-core steps over K in order and one rounding (the residual added in fp32
+first); the tile shapes, warps, stages and program order only decide which program
+computes which elements and how the loads are pipelined, so a row's bits are those a
+decode step gives it (tests/gpu/test_gpu_exact.py; the sweep over tiles:
+tools/probe_exact --gemm). cuBLAS instead picks its kernel, tile and split-K by shape.
 `KVHOLD_SKINNY_GEMM=0` turns it off (tools/bench_decode measures both). The tile sizes
 were chosen on the H200 by tools/bench_gemm (bench/results/gemm_cuda.json).
 """

@@ -11,7 +11,9 @@ a GPU step that is bound by reading weights:
   the outputs are concatenated (activations only; weights are never copied).
 * o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
 * A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda_gemm's
-  kernel, which streams each weight once; prefill chunks run on cuBLAS.
+  kernel, which streams each weight once; an exact prefill chunk (`layers(exact=True)`)
+  runs them on the same kernel in bigger tiles, each row's bits those decode gives it
+  (kvhold.executor.cuda_runner); other prefill chunks run on cuBLAS.
 * RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
   each (kvhold.executor.cuda_kernels).
 * A decode step's attention applies RoPE and stores the keys and values itself

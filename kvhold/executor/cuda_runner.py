@@ -10,7 +10,26 @@ what else is in the batch.
   projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
   holds because every GEMM always sees the same shape. Attention reads pages in place
   (kvhold.executor.cuda_attention).
-* Prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
+* Exact prefill (the default, `exact`; ExecutorSettings.exact_prefill): a prefill chunk's
+  rows are computed by the decode step's kernels, so a position's KV and logits are the
+  same bits whether a single prefill, chunked prefill (any chunk sizes, any batch) or a
+  decode step computed it, and a request recomputed after a preemption, a damaged page
+  or a pool restart continues exactly as an uninterrupted run:
+  - the projections on kvhold.executor.cuda_gemm's kernel at any row count
+    (`exact_linear`: the decode's tiles up to 64 rows, bigger tiles beyond, the same
+    k16 accumulation order over K per output element; no cuBLAS, whose split-K and
+    tile choice depend on the shape);
+  - RoPE, the KV store and attention on the decode kernel
+    (cuda_attention.rope_prefill_attention: one row per position, each attending over
+    its own context in the decode's 64-position blocks and online softmax; no SDPA,
+    whose reduction order depends on how many queries share a tile);
+  - RMSNorm, SiLU-times-up and the residual adds by the same per-row kernels as decode,
+    and the last row's logits on the decode's logits GEMM.
+  No padding: no kernel's arithmetic for a row depends on the number of rows. Where the
+  decode step is not on the batch-invariant kernels (fp32, projection biases, more than
+  64 rows, KVHOLD_FUSED=0 or KVHOLD_SKINNY_GEMM=0) exact prefill is unavailable: the
+  runner says why (`exact_refusal`, logged) and prefills as below.
+* Otherwise (exact off) prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
   rows, chunk boundaries at fixed positions (the scheduler keeps them aligned). Their
   attention's keys are padded (zeros, masked) to a multiple of the chunk, so there are
   only max_seq_len / prefill_chunk attention shapes, and warm-up runs each once. The
