@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -83,12 +84,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/pool_restart_cpu.json"))
     p.add_argument("--device", default="cpu", help="cpu, or cuda:N (CUDA VMM memory, bf16/fp32 engine)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the tiny demo model)")
+    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --no-exact-prefill")
     args = p.parse_args(argv)
     model = args.model or ensure_demo_model()[0]
     device_flags = ["--device", args.device] + (["--backend", "cuda"] if args.device.startswith("cuda") else [])
     reqs = requests(args.streams)
     with tempfile.TemporaryDirectory(prefix="kvh-bench-journal-") as journal:
-        with SidecarProcess(["--model", str(model), *FLAGS, *device_flags, "--journal-dir", journal]) as sc:
+        with SidecarProcess(["--model", str(model), *FLAGS, *device_flags, "--journal-dir", journal,
+                             *shlex.split(args.sidecar_args)]) as sc:
             sc.wait_steady(standbys=0, timeout=600)
             with sc.new_client(timeout=30) as client:
                 reference = [r.token_ids for r in wait_all([client.generate(**r) for r in reqs])]

@@ -21,6 +21,10 @@
 #   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), the GEMM's bits across tiles
 #                  and its TFLOP/s against cuBLAS, prefill tokens/s + MFU exact on/off (Llama-3-8B)
 #                                                   -> exact_tests.txt, exact_gemm_cuda.json, exact_prefill_cuda.json
+#   exact-e2e      exact recompute end to end, tiny model in bf16 (exact prefill on; EXACT_CONTROL=1 also
+#                  runs each with --no-exact-prefill): preemption in a small KV pool, 5 pool restarts,
+#                  3 CUDA faults that damage 4 pages each    -> exact_preemption_cuda.json,
+#                                                   exact_pool_restart_cuda.json, exact_cuda_fault_cuda.json
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
 #
@@ -99,6 +103,17 @@ for phase in "${@:-tests}"; do
     model_8b
     timeout $(left) python3 -m tools.probe_exact --prefill --model /tmp/l8b --budget-s $(( $(left) - 60 )) \
         --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -40
+    ;;
+  exact-e2e)
+    [ -d /tmp/tiny-bf16 ] || python3 -m tools.probe_exact_recompute --make-bf16 /tmp/tiny-bf16
+    CONTROL=${EXACT_CONTROL:+--control}
+    timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
+        --device cuda:0 $CONTROL --out "$OUT/exact_preemption_cuda.json" 2>&1 | tail -6
+    timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m tools.bench_pool_restart --device cuda:0 \
+        --model /tmp/tiny-bf16 --restarts 5 --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
+    timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
+        --log-level WARNING --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
+    gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)
     [ -d /tmp/tiny ] || python3 -m kvhold.testing.make_model --preset tiny --out /tmp/tiny 2>&1 | tail -1
