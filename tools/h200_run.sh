@@ -96,9 +96,9 @@ for phase in "${@:-tests}"; do
     timeout $(left) python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
     ;;
   exact)
-    timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 75 \
+    timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 70 \
         --out "$OUT/exact_gemm_cuda.json" 2>&1 | tail -40
-    timeout $(( $(left) < 170 ? $(left) : 170 )) python3 -m pytest -q -p no:cacheprovider -x -rs \
+    timeout $(( $(left) < 170 ? $(left) : 170 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
         tests/gpu/test_gpu_exact.py tests/gpu/test_gpu_gemm.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
     model_8b
     timeout $(left) python3 -m tools.probe_exact --prefill --model /tmp/l8b --budget-s $(( $(left) - 60 )) \

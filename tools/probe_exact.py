@@ -12,7 +12,8 @@ BLOCK_K, warps, stages, the grouped program order) is compared to it bit for bit
 (F.linear / addmm_) at the same shape. Stops starting new configurations after
 --budget-s seconds.
 
---prefill: one sequence's prefill on CudaRunner, exact prefill on and off: prompt tokens/s
+--prefill: one sequence's prefill on CudaRunner, exact prefill on (attention one row per
+program, or packed: several positions per program) and off: prompt tokens/s
 and MFU (model FLOPs, 2 per weight per token plus causal attention, against
 --peak-tflops), per prompt length and chunk size; the decode step time per bucket
 (graph replay; decode is the same in both modes); and, exact on, whether the KV pages
@@ -173,7 +174,7 @@ def plan(seq_specs):
     return out
 
 
-def prefill(args) -> dict:
+def prefill(args, save) -> dict:
     from kvhold.executor.cuda_runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel
@@ -197,7 +198,11 @@ def prefill(args) -> dict:
     rng = random.Random(0)
     tokens = [rng.randrange(3, spec.vocab_size) for _ in range(longest)]
     t0 = time.monotonic()
-    for exact in (True, False):
+    from kvhold.executor import cuda_attention
+
+    for mode in ("fast", "exact_packed", "exact"):
+        exact = mode != "fast"
+        cuda_attention.PREFILL_PACKED = mode == "exact_packed"
         for chunk in chunks:
             if time.monotonic() - t0 > args.budget_s:
                 break
@@ -206,10 +211,10 @@ def prefill(args) -> dict:
             assert runner.exact == exact, runner.exact_refusal
             warm = time.monotonic()
             runner.prepare()
-            out.setdefault("prepare_s", {})[f"{'exact' if exact else 'fast'}_{chunk}"] = round(time.monotonic() - warm, 2)
+            out.setdefault("prepare_s", {})[f"{mode}_{chunk}"] = round(time.monotonic() - warm, 2)
             if chunk == chunks[0]:
                 for b, (graph, _, _) in runner.graphs.items():
-                    out["decode_step_ms"][f"{'exact' if exact else 'fast'}_{b}"] = round(_time(graph.replay, 20) * 1e3, 3)
+                    out["decode_step_ms"][f"{mode}_{b}"] = round(_time(graph.replay, 20) * 1e3, 3)
             for prompt in prompts:
                 def run():
                     done = 0
@@ -226,14 +231,15 @@ def prefill(args) -> dict:
                 torch.cuda.synchronize()
                 t = (time.monotonic() - s) / reps
                 flops = _model_flops(spec, prompt)
-                row = {"exact": exact, "chunk": chunk, "prompt": prompt, "seconds": round(t, 4),
+                row = {"mode": mode, "exact": exact, "chunk": chunk, "prompt": prompt, "seconds": round(t, 4),
                        "tokens_per_s": round(prompt / t), "tflops": round(flops / t / 1e12, 1),
                        "mfu": round(flops / t / 1e12 / args.peak_tflops, 3)}
                 out["prefill"].append(row)
                 print(json.dumps(row), flush=True)
-            if exact and chunk == chunks[0]:
-                out["identity"] = _identity(runner, tokens[:args.identity_len], pages, plan)
-                print(json.dumps({"identity": out["identity"]}), flush=True)
+                save(out)
+            if chunk == chunks[0]:           # the bits, exact or not (fast: the control)
+                out["identity"][mode] = _identity(runner, tokens[:args.identity_len], pages, plan)
+                print(json.dumps({"identity": {mode: out["identity"][mode]}}), flush=True)
             runner = None
             torch.cuda.empty_cache()
     cost = {}
@@ -242,7 +248,8 @@ def prefill(args) -> dict:
             other = next((o for o in out["prefill"] if not o["exact"] and o["chunk"] == r["chunk"]
                           and o["prompt"] == r["prompt"]), None)
             if other:
-                cost[f"chunk{r['chunk']}_prompt{r['prompt']}"] = round(1 - r["tokens_per_s"] / other["tokens_per_s"], 3)
+                cost[f"{r['mode']}_chunk{r['chunk']}_prompt{r['prompt']}"] = round(
+                    1 - r["tokens_per_s"] / other["tokens_per_s"], 3)
     out["exact_throughput_cost"] = cost
     return out
 
@@ -297,14 +304,20 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_exact needs a CUDA device", file=sys.stderr)
         return 2
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": "python -m tools.probe_exact " + " ".join(sys.argv[1:] if argv is None else argv)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     import triton
     result["triton"] = triton.__version__
     if args.gemm:
         result["gemm"] = gemm(args)
         print(json.dumps(result["gemm"]["summary"], indent=1), flush=True)
     if args.prefill:
-        result["prefill"] = prefill(args)
+        def save(part):               # after each measurement: a run cut short keeps what it measured
+            result["prefill"] = part
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+        result["prefill"] = prefill(args, save)
         print(json.dumps({k: v for k, v in result["prefill"].items() if k != "prefill"}, indent=1), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -57,6 +57,47 @@ def test_a_gemm_row_is_the_same_bits_at_any_row_count_and_prefill_tile(n, k, res
         assert _same(got, want), (bm, bn, warps, stages)
 
 
+# ------------------------------------------------------------------ attention
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (28, 4, 128), (4, 2, 32)])
+def test_prefill_attention_rows_are_the_decode_kernels_bits_packed_or_not(heads, kv_heads, dim):
+    from kvhold.executor.cuda_attention import rope_decode_attention, rope_prefill_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(heads)
+    length, layers, pages = 1000, 2, list(range(80, 17, -1))        # scattered pages, descending
+    pool = torch.zeros((90, layers, 2, PAGE, kv_heads, dim), device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(length, device="cuda", dtype=torch.float64)
+    inv = 1 / 500000 ** (torch.arange(0, dim, 2, device="cuda", dtype=torch.float64) / dim)
+    emb = torch.cat([torch.outer(pos, inv)] * 2, dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    qkv = torch.randn((length, (heads + 2 * kv_heads) * dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(length, device="cuda")
+    page_of = torch.tensor([pages[p // PAGE] for p in range(length)], device="cuda")
+    slot_of = positions % PAGE
+    table = torch.tensor(pages, device="cuda", dtype=torch.int32)[None, :]
+    scale = dim ** -0.5
+    # decode: one position per step, 16 rows (the others padding)
+    want = torch.empty((length, heads, dim), device="cuda", dtype=torch.bfloat16)
+    for p in range(length):
+        r = slice(p, p + 1)
+        ctx = torch.tensor([p + 1], device="cuda", dtype=torch.int32)
+        want[p] = rope_decode_attention(qkv[r], cos, sin, positions[r], page_of[r], slot_of[r], pool, 1,
+                                        table, ctx, scale, heads, kv_heads)[0]
+    want_kv = pool.clone()
+    for packed in (False, True):
+        pool.zero_()
+        got = []
+        for a, b in ((0, 300), (300, 301), (301, 777), (777, length)):
+            n = b - a
+            ctx = (positions[a:b] + 1).to(torch.int32)
+            got.append(rope_prefill_attention(qkv[a:b], cos, sin, positions[a:b], page_of[a:b], slot_of[a:b], pool, 1,
+                                              table.expand(n, -1), ctx, torch.zeros_like(ctx), scale, heads, kv_heads,
+                                              packed=packed))
+        assert _same(pool, want_kv), packed
+        got = torch.cat(got)
+        bad = (_bits(got) != _bits(want)).reshape(length, -1).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, (packed, bad[:10], len(bad))
+
+
 # ------------------------------------------------------------------ the whole model
 def _bf16_region(weights):
     buf = torch.empty(sum(t.numel() for t in weights.values()), dtype=torch.bfloat16, device="cuda")
@@ -112,8 +153,15 @@ def _by_decode(runner, tokens, pages, first=2):
     return logits, _kv(runner, pages, len(tokens))
 
 
-@pytest.fixture(scope="module")
-def reference(runner):
+@pytest.fixture(scope="module", params=[False, True], ids=["attention_per_row", "attention_packed"])
+def reference(request, runner):
+    """The sequence by decode steps, with the prefill attention one row per program or packed
+    (kvhold.executor.cuda_attention.rope_prefill_attention) for the tests that use it."""
+    from kvhold.executor import cuda_attention
+
+    saved = cuda_attention.PREFILL_PACKED
+    cuda_attention.PREFILL_PACKED = request.param
+    request.addfinalizer(lambda: setattr(cuda_attention, "PREFILL_PACKED", saved))
     tokens = _tokens(runner)
     logits, kv = _by_decode(runner, tokens, TARGET_PAGES)
     return tokens, logits, kv
