@@ -18,9 +18,9 @@
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
-#   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), the GEMM's bits across tiles
-#                  and its TFLOP/s against cuBLAS, prefill tokens/s + MFU exact on/off (Llama-3-8B)
-#                                                   -> exact_tests.txt, exact_gemm_cuda.json, exact_prefill_cuda.json
+#   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), prefill tokens/s + MFU exact
+#                  on/off (Llama-3-8B's shapes, 8 layers)           -> exact_tests.txt, exact_prefill_cuda.json
+#   exact-gemm     the GEMM kernel's bits across tiles and its TFLOP/s against cuBLAS -> exact_gemm_cuda.json
 #   exact-e2e      exact recompute end to end, tiny model in bf16 (exact prefill on; EXACT_CONTROL=1 also
 #                  runs each with --no-exact-prefill): preemption in a small KV pool, 5 pool restarts,
 #                  3 CUDA faults that damage 4 pages each    -> exact_preemption_cuda.json,
@@ -96,23 +96,25 @@ for phase in "${@:-tests}"; do
     timeout $(left) python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
     ;;
   exact)
+    timeout $(( $(left) < 90 ? $(left) : 90 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
+        tests/gpu/test_gpu_exact.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
+    timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 \
+        --modes fast,exact_packed --budget-s 40 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
+    ;;
+  exact-gemm)
     timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 70 \
         --out "$OUT/exact_gemm_cuda.json" 2>&1 | tail -40
-    timeout $(( $(left) < 170 ? $(left) : 170 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
-        tests/gpu/test_gpu_exact.py tests/gpu/test_gpu_gemm.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
-    model_8b
-    timeout $(left) python3 -m tools.probe_exact --prefill --model /tmp/l8b --budget-s $(( $(left) - 60 )) \
-        --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -40
     ;;
   exact-e2e)
     [ -d /tmp/tiny-bf16 ] || python3 -m tools.probe_exact_recompute --make-bf16 /tmp/tiny-bf16
     CONTROL=${EXACT_CONTROL:+--control}
-    timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
-        --device cuda:0 $CONTROL --out "$OUT/exact_preemption_cuda.json" 2>&1 | tail -6
-    timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m tools.bench_pool_restart --device cuda:0 \
-        --model /tmp/tiny-bf16 --restarts 5 --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
+    timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
+        --device cuda:0 --requests 12 --max-tokens 160 $CONTROL --out "$OUT/exact_preemption_cuda.json" 2>&1 | tail -4
+    timeout $(( $(left) < 80 ? $(left) : 80 )) python3 -m tools.bench_pool_restart --device cuda:0 \
+        --model /tmp/tiny-bf16 --restarts 5 --max-tokens 1200 --sidecar-args "--max-seq-len 1280 --kv-pages 700" \
+        --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
     timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
-        --log-level WARNING --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
+        --max-tokens 48 --log-level WARNING --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)

@@ -174,6 +174,35 @@ def plan(seq_specs):
     return out
 
 
+def synthetic_model(layers: int):
+    """Llama-3-8B's shapes with `layers` decoder layers, random bf16 weights made on the GPU
+    in one buffer in config order (q|k|v and gate|up adjacent, as the sidecar's region
+    holds them): (spec, weights), no checkpoint on disk."""
+    import tempfile
+
+    from kvhold.protocol.model_spec import ModelSpec
+    from kvhold.testing.make_model import make_config
+
+    cfg = make_config("llama3-8b", 128256, 1, 2)
+    cfg["num_hidden_layers"] = layers
+    path = Path(tempfile.mkdtemp(prefix="kvh-synthetic-"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    spec = ModelSpec.from_dir(path)
+    shapes = spec.expected_tensors()
+    buf = torch.empty(sum(int(torch.Size(s).numel()) for s in shapes.values()), dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights, offset = {}, 0
+    for name, shape in shapes.items():
+        t = buf[offset:offset + torch.Size(shape).numel()].view(shape)
+        offset += t.numel()
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        weights[name] = t
+    return spec, weights, path
+
+
 def prefill(args, save) -> dict:
     from kvhold.executor.cuda_runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
@@ -183,24 +212,28 @@ def prefill(args, save) -> dict:
     from tools.bench_engine_setup import load_weights
 
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    spec = ModelSpec.from_dir(args.model)
     prompts = [int(p) for p in args.prompts.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
     longest = max(prompts)
-    weights = load_weights(args.model, "cuda")
+    if args.model is not None:
+        spec = ModelSpec.from_dir(args.model)
+        weights = load_weights(args.model, "cuda")
+    else:
+        spec, weights, _ = synthetic_model(args.synthetic_layers)
     model = LlamaModel(spec, weights, torch.bfloat16, torch.device("cuda"), longest + 64)
     page = 16
     pages = list(range(1, 1 + -(-longest // page)))
     kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", page),
                          len(pages) + 2, "cuda")
-    out = {"model": str(args.model), "peak_tflops": args.peak_tflops, "prefill": [], "decode_step_ms": {},
+    out = {"model": str(args.model) if args.model else f"Llama-3-8B shapes, {args.synthetic_layers} layers, random",
+           "peak_tflops": args.peak_tflops, "prefill": [], "decode_step_ms": {},
            "identity": {}}
     rng = random.Random(0)
     tokens = [rng.randrange(3, spec.vocab_size) for _ in range(longest)]
     t0 = time.monotonic()
     from kvhold.executor import cuda_attention
 
-    for mode in ("fast", "exact_packed", "exact"):
+    for mode in args.modes.split(","):
         exact = mode != "fast"
         cuda_attention.PREFILL_PACKED = mode == "exact_packed"
         for chunk in chunks:
@@ -237,8 +270,8 @@ def prefill(args, save) -> dict:
                 out["prefill"].append(row)
                 print(json.dumps(row), flush=True)
                 save(out)
-            if chunk == chunks[0]:           # the bits, exact or not (fast: the control)
-                out["identity"][mode] = _identity(runner, tokens[:args.identity_len], pages, plan)
+            if chunk == max(chunks):         # the bits, exact or not (fast: the control)
+                out["identity"][mode] = _identity(runner, tokens[:min(args.identity_len, chunk)], pages, plan)
                 print(json.dumps({"identity": {mode: out["identity"][mode]}}), flush=True)
             runner = None
             torch.cuda.empty_cache()
@@ -274,7 +307,7 @@ def _identity(runner, tokens, pages, plan) -> dict:
     rng = random.Random(1)
     sizes, left = [], length
     while left:
-        sizes.append(min(left, rng.randrange(1, runner.prefill_chunk + 1)))
+        sizes.append(min(left, rng.randrange(1, min(300, runner.prefill_chunk) + 1)))
         left -= sizes[-1]
     chunk_logits, chunk_kv = chunked(sizes)
     first = length - 24                     # the last 24 positions by decode steps
@@ -293,7 +326,9 @@ def main(argv=None) -> int:
     p.add_argument("--gemm", action="store_true")
     p.add_argument("--prefill", action="store_true")
     p.add_argument("--rows", type=int, default=2048)
-    p.add_argument("--model", type=Path)
+    p.add_argument("--model", type=Path, help="a checkpoint; default: Llama-3-8B's shapes, random (--synthetic-layers)")
+    p.add_argument("--synthetic-layers", type=int, default=8)
+    p.add_argument("--modes", default="fast,exact_packed,exact")
     p.add_argument("--prompts", default="512,2048,8192")
     p.add_argument("--chunks", default="512,2048")
     p.add_argument("--identity-len", type=int, default=1200)

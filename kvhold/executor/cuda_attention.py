@@ -14,9 +14,13 @@ fused decode kernel, one row per position (`rope_prefill_attention`): a row's ke
 visited in the same blocks, in the same order, with the same dot shapes ([GROUP_PAD, D]
 by [D, 64]) and the same online-softmax arithmetic as in the decode step that would
 have computed that position, so its output, and the key and value it stores, are the
-same bits. A tiled prefill kernel (many query rows per program) would read each key
-block once for many rows, but its dot shapes, and with them the order in which a row's
-softmax sums are reduced across threads, would differ from the decode's.
+same bits. By default (`PREFILL_PACKED`) the attention runs on `_rope_prefill_kernel`,
+which puts several positions' query heads into the tile rows a decode step pads with
+zeros (the tile is GROUP_PAD = 16 rows, Llama-3-8B's group is 4 heads), so one key block
+read serves 4 positions and the dot shapes stay the decode's. A tiled prefill kernel
+(64-128 query rows per program) would read each key block once for more rows, but its
+dot shapes, and with them the order in which a row's softmax sums are reduced across
+threads, would differ from the decode's.
 """
 from __future__ import annotations
 
@@ -260,7 +264,7 @@ def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-PREFILL_PACKED = False       # rope_prefill_attention's default: see its docstring
+PREFILL_PACKED = True        # rope_prefill_attention's default: see its docstring
 
 
 def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -282,8 +286,11 @@ def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
     `packed` (default PREFILL_PACKED): the second launch is _rope_prefill_kernel instead,
     GROUP_PAD // GROUP positions per program in the tile rows that a decode step pads with
-    zeros: the same per-row arithmetic, each key block read once for those positions (4
-    for Llama-3-8B), no store. All rows of block_table must be the same sequence's."""
+    zeros: the same per-row arithmetic (it compiles to the decode kernel's layouts and
+    MMA instructions), each key block read once for those positions (4 for Llama-3-8B),
+    no store. All rows of block_table must be the same sequence's. One row per program
+    re-reads a row's whole context for each position: at 8k tokens it was 3/4 of an
+    exact prefill's time on the H200."""
     rope_decode_attention(qkv, cos, sin, positions, pages, slots, pool, layer, block_table, no_context, scale,
                           heads, kv_heads)
     if not (PREFILL_PACKED if packed is None else packed):

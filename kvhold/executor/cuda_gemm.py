@@ -22,7 +22,7 @@ K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
 
 Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's projections on this
 kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
-beyond that on `prefill_tiles` (128-row blocks, wider columns, 8 warps, the grouped
+beyond that on `prefill_tiles` (128- or 256-row blocks, BLOCK_K 64, 8 warps, the grouped
 program order `GROUP_M` for L2 reuse). An element's value is its fp32 accumulator after
 the k16 tensor-core steps over K in order and one rounding (the residual added in fp32
 first); the tile shapes, warps, stages and program order only decide which program
@@ -164,26 +164,26 @@ def skinny(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
 # A prefill chunk's projections on the same kernel as decode, in big tiles. An output
 # element's value is its fp32 accumulator after the k16 tensor-core steps over K in
 # order 0, 16, 32, ... and one rounding (plus the residual, in fp32, then one rounding):
-# the tile sizes, warps and stages only say which program computes which elements and
-# how loads are pipelined, not that order. BLOCK_K is kept at the decode's choice for
-# the shape unless PREFILL_ANY_BLOCK_K (the H200 sweep, tools/probe_exact, found the
-# k-order independent of it). tests/gpu/test_gpu_exact.py checks the bits on the GPU.
-PREFILL_BLOCK_M, PREFILL_GROUP_M = 128, 8
-PREFILL_ANY_BLOCK_K = False
-# (BLOCK_N, BLOCK_K or 0 for the decode's, warps, stages) per (N, K); others take PREFILL_DEFAULT
-PREFILL_DEFAULT = (128, 0, 8, 3)
-PREFILL_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# the tile sizes, warps, stages and program order only say which program computes which
+# elements and how loads are pipelined, not that order. On the H200 every one of 301
+# configurations (BLOCK_M 16..256, BLOCK_N 32..256, BLOCK_K 32..256, 4/8 warps, 2-4
+# stages; mma.sync at 16-32 rows per program, wgmma from 64) gave each row the decode's
+# bits at Llama-3-8B's four shapes, BLOCK_K included (bench/results/exact_gemm_cuda.json,
+# tools/probe_exact --gemm), so the prefill tiles are simply the fastest of that sweep:
+# 572-676 TFLOP/s at 2048 rows, against cuBLAS's 702-798. tests/gpu/test_gpu_exact.py
+# checks the bits on the GPU.
+PREFILL_GROUP_M = 8
+PREFILL_DEFAULT = (128, 256, 64, 8, 3)          # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+PREFILL_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (6144, 4096): (256, 128, 64, 8, 3), (4096, 4096): (128, 256, 64, 8, 4),
+    (28672, 4096): (256, 128, 64, 8, 3), (4096, 14336): (128, 256, 64, 8, 3)}
 
 
 def prefill_tiles(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a prefill chunk's [rows, k] @ [n, k].T."""
-    block_n, block_k, warps, stages = PREFILL_TUNED.get((n, k), PREFILL_DEFAULT)
-    decode_k = tiles(n, k, MAX_ROWS)[1]
-    if not (PREFILL_ANY_BLOCK_K and block_k):
-        block_k = decode_k
-    if block_k >= 256:                       # two stages of 128 x 256 tiles fill shared memory
-        block_n, stages = min(block_n, 64), min(stages, 2)
-    return PREFILL_BLOCK_M, block_n, block_k, warps, stages
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a prefill chunk's [rows, k] @ [n, k].T
+    (BLOCK_K divides K: K's largest power-of-2 divisor at most)."""
+    bm, bn, bk, warps, stages = PREFILL_TUNED.get((n, k), PREFILL_DEFAULT)
+    return bm, bn, min(bk, k & -k), warps, stages
 
 
 def exact_applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -19,10 +19,11 @@ what else is in the batch.
     (`exact_linear`: the decode's tiles up to 64 rows, bigger tiles beyond, the same
     k16 accumulation order over K per output element; no cuBLAS, whose split-K and
     tile choice depend on the shape);
-  - RoPE, the KV store and attention on the decode kernel
-    (cuda_attention.rope_prefill_attention: one row per position, each attending over
-    its own context in the decode's 64-position blocks and online softmax; no SDPA,
-    whose reduction order depends on how many queries share a tile);
+  - RoPE and the KV store on the decode kernel, attention on the decode kernel's
+    arithmetic (cuda_attention.rope_prefill_attention: each position attends over its
+    own context in the decode's 64-position blocks, dot shapes and online softmax,
+    several positions packed into the tile rows a decode step pads; no SDPA, whose
+    reduction order depends on how many queries share a tile);
   - RMSNorm, SiLU-times-up and the residual adds by the same per-row kernels as decode,
     and the last row's logits on the decode's logits GEMM.
   No padding: no kernel's arithmetic for a row depends on the number of rows. Where the

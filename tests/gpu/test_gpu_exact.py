@@ -49,8 +49,8 @@ def test_a_gemm_row_is_the_same_bits_at_any_row_count_and_prefill_tile(n, k, res
         res = h[:rows].clone() if residual else None
         got = cuda_gemm.exact_linear(x[:rows], w, residual=res, out=res)
         assert _same(got, want[:rows]), rows
-    bk = cuda_gemm.prefill_tiles(n, k)[2]
-    for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 2), (64, 128, 8, 2)):
+    for bm, bn, bk, warps, stages in ((64, 64, 128, 4, 3), (128, 64, 64, 4, 2), (128, 128, 32, 8, 2),
+                                      (64, 128, 256, 8, 2), (256, 128, 64, 8, 3), (16, 32, 256, 4, 4)):
         res = h.clone() if residual else None
         got = cuda_gemm.skinny(x, w, residual=res, out=res, block_n=bn, block_k=bk, num_warps=warps,
                                num_stages=stages, rows_per_program=bm, group_m=4)
