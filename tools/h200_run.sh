@@ -96,10 +96,10 @@ for phase in "${@:-tests}"; do
     timeout $(left) python3 -m tools.bench_cold_restart --model /tmp/l8b --out "$OUT/cold_restart_cuda.json" 2>&1 | tail -4
     ;;
   exact)
-    timeout $(( $(left) < 90 ? $(left) : 90 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
+    timeout $(( $(left) < 80 ? $(left) : 80 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
         tests/gpu/test_gpu_exact.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
-    timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 \
-        --modes fast,exact_packed --budget-s 40 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
+    timeout $(( $(left) < 45 ? $(left) : 45 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
+        --modes fast,exact_packed --budget-s 25 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
     ;;
   exact-gemm)
     timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 70 \
@@ -108,9 +108,9 @@ for phase in "${@:-tests}"; do
   exact-e2e)
     [ -d /tmp/tiny-bf16 ] || python3 -m tools.probe_exact_recompute --make-bf16 /tmp/tiny-bf16
     CONTROL=${EXACT_CONTROL:+--control}
-    timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
+    timeout $(( $(left) < 50 ? $(left) : 50 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
         --device cuda:0 --requests 12 --max-tokens 160 $CONTROL --out "$OUT/exact_preemption_cuda.json" 2>&1 | tail -4
-    timeout $(( $(left) < 80 ? $(left) : 80 )) python3 -m tools.bench_pool_restart --device cuda:0 \
+    timeout $(( $(left) < 75 ? $(left) : 75 )) python3 -m tools.bench_pool_restart --device cuda:0 \
         --model /tmp/tiny-bf16 --restarts 5 --max-tokens 1200 --sidecar-args "--max-seq-len 1280 --kv-pages 700" \
         --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
     timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
