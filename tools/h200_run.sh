@@ -98,8 +98,8 @@ for phase in "${@:-tests}"; do
   exact)
     timeout $(( $(left) < 80 ? $(left) : 80 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
         tests/gpu/test_gpu_exact.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
-    timeout $(( $(left) < 45 ? $(left) : 45 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
-        --modes fast,exact_packed --budget-s 25 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
+    timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
+        --modes fast,exact,exact_packed --budget-s 30 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
     ;;
   exact-gemm)
     timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 70 \

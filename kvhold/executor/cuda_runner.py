@@ -22,8 +22,8 @@ what else is in the batch.
   - RoPE and the KV store on the decode kernel, attention on the decode kernel's
     arithmetic (cuda_attention.rope_prefill_attention: each position attends over its
     own context in the decode's 64-position blocks, dot shapes and online softmax,
-    several positions packed into the tile rows a decode step pads; no SDPA, whose
-    reduction order depends on how many queries share a tile);
+    one position per program, or several packed into the tile rows a decode step pads;
+    no SDPA, whose reduction order depends on how many queries share a tile);
   - RMSNorm, SiLU-times-up and the residual adds by the same per-row kernels as decode,
     and the last row's logits on the decode's logits GEMM.
   No padding: no kernel's arithmetic for a row depends on the number of rows. Where the
