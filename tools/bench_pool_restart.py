@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,8 +34,8 @@ FLAGS = ["--kv-pages", "512", "--max-seq-len", "512", "--max-batch-tokens", "128
          "--standbys", "0", "--log-level", "WARNING"]
 
 
-def requests(n: int) -> list[dict]:
-    return [dict(prompt=f"Request {i}: once upon a time", max_tokens=440, ignore_eos=True,
+def requests(n: int, max_tokens: int = 440) -> list[dict]:
+    return [dict(prompt=f"Request {i}: once upon a time", max_tokens=max_tokens, ignore_eos=True,
                  temperature=[0.0, 0.8, 1.0, 0.7][i % 4], top_p=[1.0, 1.0, 0.9, 1.0][i % 4],
                  top_k=[0, 0, 0, 20][i % 4], seed=100 + i) for i in range(n)]
 
@@ -83,12 +84,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/pool_restart_cpu.json"))
     p.add_argument("--device", default="cpu", help="cpu, or cuda:N (CUDA VMM memory, bf16/fp32 engine)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the tiny demo model)")
+    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --no-exact-prefill "
+                   "(after the defaults: --max-seq-len, --kv-pages given here win)")
+    p.add_argument("--max-tokens", type=int, default=440, help="per stream (within --max-seq-len)")
     args = p.parse_args(argv)
     model = args.model or ensure_demo_model()[0]
     device_flags = ["--device", args.device] + (["--backend", "cuda"] if args.device.startswith("cuda") else [])
-    reqs = requests(args.streams)
+    reqs = requests(args.streams, args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="kvh-bench-journal-") as journal:
-        with SidecarProcess(["--model", str(model), *FLAGS, *device_flags, "--journal-dir", journal]) as sc:
+        with SidecarProcess(["--model", str(model), *FLAGS, *device_flags, "--journal-dir", journal,
+                             *shlex.split(args.sidecar_args)]) as sc:
             sc.wait_steady(standbys=0, timeout=600)
             with sc.new_client(timeout=30) as client:
                 reference = [r.token_ids for r in wait_all([client.generate(**r) for r in reqs])]

@@ -26,6 +26,13 @@
 #                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
 #                  SERVE_KILL_C (32) streams; SERVE_ARGS: the serve flags (default: LOAD's batch and KV)
 #                                                                   -> serve_cuda.json (.png, .serve.log.gz)
+#   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), prefill tokens/s + MFU exact
+#                  on/off (Llama-3-8B's shapes, 8 layers)           -> exact_tests.txt, exact_prefill_cuda.json
+#   exact-gemm     the GEMM kernel's bits across tiles and its TFLOP/s against cuBLAS -> exact_gemm_cuda.json
+#   exact-e2e      exact recompute end to end, tiny model in bf16 (exact prefill on; EXACT_CONTROL=1 also
+#                  runs each with --no-exact-prefill): preemption in a small KV pool, 5 pool restarts,
+#                  3 CUDA faults that damage 4 pages each    -> exact_preemption_cuda.json,
+#                                                   exact_pool_restart_cuda.json, exact_cuda_fault_cuda.json
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
 #   sidecar-crash  SIGKILL of the sidecar on VMM memory mid-stream: its executors hand the
@@ -112,6 +119,28 @@ for phase in "${@:-tests}"; do
         --concurrency ${SERVE_CONCURRENCY:-1,8,32,64} --rounds ${SERVE_ROUNDS:-2} --prompt-len 512 --max-tokens 128 \
         --kill-concurrency ${SERVE_KILL_C:-32} --serve-args "${SERVE_ARGS:---max-batch-tokens 8192 --kv-memory 24GiB --log-level INFO}" \
         --out "$OUT/serve_cuda.json" 2>&1 | tail -30
+    gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  exact)
+    timeout $(( $(left) < 80 ? $(left) : 80 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
+        tests/gpu/test_gpu_exact.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
+    timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
+        --modes fast,exact,exact_packed --budget-s 30 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
+    ;;
+  exact-gemm)
+    timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 70 \
+        --out "$OUT/exact_gemm_cuda.json" 2>&1 | tail -40
+    ;;
+  exact-e2e)
+    [ -d /tmp/tiny-bf16 ] || python3 -m tools.probe_exact_recompute --make-bf16 /tmp/tiny-bf16
+    CONTROL=${EXACT_CONTROL:+--control}
+    timeout $(( $(left) < 50 ? $(left) : 50 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
+        --device cuda:0 --requests 12 --max-tokens 160 $CONTROL --out "$OUT/exact_preemption_cuda.json" 2>&1 | tail -4
+    timeout $(( $(left) < 75 ? $(left) : 75 )) python3 -m tools.bench_pool_restart --device cuda:0 \
+        --model /tmp/tiny-bf16 --restarts 5 --max-tokens 1200 --sidecar-args "--max-seq-len 1280 --kv-pages 700" \
+        --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
+    timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
+        --max-tokens 48 --log-level WARNING --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)

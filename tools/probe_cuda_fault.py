@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -54,7 +55,8 @@ def run(args) -> dict:
     env = {"KVHOLD_FAULT": "decode_queued:1:cuda_illegal", "KVHOLD_FAULT_ONCE": str(once)}
     flags = ["--model", str(args.model), "--device", args.device, "--backend", "cuda",
              "--max-seq-len", "512", "--max-batch", "16", "--max-batch-tokens", "512",
-             "--prefill-chunk", "128", "--log-level", args.log_level, "--restart-backoff-ms", "0,0"]
+             "--prefill-chunk", "128", "--log-level", args.log_level, "--restart-backoff-ms", "0,0",
+             *shlex.split(args.sidecar_args)]
     requests = make_requests(args.requests, _vocab(args.model), args.max_tokens, args.seed)
     rng = random.Random(args.seed)
     trials = []
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--trials", type=int, default=3, help="faults, one per run of the request set (default 3)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --no-exact-prefill")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--out", default=None, help="write the JSON here (else stdout only)")
     args = p.parse_args(argv)

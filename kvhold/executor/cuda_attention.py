@@ -8,6 +8,19 @@ with an online softmax, so a row's result depends only on its own query, keys
 and values, never on the other rows of the batch: decode output is the same
 whatever else is batched with it. Padding rows (context 1, block table
 pointing at the reserved null page) compute garbage that nobody reads.
+
+Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's attention on the same
+fused decode kernel, one row per position (`rope_prefill_attention`): a row's keys are
+visited in the same blocks, in the same order, with the same dot shapes ([GROUP_PAD, D]
+by [D, 64]) and the same online-softmax arithmetic as in the decode step that would
+have computed that position, so its output, and the key and value it stores, are the
+same bits. With `PREFILL_PACKED` the attention runs on `_rope_prefill_kernel` instead,
+which puts several positions' query heads into the tile rows a decode step pads with
+zeros (the tile is GROUP_PAD = 16 rows, Llama-3-8B's group is 4 heads), so one key block
+read serves 4 positions and the dot shapes stay the decode's. A tiled prefill kernel
+(64-128 query rows per program) would read each key block once for more rows, but its
+dot shapes, and with them the order in which a row's softmax sums are reduced across
+threads, would differ from the decode's.
 """
 from __future__ import annotations
 
@@ -181,6 +194,128 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return out
 
 
+@triton_aot.aot
+@triton.jit
+def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr, ctx_ptr, out_ptr, T,
+                         stride_t, stride_cos, stride_ob, stride_oh,
+                         stride_page, stride_kv, stride_tok, stride_head, stride_table,
+                         layer_offset, scale,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                         PRECISION: tl.constexpr, PAGES: tl.constexpr):
+    """_rope_decode_kernel's attention (keys and values already stored) for ROWS consecutive
+    positions of one sequence at once: the GROUP_PAD rows of the tile, which in a decode step
+    hold one position's GROUP query heads and zeros, hold ROWS positions' heads here. Each
+    row's q rotation, dot shapes, key blocks and online softmax are the decode kernel's; a
+    row takes no part in a block past its own context (its state is kept, as if the loop had
+    ended there, which it does in the decode)."""
+    kvh = tl.program_id(1)
+    H2: tl.constexpr = D // 2
+    half = tl.arange(0, H2)
+    r = tl.arange(0, GROUP_PAD)
+    local = r // GROUP
+    b = tl.program_id(0) * ROWS + local
+    rmask = (local < ROWS) & (b < T)
+    b = tl.where(rmask, b, 0).to(tl.int64)
+    heads = kvh * GROUP + r % GROUP
+    pos = tl.load(pos_ptr + b, mask=rmask, other=0).to(tl.int64)
+    c1 = tl.load(cos_ptr + pos[:, None] * stride_cos + half[None, :]).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos[:, None] * stride_cos + H2 + half[None, :]).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos[:, None] * stride_cos + half[None, :]).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos[:, None] * stride_cos + H2 + half[None, :]).to(tl.float32)
+    qp = qkv_ptr + b[:, None] * stride_t + heads[:, None] * D + half[None, :]
+    x1 = tl.load(qp, mask=rmask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(qp + H2, mask=rmask[:, None], other=0.0).to(tl.float32)
+    q1 = (x1 * c1 - x2 * s1).to(qkv_ptr.dtype.element_ty)
+    q2 = (x2 * c2 + x1 * s2).to(qkv_ptr.dtype.element_ty)
+    q1 = q1.to(pool_ptr.dtype.element_ty)
+    q2 = q2.to(pool_ptr.dtype.element_ty)
+    full = tl.arange(0, D)
+    base = pool_ptr + layer_offset + kvh * stride_head
+    first = tl.program_id(0).to(tl.int64) * ROWS       # the block's rows share one sequence's table
+    ctx = tl.load(ctx_ptr + b, mask=rmask, other=0)
+    ctx_max = tl.max(ctx, axis=0)
+    t = tl.arange(0, PAGE * PAGES)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    for blk in range(0, tl.cdiv(ctx_max, PAGE * PAGES)):
+        p = blk * PAGE * PAGES + t
+        tmask = p < ctx_max
+        page = tl.load(table_ptr + first * stride_table + p // PAGE, mask=tmask, other=0).to(tl.int64)
+        kptr = base + page[:, None] * stride_page + (p % PAGE)[:, None] * stride_tok
+        ka = tl.load(kptr + half[None, :], mask=tmask[:, None], other=0.0)
+        kb = tl.load(kptr + H2 + half[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(kptr + stride_kv + full[None, :], mask=tmask[:, None], other=0.0)
+        s = tl.dot(q2, tl.trans(kb), tl.dot(q1, tl.trans(ka), input_precision=PRECISION),
+                   input_precision=PRECISION) * scale
+        s = tl.where(p[None, :] < ctx[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        prob = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_new = l_i * alpha + tl.sum(prob, axis=1)
+        acc_new = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+        active = blk * PAGE * PAGES < ctx
+        m_i = tl.where(active, m_new, m_i)
+        l_i = tl.where(active, l_new, l_i)
+        acc = tl.where(active[:, None], acc_new, acc)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b[:, None] * stride_ob + heads[:, None] * stride_oh + full[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+# rope_prefill_attention's default (its docstring): off until the H200 has confirmed the packed
+# kernel's bits (tests/gpu/test_gpu_exact.py, the attention_packed cases) and its cost
+# (tools/probe_exact --prefill --modes fast,exact_packed,exact)
+PREFILL_PACKED = False
+
+
+def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                           pages: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, layer: int,
+                           block_table: torch.Tensor, context_lens: torch.Tensor, no_context: torch.Tensor,
+                           scale: float, heads: int, kv_heads: int, packed: bool | None = None) -> torch.Tensor:
+    """A prefill chunk's RoPE, KV store and attention, each row computed exactly as a decode
+    step computes it: the decode kernel (rope_decode_attention) with one row per position of
+    the chunk. qkv [T, ...] holds the chunk's rows; positions, pages, slots [T]; block_table
+    [T, W] (every row the sequence's pages: a stride-0 view is fine); context_lens [T] int32
+    = positions + 1; no_context [T] int32 zeros.
+
+    Two launches of the same kernel: the first, with no context, only stores every row's
+    rotated key and value (its attention loop runs zero times and its output is dropped);
+    the second attends, row t over positions 0..positions[t] in the decode's blocks of 64,
+    and stores each row's key and value again. The bits it stores are those already
+    there, so a program reading another row's slot while that row's program rewrites it
+    reads the same value either way.
+
+    `packed` (default PREFILL_PACKED): the second launch is _rope_prefill_kernel instead,
+    GROUP_PAD // GROUP positions per program in the tile rows that a decode step pads with
+    zeros: the same per-row arithmetic (for sm_90 it compiles to the decode kernel's layouts and
+    MMA instructions), each key block read once for those positions (4 for Llama-3-8B),
+    no store. All rows of block_table must be the same sequence's. One row per program
+    re-reads a row's whole context for each position: at 8k tokens it was 3/4 of an
+    exact prefill's time on the H200."""
+    rope_decode_attention(qkv, cos, sin, positions, pages, slots, pool, layer, block_table, no_context, scale,
+                          heads, kv_heads)
+    if not (PREFILL_PACKED if packed is None else packed):
+        return rope_decode_attention(qkv, cos, sin, positions, pages, slots, pool, layer, block_table,
+                                     context_lens, scale, heads, kv_heads)
+    t = qkv.shape[0]
+    _, _, _, page_tokens, _, dim = pool.shape
+    group = heads // kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    rows = group_pad // group
+    out = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    sp = pool.stride()
+    _rope_prefill_kernel[(triton.cdiv(t, rows), kv_heads)](
+        qkv, cos, sin, positions, pool, block_table, context_lens, out, t,
+        qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+        sp[0], sp[2], sp[3], sp[4], block_table.stride(0), layer * sp[1], scale,
+        HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
+        PAGE=page_tokens, D=dim, PRECISION="ieee" if pool.dtype == torch.float32 else "tf32",
+        PAGES=max(1, TOKENS_PER_ITERATION // page_tokens))
+    return out
+
+
 @triton_aot.warm_up
 def _aot_shapes(shapes) -> None:
     """Decode as kvhold.executor.cuda_runner runs it, padded to max_batch rows (the grid is all a
@@ -201,3 +336,11 @@ def _aot_shapes(shapes) -> None:
             paged_decode_attention(q, pool, layer, table, ctx, shapes.head_dim ** -0.5)
             rope_decode_attention(qkv, cos, cos, staged64[1], staged64[2], staged64[3], pool, layer, table, ctx,
                                   shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)
+    c = shapes.prefill_chunk     # an exact prefill chunk (kvhold.executor.cuda_runner._prefill_exact)
+    rows64 = triton_aot.meta((4, c), torch.int64).unbind(0)
+    rows32 = triton_aot.meta((2 * c + width,), torch.int32)
+    qkv = triton_aot.meta((c, (shapes.num_heads + 2 * shapes.num_kv_heads) * shapes.head_dim), shapes.dtype)
+    table = rows32[2 * c:][None, :].expand(c, -1)
+    for layer in range(shapes.num_layers):
+        rope_prefill_attention(qkv, cos, cos, rows64[1], rows64[2], rows64[3], pool, layer, table, rows32[:c],
+                               rows32[c:2 * c], shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)

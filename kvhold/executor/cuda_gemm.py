@@ -19,6 +19,16 @@ each weight row block once:
 
 `linear` takes this path only when it applies (CUDA, bf16/fp16, at most 64 rows, N and
 K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
+
+Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's projections on this
+kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
+beyond that on `prefill_tiles` (128- or 256-row blocks, BLOCK_K 64, 8 warps, the grouped
+program order `GROUP_M` for L2 reuse). An element's value is its fp32 accumulator after
+the k16 tensor-core steps over K in order and one rounding (the residual added in fp32
+first); the tile shapes, warps, stages and program order only decide which program
+computes which elements and how the loads are pipelined, so a row's bits are those a
+decode step gives it (tests/gpu/test_gpu_exact.py; the sweep over tiles:
+tools/probe_exact --gemm). cuBLAS instead picks its kernel, tile and split-K by shape.
 `KVHOLD_SKINNY_GEMM=0` turns it off (tools/bench_decode measures both). The tile sizes
 were chosen on the H200 by tools/bench_gemm (bench/results/gemm_cuda.json).
 """
@@ -51,9 +61,23 @@ def enabled() -> bool:
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride_w, stride_o, stride_r,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+                   RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, GROUP_M: tl.constexpr = 0):
+    if GROUP_M:
+        # one program id, GROUP_M row tiles per column tile in turn (an L2-friendly order for
+        # many rows); which program computes a tile changes nothing in the tile's arithmetic
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * tiles_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     rows = rm[:, None] < M
     cols = rn[:, None] < N
@@ -110,35 +134,92 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def skinny(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
            out: torch.Tensor | None = None, block_n: int = 0, block_k: int = 0, num_warps: int = 0,
-           num_stages: int = 0, rows_per_program: int = 0) -> torch.Tensor:
+           num_stages: int = 0, rows_per_program: int = 0, group_m: int = 0) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ residual [M, N]) into out (default: a new tensor; may be
-    `residual` itself). The caller checks `applies` first; tile arguments left 0 take
-    `tiles` (tools/bench_gemm sets them to compare)."""
+    `residual` itself). The caller checks `applies` (or `exact_applies`) first; tile
+    arguments left 0 take `tiles` (tools/bench_gemm sets them to compare). `group_m` > 0
+    launches one program per tile, GROUP_M row tiles per column tile in turn (prefill)."""
     m, k = x.shape
     n = w.shape[0]
-    tuned = tiles(n, k, m)
+    tuned = tiles(n, k, min(m, MAX_ROWS))
     block_n, block_k = block_n or tuned[0], block_k or tuned[1]
     num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else out
     bm = rows_per_program or block_m(m)
-    _skinny_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, bm))](
+    if group_m:
+        grid = (triton.cdiv(n, block_n) * triton.cdiv(m, bm),)
+    else:
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, bm))
+    extra = {"GROUP_M": group_m} if group_m else {}       # the decode launch keeps its exact form
+    _skinny_kernel[grid](
         x, w, out, res, m, n, k, x.stride(0), w.stride(0), out.stride(0), res.stride(0),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, RESIDUAL=residual is not None, EVEN_N=n % block_n == 0,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **extra)
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias), on the skinny kernel where it applies."""
+# ---------------------------------------------------------------- exact prefill
+# A prefill chunk's projections on the same kernel as decode, in big tiles. An output
+# element's value is its fp32 accumulator after the k16 tensor-core steps over K in
+# order 0, 16, 32, ... and one rounding (plus the residual, in fp32, then one rounding):
+# the tile sizes, warps, stages and program order only say which program computes which
+# elements and how loads are pipelined, not that order. On the H200 every one of 301
+# configurations (BLOCK_M 16..256, BLOCK_N 32..256, BLOCK_K 32..256, 4/8 warps, 2-4
+# stages; mma.sync at 16-32 rows per program, wgmma from 64) gave each row the decode's
+# bits at Llama-3-8B's four shapes, BLOCK_K included (bench/results/exact_gemm_cuda.json,
+# tools/probe_exact --gemm), so the prefill tiles are simply the fastest of that sweep:
+# 572-676 TFLOP/s at 2048 rows, against cuBLAS's 702-798. tests/gpu/test_gpu_exact.py
+# checks the bits on the GPU.
+PREFILL_GROUP_M = 8
+PREFILL_DEFAULT = (128, 256, 64, 8, 3)          # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+PREFILL_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (6144, 4096): (256, 128, 64, 8, 3), (4096, 4096): (128, 256, 64, 8, 4),
+    (28672, 4096): (256, 128, 64, 8, 3), (4096, 14336): (128, 256, 64, 8, 3)}
+
+
+def prefill_tiles(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a prefill chunk's [rows, k] @ [n, k].T
+    (BLOCK_K divides K: K's largest power-of-2 divisor at most)."""
+    bm, bn, bk, warps, stages = PREFILL_TUNED.get((n, k), PREFILL_DEFAULT)
+    return bm, bn, min(bk, k & -k), warps, stages
+
+
+def exact_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `exact_linear` takes x @ w.T: as `applies`, at any number of rows."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.dim() == 2 and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
+            and x.shape[0] > 0 and fits(w.shape[0], w.shape[1], MAX_ROWS))
+
+
+def exact_linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """skinny(x, w, residual, out) at any number of rows, each row's bits those a decode
+    step gives it: at most MAX_ROWS rows on the decode tiles, more on prefill_tiles."""
+    m = x.shape[0]
+    if m <= MAX_ROWS:
+        return skinny(x, w, residual=residual, out=out)
+    bm, bn, bk, warps, stages = prefill_tiles(w.shape[0], w.shape[1])
+    return skinny(x, w, residual=residual, out=out, block_n=bn, block_k=bk, num_warps=warps,
+                  num_stages=stages, rows_per_program=bm, group_m=PREFILL_GROUP_M)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           exact: bool = False) -> torch.Tensor:
+    """F.linear(x, w, bias), on the skinny kernel where it applies; `exact`: at any number
+    of rows (the caller checked `exact_applies`)."""
+    if exact:
+        return exact_linear(x, w)
     if bias is None and enabled() and applies(x, w):
         return skinny(x, w)
     return F.linear(x, w, bias)
 
 
-def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """h += x @ w.T in place (one rounding), as h.addmm_(x, w.t())."""
+def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """h += x @ w.T in place (one rounding), as h.addmm_(x, w.t()); `exact`: as `linear`."""
+    if exact:
+        return exact_linear(x, w, residual=h, out=h)
     if enabled() and applies(x, w) and h.stride(1) == 1:
         return skinny(x, w, residual=h, out=h)
     return h.addmm_(x, w.t())
@@ -160,3 +241,11 @@ def _aot_shapes(shapes) -> None:
             x, w = meta((b, k), dt), meta((n, k), dt)
             if fits(n, k, b) and not (b == 1 and residual):
                 skinny(x, w, residual=h if residual else None, out=h if residual else None)
+    c = shapes.prefill_chunk         # an exact prefill chunk's projections (a full chunk)
+    if c > MAX_ROWS:
+        h = meta((c, hidden), dt)
+        for n, k, residual in ((qkv, hidden, False), (2 * inter, hidden, False), (hidden, q, True),
+                               (hidden, inter, True)):
+            if fits(n, k, MAX_ROWS):
+                exact_linear(meta((c, k), dt), meta((n, k), dt), residual=h if residual else None,
+                             out=h if residual else None)

@@ -11,7 +11,9 @@ a GPU step that is bound by reading weights:
   the outputs are concatenated (activations only; weights are never copied).
 * o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
 * A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda_gemm's
-  kernel, which streams each weight once; prefill chunks run on cuBLAS.
+  kernel, which streams each weight once; an exact prefill chunk (`layers(exact=True)`)
+  runs them on the same kernel in bigger tiles, each row's bits those decode gives it
+  (kvhold.executor.cuda_runner); other prefill chunks run on cuBLAS.
 * RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
   each (kvhold.executor.cuda_kernels). Qwen3's RMSNorm of each query and key head runs the
   same row kernel over the heads, before RoPE; Phi-3's single q|k|v and gate|up tensors are
@@ -74,9 +76,11 @@ class _Projection:
             if self.bias is None:
                 self.bias = torch.cat(biases)          # biases are tiny
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if self.fused is not None:
-            return linear(x, self.fused, self.bias)
+            return linear(x, self.fused, self.bias, exact=exact)
+        if exact:
+            raise RuntimeError("exact prefill needs each projection's weights adjacent (one GEMM)")
         biases = self.bias_parts or [None] * len(self.parts)
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.parts, biases)], dim=-1)
 
@@ -126,15 +130,27 @@ class FusedLayers:
                 and self.model.dtype in (torch.bfloat16, torch.float16)
                 and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
 
-    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None) -> torch.Tensor:
+    def exact_prefill(self, max_batch: int) -> str | None:
+        """Why a prefill chunk cannot compute its rows as decode does (None: it can). It can
+        where decode is batch-invariant at `max_batch` rows and every projection runs on
+        the same kernel at any row count (kvhold.executor.cuda_gemm.exact_linear)."""
+        if not self.batch_invariant(max_batch):
+            return ("the decode step is not on the batch-invariant kernels (needs bf16/fp16, no projection "
+                    "biases, adjacent q|k|v and gate|up weights, max_batch <= 64, KVHOLD_SKINNY_GEMM on)")
+        return None
+
+    def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None,
+               exact: bool = False) -> torch.Tensor:
         """As LlamaModel.layers; with `attend_qkv(layer, qkv)`, attention also applies RoPE and
-        stores the step's keys and values itself (kvhold.executor.cuda_attention.rope_decode_attention)."""
+        stores the step's keys and values itself (kvhold.executor.cuda_attention.rope_decode_attention).
+        `exact`: every projection on kvhold.executor.cuda_gemm.exact_linear, whatever the rows
+        (the caller checked `exact_prefill`)."""
         spec, model = self.spec, self.model
         t = token_ids.shape[0]
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = model.w["model.embed_tokens.weight"][token_ids].to(model.dtype)
         for layer, (ln1, qkv_proj, o_w, ln2, gate_up, down_w) in enumerate(self.layers_w):
-            qkv = qkv_proj(rmsnorm(h, ln1, self.eps))
+            qkv = qkv_proj(rmsnorm(h, ln1, self.eps), exact)
             if self.qk_norms[layer] is not None:
                 self._norm_heads(qkv, *self.qk_norms[layer])
             if attend_qkv is not None:
@@ -143,8 +159,8 @@ class FusedLayers:
                 rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
                                heads, kv_heads, dim)
                 attn = attend(layer, qkv[:, :heads * dim].view(t, heads, dim))
-            add_linear_(h, attn.reshape(t, -1), o_w)
-            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps))), down_w)
+            add_linear_(h, attn.reshape(t, -1), o_w, exact)
+            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps), exact)), down_w, exact)
         return h
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:

@@ -10,7 +10,27 @@ what else is in the batch.
   projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
   holds because every GEMM always sees the same shape. Attention reads pages in place
   (kvhold.executor.cuda_attention).
-* Prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
+* Exact prefill (the default, `exact`; ExecutorSettings.exact_prefill): a prefill chunk's
+  rows are computed by the decode step's kernels, so a position's KV and logits are the
+  same bits whether a single prefill, chunked prefill (any chunk sizes, any batch) or a
+  decode step computed it, and a request recomputed after a preemption, a damaged page
+  or a pool restart continues exactly as an uninterrupted run:
+  - the projections on kvhold.executor.cuda_gemm's kernel at any row count
+    (`exact_linear`: the decode's tiles up to 64 rows, bigger tiles beyond, the same
+    k16 accumulation order over K per output element; no cuBLAS, whose split-K and
+    tile choice depend on the shape);
+  - RoPE and the KV store on the decode kernel, attention on the decode kernel's
+    arithmetic (cuda_attention.rope_prefill_attention: each position attends over its
+    own context in the decode's 64-position blocks, dot shapes and online softmax,
+    one position per program, or several packed into the tile rows a decode step pads;
+    no SDPA, whose reduction order depends on how many queries share a tile);
+  - RMSNorm, SiLU-times-up and the residual adds by the same per-row kernels as decode,
+    and the last row's logits on the decode's logits GEMM.
+  No padding: no kernel's arithmetic for a row depends on the number of rows. Where the
+  decode step is not on the batch-invariant kernels (fp32, projection biases, more than
+  64 rows, KVHOLD_FUSED=0 or KVHOLD_SKINNY_GEMM=0) exact prefill is unavailable: the
+  runner says why (`exact_refusal`, logged) and prefills as below.
+* Otherwise (exact off) prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
   rows, chunk boundaries at fixed positions (the scheduler keeps them aligned). Their
   attention's keys are padded (zeros, masked) to a multiple of the chunk, so there are
   only max_seq_len / prefill_chunk attention shapes, and warm-up runs each once. The
@@ -34,7 +54,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvhold.executor import faults
-from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention
+from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention, rope_prefill_attention
 from kvhold.executor.cuda_checksum import TritonChecksum
 from kvhold.executor.cuda_gemm import decode_buckets
 from kvhold.executor.kv_cache import KvCache
@@ -49,11 +69,20 @@ PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]     # not 
 
 class CudaRunner:
     def __init__(self, model: LlamaModel, kv: KvCache, max_batch: int, prefill_chunk: int,
-                 max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True):
+                 max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True,
+                 exact: bool = True):
         self.model, self.kv = model, kv
         self.device = model.device
         self.max_batch = max_batch
         fused = model.fused
+        # exact prefill: every prefill row computed as a decode step computes it (module docstring)
+        self.exact_refusal = (("no fused layers (KVHOLD_FUSED=0)" if fused is None else fused.exact_prefill(max_batch))
+                              if exact else None)
+        self.exact = exact and self.exact_refusal is None
+        if self.exact_refusal is not None:
+            log.warning("exact prefill unavailable, prefill on cuBLAS and SDPA (a recomputed request may "
+                        "differ from an uninterrupted run where bf16 rounding tips a near-tie): %s",
+                        self.exact_refusal)
         self.buckets = (decode_buckets(max_batch) if fused is not None and fused.batch_invariant(max_batch)
                         else [max_batch])
         self.prefill_chunk = prefill_chunk
@@ -145,7 +174,13 @@ class CudaRunner:
             for rows in (self.buckets[-1:] if urgent else self.buckets):
                 self._decode_forward(rows)
         lap("decode_warm_up")
-        if not urgent:
+        if not urgent and self.exact:
+            c = min(self.prefill_chunk, self.max_seq_len)     # each row-count specialisation once
+            for n in sorted({c, c - 1, min(c, 40), min(c, 17), min(c, 5)}):
+                if n > 1:
+                    self._prefill(self._padding_chunk(c, n))
+            lap("prefill_warm_up")
+        elif not urgent:
             for keys in range(self.prefill_chunk, self.max_seq_len + self.prefill_chunk, self.prefill_chunk):
                 self._prefill(self._padding_chunk(max(self.prefill_chunk, min(keys, self.max_seq_len))))
             lap("prefill_warm_up")
@@ -201,12 +236,13 @@ class CudaRunner:
         self.queued_ns = time.monotonic_ns()
         return logits[:n], out[:, :n]
 
-    def _padding_chunk(self, context: int):
-        """The last chunk of a `context`-token prompt, all on the null page."""
+    def _padding_chunk(self, context: int, n: int = 0):
+        """The last chunk (`n` tokens, default prefill_chunk) of a `context`-token prompt, all
+        on the null page."""
         from kvhold.executor.scheduler import Scheduled
         from kvhold.executor.sequence import Sequence
 
-        n, pt = self.prefill_chunk, self.kv.page_tokens
+        n, pt = n or self.prefill_chunk, self.kv.page_tokens
         seq = Sequence(slot=-1, request_id=0, prompt_len=context, tokens=[0] * context, max_tokens=1, seed=0,
                        temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True,
                        num_computed=context - n, pages=[NULL_PAGE] * -(-context // pt))
@@ -215,6 +251,36 @@ class CudaRunner:
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def _prefill(self, item) -> torch.Tensor:
+        """The chunk's last row's logits [1, vocab]; its keys and values go to the pool."""
+        if self.exact:
+            return self._prefill_exact(item)
+        return self._prefill_fast(item)
+
+    def _prefill_exact(self, item) -> torch.Tensor:
+        """The chunk's rows exactly as decode steps compute them (module docstring): the
+        projections on kvhold.executor.cuda_gemm.exact_linear, RoPE + KV store + attention on
+        the decode kernel with one row per position (rope_prefill_attention), the logits of
+        the last row on the decode's logits GEMM. No padding: no kernel's per-row
+        arithmetic depends on the number of rows."""
+        seq, n = item.seq, item.n
+        model, spec, dev = self.model, self.model.spec, self.device
+        pages, slots, positions, ids = positions_of([item], self.kv.page_tokens)
+        rows64 = torch.tensor([ids, positions, pages, slots], dtype=torch.long).to(dev, non_blocking=True)
+        ids_t, pos_t, pages_t, slots_t = rows64.unbind(0)
+        rows32 = torch.tensor([p + 1 for p in positions] + [0] * n + list(seq.pages),
+                              dtype=torch.int32).to(dev, non_blocking=True)
+        ctx, no_ctx = rows32[:n], rows32[n:2 * n]
+        table = rows32[2 * n:][None, :].expand(n, -1)     # every row: the sequence's pages
+        pool = self.kv.pool
+        h = model.fused.layers(
+            ids_t, pos_t, pages_t, slots_t, self.kv, None,
+            lambda layer, qkv: rope_prefill_attention(qkv, model.cos, model.sin, pos_t, pages_t, slots_t, pool,
+                                                      layer, table, ctx, no_ctx, self.scale, spec.num_heads,
+                                                      spec.num_kv_heads),
+            exact=True)
+        return model.logits(h[n - 1:n])
+
+    def _prefill_fast(self, item) -> torch.Tensor:
         seq, n, c = item.seq, item.n, self.prefill_chunk
         pt = self.kv.page_tokens
         pages, slots, positions, ids = positions_of([item], pt)

@@ -82,7 +82,7 @@ class EngineWorkload(WorkloadBase):
 
             chunk = cuda_prefill_chunk(chunk, max_tokens, max_batch)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
-                                use_graph=s.cuda_graph,
+                                use_graph=s.cuda_graph, exact=s.exact_prefill,
                                 slot_hashes=self.slot_hashes)
             self._phase("model")
             # loads kernels and captures the decode graph; an urgent executor (taking over with

@@ -36,7 +36,7 @@ class KernelShapes:
     num_pages: int
     max_seq_len: int            # also the rope tables' length
     max_batch: int              # decode runs padded to exactly this many rows
-    prefill_chunk: int          # prefill runs padded to exactly this many rows
+    prefill_chunk: int          # rows of a prefill chunk (padded to it, but for exact prefill)
     kv_dtype: str = ""          # the KV pool's dtype when it differs from `dtype`
     qk_norm: bool = False       # RMSNorm of each query and key head (Qwen3)
 

@@ -163,6 +163,7 @@ class ExecutorsConfig:
     takeover: str = "fast"            # fast: promote at once; wait-exit: after the dead process exits
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
+    exact_prefill: bool = True        # CUDA: prefill computes each row as decode does (exact recompute)
 
     def __post_init__(self):
         _check(self.workload in WORKLOADS, f"executors.workload must be one of {WORKLOADS}, "
@@ -391,7 +392,8 @@ class SidecarConfig:
             max_batch=ex.max_batch, max_batch_tokens=ex.max_batch_tokens,
             prefill_chunk=ex.prefill_chunk or None,
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
-            cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms)
+            cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms,
+            exact_prefill=ex.exact_prefill)
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations

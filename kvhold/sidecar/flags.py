@@ -147,6 +147,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
                    help="native: the engine computes in kvhold's KV pages; foreign: it keeps a "
                         "private KV pool (as TensorRT-LLM does) protected by the KV mirror")
+    p.add_argument("--no-exact-prefill", dest="exact_prefill", action="store_false",
+                   help="CUDA: prefill on cuBLAS and SDPA instead of the decode kernels: faster for long "
+                        "prompts, but a recomputed request (preemption, damaged pages, a pool restart) "
+                        "may then differ from an uninterrupted run where bf16 rounding tips a near-tie")
     p.add_argument("--no-kill-fenced", dest="kill_fenced", action="store_false",
                    help="fence hung executors without SIGKILLing them")
     p.add_argument("--no-spawn", dest="spawn_executors", action="store_false",
@@ -218,7 +222,7 @@ SETTINGS = {
     "executors.restart_backoff_ms": "restart_backoff_ms", "executors.zygote": "zygote",
     "executors.zygote_spare": "zygote_spare",
     "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
-    "executors.sidecar_wait_ms": "sidecar_wait_ms",
+    "executors.sidecar_wait_ms": "sidecar_wait_ms", "executors.exact_prefill": "exact_prefill",
     "health.source": "health", "health.interval_s": "health_interval",
     "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",
     "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",
@@ -226,7 +230,8 @@ SETTINGS = {
     "journal.dir": "journal_dir", "journal.unclaimed_cancel_s": "unclaimed_cancel_s",
     "logs.stats_interval_s": "stats_interval",
 }
-_NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn"}   # store_false flags
+_NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn",
+            "exact_prefill": "--no-exact-prefill"}   # store_false flags
 FLAGS = {path: _NEGATED.get(dest, "--" + dest.replace("_", "-")) for path, dest in SETTINGS.items()}
 
 
