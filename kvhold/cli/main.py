@@ -124,7 +124,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Start a sidecar (active + standby executors) and serve the OpenAI-compatible HTTP API."""
+    """Start a sidecar (active + standby executors) and serve the OpenAI-compatible HTTP API
+    (with --sidecar-endpoint: serve it in front of a sidecar that already runs)."""
     from kvhold.serving.serve import run_serve, serve_config_from_args
 
     setup_logging(args.log_level, role="serve")

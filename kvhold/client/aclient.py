@@ -99,7 +99,8 @@ class AsyncStream:
         return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids), text=done.text,
                                 finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                                 completion_tokens=done.completion_tokens, preemptions=done.preemptions,
-                                recomputed_tokens=done.recomputed_tokens)
+                                recomputed_tokens=done.recomputed_tokens, queue_s=done.queue_s,
+                                prefill_s=done.prefill_s)
 
     async def cancel(self) -> None:
         """Stop the request; the stream then ends with finish_reason 'cancelled'."""

@@ -60,6 +60,8 @@ class GenerationResult:
     completion_tokens: int
     preemptions: int = 0
     recomputed_tokens: int = 0
+    queue_s: float | None = None      # the sidecar's: admitted -> first scheduled (None: not known)
+    prefill_s: float | None = None    # first scheduled -> first token
 
 
 @dataclass(slots=True)
@@ -169,7 +171,8 @@ class Stream:
                                 prompt_tokens=st.done.prompt_tokens,
                                 completion_tokens=st.done.completion_tokens,
                                 preemptions=st.done.preemptions,
-                                recomputed_tokens=st.done.recomputed_tokens)
+                                recomputed_tokens=st.done.recomputed_tokens,
+                                queue_s=st.done.queue_s, prefill_s=st.done.prefill_s)
 
     def cancel(self) -> None:
         self._client.cancel(self.request_id)

@@ -1,8 +1,11 @@
 """The reference Llama-family decoder over paged KV: RMSNorm, RoPE (with Llama-3
 frequency scaling), grouped-query attention, SwiGLU, optional q/k/v bias (Qwen2),
-per-head q/k RMSNorm (Qwen3), fused q|k|v and gate|up tensors (Phi-3), and
-sliding-window attention per layer (Mistral, Phi-3, Qwen2/3 where configured: a query
-at position p attends to positions p-W+1..p, as transformers' sliding-window mask).
+per-head q/k RMSNorm (Qwen3, Gemma 3), fused q|k|v and gate|up tensors (Phi-3),
+sliding-window attention per layer (Mistral, Phi-3, Qwen2/3 where configured, Gemma: a
+query at position p attends to positions p-W+1..p, as transformers' sliding-window mask),
+and Gemma 2/3's arithmetic (scaled embeddings, (1 + w) RMSNorm in float32, norms after
+attention and around the MLP, GELU-tanh, query_pre_attn_scalar, soft-capped attention
+scores and logits, a RoPE base per layer type).
 
 Weights are tensors viewing the sidecar's weights region (never copied into the
 process); arithmetic runs in `compute_dtype`. One `forward` serves a mixed step:
@@ -45,10 +48,11 @@ class StepInput:
     logits_rows: torch.Tensor     # [S] rows of T whose logits are wanted
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+def rope_inv_freq(spec: ModelSpec, layer: int = 0) -> torch.Tensor:
+    """The RoPE inverse frequencies of `layer` (the same on every layer but Gemma 3's)."""
     dim = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    rs = spec.rope_scaling
+    theta, rs = spec.rope(layer)
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if rs.kind == "linear":
         return inv / rs.factor
     if rs.kind != "llama3":
@@ -77,11 +81,18 @@ class LlamaModel:
         self.w = weights
         self.dtype = compute_dtype
         self.device = device
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(spec))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=compute_dtype)
-        self.sin = emb.sin().to(device=device, dtype=compute_dtype)
-        self.scale = spec.head_dim ** -0.5
+        self.cos, self.sin = self._rope_tables(rope_inv_freq(spec), max_positions)
+        # per layer: (cos, sin), shared between the layers of one RoPE (all of them, but on Gemma 3)
+        tables = {spec.rope(0): (self.cos, self.sin)}
+        for layer in range(spec.num_layers):
+            if spec.rope(layer) not in tables:
+                tables[spec.rope(layer)] = self._rope_tables(rope_inv_freq(spec, layer), max_positions)
+        self.layer_rope = [tables[spec.rope(layer)] for layer in range(spec.num_layers)]
+        self.scale = spec.attn_scale
+        self.embed_scale = None
+        if spec.gemma:   # transformers: sqrt(hidden) as a float32 tensor, cast to the embedding's dtype
+            embed = weights["model.embed_tokens.weight"]
+            self.embed_scale = torch.tensor(spec.hidden_size ** 0.5, dtype=torch.float32).to(embed.dtype)
         self.group = spec.num_heads // spec.num_kv_heads
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         self.fused = None
@@ -89,6 +100,11 @@ class LlamaModel:
             from kvhold.executor.cuda_layers import FusedLayers, fused_enabled
 
             self.fused = FusedLayers(self) if fused_enabled() else None
+
+    def _rope_tables(self, inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(device=self.device, dtype=self.dtype), emb.sin().to(device=self.device, dtype=self.dtype)
 
     def _weight(self, name: str) -> torch.Tensor:
         w = self.w[name]
@@ -99,6 +115,11 @@ class LlamaModel:
         return F.linear(x, self._weight(name), b)
 
     def _rmsnorm(self, x, name: str):
+        if self.spec.gemma:   # Gemma: (x_hat * (1 + w)) in float32 at least, then cast (transformers)
+            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            w = self.w[name].to(xf.dtype)
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+            return (xf * (1.0 + w)).to(x.dtype)
         w = self._weight(name)
         if x.dtype in (torch.float16, torch.bfloat16):
             xf = x.float()
@@ -120,8 +141,12 @@ class LlamaModel:
             return self.fused.layers(token_ids, positions, write_pages, write_slots, kv, attend)
         spec = self.spec
         t = token_ids.shape[0]
-        h = self.w["model.embed_tokens.weight"][token_ids].to(self.dtype)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        h = self.w["model.embed_tokens.weight"][token_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        h = h.to(self.dtype)
+        ropes = {id(c): (c[positions][:, None], s[positions][:, None]) for c, s in self.layer_rope}
+        act = F.silu if spec.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
         bias = spec.attention_bias
         nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for layer in range(spec.num_layers):
@@ -139,25 +164,35 @@ class LlamaModel:
             if spec.qk_norm:
                 q = self._rmsnorm(q, p + "self_attn.q_norm.weight")
                 k = self._rmsnorm(k, p + "self_attn.k_norm.weight")
+            cos, sin = ropes[id(self.layer_rope[layer][0])]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kv.write(layer, write_pages, write_slots, k, v)
             attn = attend(layer, q)
-            h = h + self._linear(attn.reshape(t, -1), p + "self_attn.o_proj.weight")
-            x = self._rmsnorm(h, p + "post_attention_layernorm.weight")
+            out = self._linear(attn.reshape(t, -1), p + "self_attn.o_proj.weight")
+            if spec.gemma:
+                h = h + self._rmsnorm(out, p + "post_attention_layernorm.weight")
+                x = self._rmsnorm(h, p + "pre_feedforward_layernorm.weight")
+            else:
+                h = h + out
+                x = self._rmsnorm(h, p + "post_attention_layernorm.weight")
             if spec.fused_tensors:
                 gate, up = self._linear(x, p + "mlp.gate_up_proj.weight").chunk(2, dim=-1)
             else:
                 gate = self._linear(x, p + "mlp.gate_proj.weight")
                 up = self._linear(x, p + "mlp.up_proj.weight")
-            h = h + self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight")
+            out = self._linear(act(gate) * up, p + "mlp.down_proj.weight")
+            h = h + (self._rmsnorm(out, p + "post_feedforward_layernorm.weight") if spec.gemma else out)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head.dtype == self.dtype else self.lm_head.to(self.dtype)
         if self.fused is not None:
             return self.fused.logits(h, head)
-        return F.linear(self._rmsnorm(h, "model.norm.weight"), head)
+        logits = F.linear(self._rmsnorm(h, "model.norm.weight"), head)
+        if (cap := self.spec.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _attention(self, layer: int, q: torch.Tensor, step: StepInput, kv: KvCache) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -169,6 +204,8 @@ class LlamaModel:
                 v = v.repeat_interleave(self.group, dim=1)
             qs = q[s.start:s.start + s.n]                               # [n, heads, dim]
             scores = torch.einsum("qhd,khd->hqk", qs, k) * self.scale
+            if (cap := self.spec.attn_logit_softcap) is not None:
+                scores = torch.tanh(scores / cap) * cap
             first = s.context - s.n
             keys = torch.arange(s.context, device=q.device)[None, :]
             queries = (first + torch.arange(s.n, device=q.device))[:, None]

@@ -162,6 +162,16 @@ class Journal:
         reason = FinishReason(int(r["finish_reason"][slot])) if state == ExecState.FINISHED else FinishReason.NONE
         return state, count, reason
 
+    def timings_s(self, slot: int) -> tuple[float | None, float | None]:
+        """(queue time: admitted -> first in a step, prefill time: first in a step -> first token
+        committed), in seconds, of the request executing in `slot`; None where a mark is missing
+        (an engine that does not mark its steps, such as an engine bridge's)."""
+        r = self.req[slot]
+        admitted, scheduled, first = int(r["admitted_ns"]), int(r["scheduled_ns"]), int(r["first_token_ns"])
+        queue = (scheduled - admitted) / 1e9 if admitted and scheduled >= admitted else None
+        prefill = (first - scheduled) / 1e9 if scheduled and first >= scheduled else None
+        return queue, prefill
+
     def generated(self, slot: int, start: int, end: int) -> list[int]:
         p = int(self.req["prompt_len"][slot])
         return self.tokens[slot, p + start:p + end].tolist()
@@ -179,6 +189,7 @@ class Journal:
         r["num_recomputed"][slot] = 0
         r["first_token_ns"][slot] = 0
         r["finished_ns"][slot] = 0
+        r["scheduled_ns"][slot] = 0
         r["exec_epoch"][slot] = epoch
         r["step_epoch"][slot] = 0
         r["exec_state"][slot] = ExecState.RUNNING
@@ -226,8 +237,12 @@ class Journal:
     def mark_step(self, slots: np.ndarray, epoch: int, step: int, starts: np.ndarray,
                   ends: np.ndarray) -> None:
         """The requests in `slots` are in step `step` of the executor of `epoch`, which computes
-        their KV positions [starts, ends). Written before the step runs."""
+        their KV positions [starts, ends). Written before the step runs; a request's first step
+        also stamps its `scheduled_ns` (the end of its queue time; kept across takeovers)."""
         r = self.req
+        first = r["scheduled_ns"][slots] == 0          # reset by take()
+        if first.any():
+            r["scheduled_ns"][slots[first]] = now_ns()
         r["step_epoch"][slots] = epoch
         r["step_seq"][slots] = step
         r["step_start"][slots] = starts

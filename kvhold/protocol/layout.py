@@ -100,7 +100,9 @@ REQUEST_DTYPE = np.dtype([
     # open_step while it ran), and the KV positions that step computes, [step_start, step_end);
     # written before the step runs, so a death in the step names the requests in it
     ("step_epoch", "<u8"), ("step_seq", "<u8"), ("step_start", "<u4"), ("step_end", "<u4"),
-    ("_pad", "<u8", (9,)),
+    # when the request was first in a step (its first prefill chunk), 0 until then; reset by take
+    ("scheduled_ns", "<u8"),
+    ("_pad", "<u8", (8,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48

@@ -197,6 +197,8 @@ class Done:
     text: str = ""
     preemptions: int = 0          # times the request lost its KV to memory pressure
     recomputed_tokens: int = 0    # tokens whose KV was recomputed after executor crashes
+    queue_s: float | None = None    # admitted -> first in an executor's step (None: not known)
+    prefill_s: float | None = None  # first in a step -> first token committed
 
 
 @message("cancelled")

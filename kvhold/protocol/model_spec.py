@@ -3,9 +3,13 @@
 Shared by the sidecar (to size regions and tables, with no torch) and the engine.
 Supports Llama 1-3 (including Llama-3 RoPE frequency scaling), Mistral (sliding-window
 attention), Qwen2 (q/k/v bias, sliding windows on the layers transformers puts them on),
-Qwen3 (RMSNorm of each query and key head) and Phi-3 (fused q|k|v and gate|up tensors,
-sliding window) configs in Hugging Face format, including the `rope_parameters`
-spelling of newer transformers releases. The end-of-sequence ids are those of
+Qwen3 (RMSNorm of each query and key head), Phi-3 (fused q|k|v and gate|up tensors,
+sliding window), Gemma 2 (`gemma2`: embeddings scaled by sqrt(hidden), RMSNorm weights
+applied as 1 + w, a norm before and after both attention and MLP, GELU-tanh MLP,
+query_pre_attn_scalar, attention and final logit soft-capping, sliding-window and global
+layers alternating) and Gemma 3 text models (`gemma3_text`: as Gemma 2, with q/k RMSNorm
+and its own RoPE base, `rope_local_base_freq`, on the sliding layers) configs in Hugging
+Face format, including the `rope_parameters` spelling of newer transformers releases. The end-of-sequence ids are those of
 config.json and generation_config.json together (as vLLM stops on both). What the
 engine does not implement (other activations, partial rotary, other RoPE types,
 other layer types) is refused with the reason, never ignored.
@@ -17,7 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # the fused CUDA layers (kvhold.executor.cuda_layers) implement these; the CPU engine all of them
 CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -58,11 +63,34 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     # per layer: the number of positions a query attends to (itself included), None = all
     sliding_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"                 # the gated MLP's activation: silu | gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None   # attention scores scaled by this**-0.5, else head_dim**-0.5
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Gemma 3: the RoPE of the sliding-window layers (base, scaling); None = the same as the others
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3: an RMSNorm over each query and key head, before RoPE."""
-        return self.model_type == "qwen3"
+        """Qwen3, Gemma 3: an RMSNorm over each query and key head, before RoPE."""
+        return self.model_type in ("qwen3", "gemma3_text")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 2/3: embeddings times sqrt(hidden_size), RMSNorm as x_hat * (1 + w) in float32,
+        and a norm after attention and around the MLP too (pre/post_feedforward_layernorm)."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def rope(self, layer: int) -> tuple[float, RopeScaling]:
+        """The RoPE base and scaling of `layer`: Gemma 3's sliding layers have their own."""
+        if self.local_rope_theta is not None and self.window(layer) is not None:
+            return self.local_rope_theta, self.local_rope_scaling
+        return self.rope_theta, self.rope_scaling
 
     @property
     def fused_tensors(self) -> bool:
@@ -118,9 +146,14 @@ class ModelSpec:
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelSpec":
         model_type = cfg.get("model_type", "llama")
+        if model_type == "gemma3":
+            raise ValueError("model_type 'gemma3' is Gemma 3's image-text model (its weights under "
+                             "language_model.*): only the text model, model_type gemma3_text, is supported")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if model_type in GEMMA_MODEL_TYPES:
+            return _gemma_spec(cfg, model_type)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope = cfg.get("rope_parameters") or {}
@@ -172,6 +205,9 @@ class ModelSpec:
             raise ValueError(f"{len(self.sliding_windows)} layer types for {self.num_layers} layers")
         if any(w is not None and w <= 0 for w in self.sliding_windows):
             raise ValueError(f"sliding_window must be positive, got {self.sliding_windows}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape, for this config."""
@@ -184,6 +220,9 @@ class ModelSpec:
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
             shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+            if self.gemma:
+                shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                               p + "post_feedforward_layernorm.weight": (h,)})
             if self.fused_tensors:
                 shapes.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
                                p + "self_attn.o_proj.weight": (h, q),
@@ -240,6 +279,102 @@ def _sliding_windows(cfg: dict, model_type: str) -> tuple[int | None, ...]:
     if window is None or "sliding_attention" not in types:   # transformers: no window then
         return ()
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+# transformers' defaults for what a Gemma config.json may leave out (Gemma2Config, Gemma3TextConfig)
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   rope_theta=10000.0, pattern=2),
+    "gemma3_text": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                        query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+                        attn_logit_softcapping=None, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        pattern=6),
+}
+
+
+def _gemma_spec(cfg: dict, model_type: str) -> "ModelSpec":
+    """A Gemma 2 / Gemma 3 text config, read as transformers' Gemma2Config / Gemma3TextConfig do."""
+    d = _GEMMA_DEFAULTS[model_type]
+
+    def get(key):
+        return cfg[key] if key in cfg else d[key]
+
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported (Gemma's MLP: gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (the engine attends causally)")
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias is not supported for Gemma models")
+    attn_cap = get("attn_logit_softcapping")
+    if model_type == "gemma3_text" and attn_cap is not None:
+        # Gemma3Attention never passes it to the attention: refused rather than guessed at
+        raise ValueError(f"attn_logit_softcapping {attn_cap} is not supported for gemma3_text "
+                         "(transformers' Gemma 3 does not apply it)")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:   # the older spelling: every `pattern`-th layer global, the others sliding
+        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", d["pattern"])))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (full_attention, sliding_attention)")
+    window = get("sliding_window")
+    if window is None and "sliding_attention" in types:
+        raise ValueError("sliding_attention layers need a sliding_window")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+    rope = cfg.get("rope_parameters") or {}
+    local_theta, local_scaling = None, RopeScaling()
+    if model_type == "gemma3_text":
+        if "full_attention" in rope or "sliding_attention" in rope:     # newer: one set per layer type
+            glob, loc = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+            theta = float(glob.get("rope_theta", d["rope_theta"]))
+            local_theta = float(loc.get("rope_theta", d["rope_local_base_freq"]))
+            glob_scaling = glob if glob.get("rope_type") not in (None, "default") else None
+            local_scaling = _parse_scaling(loc if loc.get("rope_type") not in (None, "default") else None)
+        else:   # older: rope_theta and rope_scaling for the global layers, rope_local_base_freq
+            theta = float(cfg.get("rope_theta", rope.get("rope_theta", d["rope_theta"])))
+            local_theta = float(cfg.get("rope_local_base_freq", d["rope_local_base_freq"]))
+            glob_scaling = cfg.get("rope_scaling") or (
+                rope if rope.get("rope_type") not in (None, "default") else None)
+    else:
+        theta = float(cfg.get("rope_theta", rope.get("rope_theta", d["rope_theta"])))
+        glob_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+    raw_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    if raw_dtype not in DTYPE_ALIASES:
+        raise ValueError(f"dtype {raw_dtype!r} is not supported")
+    heads = int(cfg["num_attention_heads"])
+    final_cap = get("final_logit_softcapping")
+    spec = ModelSpec(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim")),
+        rms_norm_eps=float(get("rms_norm_eps")),
+        rope_theta=theta,
+        max_position=int(get("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=False,
+        dtype=DTYPE_ALIASES[raw_dtype],
+        rope_scaling=_parse_scaling(glob_scaling),
+        bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_ids=tuple(dict.fromkeys(_token_ids(cfg.get("eos_token_id", 1)))),
+        sliding_windows=windows,
+        hidden_act=act,
+        query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+        attn_logit_softcap=None if attn_cap is None else float(attn_cap),
+        final_logit_softcap=None if final_cap is None else float(final_cap),
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+    )
+    spec.validate()
+    return spec
 
 
 def _parse_scaling(d: dict | None) -> RopeScaling:

@@ -12,6 +12,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_http_args(p)
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds to wait for the sidecar to serve at start-up (default 300)")
+    p.add_argument("--sidecar-endpoint", default=None, metavar="ENDPOINT",
+                   help="serve in front of a sidecar that already runs (kvhold sidecar) at this client "
+                        "endpoint (ipc://PATH, or tcp://HOST:PORT without CURVE), starting and stopping "
+                        "none: its checkpoint, context length and lease apply, and sidecar flags are "
+                        "refused; --model is then a local copy of its checkpoint (default: its path)")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

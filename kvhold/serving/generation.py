@@ -54,6 +54,8 @@ class Generation:
         self.first_token_at: float | None = None
         self.token_times: list[float] = []      # when each token event arrived (time.monotonic())
         self.preemptions = 0
+        self.queue_s: float | None = None       # the sidecar's, from its Done (None: not known)
+        self.prefill_s: float | None = None
 
     async def deltas(self):
         """Yield text pieces; finish_reason and usage are set once this ends."""
@@ -87,6 +89,7 @@ class Generation:
         result = await self.stream.result()
         self.ended = True
         self.preemptions = result.preemptions
+        self.queue_s, self.prefill_s = result.queue_s, result.prefill_s
         self.prompt_tokens = result.prompt_tokens     # a stream taken up again learns it here
         if result.finish_reason == "error":
             raise ApiError(500, "the request failed in the engine", type="server_error")

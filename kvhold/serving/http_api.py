@@ -345,7 +345,7 @@ class _Service:
         self.metrics.observe_request(
             received=received, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
             prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
-            preemptions=g.preemptions, finish_reason=g.finish_reason)
+            preemptions=g.preemptions, finish_reason=g.finish_reason, queue_s=g.queue_s, prefill_s=g.prefill_s)
 
     async def serve_choices(self, req, kind: str, prompts: list[dict], max_tokens: list[int]):
         """Several choices: each prompt of a batch, `req.n` times (choice j with seed + j), as

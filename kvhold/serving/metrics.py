@@ -13,7 +13,9 @@ detected ~0.2 ms after the death; `python -m tools.bench_detect` measures that p
 * per-request series as vLLM exports them (labelled `model_name`), observed by the HTTP
   server as each request ends (`observe_request`): prompt and generation token counters,
   time to first token, time per output token (each gap between two tokens), end-to-end
-  latency, decode time (first token to last), prompt and generation lengths, preemptions;
+  latency, decode time (first token to last), prompt and generation lengths, preemptions,
+  and the sidecar's queue time (admission to the request's first step) and prefill time (first
+  step to first token committed), from its Done message;
   and, from the status, running and waiting requests and the KV cache usage ratio.
   docs/METRICS.md maps vLLM's names to these.
 """
@@ -61,6 +63,10 @@ class RequestMetrics:
                              "token", m, buckets=LATENCY_BUCKETS, registry=r)
         self.decode = Histogram("kvhold_request_decode_time_seconds", "A request's first token to its "
                                 "last", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvhold_request_queue_time_seconds", "A request's admission by the "
+                               "sidecar to its first step in an executor", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("kvhold_request_prefill_time_seconds", "A request's first step to its "
+                                 "first token committed", m, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_len = Histogram("kvhold_request_prompt_tokens", "Prompt length of finished "
                                     "requests", m, buckets=LENGTH_BUCKETS, registry=r)
         self.generation_len = Histogram("kvhold_request_generation_tokens", "Tokens generated per "
@@ -77,9 +83,11 @@ class RequestMetrics:
 
     def observe(self, *, received: float, first_token: float | None, token_times: list[float],
                 end: float, prompt_tokens: int, generation_tokens: int, preemptions: int,
-                finish_reason: str | None) -> None:
+                finish_reason: str | None, queue_s: float | None = None,
+                prefill_s: float | None = None) -> None:
         """One request as it ended (times: time.monotonic()); a request that produced nothing
-        counts its length and reason only."""
+        counts its length and reason only. `queue_s`/`prefill_s`: the sidecar's durations (None:
+        not known, not observed)."""
         name = self.model_name
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generation_tokens)
@@ -91,6 +99,10 @@ class RequestMetrics:
         if first_token is not None:
             self.request_ttft.labels(name).observe(max(0.0, first_token - received))
             self.decode.labels(name).observe(max(0.0, end - first_token))
+        if queue_s is not None:
+            self.queue.labels(name).observe(max(0.0, queue_s))
+        if prefill_s is not None:
+            self.prefill.labels(name).observe(max(0.0, prefill_s))
         gap = self.token_gap.labels(name)
         for a, b in zip(token_times, token_times[1:]):
             gap.observe(max(0.0, b - a))

@@ -31,6 +31,14 @@ sidecar re-adopts them with the tables and the in-flight requests (kvhold.sideca
 and the HTTP server's streams resume with nothing recomputed. If it stops by itself (exit 0)
 or dies a fourth time within a minute, the HTTP server is stopped and the supervisor exits
 1, so that a process supervisor (systemd, Kubernetes) restarts the whole.
+
+`kvhold serve --sidecar-endpoint ENDPOINT` is the same supervisor and HTTP server in front of
+a sidecar that already runs (`kvhold sidecar`), at its client endpoint: no sidecar is started
+or stopped. The sidecar's status says its instance (the HTTP server's routing id), checkpoint
+(its tokenizer, unless --model names a local copy), context length and lease; the flags that
+configure a sidecar are refused. The HTTP server is restarted when it dies as above; a stop
+(SIGTERM) drains it and exits 0, and the sidecar goes on. If the sidecar dies, /health is 503
+and streams pause until it (restarted by whatever started it) re-adopts its executors.
 """
 from __future__ import annotations
 
@@ -80,6 +88,7 @@ class ServeConfig:
     access_log: bool = True
     sse_keepalive_s: float = 10.0
     guards: HttpGuards = HttpGuards()
+    sidecar_endpoint: str | None = None   # a sidecar that runs already (serve starts none)
 
     @property
     def paths(self) -> InstancePaths:
@@ -87,7 +96,7 @@ class ServeConfig:
 
     @property
     def endpoint(self) -> str:
-        return self.paths.client_endpoint
+        return self.sidecar_endpoint or self.paths.client_endpoint
 
     @property
     def routing_id(self) -> bytes:
@@ -104,7 +113,8 @@ class ServeConfig:
                            "drain_timeout_s": self.drain_timeout_s, "log_level": self.log_level,
                            "access_log": self.access_log, "sse_keepalive_s": self.sse_keepalive_s,
                            "header_timeout_s": self.guards.header_timeout_s,
-                           "body_timeout_s": self.guards.body_timeout_s})
+                           "body_timeout_s": self.guards.body_timeout_s,
+                           "sidecar_endpoint": self.sidecar_endpoint})
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
@@ -123,6 +133,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     if str(args.model) == "demo":
         from kvhold.testing.make_model import ensure_demo_model
         args.model = ensure_demo_model()[0]
+    if args.sidecar_endpoint is not None:
+        return _front_config_from_args(args)
     if args.model is None:
         raise ValueError("--model is required (a checkpoint directory, or 'demo')")
     api_key = http_flags_from_args(args)
@@ -134,6 +146,74 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
                        log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
                        guards=HttpGuards.from_args(args))
+
+
+# with --sidecar-endpoint, the sidecar flags that still mean something here; the others configure
+# a sidecar that serve would start
+FRONT_SIDECAR_FLAGS = ("model", "runtime_root", "log_level")
+
+
+def _front_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """`--sidecar-endpoint`: the flags checked; the sidecar's part comes from it (`front_of_sidecar`)."""
+    from kvhold.sidecar.flags import add_sidecar_args
+
+    reference = argparse.ArgumentParser(add_help=False)
+    add_sidecar_args(reference)
+    refused = [action.option_strings[0] for action in reference._actions
+               if action.option_strings and action.dest not in FRONT_SIDECAR_FLAGS
+               and getattr(args, action.dest, action.default) != action.default]
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: a flag of the sidecar that kvhold serve starts; with "
+                         f"--sidecar-endpoint the running sidecar's own flags apply (give them to kvhold sidecar)")
+    if not args.sidecar_endpoint.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"--sidecar-endpoint {args.sidecar_endpoint!r}: ipc://PATH or tcp://HOST:PORT")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model}: not a directory")
+    api_key = http_flags_from_args(args)
+    return ServeConfig(model=Path(args.model) if args.model is not None else None,
+                       served_model_name=args.served_model_name, host=args.host, port=args.port,
+                       api_key=api_key, instance="", runtime_root=args.runtime_root, sidecar_argv=(),
+                       lease_ms=0, context_len=0, start_timeout_s=args.start_timeout,
+                       drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                       access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
+                       guards=HttpGuards.from_args(args), sidecar_endpoint=args.sidecar_endpoint)
+
+
+def front_of_sidecar(config: ServeConfig) -> ServeConfig:
+    """The configuration completed with what the running sidecar at `sidecar_endpoint` says: its
+    instance, checkpoint (unless --model named one), context length and lease. Waits for its
+    answer for at most start_timeout_s (TimeoutError); RuntimeError if it cannot serve HTTP."""
+    import dataclasses
+
+    from kvhold.client.client import Client
+    from kvhold.protocol.errors import KvholdError
+
+    deadline = time.monotonic() + config.start_timeout_s
+    reason = "no answer"
+    with Client(config.sidecar_endpoint, timeout=1.0) as client:
+        while True:
+            try:
+                status = client.status()
+                break
+            except KvholdError as exc:
+                reason = str(exc)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the sidecar at {config.sidecar_endpoint} did not answer within "
+                                   f"{config.start_timeout_s:.0f} s ({reason}; a CURVE endpoint is not "
+                                   f"supported here: use the sidecar's ipc:// endpoint)")
+            time.sleep(0.1)
+    serving = status.get("serving")
+    if not isinstance(serving, dict):
+        raise RuntimeError(f"the sidecar at {config.sidecar_endpoint} does not say its model and context "
+                           f"length (a kvhold sidecar of another version?)")
+    model = config.model or (Path(serving["model"]) if serving.get("model") else None)
+    if model is None:
+        raise RuntimeError(f"the sidecar at {config.sidecar_endpoint} serves no model")
+    if not model.is_dir():
+        raise RuntimeError(f"the sidecar's checkpoint {model} is not readable here: give --model, a local copy")
+    return dataclasses.replace(config, model=model, served_model_name=config.served_model_name or model.name,
+                               instance=status["instance"], lease_ms=int(serving["lease_ms"]),
+                               context_len=int(serving["max_seq_len"]))
 
 
 def http_flags_from_args(args: argparse.Namespace) -> str | None:
@@ -295,8 +375,8 @@ class _Signals:
         self.name = signal.Signals(sig).name
 
 
-def supervise(config: ServeConfig, sidecar: SidecarChild, http: HttpChild, signals: _Signals) -> int:
-    """Watch both children: restart the HTTP server when it dies, and the sidecar when it dies
+def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild, signals: _Signals) -> int:
+    """Watch both children (the HTTP server only, with `sidecar` None: --sidecar-endpoint): restart the HTTP server when it dies, and the sidecar when it dies
     of anything but a clean stop (a new one re-adopts the executors, which wait for it with
     their memory: kvhold.sidecar.adoption); drain on a signal (the HTTP server first, then the
     sidecar). Exit 1 if the sidecar stops by itself or keeps dying. Returns the exit code."""
@@ -309,7 +389,7 @@ def supervise(config: ServeConfig, sidecar: SidecarChild, http: HttpChild, signa
         http.start()
     while True:
         now = time.monotonic()
-        if sidecar.exited() and drain_deadline is None:
+        if sidecar is not None and sidecar.exited() and drain_deadline is None:
             code = sidecar.proc.returncode
             if code == 0 or sidecar_restart_at is None and now - sidecar.started < HEALTHY_RUN_S \
                     and sidecar.restarts >= SIDECAR_RESTARTS:
@@ -330,8 +410,8 @@ def supervise(config: ServeConfig, sidecar: SidecarChild, http: HttpChild, signa
                 sidecar.start()
         if signals.count > forwarded:
             if forwarded == 0:
-                log.info("%s: draining the HTTP server (at most %.0f s), then the sidecar",
-                         signals.name, config.drain_timeout_s)
+                log.info("%s: draining the HTTP server (at most %.0f s)%s", signals.name,
+                         config.drain_timeout_s, ", then the sidecar" if sidecar is not None else "")
                 drain_deadline = now + config.drain_timeout_s + 5.0   # + uvicorn's graceful shutdown
             http.signal(signal.SIGTERM)
             forwarded = min(signals.count, 2)
@@ -390,6 +470,8 @@ def run_serve(config: ServeConfig) -> int:
     """The supervisor: the port, the sidecar and the HTTP server (503 "starting" until the
     sidecar serves), then `supervise`."""
     listener = bind_listener(config.host, config.port)   # refused at once if the port is taken
+    if config.sidecar_endpoint is not None:
+        return _run_front(config, listener)
     sidecar = SidecarChild(config).start()
     http = None
     try:
@@ -407,6 +489,23 @@ def run_serve(config: ServeConfig) -> int:
         sidecar.stop()
         listener.close()
         log.info("stopped")
+
+
+def _run_front(config: ServeConfig, listener: socket.socket) -> int:
+    """--sidecar-endpoint: the HTTP server, supervised, in front of a sidecar that runs already."""
+    http = None
+    try:
+        config = front_of_sidecar(config)
+        http = HttpChild(config, listener)
+        log.info("serving %r on http://%s:%d in front of the sidecar at %s (instance %r)",
+                 config.served_model_name, config.host, listener.getsockname()[1], config.sidecar_endpoint,
+                 config.instance)
+        return supervise(config, None, http, _Signals())
+    finally:
+        if http is not None:
+            http.stop(10.0)
+        listener.close()
+        log.info("stopped (the sidecar goes on)")
 
 
 def run_http(config: ServeConfig, fd: int) -> int:

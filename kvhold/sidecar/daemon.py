@@ -519,6 +519,10 @@ class Sidecar:
                 "loop": self.loop.stats(),
                 "request_deaths": self.deaths.status(),
                 "adoption": self.adoption,
+                # what an HTTP API in front of this sidecar needs (`kvhold serve --sidecar-endpoint`)
+                "serving": {"model": str(self.config.pool.model) if self.config.pool.model else None,
+                            "max_seq_len": self.tables.geometry.max_seq_len,
+                            "lease_ms": self.config.executors.lease_ms},
                 **self.frontend.status()}
 
     # ------------------------------------------------------------------ shutdown

@@ -426,10 +426,11 @@ class Frontend:
             if st.detok:
                 st.text.append(st.detok.flush())
             preempted, recomputed = self.journal.recompute_counts(st.slot)
+            queue_s, prefill_s = self.journal.timings_s(st.slot)
             done = m.Done(
                 request_id=st.request_id, finish_reason=reason.name.lower(),
                 prompt_tokens=st.prompt_len, completion_tokens=count - st.prefix, text="".join(st.text),
-                preemptions=preempted, recomputed_tokens=recomputed)
+                preemptions=preempted, recomputed_tokens=recomputed, queue_s=queue_s, prefill_s=prefill_s)
             self._send(st, done)
             if st.awaiting_resume:
                 self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done)

@@ -36,8 +36,11 @@ def tokenizer():
 
 
 def _randomize(model, seed):
-    """Weights large enough that the greedy tokens vary (transformers' init is nearly uniform)."""
+    """Weights large enough that the greedy tokens vary (transformers' init is nearly uniform);
+    Gemma multiplies its embeddings by sqrt(hidden_size), so they are drawn that much smaller
+    (else the tied head predicts the last token again and again)."""
     gen = torch.Generator().manual_seed(seed)
+    embed = model.config.hidden_size ** -0.5 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
@@ -46,7 +49,7 @@ def _randomize(model, seed):
             elif p.dim() == 1:
                 p.copy_(0.2 * noise)
             else:
-                p.copy_(noise * (1.0 if "embed" in name else p.shape[-1] ** -0.5 * 1.5))
+                p.copy_(noise * (embed if "embed" in name else p.shape[-1] ** -0.5 * 1.5))
 
 
 def build_checkpoint(path, tokenizer, config_cls, model_cls, seed=0, shard=None, **cfg):
@@ -130,6 +133,14 @@ CASES = {
     "qwen2": (lambda t: (t.Qwen2Config, t.Qwen2ForCausalLM), {}),
     "qwen3": (lambda t: (t.Qwen3Config, t.Qwen3ForCausalLM), {}),
     "phi3": (lambda t: (t.Phi3Config, t.Phi3ForCausalLM), {}),
+    # Gemma 2's defaults: attention scores capped at 50, logits at 30, sliding/global alternating
+    "gemma2": (lambda t: (t.Gemma2Config, t.Gemma2ForCausalLM), dict(query_pre_attn_scalar=24)),
+    # Gemma 3: q/k norms, one sliding then one global layer with their own RoPE bases, capped logits
+    "gemma3_text": (lambda t: (t.Gemma3TextConfig, t.Gemma3ForCausalLM),
+                    dict(layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=8.0,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                             "rope_theta": 1_000_000.0}})),
 }
 
 
@@ -139,6 +150,8 @@ def test_greedy_output_equals_transformers(case, tokenizer, tmp_path):
     model = build_checkpoint(tmp_path, tokenizer, *classes(transformers), **kwargs)
     spec, _, _, _ = check_parity(tmp_path, model, tokenizer)
     assert spec.model_type == case.split("-")[0]
+    if case == "gemma3_text":
+        assert spec.rope(0) != spec.rope(1) and spec.qk_norm and spec.final_logit_softcap == 8.0
     if case == "llama-tied-sharded":
         assert spec.tie_word_embeddings and len(list(tmp_path.glob("model-*.safetensors"))) > 1
 
@@ -148,15 +161,23 @@ def test_greedy_output_equals_transformers(case, tokenizer, tmp_path):
     ("phi3", dict(sliding_window=16)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    ("gemma2", dict(sliding_window=16)),             # layer_types by default: sliding, global
+    ("gemma3_text", dict(sliding_window=16, sliding_window_pattern=2,
+                         rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0}
+                                          for t in ("sliding_attention", "full_attention")})),
 ])
 def test_sliding_window_past_the_window_equals_transformers(case, cfg, tokenizer, tmp_path):
     t = transformers
     classes = {"mistral": (t.MistralConfig, t.MistralForCausalLM), "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
-               "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM)}
+               "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM),
+               "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM),
+               "gemma3_text": (t.Gemma3TextConfig, t.Gemma3ForCausalLM)}
     model = build_checkpoint(tmp_path, tokenizer, *classes[case], **cfg)
     spec, llm, full, hf_logits = check_parity(tmp_path, model, tokenizer, new_tokens=12)
     assert len(full) > 2 * 16                    # prompt + generation well past the window
-    want = (16,) * 2 if case in ("mistral", "phi3") else (None, 16)   # qwen: from max_window_layers on
+    # qwen: from max_window_layers on; gemma: every second layer global
+    want = {"mistral": (16, 16), "phi3": (16, 16), "gemma2": (16, None), "gemma3_text": (16, None)}.get(
+        case, (None, 16))
     assert spec.sliding_windows == want
     # and the window matters here: attending over everything gives other logits
     full_attention = LlamaModel(dataclasses.replace(spec, sliding_windows=()), llm.w, torch.float64,
@@ -177,3 +198,38 @@ def test_family_checkpoints_written_without_transformers_are_what_transformers_r
                                     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
     spec, _, _, _ = check_parity(path, model, tokenizer)
     assert spec.model_type == family
+
+
+# config.json as published for Gemma 2 2B and Gemma 3 1B (written by older transformers: no
+# layer_types, rope_theta / rope_local_base_freq / sliding_window_pattern), shrunk
+HUB_CONFIGS = {
+    "gemma2": dict(model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   cache_implementation="hybrid", eos_token_id=[1, 107], head_dim=256,
+                   hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=256, rope_theta=10000.0, sliding_window=4096, torch_dtype="float32"),
+    "gemma3_text": dict(model_type="gemma3_text", attn_logit_softcapping=None, final_logit_softcapping=None,
+                        eos_token_id=[1, 106], head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                        query_pre_attn_scalar=256, rope_local_base_freq=10000, rope_scaling=None,
+                        rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+                        torch_dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HUB_CONFIGS))
+def test_published_gemma_configs_read_as_transformers_reads_them(case):
+    cfg = {**HUB_CONFIGS[case], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 13,
+           "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 512, "max_position_embeddings": 2048}
+    spec = ModelSpec.from_config(cfg)
+    hf = transformers.AutoConfig.for_model(**cfg)
+    assert spec.sliding_windows == tuple(hf.sliding_window if t == "sliding_attention" else None
+                                         for t in hf.layer_types)
+    assert spec.final_logit_softcap == hf.final_logit_softcapping
+    assert spec.attn_logit_softcap == hf.attn_logit_softcapping
+    assert spec.attn_scale == hf.query_pre_attn_scalar ** -0.5 and spec.tie_word_embeddings
+    rope = hf.rope_parameters
+    for layer, kind in enumerate(hf.layer_types):
+        theta, scaling = spec.rope(layer)
+        assert theta == (rope[kind] if case == "gemma3_text" else rope)["rope_theta"]
+        assert scaling.kind == "default"
+    if case == "gemma3_text":
+        assert spec.sliding_windows.count(None) == 2 and spec.rope(0) != spec.rope(5)

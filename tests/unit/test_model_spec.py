@@ -73,7 +73,12 @@ def test_sliding_windows_per_layer_as_transformers_applies_them(cfg, windows):
 
 
 @pytest.mark.parametrize("cfg,needle", [
-    (dict(model_type="gemma2"), "model_type 'gemma2' is not supported"),
+    (dict(model_type="gemma3"), "only the text model, model_type gemma3_text"),
+    (dict(model_type="gemma2", hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
+    (dict(model_type="gemma2", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 is not supported"),
+    (dict(model_type="gemma2", sliding_window=None), "sliding_attention layers need a sliding_window"),
+    (dict(model_type="gemma2", final_logit_softcapping=0), "final_logit_softcap must be positive"),
     (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
     (dict(model_type="llama", hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (dict(model_type="phi3", partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported"),
@@ -99,12 +104,26 @@ def test_qwen3_and_phi3_tensor_names():
     assert "model.layers.0.self_attn.q_proj.weight" not in phi3
 
 
+def test_gemma_tensor_names_and_defaults():
+    gemma2 = spec_of(model_type="gemma2", num_hidden_layers=1)
+    names = gemma2.expected_tensors()
+    assert names["model.layers.0.pre_feedforward_layernorm.weight"] == (64,)
+    assert names["model.layers.0.post_feedforward_layernorm.weight"] == (64,)
+    assert "lm_head.weight" not in names and "model.layers.0.self_attn.q_norm.weight" not in names
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.attn_scale) == (50.0, 30.0, 256 ** -0.5)
+    gemma3 = spec_of(model_type="gemma3_text", num_hidden_layers=1)
+    assert gemma3.expected_tensors()["model.layers.0.self_attn.k_norm.weight"] == (16,)
+    assert (gemma3.attn_logit_softcap, gemma3.final_logit_softcap) == (None, None)
+
+
 def test_the_cuda_engine_refuses_what_its_kernels_do_not_implement(ckpt):
     assert spec_of(model_type="mistral", sliding_window=4096).cuda_refusal(4096) is None
     assert "sliding window of 16 positions" in spec_of(model_type="mistral", sliding_window=16).cuda_refusal(17)
     assert spec_of(model_type="mistral", sliding_window=16).cuda_refusal(16) is None
     assert spec_of(model_type="qwen3").cuda_refusal(64) is None
     assert spec_of(model_type="phi3").cuda_refusal(64) is None
+    assert "CPU engine only" in spec_of(model_type="gemma2").cuda_refusal(64)
+    assert "CPU engine only" in spec_of(model_type="gemma3_text").cuda_refusal(64)
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 32}))
     spec = ModelSpec.from_dir(ckpt)

@@ -162,3 +162,26 @@ def test_named_readers_of_the_header_pages_and_journal(tables):
     assert journal.is_cancelled(1) and not journal.is_cancelled(0)
     journal.set_pages(0, [7, 4])
     assert journal.pages_of(0, 2).tolist() == [7, 4] and journal.entry(0).num_pages == 2
+
+
+def test_queue_and_prefill_times_from_the_journal_marks(tables):
+    """admitted (sidecar) -> first step (executor's mark_step, once) -> first token committed."""
+    from kvhold.protocol.journal import Journal
+
+    j = Journal(tables)
+    j.admit(1, 99, [3, 4, 5], max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    j.take(1, 99, epoch=1)
+    assert j.timings_s(1) == (None, None)                     # not in a step yet
+    r = tables.requests
+    j.mark_step(np.array([1]), 1, 1, np.array([0]), np.array([3]))
+    scheduled = int(r["scheduled_ns"][1])
+    assert scheduled >= int(r["admitted_ns"][1]) > 0
+    queue, prefill = j.timings_s(1)
+    assert queue == (scheduled - int(r["admitted_ns"][1])) / 1e9 and prefill is None
+    j.mark_step(np.array([1]), 2, 1, np.array([3]), np.array([4]))   # later steps (a successor's too)
+    assert int(r["scheduled_ns"][1]) == scheduled                      # keep the first mark
+    j.commit_tokens(np.array([1]), np.array([3]), np.array([7], dtype=np.int32), np.array([1], dtype=np.uint32))
+    queue, prefill = j.timings_s(1)
+    assert prefill == (int(r["first_token_ns"][1]) - scheduled) / 1e9 >= 0
+    j.take(1, 99, epoch=3)                                  # a new take starts over (pool restart)
+    assert r["scheduled_ns"][1] == 0

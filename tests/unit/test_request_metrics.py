@@ -67,3 +67,19 @@ def test_recovery_buckets_tell_5_from_50_ms():
     first = min(b for b, v in buckets.items() if float(v) >= 1)
     second = min(b for b, v in buckets.items() if float(v) >= 2)
     assert first <= 0.005 and second <= 0.06 and second > first
+
+
+def test_queue_and_prefill_times_as_vllm_names_them():
+    m = SidecarMetrics("tiny-v1")
+    m.observe_request(received=10.0, first_token=10.2, token_times=[10.2], end=10.3, prompt_tokens=7,
+                      generation_tokens=1, preemptions=0, finish_reason="length", queue_s=0.05, prefill_s=0.12)
+    m.observe_request(received=11.0, first_token=None, token_times=[], end=11.5, prompt_tokens=4,
+                      generation_tokens=0, preemptions=0, finish_reason=None)     # not known: not observed
+    s = samples(m)
+    name = (("model_name", "tiny-v1"),)
+    assert s[("kvhold_request_queue_time_seconds_count", name)] == 1
+    assert abs(s[("kvhold_request_queue_time_seconds_sum", name)] - 0.05) < 1e-9
+    assert s[("kvhold_request_prefill_time_seconds_count", name)] == 1
+    assert abs(s[("kvhold_request_prefill_time_seconds_sum", name)] - 0.12) < 1e-9
+    assert s[("kvhold_request_queue_time_seconds_bucket", (("le", "0.04"),) + name)] == 0
+    assert s[("kvhold_request_queue_time_seconds_bucket", (("le", "0.06"),) + name)] == 1

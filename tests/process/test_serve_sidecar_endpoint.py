@@ -1,0 +1,95 @@
+"""`kvhold serve --sidecar-endpoint`: the supervised HTTP API in front of a sidecar that runs
+already (`kvhold sidecar`). A completion works; the HTTP server, SIGKILLed, is restarted and the
+sidecar with its executor is untouched (same pids); a SIGTERM stops serve (exit 0) and leaves
+the sidecar running and serving."""
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kvhold.protocol.naming import InstancePaths
+from tests.process.helpers import FLAGS, free_port, wait_until
+from tests.process.test_serve_restart import http_child
+
+COMPLETION = {"model": None, "prompt": "The sidecar keeps the memory", "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True}
+
+
+def healthy(base):
+    try:
+        return httpx.get(base + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def complete(base, name):
+    r = httpx.post(base + "/v1/completions", json={**COMPLETION, "model": name}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 12 and body["choices"][0]["text"]
+    return body["choices"][0]["text"]
+
+
+@pytest.mark.slow      # real kills and a restart: `pytest -m slow`
+def test_serve_in_front_of_a_running_sidecar(tiny_model, start_sidecar, runtime_root, tmp_path):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--lease-ms", "3000"])
+    active = sc.wait_steady(standbys=0)
+    endpoint = InstancePaths.for_instance(sc.instance, runtime_root).client_endpoint
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint", endpoint,
+                             "--port", str(port), "--runtime-root", str(runtime_root),
+                             "--log-level", "INFO"], stdout=log, stderr=log)
+    try:
+        wait_until(lambda: proc.poll() is None and healthy(base), 60, 0.1, what="the HTTP server to serve")
+        models = httpx.get(base + "/v1/models", timeout=5).json()["data"]
+        name = models[0]["id"]
+        assert name == tiny_model.name and models[0]["max_model_len"] == 512   # the sidecar's --max-seq-len
+        first = complete(base, name)
+
+        class Srv:
+            pass
+        srv = Srv()
+        srv.proc = proc
+        old = http_child(srv)
+        os.kill(old, signal.SIGKILL)
+        new = wait_until(lambda: (pid := http_child(srv)) != old and pid, 30, 0.05, what="a new HTTP server")
+        wait_until(lambda: healthy(base), 60, 0.1, what="the restarted HTTP server to serve")
+        assert complete(base, name) == first                       # greedy: the same text again
+        status = sc.status()
+        assert sc.proc.poll() is None and status["pid"] == sc.proc.pid
+        assert [e["pid"] for e in sc.executors(status, "active")] == [active["pid"]]
+        assert "restarting it" in (tmp_path / "serve.log").read_text()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not os.path.exists(f"/proc/{new}")                 # reaped by serve before it exited
+        status = sc.status()                                       # the sidecar goes on, serving
+        assert sc.proc.poll() is None and status["pid"] == sc.proc.pid
+        assert [e["pid"] for e in sc.executors(status, "active")] == [active["pid"]]
+        with sc.new_client() as client:
+            assert len(client.generate(prompt="Hello", max_tokens=5, temperature=0.0).result().token_ids) == 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_a_sidecar_that_does_not_answer_stops_serve_with_the_reason(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint",
+                        f"ipc://{tmp_path}/nobody.sock", "--port", str(free_port()), "--start-timeout", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "did not answer within 1 s" in r.stderr
+
+
+def test_sidecar_flags_are_refused_at_the_command_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint", f"ipc://{tmp_path}/x.sock",
+                        "--standbys", "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--standbys: a flag of the sidecar that kvhold serve starts" in r.stderr
