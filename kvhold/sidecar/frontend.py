@@ -82,7 +82,7 @@ class RestoredStreams(Protocol):
     """The streams a pool restart brought back (kvhold.sidecar.restore.Restore)."""
 
     def on_first_token(self) -> None: ...
-    def park(self, st: Stream, ids: list[int], done: m.Done) -> None: ...
+    def park(self, st: Stream, ids: list[int], done: m.Done, logprobs: dict | None = None) -> None: ...
     def tick(self, now: int) -> None: ...
 
 
@@ -447,7 +447,8 @@ class Frontend:
                 preemptions=preempted, recomputed_tokens=recomputed)
             self._send(st, done)
             if st.awaiting_resume:
-                self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done)
+                self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done,
+                                   logprob_stream.fields(self.journal, st.slot, st.prompt_len, st.prefix, count))
             self.journal.release(st.slot)
             self.durable.remove(st.request_id)
             self.records.pop(st.request_id, None)

@@ -208,18 +208,17 @@ class Restore:
                 log.warning("pool restart: first token of a restored request %.0f ms after the "
                             "drain started", (self.report["first_token_ns"] - drain["drain_start_ns"]) / 1e6)
 
-    def park(self, st, ids: list[int], done: m.Done) -> None:
-        """A restored or held request ended before its client came back: keep the result for pickup."""
+    def park(self, st, ids: list[int], done: m.Done, logprobs: dict | None = None) -> None:
+        """A restored or held request ended before its client came back: keep the result for
+        pickup (`logprobs`: its tokens' log-probs, kvhold.sidecar.logprob_stream.fields)."""
         self._away.pop(st.request_id, None)
         if st.request_id in self.cancelled:       # cancelled for want of a client: nothing to keep
             log.info("request %#x, cancelled with no client attached, ended (%d tokens)",
                      st.request_id, len(ids))
             return
         self.unclaimed.pop(st.request_id, None)          # kept in the order they finished
-        lp = logprob_stream.fields(self.frontend.journal, st.slot, st.prompt_len, st.prefix,
-                                   st.prefix + len(ids))        # read before the slot is released
         self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
-                                                  now_ns(), lp)
+                                                  now_ns(), logprobs or {})
         if len(self.unclaimed) > UNCLAIMED_MAX:
             oldest = next(iter(self.unclaimed))
             del self.unclaimed[oldest]
