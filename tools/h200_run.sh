@@ -5,6 +5,7 @@
 #   bash tools/h200_run.sh PHASE [PHASE ...]
 #
 #   tests          every GPU test (tests/gpu, and the GPU cases of the process tests)
+#   logprobs       the CUDA engine's log-probs across executor kills (tests/gpu/test_gpu_logprobs.py)
 #   vmm            the sidecar keeps CUDA VMM memory with no CUDA context         -> vmm_probe_cuda.json
 #   first-kernels  first launch of each Triton kernel in a zygote-forked child     -> first_kernels_cuda.json
 #   prefill-attention  a prefill chunk's attention, first call per key length     -> prefill_attention_cuda.json
@@ -59,6 +60,10 @@ for phase in "${@:-tests}"; do
   tests)
     timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
+    ;;
+  logprobs)
+    timeout $(( $(left) < 400 ? $(left) : 400 )) python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_gpu_logprobs.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu_logprobs.txt"
     ;;
   vmm)
     python3 -m tools.gpu_probe_vmm --size-mb 4096 > "$OUT/vmm_probe_cuda.json" 2> "$OUT/vmm_probe.err"

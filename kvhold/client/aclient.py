@@ -33,14 +33,14 @@ import zmq.asyncio
 
 from kvhold.protocol import messages as m, wire
 from kvhold.client.client import (RECONNECT_EVENTS, RESUME_AFTER_S, GenerationResult, ReconnectWatch, TokenEvent,
-                                  hear_keepalive, resume_all, resume_message, take_tokens)
+                                  TokenLogprob, hear_keepalive, result_of, resume_all, resume_message, take_tokens)
 from kvhold.protocol.curve import apply_client_curve
 from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.sampling import RequestInput
 
 log = logging.getLogger(__name__)
-__all__ = ["AsyncClient", "AsyncStream", "TokenEvent", "GenerationResult"]
+__all__ = ["AsyncClient", "AsyncStream", "TokenEvent", "TokenLogprob", "GenerationResult"]
 
 
 @dataclass(slots=True)
@@ -48,6 +48,8 @@ class _StreamState:
     request_id: int
     prompt_tokens: int
     token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)         # TokenLogprob per token, when asked for
+    prompt_logprobs: list | None = None                  # TokenLogprob per prompt token, when asked for
     pending: collections.deque = field(default_factory=collections.deque)
     done: m.Done | None = None
     error: Exception | None = None
@@ -78,6 +80,12 @@ class AsyncStream:
     def finished(self) -> bool:
         return self._state.finished
 
+    @property
+    def prompt_logprobs(self):
+        """The prompt's TokenLogprob list (asked for with prompt_logprobs=k), once the first
+        tokens have arrived; None before, or when not asked for."""
+        return self._state.prompt_logprobs
+
     def __aiter__(self):
         return self
 
@@ -95,12 +103,7 @@ class AsyncStream:
     async def result(self) -> GenerationResult:
         async for _ in self:
             pass
-        st, done = self._state, self._state.done
-        return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids), text=done.text,
-                                finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
-                                completion_tokens=done.completion_tokens, preemptions=done.preemptions,
-                                recomputed_tokens=done.recomputed_tokens, queue_s=done.queue_s,
-                                prefill_s=done.prefill_s)
+        return result_of(self._state, self._state.done)
 
     async def cancel(self) -> None:
         """Stop the request; the stream then ends with finish_reason 'cancelled'."""

@@ -44,10 +44,21 @@ RECONNECT_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw distribution (None for a prompt's first
+    token, which has none) and the most likely tokens there, (token id, log-prob), most likely
+    first; asked for with `logprobs=k` (generated tokens) or `prompt_logprobs=k`."""
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     index: int
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None      # with logprobs=k
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,8 @@ class GenerationResult:
     recomputed_tokens: int = 0
     queue_s: float | None = None      # the sidecar's: admitted -> first scheduled (None: not known)
     prefill_s: float | None = None    # first scheduled -> first token
+    logprobs: list[TokenLogprob] | None = None          # one per generated token, with logprobs=k
+    prompt_logprobs: list[TokenLogprob] | None = None   # one per prompt token, with prompt_logprobs=k
 
 
 @dataclass(slots=True)
@@ -69,6 +82,8 @@ class _StreamState:
     request_id: int
     prompt_tokens: int
     token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)         # TokenLogprob per token, when asked for
+    prompt_logprobs: list | None = None                  # TokenLogprob per prompt token, when asked for
     pending: collections.deque = field(default_factory=collections.deque)
     done: m.Done | None = None
     error: Exception | None = None
@@ -87,10 +102,34 @@ def take_tokens(st, msg: m.Tokens) -> bool:
                                  f"(have {have} tokens, got index {msg.start})")
         return False
     skip = have - msg.start
-    for offset, (tid, text) in enumerate(zip(msg.ids[skip:], msg.texts[skip:])):
-        st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text))
+    if msg.prompt_ids is not None and st.prompt_logprobs is None:
+        st.prompt_logprobs = [TokenLogprob(msg.prompt_ids[0], None)] + _logprobs(
+            msg.prompt_ids[1:], msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs)
+    lps = (_logprobs(msg.ids, msg.logprobs, msg.top_ids, msg.top_logprobs) if msg.logprobs is not None
+           else [None] * len(msg.ids))
+    for offset, (tid, text, lp) in enumerate(zip(msg.ids[skip:], msg.texts[skip:], lps[skip:])):
+        st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text, logprob=lp))
         st.token_ids.append(tid)
+        if lp is not None:
+            st.logprobs.append(lp)
     return True
+
+
+def _logprobs(ids, logprobs, top_ids, top_logprobs) -> list[TokenLogprob]:
+    if logprobs is None or len(logprobs) != len(ids):
+        raise ProtocolError("a tokens message's log-probs do not match its tokens")
+    return [TokenLogprob(t, lp, tuple(zip(ti, tl))) for t, lp, ti, tl in zip(ids, logprobs, top_ids, top_logprobs)]
+
+
+def result_of(st, done: m.Done) -> GenerationResult:
+    """The GenerationResult of a finished stream's state."""
+    return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids), text=done.text,
+                            finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
+                            completion_tokens=done.completion_tokens, preemptions=done.preemptions,
+                            recomputed_tokens=done.recomputed_tokens, queue_s=done.queue_s,
+                            prefill_s=done.prefill_s,
+                            logprobs=list(st.logprobs) if len(st.logprobs) == len(st.token_ids) and st.logprobs
+                            else None, prompt_logprobs=st.prompt_logprobs)
 
 
 def resume_message(streams: dict, now: float) -> m.Resume | None:
@@ -165,14 +204,7 @@ class Stream:
     def result(self) -> GenerationResult:
         for _ in self:
             pass
-        st = self._state
-        return GenerationResult(request_id=st.request_id, token_ids=list(st.token_ids),
-                                text=st.done.text, finish_reason=st.done.finish_reason,
-                                prompt_tokens=st.done.prompt_tokens,
-                                completion_tokens=st.done.completion_tokens,
-                                preemptions=st.done.preemptions,
-                                recomputed_tokens=st.done.recomputed_tokens,
-                                queue_s=st.done.queue_s, prefill_s=st.done.prefill_s)
+        return result_of(self._state, self._state.done)
 
     def cancel(self) -> None:
         self._client.cancel(self.request_id)

@@ -2,11 +2,14 @@
 
 The rule. After a step's device work (its results read back to the host), the step's
 results become visible in this order, each stage published before the next begins:
+  0. log-probs of known tokens the step computed (prompt tokens, when asked for) stored and
+     their `lp_done` published, after a lease check: before the pages they come from, so a
+     successor that keeps those pages finds them (it recomputes any others);
   1. pages: every KV page written this step gets its new (count, checksum) published
      under the page-table seqlock, after a lease check; the checksum grows by the hash
      of the newly written token slots only;
-  2. the lease checked again, then the journal: each sampled token stored, then its
-     request's generated count bumped (Journal.commit_tokens);
+  2. the lease checked again, then the journal: each sampled token stored with its log-probs
+     (when asked for), then its request's generated count bumped (Journal.commit_tokens);
   3. finished: finished requests marked finished, then their pages freed.
 A token reaches a client only through the journal, i.e. after stage 2. The second lease
 check keeps an executor fenced between pages and journal (a successor may own its slots
@@ -73,6 +76,7 @@ class PendingCommit:
     tokens: np.ndarray              # int32
     generated: np.ndarray           # uint32: each slot's generated count, this token included
     finished: list[tuple[Sequence, FinishReason]]
+    logprobs: tuple | None = None   # the sampled tokens' log-probs (Journal.write_logprobs' arguments)
 
 
 class PagesStage:
@@ -220,11 +224,17 @@ class CommitProtocol:
         self.publish_pending()
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
-               may_defer: bool = False) -> None:
+               may_defer: bool = False, logprobs=None) -> None:
         """Commit a step: its pages at once and then the rest, or (`may_defer`: a decode-only step
         that need not be committed at once, whose pages the stage can defer) all of it left
-        pending, published under the next step."""
-        update = self.pages.defer(plan, slot_hashes) if may_defer and self.pipelined else None
+        pending, published under the next step. `logprobs`: (of known tokens, of sampled tokens),
+        each Journal.write_logprobs' arguments or None (Engine._logprobs); a step with log-probs
+        of known tokens is not deferred."""
+        known, sampled = logprobs if logprobs is not None else (None, None)
+        update = self.pages.defer(plan, slot_hashes) if may_defer and self.pipelined and known is None else None
+        if known is not None:
+            self.lease.check()
+            self.journal.write_logprobs(*known)
         if update is None:
             faults.point("commit_begin")
             self.pages.publish(plan, slot_hashes)
@@ -232,7 +242,7 @@ class CommitProtocol:
         slots, positions, generated = _journal_rows(sampling)      # before the sequences advance
         finished = self.engine.advance(plan, sampling, tokens)
         self.pending = PendingCommit(pages, counts, checksums, slots, positions,
-                                     np.array(tokens, dtype=np.int32), generated, finished)
+                                     np.array(tokens, dtype=np.int32), generated, finished, sampled)
         if update is None:
             self.publish_pending()
 
@@ -259,7 +269,8 @@ class CommitProtocol:
         faults.point("commit_pages")
         if len(pending.slots):
             self.lease.check()          # fenced since the pages: a successor may own these slots now
-            self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated)
+            self.journal.commit_tokens(pending.slots, pending.positions, pending.tokens, pending.generated,
+                                       pending.logprobs)
             faults.point("commit_journal")
         for seq, reason in pending.finished:
             self.release(seq, reason)
@@ -278,7 +289,7 @@ class NoCommit(CommitProtocol):
     and finished sequences free their pages, but no step publishes pages or journal tokens."""
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
-               may_defer: bool = False) -> None:
+               may_defer: bool = False, logprobs=None) -> None:
         for seq, _ in self.engine.advance(plan, sampling, tokens):
             self.engine.forget(seq)
 

@@ -250,13 +250,14 @@ class CudaRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
-    def _prefill(self, item) -> torch.Tensor:
-        """The chunk's last row's logits [1, vocab]; its keys and values go to the pool."""
+    def _prefill(self, item, rows=()) -> torch.Tensor:
+        """Logits of the chunk's rows at KV positions `rows`, then of its last row; its keys and
+        values go to the pool."""
         if self.exact:
-            return self._prefill_exact(item)
-        return self._prefill_fast(item)
+            return self._prefill_exact(item, rows)
+        return self._prefill_fast(item, rows)
 
-    def _prefill_exact(self, item) -> torch.Tensor:
+    def _prefill_exact(self, item, rows=()) -> torch.Tensor:
         """The chunk's rows exactly as decode steps compute them (module docstring): the
         projections on kvhold.executor.cuda_gemm.exact_linear, RoPE + KV store + attention on
         the decode kernel with one row per position (rope_prefill_attention), the logits of
@@ -278,9 +279,12 @@ class CudaRunner:
                                                       layer, table, ctx, no_ctx, self.scale, spec.num_heads,
                                                       spec.num_kv_heads),
             exact=True)
-        return model.logits(h[n - 1:n])
+        if not rows:
+            return model.logits(h[n - 1:n])
+        picked = [pos - seq.num_computed for pos in rows] + [n - 1]
+        return model.logits(h[torch.tensor(picked, device=dev)])
 
-    def _prefill_fast(self, item) -> torch.Tensor:
+    def _prefill_fast(self, item, rows=()) -> torch.Tensor:
         seq, n, c = item.seq, item.n, self.prefill_chunk
         pt = self.kv.page_tokens
         pages, slots, positions, ids = positions_of([item], pt)
@@ -311,11 +315,17 @@ class CudaRunner:
 
         with sdpa_kernel(PREFILL_ATTENTION):
             h = self.model.layers(ids_t, pos_t, pages_t, slots_t, self.kv, attend)
-        return self.model.logits(h[n - 1:n])
+        picked = [pos - seq.num_computed for pos in rows] + [n - 1]
+        return self.model.logits(h[torch.tensor(picked, device=dev)])
 
     # ------------------------------------------------------------------ step
-    def run(self, plan, beat=None) -> torch.Tensor:
-        """Logits of the rows that sample, in plan order."""
+    def run(self, plan, beat=None, logprob_rows=()) -> torch.Tensor:
+        """Logits of the rows that sample, in plan order, then (as `extra_logits`) those of
+        `logprob_rows` ((plan index, KV position) pairs, in their order)."""
+        wanted: dict[int, list[int]] = {}
+        for i, pos in logprob_rows:
+            wanted.setdefault(id(plan[i]), []).append(pos)
+        extra: dict[tuple[int, int], torch.Tensor] = {}
         decode = [p for p in plan if p.n == 1]
         prefill = [p for p in plan if p.n > 1]
         if len(decode) > self.max_batch:
@@ -325,12 +335,17 @@ class CudaRunner:
             out, _ = self._decode(decode)
             for i, p in enumerate(decode):
                 logits[id(p)] = out[i]
+                for pos in wanted.get(id(p), ()):
+                    extra[id(p), pos] = out[i]
         ran = None         # the event after the chunk before the last one queued
         for p in prefill:
             if p.n > self.prefill_chunk:
                 raise RuntimeError(f"a prefill chunk of {p.n} exceeds {self.prefill_chunk}")
-            out = self._prefill(p)
-            logits[id(p)] = out[0]
+            rows = wanted.get(id(p), [])
+            out = self._prefill(p, rows)
+            logits[id(p)] = out[len(rows)]
+            for j, pos in enumerate(rows):
+                extra[id(p), pos] = out[j]
             if beat is not None:   # a step of many chunks is progress, not a hang: beat once each
                 # chunk has run, not when it is queued; waiting for the previous chunk's end while
                 # this one is queued keeps the GPU fed through the wait
@@ -345,6 +360,8 @@ class CudaRunner:
             beat()
         self.queued_ns = time.monotonic_ns()
         rows = [logits[id(p)] for p in plan if p.samples]
+        more = [extra[id(plan[i]), pos] for i, pos in logprob_rows]
+        self.extra_logits = torch.stack(more) if more else None
         return torch.stack(rows) if rows else torch.empty(0, device=self.device)
 
     def _fault_target(self, plan):
@@ -352,16 +369,20 @@ class CudaRunner:
         pt = self.kv.page_tokens
         return self.kv.pool, [p.seq.pages[max(0, p.seq.num_computed // pt - 1)] for p in plan[::2] if p.seq.pages]
 
-    def run_and_sample(self, plan, sampling, beat=None, after_forward=None) -> tuple[list[int], dict[int, int]]:
+    def run_and_sample(self, plan, sampling, beat=None, after_forward=None,
+                       logprob_rows=()) -> tuple[list[int], dict[int, int]]:
         """Run the step and pick its tokens; returns (tokens of `sampling`, {page: hash of the
         one slot this step wrote there}) for the engine's commit. A decode-only step reads its
         greedy tokens and slot hashes back in one copy; rows that sample with a temperature
         go through the sampler on their logits; other steps take the general path.
         `after_forward(plan)` runs once a decode step's forward is queued, before the read-back."""
-        if not plan or any(p.n != 1 for p in plan) or len(plan) > self.max_batch:
-            logits = self.run(plan, beat)
+        if logprob_rows or not plan or any(p.n != 1 for p in plan) or len(plan) > self.max_batch:
+            logits = self.run(plan, beat, logprob_rows)
+            self.sample_logits = logits          # for the log-probs (kvhold.executor.engine)
             return (sample(logits, sampling, self.max_batch) if sampling else []), {}
         logits, out = self._decode(plan)
+        if any(seq.logprobs is not None for seq in sampling):   # the log-probs read them (a copy:
+            self.sample_logits = logits[[i for i, p in enumerate(plan) if p.samples]]   # graph buffers)
         faults.point("decode_queued", lambda: self._fault_target(plan))
         if after_forward is not None:
             after_forward(plan)          # queued behind the forward; the read-back waits for it too

@@ -23,7 +23,7 @@ from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import PageAllocator
 from kvhold.executor.recovery import NativeTakeover
-from kvhold.executor.sampler import sample
+from kvhold.executor.sampler import sample, token_logprobs
 from kvhold.executor.step_runner import CpuRunner
 from kvhold.executor.scheduler import Scheduled, Scheduler
 from kvhold.executor.sequence import Sequence
@@ -86,6 +86,7 @@ class Engine:
                 continue
             tokens = self.journal.all_tokens(slot, entry.prompt_len + entry.num_prefix).tolist()
             seq = Sequence.from_journal(entry, tokens)
+            seq.lp_done = self.journal.lp_done(slot, entry.request_id)     # as take() set it
             done = self.finish_reason(seq, tokens[-1]) if entry.num_prefix else None
             if done is not None:     # a moved request whose last token already ended it
                 self.journal.finish(slot, done)
@@ -160,18 +161,67 @@ class Engine:
             return changed + self.commits.take_published()
         self._open_step(plan)
         sampling = [p.seq for p in plan if p.samples]
+        lp_rows = self._logprob_rows(plan)
+        extra = {"logprob_rows": lp_rows} if lp_rows else {}
         tokens, slot_hashes = self.runner.run_and_sample(plan, sampling, beat=self._beat,
-                                                         after_forward=self.after_forward)
+                                                         after_forward=self.after_forward, **extra)
         self.commits.after_run()
+        logprobs = self._logprobs(plan, sampling, tokens, lp_rows)
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
-        self.commits.commit(plan, sampling, tokens, slot_hashes,
-                            may_defer=decode_only and not first)   # a takeover's first step: at once
+        self.commits.commit(plan, sampling, tokens, slot_hashes,   # a takeover's first step: at once
+                            may_defer=decode_only and not first and not lp_rows, logprobs=logprobs)
         self.lease.open_step(0)
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
                                      "committed_ns": now_ns()}
         return changed + self.commits.take_published()
+
+    def _logprob_rows(self, plan: list[Scheduled]) -> list[tuple[int, int]]:
+        """(plan index, KV position p) of each row this step computes whose logits give the
+        log-probs of a known token (at p + 1: a prompt token, or after a pool restart a
+        generated one) not yet final in the journal; a sampling row's are taken apart."""
+        if self.tables.logprobs is None:
+            return []
+        rows = []
+        for i, p in enumerate(plan):
+            s = p.seq
+            if s.logprobs is None and s.prompt_logprobs is None:
+                continue
+            start, end = max(s.num_computed, s.lp_done - 1), min(s.num_computed + p.n, s.num_tokens - 1)
+            rows += [(i, pos) for pos in range(start, end) if s.logprobs_at(pos + 1) is not None]
+        return rows
+
+    def _logprobs(self, plan, sampling: list[Sequence], tokens: list[int], lp_rows):
+        """The step's log-probs for the journal (the arguments of Journal.write_logprobs), of the
+        raw model distribution (kvhold.executor.sampler.token_logprobs): (those of known tokens,
+        written before the step's pages are published; those of the sampled tokens, written with
+        them), each None if there are none. The engine's own lp_done advances here."""
+        if self.tables.logprobs is None:
+            return None
+        known = None
+        if lp_rows:
+            seqs = [plan[i].seq for i, _ in lp_rows]
+            positions = [pos + 1 for _, pos in lp_rows]
+            k = max(s.logprobs_at(q) for s, q in zip(seqs, positions))
+            lp, ids, top = token_logprobs(self.runner.extra_logits,
+                                          [s.tokens[q] for s, q in zip(seqs, positions)], k)
+            for s, q in zip(seqs, positions):
+                s.lp_done = max(s.lp_done, q + 1)
+            known = (np.array([s.slot for s in seqs], dtype=np.int64), np.array(positions, dtype=np.int64),
+                     lp, ids, top, np.array([s.lp_done for s in seqs], dtype=np.uint32))
+        want = [i for i, s in enumerate(sampling) if s.logprobs is not None]
+        sampled = None
+        if want:
+            seqs = [sampling[i] for i in want]
+            k = max(s.logprobs for s in seqs)
+            lp, ids, top = token_logprobs(self.runner.sample_logits[want], [tokens[i] for i in want], k)
+            positions = [s.num_tokens for s in seqs]              # where each sampled token goes
+            for s, q in zip(seqs, positions):
+                s.lp_done = q + 1
+            sampled = (np.array([s.slot for s in seqs], dtype=np.int64), np.array(positions, dtype=np.int64),
+                       lp, ids, top, np.array([q + 1 for q in positions], dtype=np.uint32))
+        return None if known is None and sampled is None else (known, sampled)
 
     def _isolate(self, plan: list[Scheduled]) -> list[Scheduled]:
         """A request that was in a dead executor's step runs the step reaching that step's KV

@@ -84,3 +84,24 @@ def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
     choice = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
     choice = torch.minimum(choice, kept - 1)              # rounding can leave cdf[-1] < u
     return order.gather(1, choice[:, None]).squeeze(1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int):
+    """Log-probabilities of the model's raw distribution, as vLLM reports them by default
+    (`logprobs_mode` raw_logprobs: log_softmax of the logits, before temperature, top-k or top-p):
+    for each row of `logits` [R, V] the log-prob of `targets[i]`, and the ids and log-probs of
+    its `k` most likely tokens, most likely first, ties broken by lower id (a stable sort).
+    Computed in float64 on CPU, float32 on a GPU; returned as float32/int32 numpy arrays
+    ([R], [R, k], [R, k]), what the journal's logprob area holds."""
+    x = logits.to(torch.float64) if logits.device.type == "cpu" else logits.float()
+    lp = torch.log_softmax(x, dim=-1)
+    idx = torch.tensor(targets, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, idx[:, None]).squeeze(1)
+    if k:
+        vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+        vals, ids = vals[:, :k], ids[:, :k]
+    else:
+        vals = lp.new_zeros(len(targets), 0)
+        ids = idx.new_zeros(len(targets), 0)
+    return (chosen.float().cpu().numpy(), ids.to(torch.int32).cpu().numpy(),
+            vals.float().cpu().numpy())

@@ -28,13 +28,17 @@ class Sequence:
     num_computed: int = 0             # tokens whose KV is in the pool and committed
     pages: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
+    logprobs: int | None = None         # top log-probs per generated token (None: no log-probs)
+    prompt_logprobs: int | None = None  # and per prompt token
+    lp_done: int = 0                    # positions whose log-probs are final (the journal's)
 
     @classmethod
     def from_journal(cls, entry: JournalEntry, tokens: list[int]) -> "Sequence":
         return cls(slot=entry.slot, request_id=entry.request_id, prompt_len=entry.prompt_len,
                    tokens=tokens, max_tokens=entry.max_tokens, seed=entry.seed,
                    temperature=entry.temperature, top_p=entry.top_p, top_k=entry.top_k,
-                   stop_ids=frozenset(entry.stop_ids), ignore_eos=entry.ignore_eos)
+                   stop_ids=frozenset(entry.stop_ids), ignore_eos=entry.ignore_eos,
+                   logprobs=entry.logprobs, prompt_logprobs=entry.prompt_logprobs, lp_done=entry.lp_done)
 
     @property
     def num_tokens(self) -> int:
@@ -47,3 +51,7 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    def logprobs_at(self, position: int) -> int | None:
+        """Top log-probs the request asks for at token `position` (None: no log-probs there)."""
+        return self.prompt_logprobs if position < self.prompt_len else self.logprobs

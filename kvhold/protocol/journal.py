@@ -6,7 +6,10 @@ the prompt, publishing the request by writing `admit_state` last. The executor
 writes the execution half: it claims a request by writing `exec_request_id` last,
 stores each generated token before bumping `num_generated` (so a count never
 covers an unwritten token), and sets `exec_state=FINISHED` only after the last
-token is counted. Fields of the execution half are meaningful only while
+token is counted. A token's log-probs (when the request asks for them and the tables have a
+logprob area, layout.logprob_dtype) are stored with it, before the count; `lp_done` counts the
+positions whose log-probs are final, so a recomputation (after a preemption or a pool
+restart) never rewrites one a client may have seen. Fields of the execution half are meaningful only while
 `exec_request_id == request_id`, so a reused slot needs no reset by the sidecar.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhold.protocol.layout import MAX_STOP_IDS, AdmitState, ExecState, FinishReason, RequestFlag
+from kvhold.protocol.errors import InvalidParams
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import TOKEN_ID_MAX, SamplingParams, check_token_ids
 from kvhold.protocol.tables import Tables
@@ -41,6 +45,9 @@ class JournalEntry:
     num_generated: int
     num_pages: int
     num_prefix: int = 0      # generated tokens brought by a resumed request (see admit)
+    logprobs: int | None = None          # top log-probs asked for per generated token (None: no log-probs)
+    prompt_logprobs: int | None = None   # and per prompt token
+    lp_done: int = 0                     # positions whose log-probs are final (execution half)
 
     @property
     def num_tokens(self) -> int:
@@ -71,14 +78,22 @@ class Journal:
 
     def admit(self, slot: int, request_id: int, prompt_ids, *, max_tokens: int, seed: int,
               temperature: float, top_p: float, top_k: int, stop_ids=(), ignore_eos=False,
-              owner_tag: int = 0, prefix_ids=()) -> None:
+              owner_tag: int = 0, prefix_ids=(), logprobs: int | None = None,
+              prompt_logprobs: int | None = None) -> None:
         """`prefix_ids`: tokens already generated elsewhere (a request moved from another
         sidecar). They are stored after the prompt and count as generated from the start, so
         sampling positions and the max_tokens budget continue where the first run stopped.
         Every value is checked against its field's range (kvhold.protocol.sampling) before any
         field is written: InvalidParams (a ValueError) leaves the slot free."""
         SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+                       seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
+                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        limit = self.tables.geometry.max_logprobs if self.tables.logprobs is not None else -1
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and k > limit:
+                raise InvalidParams(f"{name}={k} exceeds this server's limit of "
+                                    f"{max(limit, 0)} (--max-logprobs)" if limit >= 0 else
+                                    f"{name}: this server keeps no log-probs (--max-logprobs 0)")
         prompt, prefix = _token_row(prompt_ids, "prompt_ids"), _token_row(prefix_ids, "prefix_ids")
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
@@ -103,6 +118,8 @@ class Journal:
         r["stop_ids"][slot] = 0
         r["stop_ids"][slot, :len(stop_ids)] = stop_ids
         r["flags"][slot] = RequestFlag.IGNORE_EOS if ignore_eos else RequestFlag.NONE
+        r["logprobs"][slot] = 0 if logprobs is None else logprobs + 1
+        r["prompt_logprobs"][slot] = 0 if prompt_logprobs is None else prompt_logprobs + 1
         r["admit_state"][slot] = AdmitState.ADMITTED          # publication
 
     def cancel(self, slot: int) -> None:
@@ -137,7 +154,9 @@ class Journal:
             ignore_eos=bool(int(r["flags"]) & RequestFlag.IGNORE_EOS),
             taken=taken, exec_state=ExecState(int(r["exec_state"])) if taken else ExecState.NONE,
             num_generated=int(r["num_generated"]) if taken else 0,
-            num_pages=int(r["num_pages"]) if taken else 0, num_prefix=int(r["num_prefix"]))
+            num_pages=int(r["num_pages"]) if taken else 0, num_prefix=int(r["num_prefix"]),
+            logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
+            lp_done=int(r["lp_done"]) if taken else 0)
 
     def live_slots(self) -> np.ndarray:
         """Slots admitted (or cancelled) but not yet released."""
@@ -176,6 +195,23 @@ class Journal:
         p = int(self.req["prompt_len"][slot])
         return self.tokens[slot, p + start:p + end].tolist()
 
+    def asked_logprobs(self, slot: int) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) the request in `slot` asked for (None: not asked)."""
+        return _asked(self.req["logprobs"][slot]), _asked(self.req["prompt_logprobs"][slot])
+
+    def lp_done(self, slot: int, request_id: int) -> int:
+        """Token positions [0, n) whose log-probs are final (0 before an executor took it)."""
+        if int(self.req["exec_request_id"][slot]) != request_id:
+            return 0
+        return int(self.req["lp_done"][slot])
+
+    def logprobs_at(self, slot: int, start: int, end: int, k: int) -> tuple[list, list, list]:
+        """(log-prob, top-k ids, top-k log-probs) of token positions [start, end), the top lists
+        cut to `k` entries, as Python lists."""
+        rows = self.tables.logprobs[slot, start:end]
+        return (rows["logprob"].tolist(), rows["top_ids"][:, :k].tolist(),
+                rows["top_logprobs"][:, :k].tolist())
+
     def all_tokens(self, slot: int, num_tokens: int) -> np.ndarray:
         return self.tokens[slot, :num_tokens].copy()
 
@@ -192,6 +228,9 @@ class Journal:
         r["scheduled_ns"][slot] = 0
         r["exec_epoch"][slot] = epoch
         r["step_epoch"][slot] = 0
+        # positions before it need no log-probs: the first has none, and without prompt_logprobs
+        # neither do the prompt's nor a resumed request's tokens (never streamed again)
+        r["lp_done"][slot] = 1 if r["prompt_logprobs"][slot] else r["prompt_len"][slot] + r["num_prefix"][slot]
         r["exec_state"][slot] = ExecState.RUNNING
         r["exec_request_id"][slot] = request_id              # publication
 
@@ -206,11 +245,27 @@ class Journal:
             raise ValueError(f"{p} + {len(gen)} tokens do not fit slot rows of {self.max_seq_len}")
         self.tokens[slot, p:p + len(gen)] = gen
         self.take(slot, request_id, epoch=0)
+        if not self.req["prompt_logprobs"][slot]:    # the restored tokens' log-probs are recomputed
+            self.req["lp_done"][slot] = p
         self.req["num_generated"][slot] = len(gen)
 
+    def write_logprobs(self, slots: np.ndarray, positions: np.ndarray, logprobs: np.ndarray,
+                       top_ids: np.ndarray, top_logprobs: np.ndarray, lp_done: np.ndarray) -> None:
+        """Store log-probs at absolute positions (the top lists' width at most the area's), then
+        publish each slot's new `lp_done` (the slots' last values win)."""
+        area, k = self.tables.logprobs, top_ids.shape[1]
+        area["logprob"][slots, positions] = logprobs
+        if k:
+            area["top_ids"][slots, positions, :k] = top_ids
+            area["top_logprobs"][slots, positions, :k] = top_logprobs
+        self.req["lp_done"][slots] = lp_done
+
     def commit_tokens(self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray,
-                      new_counts: np.ndarray) -> None:
-        """Store tokens at absolute positions, then publish the new generated counts."""
+                      new_counts: np.ndarray, logprobs=None) -> None:
+        """Store tokens at absolute positions (and their log-probs: `logprobs`, the arguments of
+        write_logprobs for the rows that asked for them), then publish the new generated counts."""
+        if logprobs is not None:
+            self.write_logprobs(*logprobs)
         self.tokens[slots, positions] = token_ids
         first = self.req["first_token_ns"][slots] == 0     # reset by take()
         if first.any():
@@ -265,6 +320,11 @@ class Journal:
         then publish the new count."""
         self.page_lists[slot, first:first + len(pages)] = pages
         self.req["num_pages"][slot] = first + len(pages)
+
+
+def _asked(code) -> int | None:
+    """A journal logprobs field (0: not asked, k + 1: k top ones) as the request's value."""
+    return int(code) - 1 if int(code) else None
 
 
 def _token_row(ids, name: str) -> np.ndarray:

@@ -11,6 +11,11 @@ One POSIX shm segment per instance, little-endian, every section 64-byte aligned
     off_requests    journal meta   num_slots  x REQUEST_DTYPE  (256 B)
     off_tokens      journal tokens num_slots  x max_seq_len    int32
     off_page_lists  journal pages  num_slots  x max_pages_per_seq int32
+    off_logprobs    journal logprobs num_slots x max_seq_len x logprob_dtype(max_logprobs):
+                                   per token position, the log-probability of the token there
+                                   and the max_logprobs most likely tokens (ids, log-probs)
+                                   under the distribution that produced it; no bytes when
+                                   max_logprobs is 0 (the area is off)
 
 Single writer per field. The sidecar writes the header, the lease fields other
 than heartbeat/steps, and the admission half of each journal record (fields above
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"KVHOLDT1"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER_BYTES = 4096
 LIVENESS_BYTES = 64
 ALIGN = 64
@@ -45,6 +50,7 @@ MAX_SLOTS = 1 << 16
 MAX_SEQ_LEN = 1 << 20
 MAX_PAGE_TOKENS = 1024
 MAX_TABLE_BYTES = 1 << 34
+MAX_LOGPROBS = 1024          # top log-probs per position the logprob area can hold
 
 KV_DTYPES = {1: "float32", 2: "bfloat16", 3: "float16", 4: "float64"}
 KV_DTYPE_CODES = {v: k for k, v in KV_DTYPES.items()}
@@ -60,6 +66,7 @@ HEADER_DTYPE = np.dtype([
     ("page_bytes", "<u8"),
     ("off_leases", "<u8"), ("off_liveness", "<u8"), ("off_pages", "<u8"), ("off_requests", "<u8"),
     ("off_tokens", "<u8"), ("off_page_lists", "<u8"),
+    ("max_logprobs", "<u4"), ("off_logprobs", "<u8"),
     ("geometry_crc", "<u4"),
     # mutable, sidecar-written
     ("state", "<u4"), ("epoch_counter", "<u8"), ("request_counter", "<u8"),
@@ -89,7 +96,10 @@ REQUEST_DTYPE = np.dtype([
     ("stop_ids", "<i4", (MAX_STOP_IDS,)),
     # generated tokens a resumed request brings (moved from another sidecar): they follow the
     # prompt in the token row and count as generated, so sampling positions stay absolute
-    ("num_prefix", "<u4"), ("_pad_admit", "<u4"),
+    ("num_prefix", "<u4"),
+    # log-probs asked for: 0 none, k + 1 with the k most likely tokens at each position, for the
+    # generated tokens (logprobs) and for the prompt's (prompt_logprobs)
+    ("logprobs", "<u2"), ("prompt_logprobs", "<u2"),
     # execution half: executor-written, valid only while exec_request_id == request_id;
     # num_generated is written after the token it counts (publication)
     ("exec_request_id", "<u8"), ("exec_epoch", "<u8"),
@@ -102,7 +112,10 @@ REQUEST_DTYPE = np.dtype([
     ("step_epoch", "<u8"), ("step_seq", "<u8"), ("step_start", "<u4"), ("step_end", "<u4"),
     # when the request was first in a step (its first prefill chunk), 0 until then; reset by take
     ("scheduled_ns", "<u8"),
-    ("_pad", "<u8", (8,)),
+    # token positions [0, lp_done) whose log-probs are final in the logprob area (position 0 has
+    # none): written after those log-probs, before the KV pages or the count they go with
+    ("lp_done", "<u4"), ("_pad32", "<u4"),
+    ("_pad", "<u8", (7,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48
@@ -167,6 +180,13 @@ class RequestFlag(enum.IntFlag):
     IGNORE_EOS = 1
 
 
+def logprob_dtype(max_logprobs: int) -> np.dtype:
+    """One position of the logprob area: the log-probability of the token at that position and
+    the `max_logprobs` most likely tokens there, most likely first (ties: lower id first)."""
+    return np.dtype([("logprob", "<f4"), ("top_ids", "<i4", (max_logprobs,)),
+                     ("top_logprobs", "<f4", (max_logprobs,))])
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -215,6 +235,7 @@ class TableGeometry:
     num_slots: int = 256
     max_seq_len: int = 4096
     num_leases: int = 8
+    max_logprobs: int = 0       # top log-probs per position; 0: no logprob area
 
     def __post_init__(self):
         limits = {"num_pages": MAX_PAGES, "num_slots": MAX_SLOTS,
@@ -222,6 +243,15 @@ class TableGeometry:
         for name, hi in limits.items():
             if not 1 <= getattr(self, name) <= hi:
                 raise ValueError(f"table geometry: {name}={getattr(self, name)} not in 1..{hi}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"table geometry: max_logprobs={self.max_logprobs} not in 0..{MAX_LOGPROBS}")
+
+    @property
+    def logprob_bytes(self) -> int:
+        """Bytes of the logprob area (0 when it is off)."""
+        if not self.max_logprobs:
+            return 0
+        return self.num_slots * self.max_seq_len * logprob_dtype(self.max_logprobs).itemsize
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -234,9 +264,11 @@ class TableGeometry:
         off_requests = _align(off_pages + self.num_pages * PAGE_DTYPE.itemsize)
         off_tokens = _align(off_requests + self.num_slots * REQUEST_DTYPE.itemsize)
         off_page_lists = _align(off_tokens + self.num_slots * self.max_seq_len * 4)
-        total = _align(off_page_lists + self.num_slots * self.max_pages_per_seq * 4)
+        off_logprobs = _align(off_page_lists + self.num_slots * self.max_pages_per_seq * 4)
+        total = _align(off_logprobs + self.logprob_bytes)
         return {"off_leases": off_leases, "off_liveness": off_liveness, "off_pages": off_pages, "off_requests": off_requests,
-                "off_tokens": off_tokens, "off_page_lists": off_page_lists, "total_bytes": total}
+                "off_tokens": off_tokens, "off_page_lists": off_page_lists, "off_logprobs": off_logprobs,
+                "total_bytes": total}
 
     @property
     def total_bytes(self) -> int:
@@ -275,6 +307,7 @@ def fill_header(header: np.ndarray, geometry: TableGeometry, generation: int,
     header["head_dim"] = kv.head_dim
     header["kv_dtype"] = KV_DTYPE_CODES[kv.dtype]
     header["page_bytes"] = kv.page_bytes
+    header["max_logprobs"] = geometry.max_logprobs
     for key, value in geometry.offsets().items():
         header[key] = value
     header["geometry_crc"] = header_crc(header)
@@ -291,7 +324,8 @@ def geometry_from_header(header: np.ndarray) -> TableGeometry:
     geometry = TableGeometry(kv=kv, num_pages=int(header["num_pages"]),
                              num_slots=int(header["num_slots"]),
                              max_seq_len=int(header["max_seq_len"]),
-                             num_leases=int(header["num_leases"]))
+                             num_leases=int(header["num_leases"]),
+                             max_logprobs=int(header["max_logprobs"]))
     if int(header["page_bytes"]) != kv.page_bytes:
         raise ValueError("page_bytes disagrees with the KV geometry")
     for key, value in geometry.offsets().items():

@@ -182,10 +182,21 @@ class Accepted:
 
 @message("tokens")
 class Tokens:
+    """Generated tokens from index `start`. A request that asked for log-probs gets each token's
+    (`logprobs`) and its `logprobs` most likely tokens (`top_ids`, `top_logprobs`, most likely
+    first) under the model's raw distribution; one that asked for prompt_logprobs gets, on the
+    message with start 0, its prompt's ids and the same for each prompt token after the first."""
     request_id: int
     start: int
     ids: list[int]
     texts: list[str]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 @message("done")

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvhold.protocol.errors import InvalidParams, InvalidTokenId
-from kvhold.protocol.layout import MAX_SEQ_LEN, MAX_STOP_IDS, REQUEST_DTYPE
+from kvhold.protocol.layout import MAX_LOGPROBS, MAX_SEQ_LEN, MAX_STOP_IDS, REQUEST_DTYPE
 
 DEFAULT_MAX_TOKENS = 16
 TOKEN_ID_MAX = int(np.iinfo(np.int32).max)      # journal token rows and stop ids are int32
@@ -61,6 +61,10 @@ LIMITS: dict[str, Limit] = {
     "top_k": Limit(0, int(np.iinfo(REQUEST_DTYPE["top_k"]).max)),
     "seed": Limit(0, 2**63 - 1),
     "token_id": Limit(0, TOKEN_ID_MAX),
+    # how many most likely tokens to report with each token's log-prob; the pool's
+    # --max-logprobs bounds it further (checked at admission)
+    "logprobs": Limit(0, MAX_LOGPROBS),
+    "prompt_logprobs": Limit(0, MAX_LOGPROBS),
 }
 _NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)"}
 
@@ -74,6 +78,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None         # each generated token's log-prob and this many top ones
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
         for name in ("max_tokens", "temperature", "top_p", "top_k"):
@@ -83,6 +89,9 @@ class SamplingParams:
                                 f"got {show(self.top_p)}")
         if self.seed is not None:
             LIMITS["seed"].check("seed", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                LIMITS[name].check(name, getattr(self, name))
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidParams("stop_token_ids must be a list of integers")
         if len(self.stop_token_ids) > MAX_STOP_IDS:

@@ -17,7 +17,7 @@ import numpy as np
 import posix_ipc
 
 from kvhold.protocol.memory import back_shm
-from kvhold.protocol.layout import (HEADER_BYTES, HEADER_DTYPE, LAYOUT_VERSION, LEASE_DTYPE, LIVENESS_BYTES, MAGIC,
+from kvhold.protocol.layout import (HEADER_BYTES, HEADER_DTYPE, LAYOUT_VERSION, LEASE_DTYPE, LIVENESS_BYTES, MAGIC, logprob_dtype,
                         MAX_TABLE_BYTES, PAGE_DTYPE, REQUEST_DTYPE, PoolState, TableGeometry,
                         WeightsState, fill_header, geometry_from_header, header_crc)
 
@@ -45,6 +45,9 @@ class Tables:
                                  offset=off["off_tokens"])
         self.page_lists = np.ndarray((g.num_slots, g.max_pages_per_seq), "<i4", buffer=buf,
                                      offset=off["off_page_lists"])
+        # per token position: its log-prob and the top ones (None when the area is off)
+        self.logprobs = (np.ndarray((g.num_slots, g.max_seq_len), logprob_dtype(g.max_logprobs), buffer=buf,
+                                    offset=off["off_logprobs"]) if g.max_logprobs else None)
 
     # ------------------------------------------------------------------ creation
     @classmethod

@@ -231,7 +231,7 @@ class AsyncRoutedStream(StreamLog):
             if reason:
                 await self._place(reason)
             return
-        self.pending.append(self.record(event.token_id, event.text))
+        self.pending.append(self.record(event.token_id, event.text, event.logprob, self._inner))
 
     async def _place(self, reason: str) -> None:
         """Start (or continue, after `reason`) on the best sidecar; retry until move_timeout_s."""

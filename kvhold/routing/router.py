@@ -188,7 +188,7 @@ class RoutedStream(StreamLog):
             if reason:
                 self._place(reason)
             return
-        self.pending.append(self.record(event.token_id, event.text))
+        self.pending.append(self.record(event.token_id, event.text, event.logprob, self._inner))
 
     def _place(self, reason: str) -> None:
         """Start (or continue, after `reason`) on the best sidecar; retry until move_timeout_s."""

@@ -132,16 +132,21 @@ class StreamLog:
         self.conn: Conn | None = None
         self.segment_start = 0
         self.routed_result: RoutedResult | None = None
+        self.prompt_logprobs = None       # the prompt's TokenLogprob list, with prompt_logprobs=k
 
     @property
     def all_sent(self) -> bool:
         """Every token was streamed: only the end was lost, there is nothing to move."""
         return len(self.token_ids) >= self.params.get("max_tokens", 16)
 
-    def record(self, token_id: int, text: str) -> TokenEvent:
+    def record(self, token_id: int, text: str, logprob=None, inner=None) -> TokenEvent:
+        """`logprob`: the token's (with logprobs=k); `inner`: the sidecar's stream it came from,
+        whose prompt log-probs (prompt_logprobs=k) the first stream to have them brings."""
         if self.moves and "first_token_s" not in self.moves[-1]:
             self.moves[-1]["first_token_s"] = time.monotonic() - self.moves[-1]["lost_at"]
-        event = TokenEvent(index=len(self.token_ids), token_id=token_id, text=text)
+        if self.prompt_logprobs is None and inner is not None:
+            self.prompt_logprobs = getattr(inner._state, "prompt_logprobs", None)
+        event = TokenEvent(index=len(self.token_ids), token_id=token_id, text=text, logprob=logprob)
         self.token_ids.append(token_id)
         self.texts.append(text)
         return event

@@ -43,9 +43,18 @@ class StopMatcher:
 
 
 class Generation:
-    def __init__(self, stream: AsyncStream, stops: list[str]):
+    """`echo`: text output before the generated text (completions' echo: the prompt);
+    `logprob_format`: entries -> the endpoint's logprobs object (kvhold.serving.logprobs), when
+    the request asked for log-probs."""
+
+    def __init__(self, stream: AsyncStream, stops: list[str], echo: str | None = None,
+                 logprob_format=None):
         self.stream = stream
         self.matcher = StopMatcher(stops)
+        self.echo = echo
+        self.logprob_format = logprob_format
+        self.logprobs: list = []          # TokenLogprob of the tokens taken (an echoed prompt's first)
+        self._logprobs_taken = 0
         self.finish_reason: str | None = None
         self.prompt_tokens = stream.prompt_tokens
         self.completion_tokens = 0
@@ -69,9 +78,27 @@ class Generation:
                 _background.add(task)
                 task.add_done_callback(_background.discard)
 
+    def logprob_chunk(self, empty: bool = False):
+        """The logprobs object of the tokens taken since the last call; None when the request
+        asked for none, or (unless `empty`) when no token was taken."""
+        if self.logprob_format is None:
+            return None
+        entries, self._logprobs_taken = self.logprobs[self._logprobs_taken:], len(self.logprobs)
+        return self.logprob_format(entries) if entries or empty else None
+
+    def _echo(self):
+        """The echoed prompt, with its log-probs (they come with the first tokens)."""
+        self.logprobs.extend(getattr(self.stream, "prompt_logprobs", None) or [])
+        echo, self.echo = self.echo, None
+        return echo
+
     async def _pieces(self):
         raw = []
         async for event in self.stream:
+            if self.echo is not None:
+                yield self._echo()
+            if getattr(event, "logprob", None) is not None:
+                self.logprobs.append(event.logprob)
             now = time.monotonic()
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -87,6 +114,8 @@ class Generation:
                 self.finish_reason = "stop"
                 return
         result = await self.stream.result()
+        if self.echo is not None:          # no token came
+            yield self._echo()
         self.ended = True
         self.preemptions = result.preemptions
         self.queue_s, self.prefill_s = result.queue_s, result.prefill_s
@@ -152,27 +181,27 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, text: str, finish_reason: str, index: int = 0) -> dict:
+    def choice(self, text: str, finish_reason: str, index: int = 0, logprobs=None) -> dict:
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return self.full_choices([self.choice(text, finish_reason)], usage)
+    def full(self, text: str, finish_reason: str, usage: dict, logprobs=None) -> dict:
+        return self.full_choices([self.choice(text, finish_reason, logprobs=logprobs)], usage)
 
     def full_choices(self, choices: list[dict], usage: dict) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": usage}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              index: int = 0) -> dict:
+              index: int = 0, logprobs=None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else (
                 {"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -234,9 +263,9 @@ async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, o
         async for piece in with_keepalives(gen.deltas(), keepalive_s):
             if piece is None:
                 yield KEEPALIVE
-            elif out := event(shape.chunk(piece)):
+            elif out := event(shape.chunk(piece, logprobs=gen.logprob_chunk())):
                 yield out
-        if out := event(shape.chunk(None, gen.finish_reason)):
+        if out := event(shape.chunk(None, gen.finish_reason, logprobs=gen.logprob_chunk())):
             yield out
         if include_usage and (out := event(shape.usage_chunk(gen.usage))):
             yield out
@@ -275,8 +304,9 @@ async def multi_sse_body(gens: list["Generation"], prompts_of: list[int], shape:
             if shape.chat:
                 await queue.put(("chunk", shape.chunk(None, first=True, index=i)))
             async for piece in gen.deltas():
-                await queue.put(("chunk", shape.chunk(piece, index=i)))
-            await queue.put(("chunk", shape.chunk(None, gen.finish_reason, index=i)))
+                await queue.put(("chunk", shape.chunk(piece, index=i, logprobs=gen.logprob_chunk())))
+            await queue.put(("chunk", shape.chunk(None, gen.finish_reason, index=i,
+                                                  logprobs=gen.logprob_chunk())))
         except Exception as exc:  # noqa: BLE001 - reported in-band, as one choice's error
             await queue.put(("error", exc))
         finally:

@@ -47,6 +47,7 @@ from kvhold.serving.generation import (EventIds, Generation, ResponseShape, mult
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
 from kvhold.serving.metrics import SidecarMetrics
 from kvhold.serving import stream_resume
+from kvhold.serving.logprobs import LogprobFormat
 from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest,
                                           DetokenizeRequest, TokenizeRequest, api_error_for, bad_request,
                                           from_validation_errors, parse_body, too_large)
@@ -315,7 +316,7 @@ class _Service:
                            code="shutting_down")
         t0 = time.monotonic()
         stream = await self.backend.generate(**prompt, **req.sampling(max_tokens))
-        gen = Generation(stream, req.stop)
+        gen = self._generation(req, kind, prompt, stream)
         self.gate.active.add(gen)
         shape = ResponseShape(kind, stream.request_id, self.settings.served_model_name)
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -328,14 +329,37 @@ class _Service:
                 self.records.write(stream.request_id, {
                     "kind": kind, "stop": list(req.stop or []), "include_usage": req.include_usage,
                     "continuous_usage": req.continuous_usage,
-                    "created": shape.created, "prompt_tokens": stream.prompt_tokens})
+                    "created": shape.created, "prompt_tokens": stream.prompt_tokens,
+                    "echo": gen.echo, "logprobs": gen.logprob_format is not None})
                 ids = EventIds(stream.request_id)
             return self.stream_response(gen, shape, req.include_usage, on_end, ids, req.continuous_usage)
         try:
             text = "".join([piece async for piece in gen.deltas()])
         finally:
             on_end(gen)
-        return JSONResponse(shape.full(text, gen.finish_reason, gen.usage))
+        return JSONResponse(shape.full(text, gen.finish_reason, gen.usage, gen.logprob_chunk(empty=True)))
+
+    def _generation(self, req, kind: str, prompt: dict, stream) -> Generation:
+        """The Generation of one choice: its stop strings, the echoed prompt (completions'
+        echo) and the format of its log-probs, if asked for (kvhold.serving.logprobs)."""
+        echo = None
+        if getattr(req, "echo", False):
+            echo = prompt.get("prompt")
+            if echo is None:
+                echo = self._need_tokenizer().decode(prompt["prompt_ids"], skip_special_tokens=False)
+        return Generation(stream, req.stop, echo, self._logprob_format(kind) if req.logprob_params() else None)
+
+    def _logprob_format(self, kind: str):
+        fmt = LogprobFormat(self.tokenizer)
+        if kind == "chat":
+            return fmt.chat
+        offset = 0
+
+        def completion(entries):
+            nonlocal offset
+            obj, offset = fmt.completion(entries, offset)
+            return obj
+        return completion
 
     def _ended(self, g: Generation, received: float, endpoint: str) -> None:
         """A generation is over (answered, streamed to its end, or cut off): count it."""
@@ -363,7 +387,7 @@ class _Service:
             for p, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
                 for j in range(req.n):
                     stream = await self.backend.generate(**prompt, **req.sampling(limit, choice=j))
-                    gens.append(Generation(stream, req.stop))
+                    gens.append(self._generation(req, kind, prompt, stream))
                     prompts_of.append(p)
         except BaseException:
             for g in gens:          # the choices admitted before one was refused go too
@@ -389,7 +413,8 @@ class _Service:
             finally:
                 on_end(g)
         texts = await asyncio.gather(*(collect(g) for g in gens))
-        choices = [shape.choice(text, g.finish_reason, i) for i, (text, g) in enumerate(zip(texts, gens))]
+        choices = [shape.choice(text, g.finish_reason, i, g.logprob_chunk(empty=True))
+                   for i, (text, g) in enumerate(zip(texts, gens))]
         return JSONResponse(shape.full_choices(choices, summed_usage(gens, prompts_of)))
 
     def stream_response(self, gen, shape, include_usage, on_end, ids, continuous_usage=False) -> StreamingResponse:
@@ -426,7 +451,8 @@ class _Service:
         except ValueError:
             raise ApiError(409, f"the stream of request {rid:x} is being sent on another connection",
                            code="stream_in_use") from None
-        gen = Generation(stream, record["stop"])
+        gen = Generation(stream, record["stop"], record.get("echo"),
+                         self._logprob_format(record["kind"]) if record.get("logprobs") else None)
         gen.prompt_tokens = record["prompt_tokens"]
         self.gate.active.add(gen)
         shape = ResponseShape(record["kind"], rid, self.settings.served_model_name)

@@ -2,12 +2,15 @@
 
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
-ignored: `best_of` above 1, `logprobs`, non-zero penalties, `logit_bias`, `echo`,
-`suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
+ignored: `best_of` above 1, non-zero penalties, `logit_bias`, `suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
 value (`repetition_penalty`, `min_p`, `min_tokens`, `length_penalty`, beam search, guided
-decoding, `include_stop_str_in_output`) and unknown `stream_options`. Supported: max_tokens (or
+decoding, `include_stop_str_in_output`, `prompt_logprobs`: echo with logprobs gives them) and
+unknown `stream_options`. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
-layer), and the vLLM-style extensions top_k, stop_token_ids, ignore_eos. Numeric bounds are the
+layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
+are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
+one is a 400 naming it; formatted by kvhold.serving.logprobs), and the vLLM-style extensions
+top_k, stop_token_ids, ignore_eos. Numeric bounds are the
 protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts and its journal holds).
 
 Before a body reaches its model it must be at most MAX_BODY_BYTES (else 413), parse as JSON
@@ -120,7 +123,8 @@ def _check_json(data) -> None:
 
 NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "length_penalty": 1.0,
                       "use_beam_search": False, "include_stop_str_in_output": False, "guided_json": None,
-                      "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+                      "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                      "prompt_logprobs": None}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 MAX_CHOICES = 64            # prompts times n in one request
 
@@ -156,6 +160,7 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None      # vLLM's separate prompt log-probs: use echo with logprobs
 
     @field_validator("stop")
     @classmethod
@@ -200,6 +205,10 @@ class _Sampling(BaseModel):
         """vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk."""
         return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
 
+    def logprob_params(self) -> dict:
+        """The log-probs asked for, as SamplingParams fields (none by default)."""
+        return {}
+
     def sampling(self, max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for AsyncClient.generate (kvhold.protocol.sampling.SamplingParams);
         choice j of n > 1 samples with seed + j (its own draws, reproducible across a recovery)."""
@@ -211,6 +220,7 @@ class _Sampling(BaseModel):
             out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        out.update(self.logprob_params())
         return out
 
 
@@ -225,7 +235,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=LIMITS["logprobs"].hi)
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
@@ -244,10 +254,15 @@ class CompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for name, ok in (("echo", not self.echo), ("suffix", not self.suffix),
-                         ("logprobs", self.logprobs is None), ("best_of", self.best_of in (None, 1))):
+        for name, ok in (("suffix", not self.suffix), ("best_of", self.best_of in (None, 1))):
             if not ok:
                 raise bad_request(f"{name} is not supported", param=name, code="unsupported_value")
+
+    def logprob_params(self) -> dict:
+        """logprobs k: each token's log-prob and the k most likely; with echo, the prompt's too."""
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs, **({"prompt_logprobs": self.logprobs} if self.echo else {})}
 
     def prompt_inputs(self) -> list[dict]:
         """Each prompt as {'prompt': str} or {'prompt_ids': [...]}: one, or a batch (a list of
@@ -294,18 +309,23 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=LIMITS["logprobs"].hi)
     tools: list | None = None
     response_format: dict | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs:
-            raise bad_request("logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs",
+                              code="invalid_value")
         if self.tools:
             raise bad_request("tools are not supported", param="tools", code="unsupported_value")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("only the text response_format is supported", param="response_format",
                               code="unsupported_value")
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
+from kvhold.protocol.layout import KV_DTYPE_CODES, MAX_LOGPROBS, KvGeometry, TableGeometry
 from kvhold.protocol.naming import InstancePaths, validate_instance
 from kvhold.protocol.settings import KV_MODES, WORKLOADS, ExecutorSettings  # the executors' definitions
 
@@ -80,6 +80,7 @@ class PoolConfig:
     page_tokens: int = 16
     max_seq_len: int | None = None
     max_requests: int = 256
+    max_logprobs: int = 20           # top log-probs a request may ask for per token (0: no log-probs)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # a text prompt's UTF-8 size, checked before tokenizing
     compute_dtype: str | None = None
     # geometry used when there is no model (workload idle/churn)
@@ -109,6 +110,8 @@ class PoolConfig:
                "pool.kv_memory_bytes or pool.kv_pages", "pool.gpu_memory_utilization")
         _check(1 <= self.page_tokens <= 1024, f"pool.page_tokens must be in 1..1024, got {self.page_tokens}",
                "pool.page_tokens")
+        _check(0 <= self.max_logprobs <= MAX_LOGPROBS,
+               f"pool.max_logprobs must be in 0..{MAX_LOGPROBS}, got {self.max_logprobs}", "pool.max_logprobs")
         _check(1 <= self.max_requests <= 65536,
                f"pool.max_requests must be in 1..65536, got {self.max_requests}", "pool.max_requests")
         _check(1024 <= self.max_prompt_bytes <= 6 << 20,   # the wire's 8 MiB frame holds the rest
@@ -361,8 +364,12 @@ class SidecarConfig:
         if pages - 1 < math.ceil(max_seq / kv.page_tokens):  # page 0 is the reserved null page
             raise ValueError(f"the KV pool ({pages} pages of {kv.page_tokens} tokens, one reserved) "
                              f"cannot hold one sequence of --max-seq-len {max_seq}")
+        # only kvhold's engine computes log-probs: other workloads get no logprob area, so a
+        # request asking for them is refused at admission
+        max_logprobs = pool.max_logprobs if self.executors.workload == "engine" else 0
         return TableGeometry(kv=kv, num_pages=pages, num_slots=pool.max_requests,
-                             max_seq_len=max_seq, num_leases=self.executors.num_leases)
+                             max_seq_len=max_seq, num_leases=self.executors.num_leases,
+                             max_logprobs=max_logprobs)
 
     def kv_bytes_for_utilization(self, spec, total_bytes: int | None = None) -> int:
         """The KV pool that `pool.gpu_memory_utilization` of the device leaves: that share of

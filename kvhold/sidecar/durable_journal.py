@@ -125,7 +125,8 @@ def _check_body(body: dict) -> None:
     sampling = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
                               top_p=body["top_p"], top_k=body["top_k"], seed=body["seed"],
                               stop_token_ids=_list(body, "stop_ids"),
-                              ignore_eos=body.get("ignore_eos", False))
+                              ignore_eos=body.get("ignore_eos", False),
+                              logprobs=body.get("logprobs"), prompt_logprobs=body.get("prompt_logprobs"))
     prompt = check_token_ids(_list(body, "prompt_ids"), "prompt_ids")
     generated = check_token_ids(_list(body, "generated"), "generated", label="generated token id")
     if not prompt:

@@ -98,6 +98,11 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="longest sequence (prompt + output); default min(model context, 4096) "
                         "(--max-model-len: vLLM's name)")
     p.add_argument("--max-requests", type=int, default=256, help="journal slots (default 256)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top log-probs a request may ask for per token (logprobs, top_logprobs, "
+                        "prompt_logprobs), as vLLM's flag; sizes the journal's logprob area, "
+                        "max-requests x max-seq-len x (4 + 8 x this) bytes; 0: no log-probs "
+                        "(default 20)")
     p.add_argument("--max-prompt-bytes", type=parse_size, default=1 << 20,
                    help="largest text prompt accepted, in UTF-8 bytes, checked before tokenizing; a "
                         "larger one is refused (HTTP 413) (default 1MiB, at most 6MiB)")
@@ -212,6 +217,7 @@ SETTINGS = {
     "pool.kv_pages": "kv_pages", "pool.kv_memory_bytes": "kv_memory", "pool.page_tokens": "page_tokens",
     "pool.gpu_memory_utilization": "gpu_memory_utilization",
     "pool.max_seq_len": "max_seq_len", "pool.max_requests": "max_requests",
+    "pool.max_logprobs": "max_logprobs",
     "pool.max_prompt_bytes": "max_prompt_bytes",
     "pool.compute_dtype": "compute_dtype",
     "executors.workload": "workload", "executors.standbys": "standbys", "executors.lease_ms": "lease_ms",

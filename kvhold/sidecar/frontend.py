@@ -38,6 +38,7 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import RequestInput, SamplingParams, check_token_ids
+from kvhold.sidecar import logprob_stream
 from kvhold.sidecar.admission import Pending, PromptTokenizer
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.durable_journal import GroupCommit
@@ -81,7 +82,7 @@ class RestoredStreams(Protocol):
     """The streams a pool restart brought back (kvhold.sidecar.restore.Restore)."""
 
     def on_first_token(self) -> None: ...
-    def park(self, st: Stream, ids: list[int], done: m.Done) -> None: ...
+    def park(self, st: Stream, ids: list[int], done: m.Done, logprobs: dict | None = None) -> None: ...
     def tick(self, now: int) -> None: ...
 
 
@@ -269,7 +270,8 @@ class Frontend:
                 self.journal.admit(slot, p.request_id, p.prompt_ids, max_tokens=params.max_tokens,
                                    seed=p.seed, temperature=params.temperature, top_p=params.top_p,
                                    top_k=params.top_k, stop_ids=params.stop_token_ids,
-                                   ignore_eos=params.ignore_eos, prefix_ids=p.prefix)
+                                   ignore_eos=params.ignore_eos, prefix_ids=p.prefix,
+                                   logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
             except Exception as exc:   # a bug on one request must not stop the service
                 log.exception("internal error admitting request %#x", p.request_id)
                 self.durable.remove(p.request_id)
@@ -312,6 +314,13 @@ class Frontend:
         if len(prompt_ids) + params.max_tokens > max_seq:
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                 f"exceeds the context of {max_seq} tokens")
+        limit = self.tables.geometry.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise InvalidParams(f"{name}={k} exceeds this server's limit of {limit} (--max-logprobs)"
+                                    if limit else f"{name}: this server computes no log-probs "
+                                    "(--max-logprobs 0, or a workload other than the engine)")
         vocab = self.spec.vocab_size
         for t in params.stop_token_ids:
             if t >= vocab:
@@ -335,6 +344,8 @@ class Frontend:
                 "temperature": f32(params.temperature), "top_p": f32(params.top_p),
                 "top_k": params.top_k, "stop_ids": list(params.stop_token_ids),
                 "ignore_eos": params.ignore_eos, "admitted_unix_ns": time.time_ns(),
+                **{k: getattr(params, k) for k in ("logprobs", "prompt_logprobs")
+                   if getattr(params, k) is not None},
                 "fingerprint": self.fingerprint}
 
     def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:
@@ -411,15 +422,19 @@ class Frontend:
         if st.restored_from is not None and count > st.restored_from:
             st.restored_from = None
             self.restored.on_first_token()
-        if count > st.sent:
+        sendable = logprob_stream.sendable(self.journal, st.slot, st.request_id, st.prompt_len, count,
+                                           state == ExecState.FINISHED)   # with final log-probs
+        if sendable > st.sent:
+            count = sendable
             if st.sent == st.prefix and st.opened_ns:
                 self.first_token_ms.append((now_ns() - st.opened_ns) / 1e6)
             self.num_tokens += count - st.sent
             ids = self.journal.generated(st.slot, st.sent, count)
             texts = [st.detok.push(t) for t in ids] if st.detok else [""] * len(ids)
             st.text.extend(texts)
+            lp = logprob_stream.fields(self.journal, st.slot, st.prompt_len, st.sent, count)
             self._send(st, m.Tokens(request_id=st.request_id, start=st.sent - st.prefix, ids=ids,
-                                    texts=texts))
+                                    texts=texts, **lp))
             st.sent = count
             st.last_send_ns = now_ns()
         if state == ExecState.FINISHED:
@@ -433,7 +448,8 @@ class Frontend:
                 preemptions=preempted, recomputed_tokens=recomputed, queue_s=queue_s, prefill_s=prefill_s)
             self._send(st, done)
             if st.awaiting_resume:
-                self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done)
+                self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done,
+                                   logprob_stream.fields(self.journal, st.slot, st.prompt_len, st.prefix, count))
             self.journal.release(st.slot)
             self.durable.remove(st.request_id)
             self.records.pop(st.request_id, None)

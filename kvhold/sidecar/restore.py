@@ -46,6 +46,7 @@ from typing import Callable
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
+from kvhold.sidecar import logprob_stream
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.durable_journal import FailedRecord
 
@@ -64,6 +65,7 @@ class Unclaimed:
     texts: list[str]
     done: m.Done
     finished_ns: int
+    logprobs: dict          # their log-probs, if asked for (kvhold.sidecar.logprob_stream)
 
 
 class Restore:
@@ -150,7 +152,8 @@ class Restore:
             return f"no free request slot (--max-requests {fe.tables.geometry.num_slots})"
         fe.journal.admit(slot, rid, prompt, max_tokens=body["max_tokens"], seed=body["seed"],
                          temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
-                         stop_ids=body["stop_ids"], ignore_eos=bool(body.get("ignore_eos")))
+                         stop_ids=body["stop_ids"], ignore_eos=bool(body.get("ignore_eos")),
+                         logprobs=body.get("logprobs"), prompt_logprobs=body.get("prompt_logprobs"))
         try:
             fe.journal.restore_progress(slot, rid, generated)
             if body.get("cancelled"):
@@ -205,8 +208,9 @@ class Restore:
                 log.warning("pool restart: first token of a restored request %.0f ms after the "
                             "drain started", (self.report["first_token_ns"] - drain["drain_start_ns"]) / 1e6)
 
-    def park(self, st, ids: list[int], done: m.Done) -> None:
-        """A restored or held request ended before its client came back: keep the result for pickup."""
+    def park(self, st, ids: list[int], done: m.Done, logprobs: dict | None = None) -> None:
+        """A restored or held request ended before its client came back: keep the result for
+        pickup (`logprobs`: its tokens' log-probs, kvhold.sidecar.logprob_stream.fields)."""
         self._away.pop(st.request_id, None)
         if st.request_id in self.cancelled:       # cancelled for want of a client: nothing to keep
             log.info("request %#x, cancelled with no client attached, ended (%d tokens)",
@@ -214,7 +218,7 @@ class Restore:
             return
         self.unclaimed.pop(st.request_id, None)          # kept in the order they finished
         self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
-                                                  now_ns())
+                                                  now_ns(), logprobs or {})
         if len(self.unclaimed) > UNCLAIMED_MAX:
             oldest = next(iter(self.unclaimed))
             del self.unclaimed[oldest]
@@ -252,8 +256,9 @@ class Restore:
             st.conn = fe.connection_of(identity)       # the connection it streams to from now on
             if index < st.sent:
                 ids = fe.journal.generated(st.slot, index, st.sent)
+                lp = logprob_stream.fields(fe.journal, st.slot, st.prompt_len, index, st.sent)
                 if self.send_client(identity, m.Tokens(request_id=rid, start=index, ids=ids,
-                                                       texts=st.text[index:st.sent])) is False:
+                                                       texts=st.text[index:st.sent], **lp)) is False:
                     st.awaiting_resume = True    # not delivered: later tokens would leave a gap
                     return None
             st.last_send_ns = now_ns()
@@ -266,7 +271,8 @@ class Restore:
             del self.unclaimed[rid]
             index = min(max(0, index), len(parked.ids))
             self.send_client(identity, m.Tokens(request_id=rid, start=index,
-                                                        ids=parked.ids[index:], texts=parked.texts[index:]))
+                                                        ids=parked.ids[index:], texts=parked.texts[index:],
+                                                        **logprob_stream.sliced(parked.logprobs, index)))
             self.send_client(identity, parked.done)
             return None
         if rid in self.failed:

@@ -147,7 +147,7 @@ BAD = [
     ({"prompt": "hi", "temperature": -0.5}, 400, "invalid_value", "temperature"),
     ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "invalid_value", "n"),
     ({"prompt": "hi", "n": 65}, 400, "invalid_value", "n"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "unsupported_value", "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "invalid_value", None),      # above --max-logprobs
     ({"prompt": "hi", "top_p": 0}, 400, "invalid_value", "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
 ]
