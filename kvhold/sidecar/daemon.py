@@ -106,7 +106,7 @@ class Sidecar(ClientSide):
         stack.callback(self.lock.release)
         self.durable = DurableJournal(cfg.journal_path)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
-        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None)
+        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=self.external_frontend)
         generation = self._next_generation() if found is None else found.tables.generation
         self.token, self.token_path = self._load_token(stack, reuse=found is not None)
         self.memory = self._create_memory(stack, geometry, generation, found)
