@@ -37,7 +37,7 @@ from kvhold.protocol.layout import AdmitState
 from kvhold.protocol.leases import now_ns
 
 log = logging.getLogger(__name__)
-JOURNAL_WAIT_S = 10.0
+JOURNAL_WAIT_S = 5.0
 CONNECTED_NS = 1_000_000_000      # a frontend that said hello within this is connected
 
 
@@ -132,8 +132,8 @@ class FrontendLink:
         """The executors are stopped: have the frontend journal what is in flight; its count,
         or None if no frontend answered in time (the requests' admission records are on disk:
         the next start recomputes their tokens)."""
-        if not self.connected:
-            log.warning("no frontend is connected: in-flight requests keep their admission records only")
+        if self.identity is None:    # (its hellos waited while the executors stopped: not `connected`)
+            log.warning("no frontend ever connected: in-flight requests keep their admission records only")
             return None
         self.journaled = None
         self._send(fl.ExecutorsStopped())
