@@ -21,11 +21,16 @@ committing to the journal. A new frontend process
 3. ends the streams of the requests the owner failed meanwhile, then binds the client
    sockets.
 An owner that restarts and re-adopts the pool is greeted by the next hello; one that made a
-new pool (another generation) makes this process exit EXIT_POOL_GONE, so that its
-supervisor (`kvhold serve`) starts one over the new pool. SIGTERM refuses what is not yet
+new pool (another generation: a pool restart, or a pool it could not adopt) makes this
+process re-execute itself (same pid, same arguments) to serve the new pool; should the exec
+fail it exits, and `kvhold serve` starts a frontend again. SIGTERM refuses what is not yet
 acknowledged and stops; at the owner's stop, once its executors are stopped, the frontend
 writes the in-flight requests with their committed tokens to the durable journal.
-Pool restarts are not offered with an external frontend: `PoolRestart` is refused.
+A pool restart (`kvhold pool-restart`, local socket only) is the frontend's to take: it
+closes admissions, tells its clients (`Restarting`) and asks the owner, which stops its
+executors; the frontend then journals every in-flight request with its drain record (and
+the hold file), the owner re-executes into the next generation and re-admits them into the
+new tables, and the re-executed frontend adopts their streams for their clients to resume.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
 from kvhold.sidecar.frontend import Frontend
-from kvhold.sidecar.pool_restart import journal_in_flight
+from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec
 from kvhold.sidecar.restore import Restore
 from kvhold.sidecar.stats_log import StatsLog
 from kvhold.sidecar.timeline import RecoveryTimeline
@@ -117,7 +122,9 @@ class FrontendProcess(ClientSide):
         self.frontend.add_handler(m.Resume, self.restore.on_resume)
         self.frontend.add_handler(m.Status, self._on_status)
         self.frontend.add_handler(m.Admissions, self._on_admissions)
-        self.frontend.add_handler(m.PoolRestart, self._on_pool_restart)
+        self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths, generation=self.generation,
+                                        send_client=self.send_client)
+        self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
         # the pool's requests, with the records of their admission: streams until their clients resume
         self.restore.restore(adopting=True, readmit=False)
         self._on_owner_hello(hello)
@@ -212,6 +219,10 @@ class FrontendProcess(ClientSide):
     def _on_executors_stopped(self, msg: fl.ExecutorsStopped) -> None:
         """The sidecar stops: its executors are stopped, the shm journal is still."""
         self.frontend.close_admissions("stop", "the sidecar is stopping")
+        if self.pool_restart.draining:      # its drain's record and hold file, as the sidecar's own
+            self.pool_restart.finish_drain()
+            self._send_owner(fl.InFlightJournaled(requests=self.pool_restart.report["requests_journaled"]))
+            return
         n = journal_in_flight(self.frontend, self.durable)
         if n:
             log.warning("%d in-flight requests journaled to %s for the next start", n, self.durable.dir)
@@ -265,12 +276,6 @@ class FrontendProcess(ClientSide):
         self._query("admissions", key, msg.tag, fl.AdmissionsQuery(tag=next(self._tags), reopen=msg.reopen))
         return None
 
-    def _on_pool_restart(self, key: bytes, msg: m.PoolRestart):
-        return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
-                       message="pool restarts are not available with an external frontend "
-                               "(kvhold sidecar --external-frontend, kvhold serve); restart the sidecar "
-                               "with SIGTERM instead: its in-flight requests are journaled and restored")
-
     def _expire_queries(self, now: int) -> None:
         for link_tag, (kind, key, tag, deadline) in list(self._queries.items()):
             if now < deadline:
@@ -286,10 +291,18 @@ class FrontendProcess(ClientSide):
         """The owner's status with the frontend's part (requests, admissions, streams, clients)."""
         fe = self.frontend.status()
         fe.pop("recoveries")          # the owner's timeline has them
+        pool_restart = self.restore.status()
+        owner_restore = ((owner or {}).get("memory_owner") or {}).get("restore")
+        if owner_restore:             # the owner re-admitted them, this process adopted their streams
+            mine = pool_restart["restore"]
+            pool_restart["restore"] = {**{k: v for k, v in owner_restore.items() if k != "previous_drain"},
+                                       **{k: mine[k] for k in ("requests_adopted", "first_token_ns") if k in mine}}
+            pool_restart["previous_drain"] = pool_restart["previous_drain"] or owner_restore.get("previous_drain")
         return {**(owner or {"instance": self.paths.instance, "pid": self.owner_pid or None,
-                             "executors": [], "recoveries": [], "memory_owner": None}),
+                             "generation": self.generation, "uptime_s": (now_ns() - self.started_ns) / 1e9,
+                             "executors": [], "events": [], "recoveries": [], "memory_owner": None}),
                 **fe, "client_tcp": self.tcp.status() if self.tcp else None,
-                "client_peers": self.peers.status(), "pool_restart": self.restore.status(),
+                "client_peers": self.peers.status(), "pool_restart": pool_restart,
                 "frontend": {"pid": os.getpid(), "uptime_s": (now_ns() - self.started_ns) / 1e9,
                              "owner_pid": self.owner_pid, "owner_answered": owner is not None,
                              "generation": self.generation, "loop": self.loop.stats()}}
@@ -312,6 +325,9 @@ class FrontendProcess(ClientSide):
             self._send_owner(fl.Hello(pid=os.getpid(), generation=self.generation))
             self._next_hello_ns = now + int(fl.HELLO_INTERVAL_S * 1e9)
         self.frontend.tick(now)
+        if self.pool_restart.due:           # the reply went out: tell the clients, then the owner
+            self.pool_restart.start_drain()
+            self._send_owner(fl.PoolRestartAsked(hold=self.pool_restart.request.hold))
         self._expire_queries(now)
         if self.stats_log.due(now):
             fe, counts = self.frontend, PageTable(self.tables).counts()
@@ -331,6 +347,9 @@ def run_frontend(config: SidecarConfig) -> int:
     proc = FrontendProcess(config)
     try:
         proc.start()
-        return proc.serve_forever()
+        code = proc.serve_forever()
     finally:
         proc.close()
+    if code == fl.EXIT_POOL_GONE:          # a new pool: this image starts over it (same pid)
+        return reexec()
+    return code

@@ -17,11 +17,13 @@ in-process frontend does); this channel carries only what the tables do not:
                                               admissions_changed (closures: health)
                                               executors_stopped: a stop; journal what is
     in_flight_journaled (n) <--------------   in flight to disk, then answer
+    pool_restart_asked (hold) ------------>   (stop the executors, executors_stopped,
+                                              then re-execute into the next generation)
 
 The owner parses nothing a client sent: no prompt, no token stream, no client identity.
 A frontend that restarts says hello again and gets the whole state (closures, failed
-requests) in the reply; one whose pool is gone (another generation in `owner_hello`)
-exits, so its supervisor starts one over the new pool. A restarted owner (re-adopting the
+requests) in the reply; one whose pool is gone (another generation in `owner_hello`: a
+pool restart, or an owner that could not adopt) re-executes itself to serve the new pool. A restarted owner (re-adopting the
 pool) is greeted by the same frontend's next hello.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from kvhold.protocol.wire import message
 
 HELLO_INTERVAL_S = 0.2
-EXIT_POOL_GONE = 3          # a frontend whose pool was replaced exits with this: restart it
+EXIT_POOL_GONE = 3          # a frontend whose pool was replaced leaves its loop with this (then re-executes)
 
 
 # ------------------------------------------------------------------ frontend -> memory owner
@@ -63,6 +65,14 @@ class AdmissionsQuery:
 @message("in_flight_journaled")
 class InFlightJournaled:
     requests: int
+
+
+@message("pool_restart_asked")
+class PoolRestartAsked:
+    """A local operator asked the frontend for a pool restart (`kvhold pool-restart`); its
+    clients are told. The owner stops its executors, has the frontend journal what is in
+    flight (`executors_stopped`), and re-executes itself into a pool of the next generation."""
+    hold: bool = False
 
 
 # ------------------------------------------------------------------ memory owner -> frontend
@@ -113,7 +123,7 @@ class ExecutorsStopped:
 
 
 TO_OWNER = frozenset({"hello", "wake_executor", "owner_status_query", "admissions_query",
-                      "in_flight_journaled"})
+                      "in_flight_journaled", "pool_restart_asked"})
 TO_FRONTEND = frozenset({"owner_hello", "owner_status", "admissions_answer", "committed",
                          "fail_request", "admissions_changed", "executors_stopped"})
 

@@ -18,8 +18,8 @@ Processes (four failure domains):
 
 The sidecar, not the HTTP server, owns the memory and the in-flight requests: an executor
 crash is handled there, and HTTP streams merely pause. A frontend that dies is restarted
-(after 0.1 s, doubling up to 30 s while it keeps dying within a minute of its start; at once
-when it left because the sidecar made a new pool): the new one adopts the requests of the shm
+(after 0.1 s, doubling up to 30 s while it keeps dying within a minute of its start; one whose
+sidecar made a new pool re-executes itself, same pid): the new one adopts the requests of the shm
 journal as streams, the HTTP server's SDK resumes them after its silence, and the executors
 and the memory are not touched. The HTTP server is restarted when it
 dies (after 0.5 s, doubling up to 30 s while it keeps dying within a minute of its start;
@@ -261,17 +261,13 @@ class FrontendChild:
         """Restart it once it has died (one call per supervisor turn)."""
         code = self.proc.poll() if self.proc is not None else None
         if code is not None and self.restart_at is None:
-            from kvhold.protocol.frontend_link import EXIT_POOL_GONE
-
             if now - self.started >= HEALTHY_RUN_S:
                 self.delay = FRONTEND_BACKOFF_S[0]
-            delay = 0.0 if code == EXIT_POOL_GONE else self.delay
             log.error("the frontend pid %d %s after %.1f s: restarting it in %.1f s (the sidecar and "
                       "its executors go on; clients resume their streams)", self.proc.pid,
-                      _how_it_ended(code), now - self.started, delay)
-            self.restart_at = now + delay
-            if code != EXIT_POOL_GONE:
-                self.delay = min(self.delay * 2, FRONTEND_BACKOFF_S[1])
+                      _how_it_ended(code), now - self.started, self.delay)
+            self.restart_at = now + self.delay
+            self.delay = min(self.delay * 2, FRONTEND_BACKOFF_S[1])
         if self.restart_at is not None and now >= self.restart_at:
             self.restart_at = None
             self.restarts += 1

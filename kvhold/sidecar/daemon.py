@@ -394,6 +394,8 @@ class Sidecar(ClientSide):
     # ------------------------------------------------------------------ loop
     def serve_forever(self) -> None:
         while not self.loop.stop_requested and not self.pool_restart.draining:
+            if self.link is not None and self.link.pool_restart is not None:
+                break                              # close() stops executors, the frontend journals
             self.run_once()
             if self.pool_restart.due:
                 self.pool_restart.start_drain()   # close() then stops executors and journals
@@ -479,6 +481,11 @@ class Sidecar(ClientSide):
             n = self.link.journal_on_stop()
             if n:
                 log.warning("%d in-flight requests journaled by the frontend for the next start", n)
+            if self.link.pool_restart is not None:     # re-exec (the frontend wrote the hold file)
+                self.pool_restart.drained = n is not None
+                if n is None:
+                    log.error("pool restart: the frontend did not journal the in-flight requests; "
+                              "stopping instead")
             return
         try:
             self.frontend.finish_pending()       # unacknowledged admissions: refused, records dropped

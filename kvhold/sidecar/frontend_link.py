@@ -56,6 +56,7 @@ class FrontendLink:
         self.closed: dict[str, str] = {}
         self.failed: dict[int, tuple[int, str]] = {}    # request id -> (slot, message)
         self.journaled: int | None = None
+        self.pool_restart: fl.PoolRestartAsked | None = None   # asked by the frontend, not yet done
 
     # ------------------------------------------------------------------ from the frontend
     def on_message(self, identity: bytes, frame: bytes) -> None:
@@ -74,6 +75,9 @@ class FrontendLink:
             self._send(fl.AdmissionsAnswer(tag=msg.tag, closed=self._admissions(msg.reopen)), identity)
         elif isinstance(msg, fl.InFlightJournaled):
             self.journaled = msg.requests
+        elif isinstance(msg, fl.PoolRestartAsked):
+            log.warning("pool restart asked by the frontend%s", " (then holding for the operator)" if msg.hold else "")
+            self.pool_restart = msg
 
     def _on_hello(self, identity: bytes, msg: fl.Hello) -> None:
         self.last_hello_ns = now_ns()

@@ -16,11 +16,12 @@ from kvhold.protocol.errors import KvholdError
 
 class SplitProcesses:
     def __init__(self, args: list[str], instance: str | None = None, runtime_root: Path | None = None,
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, env: dict | None = None):
         self.instance = instance or f"s{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.runtime_root = Path(runtime_root or tempfile.mkdtemp(prefix="kvh-"))
         self.args = ["--instance", self.instance, "--runtime-root", str(self.runtime_root), *args]
         self.log_dir = log_dir
+        self.env = dict(os.environ, **(env or {}))
         self.owner: subprocess.Popen | None = None
         self.frontend: subprocess.Popen | None = None
         self.frontends_started = 0
@@ -28,7 +29,7 @@ class SplitProcesses:
     def _popen(self, what: list[str], log_name: str) -> subprocess.Popen:
         out = open(self.log_dir / log_name, "ab") if self.log_dir else None
         return subprocess.Popen([sys.executable, "-m", "kvhold", *what, *self.args], stdout=out, stderr=out,
-                                start_new_session=True)
+                                env=self.env, start_new_session=True)
 
     def start(self, timeout: float = 60.0) -> "SplitProcesses":
         self.owner = self._popen(["sidecar", "--external-frontend"], "owner.log")

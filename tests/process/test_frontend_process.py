@@ -169,3 +169,31 @@ def test_sigkill_of_the_frontend_mid_stream_under_serve(tiny_model, tmp_path):
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_request_that_kills_its_executors_is_failed_through_the_link(tiny_model, runtime_root, tmp_path):
+    """The query-of-death rule stays with the memory owner: it counts the deaths, cancels the
+    request in the journal and tells the frontend, whose client gets REQUEST_FAILED; the
+    request batched with it completes as in an uninterrupted run."""
+    from kvhold.protocol.errors import RequestFailed
+    from tests.process.test_query_of_death import BAD, BAD_TOKEN, GOOD
+
+    sp = SplitProcesses(["--model", str(tiny_model), *FLAGS], runtime_root=runtime_root, log_dir=tmp_path,
+                        env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"}).start()
+    try:
+        _steady(sp)
+        with sp.new_client(timeout=60) as client:
+            reference = client.generate(**GOOD).result().token_ids
+            good, bad = client.generate(**GOOD), client.generate(**BAD)
+            with pytest.raises(RequestFailed) as failure:
+                bad.result()
+            assert good.result().token_ids == reference
+        assert "died 2 times" in str(failure.value)
+        status = wait_until(lambda: (st := sp.status())["requests"]["in_flight"] == 0 and st, 30, 0.1,
+                            what="the failed request's slot released")
+        assert status["request_deaths"]["failed_total"] == 1
+        assert status["requests"]["finished"].get("failed") == 1
+        assert status["memory_owner"]["frontend"]["failed_pending"] == 0
+    finally:
+        sp.stop()
