@@ -158,6 +158,7 @@ class FrontendLink:
         return self.identity is not None and now_ns() - self.last_hello_ns < CONNECTED_NS
 
     def status(self) -> dict:
+        self._prune_failed()
         return {"pid": self.frontend_pid or None, "connected": self.connected, "sessions": self.sessions,
                 "last_hello_ms_ago": (now_ns() - self.last_hello_ns) / 1e6 if self.last_hello_ns else None,
                 "failed_pending": len(self.failed)}
