@@ -198,9 +198,7 @@ class FrontendProcess(ClientSide):
         self.owner_pid = msg.pid
         self._on_admissions_changed(fl.AdmissionsChanged(closed=msg.closed))
         for rid, slot, text in msg.failed:
-            st = self.frontend.streams.get(rid)
-            if st is None or not st.failed:
-                self.frontend.fail_request(int(rid), int(slot), str(text))
+            self._on_fail(fl.FailRequest(request_id=int(rid), slot=int(slot), message=str(text)))
         self.frontend._wake_executor()
 
     def _on_admissions_changed(self, msg: fl.AdmissionsChanged) -> None:
@@ -213,8 +211,13 @@ class FrontendProcess(ClientSide):
 
     def _on_fail(self, msg: fl.FailRequest) -> None:
         st = self.frontend.streams.get(msg.request_id)
-        if st is None or not st.failed:
-            self.frontend.fail_request(msg.request_id, msg.slot, msg.message)
+        if st is not None and st.failed:
+            return                                  # told already (a hello repeats the list)
+        if st is not None and st.awaiting_resume:   # an adopted stream: its client hears it on resuming
+            self.restore.failed_requests[msg.request_id] = msg.message
+            while len(self.restore.failed_requests) > 4096:
+                del self.restore.failed_requests[next(iter(self.restore.failed_requests))]
+        self.frontend.fail_request(msg.request_id, msg.slot, msg.message)
 
     def _on_executors_stopped(self, msg: fl.ExecutorsStopped) -> None:
         """The sidecar stops: its executors are stopped, the shm journal is still."""

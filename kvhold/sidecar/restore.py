@@ -88,6 +88,8 @@ class Restore:
         self.cancelled: dict[int, str] = {}      # cancelled for want of a client -> why (the newest)
         self.num_cancelled = 0
         self._next_check_ns = 0
+        # failed (request_deaths) while its stream waited for its client: told when it resumes
+        self.failed_requests: dict[int, str] = {}
 
     # ------------------------------------------------------------------ start-up
     def restore(self, adopting: bool = False, readmit: bool = True) -> None:
@@ -233,6 +235,11 @@ class Restore:
             return m.Error(code=ErrorCode.BAD_FIELD, message="request_ids and next_indices differ in length")
         resumed = []
         for rid, index in zip(msg.request_ids, msg.next_indices):
+            st = self.frontend.streams.get(rid)
+            if rid in self.failed_requests and st is not None and st.identity == identity:
+                self.send_client(identity, m.Error(code=ErrorCode.REQUEST_FAILED, request_id=rid,
+                                                   message=self.failed_requests.pop(rid)))
+                continue
             error = self._resume_one(identity, rid, index)
             if error is None:
                 resumed.append(rid)

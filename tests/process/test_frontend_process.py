@@ -197,3 +197,33 @@ def test_a_request_that_kills_its_executors_is_failed_through_the_link(tiny_mode
         assert status["memory_owner"]["frontend"]["failed_pending"] == 0
     finally:
         sp.stop()
+
+
+@pytest.mark.slow
+def test_a_request_failed_while_no_frontend_runs_is_failed_for_its_client(tiny_model, runtime_root, tmp_path):
+    """The owner keeps the requests it failed while their slots hold them; the next frontend
+    learns of them in its hello and the client that resumes gets REQUEST_FAILED."""
+    from kvhold.protocol.errors import RequestFailed
+    from tests.process.test_query_of_death import BAD, BAD_TOKEN, GOOD
+
+    sp = SplitProcesses(["--model", str(tiny_model), *FLAGS], runtime_root=runtime_root, log_dir=tmp_path,
+                        env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"}).start()
+    try:
+        _steady(sp)
+        with sp.new_client(timeout=90) as client:
+            reference = client.generate(**GOOD).result().token_ids
+            good, bad = client.generate(**GOOD), client.generate(**BAD)
+            os.kill(sp.frontend.pid, signal.SIGKILL)
+            sp.frontend.wait()
+            wait_until(lambda: "died 2 times" in (tmp_path / "owner.log").read_text(), 90, 0.2,
+                       what="the owner to fail the request")
+            sp.start_frontend()
+            with pytest.raises(RequestFailed, match="died 2 times"):
+                bad.result()
+            assert good.result().token_ids == reference
+        status = wait_until(lambda: (st := sp.status())["requests"]["in_flight"] == 0 and st, 30, 0.1,
+                            what="the failed request's slot released")
+        assert status["request_deaths"]["failed_total"] == 1
+        assert status["memory_owner"]["frontend"]["failed_pending"] == 0
+    finally:
+        sp.stop()
