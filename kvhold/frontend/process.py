@@ -50,7 +50,7 @@ from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
-from kvhold.sidecar.client_side import ClientSide, drain
+from kvhold.sidecar.client_side import ClientSide
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop

@@ -8,7 +8,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvhold.serving.http_guards import HEADER_TIMEOUT_S
+from kvhold.serving.http_guards import _TIMEOUT_408, HEADER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
