@@ -1,7 +1,9 @@
 """The `kvhold` command: one entry point for every process and tool.
 
     kvhold demo        build a tiny model, crash an executor mid-generation, show recovery
-    kvhold sidecar     run a sidecar (memory owner + supervisor + client frontend)
+    kvhold sidecar     run a sidecar (memory owner + supervisor + client frontend; with
+                       --external-frontend the memory owner and supervisor only)
+    kvhold frontend    the client-facing frontend of a sidecar --external-frontend, own process
     kvhold serve       a sidecar plus an OpenAI-compatible HTTP API (FastAPI + uvicorn)
     kvhold router      the same HTTP API, routed to the sidecars registered in etcd
     kvhold executor    run one executor under a sidecar (normally spawned by it)
@@ -38,9 +40,25 @@ def cmd_sidecar(args) -> int:
     setup_logging(args.log_level, role="sidecar")
     try:
         config = sidecar_config_from_args(args)
-        return run_sidecar(config)
+        return run_sidecar(config, external_frontend=args.external_frontend)
     except (ValueError, InstanceBusy, PermissionError, ShmCapacityError) as exc:
         print(f"kvhold sidecar: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_frontend(args) -> int:
+    """Serve the clients of a memory owner started with `kvhold sidecar --external-frontend`
+    (the same instance and flags): client sockets, admission, tokenizer, streams, durable
+    journal. It can be killed and started again at any time; the executors never notice and
+    clients resume their streams."""
+    from kvhold.frontend.process import run_frontend
+
+    setup_logging(args.log_level, role="frontend")
+    try:
+        config = sidecar_config_from_args(args)
+        return run_frontend(config)
+    except (ValueError, RuntimeError, PermissionError) as exc:
+        print(f"kvhold frontend: {exc}", file=sys.stderr)
         return 2
 
 
@@ -190,7 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sidecar", help="run a sidecar", description=cmd_sidecar.__doc__)
     add_sidecar_args(p)
+    p.add_argument("--external-frontend", action="store_true",
+                   help="serve no client: own the memory and supervise the executors only, while "
+                        "`kvhold frontend` (same instance and flags) serves the clients in its own "
+                        "process, which may die and be restarted without touching them")
     p.set_defaults(func=cmd_sidecar)
+
+    p = sub.add_parser("frontend", help="the client-facing frontend of a `kvhold sidecar --external-frontend`",
+                       description=cmd_frontend.__doc__)
+    add_sidecar_args(p)
+    p.set_defaults(func=cmd_frontend)
 
     p = sub.add_parser("serve", help="run a sidecar and an OpenAI-compatible HTTP API",
                        description=cmd_serve.__doc__)

@@ -16,6 +16,12 @@ def print_status(status: dict, console: Console | None = None) -> None:
         table.add_row(str(ex["slot"]), str(ex["pid"]), ex["role"], str(ex["epoch"]),
                       f"{ex['heartbeat_age_ms']:.0f} ms", str(ex["steps"]))
     console.print(table)
+    frontend = status.get("frontend")
+    if frontend:     # the split: a memory owner (the pid above) and a frontend process
+        owner = status.get("memory_owner") or {}
+        console.print(f"frontend: pid {frontend['pid']}, its own process, up {frontend['uptime_s']:.0f}s, "
+                      f"{(owner.get('frontend') or {}).get('sessions', '?')} frontend session(s) seen by the sidecar"
+                      + ("" if frontend.get("owner_answered") else "; [bold red]the sidecar does not answer[/]"))
     protection = status.get("protection") or {}
     if protection.get("ok") is False:
         console.print(f"[bold red]unprotected[/]: {protection.get('reason')}")

@@ -1,18 +1,27 @@
-"""`kvhold serve`: a sidecar (with its active and standby executors) plus the HTTP API, as
-separate processes under a small supervisor (this process).
+"""`kvhold serve`: a sidecar (with its active and standby executors), its client-facing
+frontend and the HTTP API, as separate processes under a small supervisor (this process).
 
-Processes (three failure domains):
+Processes (four failure domains):
 
-    kvhold serve           supervisor: starts and watches the other two; binds the HTTP
+    kvhold serve           supervisor: starts and watches the other three; binds the HTTP
                            port first (the HTTP server answers during the start-up, /health
                            503 "starting"), and holds it
-    ├─ kvhold sidecar      own session; sent SIGTERM (a drain) if the supervisor dies
+    ├─ kvhold sidecar --external-frontend
+    │                      the memory owner: memory, tables, executors, health; parses no
+    │                      client input; own session; sent SIGTERM (a drain) if the
+    │                      supervisor dies
+    ├─ kvhold frontend     client sockets, admission, tokenizer, streams, durable journal
+    │                      (kvhold.frontend.process); own session; SIGTERM if the supervisor dies
     └─ kvhold serve-http   uvicorn + the FastAPI app (kvhold.serving.http_api) on the
                            supervisor's listening socket; own session; SIGKILLed if the
                            supervisor dies
 
 The sidecar, not the HTTP server, owns the memory and the in-flight requests: an executor
-crash is handled there, and HTTP streams merely pause. The HTTP server is restarted when it
+crash is handled there, and HTTP streams merely pause. A frontend that dies is restarted
+(after 0.1 s, doubling up to 30 s while it keeps dying within a minute of its start; one whose
+sidecar made a new pool re-executes itself, same pid): the new one adopts the requests of the shm
+journal as streams, the HTTP server's SDK resumes them after its silence, and the executors
+and the memory are not touched. The HTTP server is restarted when it
 dies (after 0.5 s, doubling up to 30 s while it keeps dying within a minute of its start;
 each death logged with its exit code or signal), and the sidecar with its executors is left
 running. The port stays bound by the supervisor meanwhile, so new connections wait in its
@@ -64,6 +73,7 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 CONFIG_ENV = "KVHOLD_SERVE_HTTP_CONFIG"   # the HTTP server's configuration, from the supervisor
 RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first, largest
+FRONTEND_BACKOFF_S = (0.1, 30.0)       # the frontend's: its clients' streams wait meanwhile
 SIDECAR_RESTARTS = 3                   # sidecar deaths within HEALTHY_RUN_S before serve gives up
 SIDECAR_RESTART_DELAY_S = 1.0          # times the restarts so far: 0 s, 1 s, 2 s
 HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
@@ -267,7 +277,7 @@ class SidecarChild:
         self.restarts = 0
 
     def start(self) -> "SidecarChild":
-        cmd = [sys.executable, "-m", "kvhold", "sidecar", *self.config.sidecar_argv]
+        cmd = [sys.executable, "-m", "kvhold", "sidecar", "--external-frontend", *self.config.sidecar_argv]
         self.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
         self.started = time.monotonic()
         log.info("started sidecar pid %d: %s", self.proc.pid, " ".join(cmd[3:]))
@@ -306,6 +316,52 @@ class SidecarChild:
         except subprocess.TimeoutExpired:
             log.error("sidecar pid %d did not stop in %.0f s: SIGKILL", self.proc.pid, timeout)
             os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class FrontendChild:
+    """The frontend process (`kvhold frontend`), restarted by `supervise` whenever it dies."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.delay = FRONTEND_BACKOFF_S[0]
+        self.restart_at: float | None = None
+        self.restarts = 0
+
+    def start(self) -> "FrontendChild":
+        cmd = [sys.executable, "-m", "kvhold", "frontend", *self.config.sidecar_argv]
+        self.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
+        log.info("started the frontend pid %d", self.proc.pid)
+        return self
+
+    def watch(self, now: float) -> None:
+        """Restart it once it has died (one call per supervisor turn)."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is not None and self.restart_at is None:
+            if now - self.started >= HEALTHY_RUN_S:
+                self.delay = FRONTEND_BACKOFF_S[0]
+            log.error("the frontend pid %d %s after %.1f s: restarting it in %.1f s (the sidecar and "
+                      "its executors go on; clients resume their streams)", self.proc.pid,
+                      _how_it_ended(code), now - self.started, self.delay)
+            self.restart_at = now + self.delay
+            self.delay = min(self.delay * 2, FRONTEND_BACKOFF_S[1])
+        if self.restart_at is not None and now >= self.restart_at:
+            self.restart_at = None
+            self.restarts += 1
+            self.start()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.error("the frontend pid %d did not stop in %.0f s: SIGKILL", self.proc.pid, timeout)
+            self.proc.kill()
             self.proc.wait()
 
 
@@ -375,8 +431,9 @@ class _Signals:
         self.name = signal.Signals(sig).name
 
 
-def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild, signals: _Signals) -> int:
-    """Watch both children (the HTTP server only, with `sidecar` None: --sidecar-endpoint): restart the HTTP server when it dies, and the sidecar when it dies
+def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild, signals: _Signals,
+              frontend: FrontendChild | None = None) -> int:
+    """Watch the children (the HTTP server only, with `sidecar` None: --sidecar-endpoint): restart the HTTP server or the frontend when it dies, and the sidecar when it dies
     of anything but a clean stop (a new one re-adopts the executors, which wait for it with
     their memory: kvhold.sidecar.adoption); drain on a signal (the HTTP server first, then the
     sidecar). Exit 1 if the sidecar stops by itself or keeps dying. Returns the exit code."""
@@ -408,6 +465,8 @@ def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild
                 sidecar_restart_at = None
                 sidecar.restarts += 1
                 sidecar.start()
+        if frontend is not None and drain_deadline is None:
+            frontend.watch(now)
         if signals.count > forwarded:
             if forwarded == 0:
                 log.info("%s: draining the HTTP server (at most %.0f s)%s", signals.name,
@@ -473,6 +532,7 @@ def run_serve(config: ServeConfig) -> int:
     if config.sidecar_endpoint is not None:
         return _run_front(config, listener)
     sidecar = SidecarChild(config).start()
+    frontend = FrontendChild(config).start()
     http = None
     try:
         http = HttpChild(config, listener)
@@ -482,11 +542,12 @@ def run_serve(config: ServeConfig) -> int:
         sidecar.wait_until_serving()
         log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
                  config.host, listener.getsockname()[1], config.instance)
-        return supervise(config, sidecar, http, _Signals())
+        return supervise(config, sidecar, http, _Signals(), frontend)
     finally:
         if http is not None:
             http.stop(10.0)
-        sidecar.stop()
+        sidecar.stop()          # it has the frontend journal the requests in flight, then stops
+        frontend.stop()
         listener.close()
         log.info("stopped")
 

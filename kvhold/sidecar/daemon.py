@@ -39,11 +39,11 @@ from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar import adoption, hand_back
-from kvhold.sidecar.client_peers import CURVE, NOBODY, PEERCRED, ClientPeers, split_client_key
+from kvhold.sidecar.client_side import ClientSide, bind_router, decode, drain, reply, unlink as _unlink
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
-from kvhold.sidecar.frontend import Frontend
+from kvhold.sidecar.frontend_link import FrontendLink, JournalOnly
 from kvhold.sidecar.health_responder import HealthResponder
 from kvhold.sidecar.instance_lock import InstanceLock
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
@@ -52,25 +52,30 @@ from kvhold.sidecar.request_deaths import RequestDeaths
 from kvhold.sidecar.restore import Restore
 from kvhold.sidecar.stats_log import StatsLog
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
-from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0002
-DRAIN_SLICE_NS = 1_000_000    # a socket's messages handled per loop turn: at most about this long
-FRAME_SLACK = 64 << 10        # a Generate's fields besides its prompt text
+# what a memory owner with an external frontend never imports (kvhold.frontend.process has them)
+CLIENT_FACING_MODULES = ("tokenizers", "fastapi", "uvicorn", "starlette", "kvhold.serving.http_api",
+                         "kvhold.sidecar.frontend", "kvhold.sidecar.admission", "kvhold.frontend")
 SHM_PARTS = ("tables", "kv", "weights")
 
 
-class Sidecar:
-    def __init__(self, config: SidecarConfig):
+class Sidecar(ClientSide):
+    def __init__(self, config: SidecarConfig, external_frontend: bool = False):
+        """`external_frontend`: serve no client; a frontend process (`kvhold frontend`,
+        kvhold.frontend.process) does, over the link (kvhold.sidecar.frontend_link)."""
         self.config = config
+        self.external_frontend = external_frontend
+        self.frontend = None
+        self.link: FrontendLink | None = None
         self.paths = config.paths
         self.spec: ModelSpec | None = None
         self.manifest = None
-        self.tcp: TcpClientEndpoint | None = None
+        self.tcp = None
         self.registrar = None             # kvhold.sidecar.registry.Registrar with --registry
         self.pool_restart: PoolRestart | None = None
         self.timeline = RecoveryTimeline()
@@ -102,11 +107,11 @@ class Sidecar:
         stack.callback(self.lock.release)
         self.durable = DurableJournal(cfg.journal_path)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
-        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None)
+        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=self.external_frontend)
         if found is not None:
             found = self._take_back_regions(stack, found, geometry)
             if found is None:           # no executor handed its descriptors back: a fresh pool
-                self.lock.remove_stale(SHM_PARTS)
+                self.lock.remove_stale(SHM_PARTS, keep_client_socket=self.external_frontend)
         generation = self._next_generation() if found is None else found.tables.generation
         self.token, self.token_path = self._load_token(stack, reuse=found is not None)
         self.memory = self._create_memory(stack, geometry, generation, found)
@@ -115,8 +120,10 @@ class Sidecar:
         self.loop = EventLoop()
         stack.callback(self.loop.close)
         self._make_components()
-        # the previous pool's journaled requests (or an adopted pool's streams), before any executor
-        self.restore.restore(adopting=found is not None)
+        # the previous pool's journaled requests (or an adopted pool's streams), before any executor;
+        # with an external frontend, a pool adopted keeps its requests for the frontend as they are
+        if not (self.external_frontend and found is not None):
+            self.restore.restore(adopting=found is not None)
         if found is not None:
             self.supervisor.adopt(found.live, found.dead)
         self._open_sockets(stack)
@@ -130,7 +137,8 @@ class Sidecar:
                              "ms": (now_ns() - self.started_ns) / 1e6}
             log.warning("re-adopted the pool of sidecar pid %d: %d live executors, %d in-flight "
                         "requests", found.previous_pid, len(found.live),
-                        self.restore.report.get("requests_adopted", 0))
+                        len(self.journal_only.journal.live_slots()) if self.external_frontend
+                        else self.restore.report.get("requests_adopted", 0))
         stack.callback(self._stop_executors)
         self.health = self._make_health()
         stack.callback(self.health.stop)
@@ -153,9 +161,15 @@ class Sidecar:
                                   spare=spare == "on" or (spare == "auto" and cfg.pool.device.startswith("cuda")))
         launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
                                 settings=self.executor_settings)
-        self.deaths = RequestDeaths(self.tables, lambda *failed: self.frontend.fail_request(*failed))
+        self.deaths = RequestDeaths(self.tables, lambda *failed: self._failer.fail_request(*failed))
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
                                      self.send_executor, launch, self.timeline.event, zygote, self.deaths)
+        self.stats_log = StatsLog(cfg.logs.stats_interval_s)
+        if self.external_frontend:
+            self._make_owner_components(fingerprint)
+            return
+        from kvhold.sidecar.frontend import Frontend
+
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
                                  fingerprint=fingerprint, timeline=self.timeline, host=self,
@@ -168,17 +182,46 @@ class Sidecar:
                                send_client=self.send_client,
                                unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
         self.frontend.restored = self.restore
-        self.stats_log = StatsLog(cfg.logs.stats_interval_s)
         self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
         self.frontend.add_handler(m.Resume, self.restore.on_resume)
 
+    def _make_owner_components(self, fingerprint: str) -> None:
+        """The memory owner's half with an external frontend: a restore into the shm journal
+        alone (JournalOnly) for a fresh pool, and the link the frontend process speaks over."""
+        cfg = self.config
+        self.journal_only = JournalOnly(self.tables)
+        self.restore = Restore(self.journal_only, self.durable, fingerprint=fingerprint,
+                               vocab_size=self.spec.vocab_size if self.spec else 0,
+                               generation=self.tables.generation, started_ns=self.started_ns,
+                               send_client=lambda *a: False, unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
+        self.pool_restart = PoolRestart(None, self.durable, self.paths, generation=self.tables.generation,
+                                        send_client=lambda *a: False)
+
+    @property
+    def _failer(self):
+        """Who ends a request the request-death rule fails: the frontend, in or out of process."""
+        return self.link if self.external_frontend else self.frontend
+
+    @property
+    def _admissions(self):
+        return self.link if self.external_frontend else self.frontend
+
     def _make_health(self) -> HealthResponder:
+        gate = self._admissions
         health = HealthResponder(self.config.health, self.config.pool.device, self.loop.post,
-                                 self.supervisor.restart_active, self.frontend.close_admissions,
-                                 self.frontend.open_admissions, lambda: self.frontend.closed,
+                                 self.supervisor.restart_active, gate.close_admissions,
+                                 gate.open_admissions, lambda: gate.closed,
                                  recent_context_fault=self.supervisor.recent_context_fault)
-        self.frontend.add_handler(m.Admissions, health.on_admissions)
+        if self.external_frontend:
+            self.link._admissions = lambda reopen: self._query_admissions(health, reopen)
+        else:
+            self.frontend.add_handler(m.Admissions, health.on_admissions)
         return health.start()
+
+    @staticmethod
+    def _query_admissions(health: HealthResponder, reopen: bool) -> dict:
+        """The frontend asked on behalf of a local operator (it checks the transport)."""
+        return dict(health.on_admissions(b"u", m.Admissions(tag=0, reopen=reopen)).closed_by)
 
     def _start_registrar(self):
         from kvhold.sidecar.registry import SnapshotSource, start_registrar
@@ -187,10 +230,12 @@ class Sidecar:
             active = self.supervisor.active
             return active is not None and active.ready
 
+        in_flight = ((lambda: len(self.journal_only.journal.live_slots())) if self.external_frontend
+                     else (lambda: len(self.frontend.streams)))
         src = SnapshotSource(paths=self.paths, model=self.config.pool.model, tables=self.tables,
                              weights=self.weights, tcp=self.tcp,
-                             admissions_closed=lambda: bool(self.frontend.closed),
-                             active_ready=active_ready, in_flight=lambda: len(self.frontend.streams))
+                             admissions_closed=lambda: bool(self._admissions.closed),
+                             active_ready=active_ready, in_flight=in_flight)
         return start_registrar(self.config.registry, self.config.pool.device, src)
 
     def _region_sizes(self, geometry) -> dict[str, int]:
@@ -281,26 +326,20 @@ class Sidecar:
     def _open_sockets(self, stack: contextlib.ExitStack) -> None:
         self.zctx = zmq.Context()
         stack.callback(self.zctx.term)
-        self.control = self._router(self.paths.control_endpoint, self.paths.control_socket, stack)
-        self.client = self._router(self.paths.client_endpoint, self.paths.client_socket, stack)
-        if self.config.client_tcp.address:
-            self.tcp = TcpClientEndpoint(self.config.client_tcp)
-            stack.callback(self.tcp.close)
-        # A client is known to the frontend by transport + authenticated principal + routing id
-        # (kvhold.sidecar.client_peers): presenting another's routing id makes nobody its owner.
-        self._client_sockets = {b"u": self.client}
-        self.peers = ClientPeers()
-        stack.callback(self.peers.close)
-        self.peers.add(b"u", self.client, PEERCRED)
-        if self.tcp is not None:
-            self._client_sockets[b"t"] = self.tcp.socket
-            self.peers.add(b"t", self.tcp.socket, CURVE if self.tcp.curve else NOBODY)
+        self.control = bind_router(self.zctx, self.paths.control_endpoint, self.paths.control_socket, stack)
         if self.fd_listener is None:            # not opened already to take regions back
             self._listen_fds(stack)
         self.loop.register(self.control)
-        self.loop.register(self.client)
-        if self.tcp is not None:
-            self.tcp.register(self.loop.poller)
+        if self.external_frontend:
+            from kvhold.protocol import frontend_link as fl
+
+            sock = bind_router(self.zctx, fl.link_endpoint(self.paths), fl.link_socket(self.paths), stack)
+            self.link = FrontendLink(sock, self.tables, wake=self.wake_executor, status=self.status,
+                                     admissions=lambda reopen: dict(self.link.closed))
+            self.link.tables_name = self.paths.shm_name("tables")
+            self.loop.register(sock)
+        else:
+            self._open_client_sockets(stack)
         self.loop.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
 
     def _listen_fds(self, stack: contextlib.ExitStack) -> None:
@@ -309,20 +348,10 @@ class Sidecar:
         stack.callback(self.fd_listener.close)
         self.fd_listener.setblocking(False)
 
-    def _router(self, endpoint: str, path, stack: contextlib.ExitStack) -> zmq.Socket:
-        sock = self.zctx.socket(zmq.ROUTER)
-        stack.callback(_unlink, path)     # after the close: the socket file goes last
-        stack.callback(sock.close, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.bind(endpoint)
-        os.chmod(path, 0o600)
-        return sock
-
     def _write_state_file(self, stack: contextlib.ExitStack) -> None:
         state = {"pid": os.getpid(), "generation": self.tables.generation,
                  "client_endpoint": self.paths.client_endpoint,
+                 "frontend": "external" if self.external_frontend else "inline",
                  "client_tcp": self.tcp.status() if self.tcp else None,
                  "tables": self.paths.shm_name("tables"),
                  "model": str(self.config.pool.model) if self.config.pool.model else None}
@@ -357,39 +386,22 @@ class Sidecar:
         if active is not None:
             self.send_executor(active, m.Wake())
 
-    def _reply(self, sock: zmq.Socket, identity: bytes, msg) -> None:
-        try:
-            sock.send_multipart([identity, wire.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("dropped %s reply: %s", msg.TYPE, exc)
-
-    def _decode(self, sock: zmq.Socket, identity: bytes, frame: bytes, allowed, what: str,
-                max_array_len: int | None = None):
-        """The message, or None after an error reply: a bad frame never reaches a handler."""
-        try:
-            return wire.decode(frame, allowed, max_array_len=max_array_len)
-        except wire.WireError as exc:
-            log.warning("bad %s message: %s (%s)", what, exc, exc.code.name)
-            self._reply(sock, identity, m.Error(code=exc.code, message=str(exc), tag=wire.peek_tag(frame)))
-            return None
-
     def _on_control(self, identity: bytes, frame: bytes) -> None:
-        msg = self._decode(self.control, identity, frame, m.CONTROL_IN, "control")
+        msg = decode(self.control, identity, frame, m.CONTROL_IN, "control")
         if msg is None:
             return
         if isinstance(msg, m.Attach):
-            self._reply(self.control, identity, self.supervisor.on_attach(identity, msg))
+            reply(self.control, identity, self.supervisor.on_attach(identity, msg))
             return
         h = self.supervisor.handle_for(identity, msg.slot, msg.epoch)
         if h is None or h.fenced or msg.epoch != h.epoch:
             log.warning("refused %s from a stale or unknown executor (lease %d epoch %d)",
                         msg.TYPE, msg.slot, msg.epoch)
-            self._reply(self.control, identity, m.Error(code=ErrorCode.FENCED,
-                                                        message="stale or unknown lease"))
+            reply(self.control, identity, m.Error(code=ErrorCode.FENCED, message="stale or unknown lease"))
             return
-        reply = self._control_handlers[type(msg)](self, h, msg)
-        if reply is not None:
-            self._reply(self.control, identity, reply)
+        answer = self._control_handlers[type(msg)](self, h, msg)
+        if answer is not None:
+            reply(self.control, identity, answer)
 
     _control_handlers = {
         m.Ready: lambda self, h, msg: self.supervisor.on_ready(h, msg),
@@ -397,71 +409,27 @@ class Sidecar:
         m.Failing: lambda self, h, msg: self.supervisor.on_failing(h, msg),
         m.WeightsLoading: lambda self, h, msg: None,
         m.WeightsSealed: lambda self, h, msg: self.weights.on_sealed(h, msg),
-        m.StepDone: lambda self, h, msg: self.frontend.on_step(h, msg),
+        m.StepDone: lambda self, h, msg: self._on_step(h, msg),
         m.Recovered: lambda self, h, msg: self._on_recovered(h, msg),
     }
+
+    def _on_step(self, h, msg: m.StepDone) -> None:
+        if self.link is None:
+            self.frontend.on_step(h, msg)
+            return
+        received_ns = now_ns()
+        self.link.committed(msg.slots)
+        self.timeline.step_done(h.epoch, msg.marks, received_ns)
 
     def _on_recovered(self, h, msg) -> None:
         self.timeline.recovered(h.pid, h.epoch, msg.report)
         self.supervisor.takeover_done()
 
-    def _on_client(self, identity: bytes, frame: zmq.Frame, via: bytes = b"u") -> None:
-        sock = self._client_sockets[via]
-        key = self.peers.seen(via, identity, frame)
-        geometry = self.tables.geometry    # a prompt's text, or its ids and a moved request's tokens
-        limit = max(self.config.pool.max_prompt_bytes, 18 * geometry.max_seq_len) + FRAME_SLACK
-        if len(frame) > limit:       # refused undecoded: the loop does not wait on a client's bytes
-            self._reply(sock, identity, m.Error(
-                code=ErrorCode.PROMPT_TOO_LARGE, tag=wire.peek_tag(frame.buffer),
-                message=f"a message of {len(frame)} bytes exceeds "
-                f"this sidecar's limit of {limit} bytes (see --max-prompt-bytes)"))
-            return
-        # no list a client sends is longer than the context (prompt, tokens) or the request slots
-        msg = self._decode(sock, identity, frame.bytes, m.CLIENT_IN, "client",
-                           max_array_len=max(geometry.max_seq_len, geometry.num_slots, 1024))
-        if msg is None:
-            return
-        try:
-            reply = self.frontend.handle(key, msg)
-        except Exception as exc:  # a bug on one request must not stop the service
-            log.exception("internal error handling %s", msg.TYPE)
-            reply = m.Error(code=ErrorCode.INTERNAL, message=f"internal error: {type(exc).__name__}",
-                            tag=getattr(msg, "tag", 0))
-        if reply is not None:
-            self._reply(sock, identity, reply)
-
-    def client_connection(self, client_key: bytes) -> int:
-        """The number of the connection a client key speaks on now (0: none; client_peers)."""
-        via, principal, identity = split_client_key(client_key)
-        return self.peers.connection(via, identity, principal)
-
-    def send_client(self, client_key: bytes, msg, connection: int = 0) -> bool:
-        """Send to a client as the frontend knows it (transport, principal, routing id); False,
-        sending nothing, while the connection under that routing id is not that principal's
-        (or, with `connection`, not that one: client_peers)."""
-        via, principal, identity = split_client_key(client_key)
-        if not self.peers.may_send(via, identity, principal, connection):
-            return False
-        self._reply(self._client_sockets[via], identity, msg)
-        return True
-
     # ------------------------------------------------------------------ loop
-    def _drain(self, sock: zmq.Socket, handler, budget: int = 256, copy: bool = True) -> None:
-        deadline = now_ns() + DRAIN_SLICE_NS     # the rest waits a turn: death signals go first
-        for _ in range(budget):
-            if now_ns() > deadline:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                log.warning("dropped a %d-frame message (expected identity + body)", len(frames))
-                continue
-            handler(frames[0] if copy else frames[0].bytes, frames[1])
-
     def serve_forever(self) -> None:
         while not self.loop.stop_requested and not self.pool_restart.draining:
+            if self.link is not None and self.link.pool_restart is not None:
+                break                              # close() stops executors, the frontend journals
             self.run_once()
             if self.pool_restart.due:
                 self.pool_restart.start_drain()   # close() then stops executors and journals
@@ -469,23 +437,24 @@ class Sidecar:
 
     def run_once(self) -> None:
         now = now_ns()
-        deadline = min(self.supervisor.next_deadline_ns(), self.frontend.next_deadline_ns())
+        deadline = self.supervisor.next_deadline_ns()
+        if self.frontend is not None:
+            deadline = min(deadline, self.frontend.next_deadline_ns())
         timeout_ms = max(0, -(-(deadline - now) // 1_000_000))
         events = self.loop.poll(min(timeout_ms, 1000))
         if self.control in events:
-            self._drain(self.control, self._on_control)
-        if self.client in events:   # frames, not bytes: the client's credentials are properties
-            self._drain(self.client, self._on_client, copy=False)
-        if self.tcp is not None:
-            self.tcp.on_events(events)
-            if self.tcp.socket in events:
-                self._drain(self.tcp.socket, lambda ident, frame: self._on_client(ident, frame, b"t"),
-                            copy=False)
+            drain(self.control, self._on_control)
+        if self.link is not None:
+            if self.link.sock in events:
+                drain(self.link.sock, self.link.on_message)
+        else:
+            self._on_client_events(events)
         now = now_ns()
         self.supervisor.check_heartbeats(now)
         self.supervisor.rearm(now)
-        self.frontend.tick(now)
-        if self.stats_log.due(now):
+        if self.frontend is not None:
+            self.frontend.tick(now)
+        if self.frontend is not None and self.stats_log.due(now):   # the frontend process logs it otherwise
             self._log_stats(now)
         self.loop.turn_ended()
 
@@ -499,6 +468,17 @@ class Sidecar:
 
     def status(self) -> dict:
         pages = PageTable(self.tables)
+        if self.external_frontend:      # the frontend process adds its part (requests, streams, clients)
+            return {**self._owner_status(pages), "recoveries": self.timeline.records(),
+                    "memory_owner": {"pid": os.getpid(), "frontend": self.link.status(),
+                                     "client_facing_modules": sorted(
+                                         n for n in CLIENT_FACING_MODULES if n in sys.modules),
+                                     "restore": self.restore.report or None}}
+        return {**self._owner_status(pages), "client_tcp": self.tcp.status() if self.tcp else None,
+                "client_peers": self.peers.status(), "pool_restart": self.restore.status(),
+                **self.frontend.status()}
+
+    def _owner_status(self, pages) -> dict:
         return {"instance": self.paths.instance, "pid": os.getpid(),
                 "generation": self.tables.generation,
                 "uptime_s": (now_ns() - self.started_ns) / 1e9,
@@ -511,19 +491,15 @@ class Sidecar:
                 "health": self.health.status(),
                 "pages": pages.counts(),
                 "page_map": page_map(pages.snapshot()),
-                "client_tcp": self.tcp.status() if self.tcp else None,
-                "client_peers": self.peers.status(),
                 "registry": self.registrar.status() if self.registrar else None,
                 "events": self.timeline.events(),
-                "pool_restart": self.restore.status(),
                 "loop": self.loop.stats(),
                 "request_deaths": self.deaths.status(),
                 "adoption": self.adoption,
                 # what an HTTP API in front of this sidecar needs (`kvhold serve --sidecar-endpoint`)
                 "serving": {"model": str(self.config.pool.model) if self.config.pool.model else None,
                             "max_seq_len": self.tables.geometry.max_seq_len,
-                            "lease_ms": self.config.executors.lease_ms},
-                **self.frontend.status()}
+                            "lease_ms": self.config.executors.lease_ms}}
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
@@ -539,6 +515,16 @@ class Sidecar:
 
     def _journal_on_stop(self) -> None:
         """A stop (SIGTERM) keeps in-flight requests too: the next start brings them back."""
+        if self.link is not None:       # the frontend process holds their records
+            n = self.link.journal_on_stop()
+            if n:
+                log.warning("%d in-flight requests journaled by the frontend for the next start", n)
+            if self.link.pool_restart is not None:     # re-exec (the frontend wrote the hold file)
+                self.pool_restart.drained = n is not None
+                if n is None:
+                    log.error("pool restart: the frontend did not journal the in-flight requests; "
+                              "stopping instead")
+            return
         try:
             self.frontend.finish_pending()       # unacknowledged admissions: refused, records dropped
             if self.pool_restart.draining:
@@ -551,17 +537,10 @@ class Sidecar:
             log.exception("could not journal the in-flight requests")
 
 
-def _unlink(path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def run_sidecar(config: SidecarConfig) -> int:
+def run_sidecar(config: SidecarConfig, external_frontend: bool = False) -> int:
     if not wait_while_held(config.paths):   # `kvhold pool-restart --wait-for-operator`
         return 0
-    sidecar = Sidecar(config)
+    sidecar = Sidecar(config, external_frontend=external_frontend)
     try:
         sidecar.start()
         sidecar.serve_forever()

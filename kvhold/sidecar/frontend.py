@@ -406,11 +406,15 @@ class Frontend:
     # ------------------------------------------------------------------ streaming
     def on_step(self, h, msg: m.StepDone):
         received_ns = now_ns()
-        for slot in msg.slots:
+        self.on_committed(msg.slots)
+        self.timeline.step_done(h.epoch, msg.marks, received_ns)
+
+    def on_committed(self, slots) -> None:
+        """Tokens were committed for these journal slots: stream them."""
+        for slot in slots:
             st = self.streams.get(self.journal.request_id_at(slot))
             if st is not None:
                 self._pump(st)
-        self.timeline.step_done(h.epoch, msg.marks, received_ns)
 
     def _pump(self, st: Stream) -> None:
         state, count, reason = self.journal.progress(st.slot, st.request_id)

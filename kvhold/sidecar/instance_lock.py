@@ -72,10 +72,11 @@ class InstanceLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
-    def remove_stale(self, shm_whats: tuple[str, ...], keep_shm: bool = False) -> list[str]:
+    def remove_stale(self, shm_whats: tuple[str, ...], keep_shm: bool = False,
+                     keep_client_socket: bool = False) -> list[str]:
         """Unlink leftovers of a dead predecessor; returns what was removed. `keep_shm`: its
         sockets only, its shm objects being adopted with the executors that map them
-        (kvhold.sidecar.adoption)."""
+        (kvhold.sidecar.adoption). `keep_client_socket`: a frontend process owns it."""
         removed = []
         names = {self.paths.shm_name(w) for w in shm_whats} if not keep_shm else set()
         if SHM_DIR.is_dir() and not keep_shm:   # other parts of ours too, but never another instance's: the
@@ -89,7 +90,10 @@ class InstanceLock:
                 removed.append(name)
             except posix_ipc.ExistentialError:
                 pass
-        for sock in (self.paths.control_socket, self.paths.client_socket, self.paths.fd_socket):
+        socks = [self.paths.control_socket, self.paths.fd_socket]
+        if not keep_client_socket:
+            socks.append(self.paths.client_socket)
+        for sock in socks:
             if sock.exists():
                 sock.unlink()
                 removed.append(str(sock))

@@ -90,13 +90,17 @@ class Restore:
         self.cancelled: dict[int, str] = {}      # cancelled for want of a client -> why (the newest)
         self.num_cancelled = 0
         self._next_check_ns = 0
+        # failed (request_deaths) while its stream waited for its client: told when it resumes
+        self.failed_requests: dict[int, str] = {}
 
     # ------------------------------------------------------------------ start-up
-    def restore(self, adopting: bool = False) -> None:
+    def restore(self, adopting: bool = False, readmit: bool = True) -> None:
         """`adopting`: the shm journal is a dead sidecar's, adopted with its executors
         (kvhold.sidecar.adoption): the requests in it keep running and get their streams back
         (`_adopt_streams`); only records not in it (ended but not yet removed, or on disk but
-        not yet admitted) are re-admitted."""
+        not yet admitted) are re-admitted. `readmit` False (a frontend process starting over a
+        running pool, kvhold.frontend.process): those are not re-admitted either, since
+        executors already run; each is reported failed with the reason."""
         t0 = now_ns()
         records, failed = self.durable.load()
         self.failed.update((f.request_id, f) for f in failed)
@@ -107,7 +111,9 @@ class Restore:
         restored = 0
         for body in records:
             try:
-                reason = self._admit(body)
+                reason = self._admit(body) if readmit else (
+                    "it was not in the pool's journal when the frontend started (its admission was "
+                    "never acknowledged, or it had ended)")
             except Exception as exc:  # noqa: BLE001 - one request must never stop a start
                 log.exception("restoring journaled request %#x failed", body["request_id"])
                 reason = f"restoring it failed: {type(exc).__name__}: {exc}"
@@ -233,6 +239,11 @@ class Restore:
             return m.Error(code=ErrorCode.BAD_FIELD, message="request_ids and next_indices differ in length")
         resumed = []
         for rid, index in zip(msg.request_ids, msg.next_indices):
+            st = self.frontend.streams.get(rid)
+            if rid in self.failed_requests and st is not None and st.identity == identity:
+                self.send_client(identity, m.Error(code=ErrorCode.REQUEST_FAILED, request_id=rid,
+                                                   message=self.failed_requests.pop(rid)))
+                continue
             error = self._resume_one(identity, rid, index)
             if error is None:
                 resumed.append(rid)

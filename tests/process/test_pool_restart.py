@@ -44,7 +44,8 @@ def http_stream_text(base: str, body: dict, out: dict) -> None:
         out["status"] = r.status_code
         raw = r.read().decode()
     # each event's data line (an event also carries its id line: kvhold.serving.stream_resume)
-    events = [e.rpartition("\n")[2] for e in raw.split("\n\n")]
+    # (an SSE comment, a keepalive while the pool restarts, is no event)
+    events = [e.rpartition("\n")[2] for e in raw.split("\n\n") if not e.startswith(":")]
     out["done"] = events[-2] == "data: [DONE]"
     out["text"] = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-2])
 

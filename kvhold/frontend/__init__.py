@@ -1,0 +1,1 @@
+"""The client-facing frontend as its own process (`kvhold frontend`): kvhold.frontend.process."""

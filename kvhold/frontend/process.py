@@ -1,0 +1,358 @@
+"""The frontend process (`kvhold frontend`): everything client-facing, apart from the memory.
+
+It runs beside a memory owner started with `kvhold sidecar --external-frontend` for the same
+instance and flags, and owns what the owner does not: the client sockets (ipc, and TCP with
+--client-tcp) and the clients' identities (kvhold.sidecar.client_peers), admission and the
+tokenizer (kvhold.sidecar.frontend, admission), detokenization and the token streams, the
+durable journal's records (kvhold.sidecar.durable_journal), the streams of restored requests
+and the results nobody claimed yet (kvhold.sidecar.restore). It maps the tables by name: it
+writes the journal's admission half, reads the committed tokens and releases finished
+slots, as the in-process frontend does. Everything else goes over the link to the owner
+(kvhold.protocol.frontend_link): wake-ups for the executor, the owner's nudges after a
+step, requests it failed, admission closures of health actions, status.
+
+It can die at any moment without touching memory or executors: the executors go on
+committing to the journal. A new frontend process
+1. says hello until the owner answers with its pool (generation, tables name);
+2. maps the tables and adopts a stream for each request in the shm journal from the durable
+   journal's records (`Restore.restore(adopting=True, readmit=False)`), silent until its
+   client resumes: the SDK, after a silence, sends Resume(next index) and gets the rest;
+   a request that ended meanwhile has its result kept for pickup;
+3. ends the streams of the requests the owner failed meanwhile, then binds the client
+   sockets.
+An owner that restarts and re-adopts the pool is greeted by the next hello; one that made a
+new pool (another generation: a pool restart, or a pool it could not adopt) makes this
+process re-execute itself (same pid, same arguments) to serve the new pool; should the exec
+fail it exits, and `kvhold serve` starts a frontend again. SIGTERM refuses what is not yet
+acknowledged and stops; at the owner's stop, once its executors are stopped, the frontend
+writes the in-flight requests with their committed tokens to the durable journal.
+A pool restart (`kvhold pool-restart`, local socket only) is the frontend's to take: it
+closes admissions, tells its clients (`Restarting`) and asks the owner, which stops its
+executors; the frontend then journals every in-flight request with its drain record (and
+the hold file), the owner re-executes into the next generation and re-admits them into the
+new tables, and the re-executed frontend adopts their streams for their clients to resume.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import sys
+
+import zmq
+
+from kvhold.protocol import frontend_link as fl, messages as m, wire
+from kvhold.protocol.checkpoint import build_manifest
+from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.leases import now_ns
+from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.client_side import ClientSide
+from kvhold.sidecar.config import SidecarConfig
+from kvhold.sidecar.durable_journal import DurableJournal
+from kvhold.sidecar.event_loop import EventLoop
+from kvhold.sidecar.frontend import Frontend
+from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec
+from kvhold.sidecar.restore import Restore
+from kvhold.sidecar.stats_log import StatsLog
+from kvhold.sidecar.timeline import RecoveryTimeline
+
+log = logging.getLogger(__name__)
+QUERY_TIMEOUT_NS = 2_000_000_000     # an owner that does not answer a status query in this: left out
+OWNER_WAIT_LOG_S = 10.0
+
+
+class FrontendProcess(ClientSide):
+    def __init__(self, config: SidecarConfig):
+        self.config = config
+        self.paths = config.paths
+        self.started_ns = now_ns()
+        self._stack = contextlib.ExitStack()
+        self.owner_pid = 0
+        self.owner_closed: dict[str, str] = {}
+        self._tags = itertools.count(1)
+        self._queries: dict[int, tuple] = {}   # link tag -> (kind, client key, client tag, deadline)
+        self._next_hello_ns = 0
+        self.exit_code = 0
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> "FrontendProcess":
+        os.umask(0o077)
+        with contextlib.ExitStack() as stack:
+            self._start(stack)
+            self._stack = stack.pop_all()
+        return self
+
+    def _start(self, stack: contextlib.ExitStack) -> None:
+        cfg = self.config
+        self._lock(stack)
+        self.loop = EventLoop()
+        stack.callback(self.loop.close)
+        self.zctx = zmq.Context()
+        stack.callback(self.zctx.term)
+        self.link = self.zctx.socket(zmq.DEALER)
+        self.link.setsockopt(zmq.LINGER, 0)
+        self.link.setsockopt(zmq.RECONNECT_IVL, 50)
+        self.link.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+        stack.callback(self.link.close, 0)
+        self.link.connect(fl.link_endpoint(self.paths))
+        hello = self._wait_for_owner()
+        self.tables = Tables.attach_name(hello.tables)
+        stack.callback(self.tables.close)
+        self.generation = self.tables.generation
+        if self.generation != hello.generation:
+            raise RuntimeError(f"the tables {hello.tables} are of generation {self.generation}, "
+                               f"the sidecar's pool of {hello.generation}")
+        self.spec = ModelSpec.from_dir(cfg.pool.model) if cfg.pool.model is not None else None
+        fingerprint = build_manifest(cfg.pool.model, self.spec).fingerprint if self.spec else ""
+        self.durable = DurableJournal(cfg.journal_path)
+        self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
+                                 runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
+                                 fingerprint=fingerprint, timeline=RecoveryTimeline(), host=self,
+                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
+        stack.callback(self.frontend.finish_pending)
+        self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
+                               vocab_size=self.spec.vocab_size if self.spec else 0,
+                               generation=self.generation, started_ns=self.started_ns,
+                               send_client=self.send_client, unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
+        self.frontend.restored = self.restore
+        self.frontend.add_handler(m.Resume, self.restore.on_resume)
+        self.frontend.add_handler(m.Status, self._on_status)
+        self.frontend.add_handler(m.Admissions, self._on_admissions)
+        self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths, generation=self.generation,
+                                        send_client=self.send_client)
+        self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
+        # the pool's requests, with the records of their admission: streams until their clients resume
+        self.restore.restore(adopting=True, readmit=False)
+        self._on_owner_hello(hello)
+        self.stats_log = StatsLog(cfg.logs.stats_interval_s)
+        self._open_client_sockets(stack)
+        self.loop.register(self.link)
+        log.info("frontend for sidecar %r (pid %d, generation %d) serving on %s: %d streams adopted",
+                 self.paths.instance, self.owner_pid, self.generation, self.paths.client_endpoint,
+                 len(self.frontend.streams))
+
+    def _lock(self, stack: contextlib.ExitStack) -> None:
+        """One frontend per instance: a second start is refused while the first holds the lock."""
+        self.paths.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.paths.runtime_dir / "frontend.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        stack.callback(os.close, fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"a frontend of instance {self.paths.instance!r} is running already") from None
+
+    def _wait_for_owner(self) -> fl.OwnerHello:
+        """Say hello until the memory owner answers with its pool."""
+        waited = 0.0
+        while not self.loop.stop_requested:
+            self._send_owner(fl.Hello(pid=os.getpid()))
+            if self.link.poll(int(fl.HELLO_INTERVAL_S * 1000)):
+                msg = self._recv_owner()
+                if isinstance(msg, fl.OwnerHello):
+                    return msg
+            waited += fl.HELLO_INTERVAL_S
+            if waited >= OWNER_WAIT_LOG_S:
+                log.warning("waiting for the sidecar of instance %r (its link %s)", self.paths.instance,
+                            fl.link_socket(self.paths))
+                waited = 0.0
+        raise SystemExit(0)
+
+    # ------------------------------------------------------------------ the link
+    def _send_owner(self, msg) -> None:
+        try:
+            self.link.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass              # no sidecar connected: the next hello finds it
+
+    def _recv_owner(self):
+        try:
+            return wire.decode(self.link.recv(zmq.NOBLOCK), fl.TO_FRONTEND)
+        except zmq.Again:
+            return None
+        except wire.WireError as exc:
+            log.warning("bad message from the sidecar: %s", exc)
+            return None
+
+    def _on_link(self) -> None:
+        for _ in range(256):
+            msg = self._recv_owner()
+            if msg is None:
+                return
+            handler = self._link_handlers.get(type(msg))
+            if handler is not None:
+                handler(self, msg)
+
+    def _on_owner_hello(self, msg: fl.OwnerHello) -> None:
+        if msg.generation != self.generation:
+            log.error("the sidecar (pid %d) serves a new pool (generation %d, this frontend's %d): "
+                      "exiting so that a frontend over it starts", msg.pid, msg.generation, self.generation)
+            self.exit_code = fl.EXIT_POOL_GONE
+            self.loop.stop_requested = True
+            return
+        if msg.pid != self.owner_pid:
+            log.info("connected to the sidecar pid %d (generation %d)", msg.pid, msg.generation)
+        self.owner_pid = msg.pid
+        self._on_admissions_changed(fl.AdmissionsChanged(closed=msg.closed))
+        for rid, slot, text in msg.failed:
+            self._on_fail(fl.FailRequest(request_id=int(rid), slot=int(slot), message=str(text)))
+        self.frontend._wake_executor()
+
+    def _on_admissions_changed(self, msg: fl.AdmissionsChanged) -> None:
+        fe = self.frontend
+        for by in set(self.owner_closed) - set(msg.closed):
+            fe.open_admissions(by)
+        for by, reason in msg.closed.items():
+            fe.close_admissions(by, reason)
+        self.owner_closed = dict(msg.closed)
+
+    def _on_fail(self, msg: fl.FailRequest) -> None:
+        st = self.frontend.streams.get(msg.request_id)
+        if st is not None and st.failed:
+            return                                  # told already (a hello repeats the list)
+        if st is not None and st.awaiting_resume:   # an adopted stream: its client hears it on resuming
+            self.restore.failed_requests[msg.request_id] = msg.message
+            while len(self.restore.failed_requests) > 4096:
+                del self.restore.failed_requests[next(iter(self.restore.failed_requests))]
+        self.frontend.fail_request(msg.request_id, msg.slot, msg.message)
+
+    def _on_executors_stopped(self, msg: fl.ExecutorsStopped) -> None:
+        """The sidecar stops: its executors are stopped, the shm journal is still."""
+        self.frontend.close_admissions("stop", "the sidecar is stopping")
+        if self.pool_restart.draining:      # its drain's record and hold file, as the sidecar's own
+            self.pool_restart.finish_drain()
+            self._send_owner(fl.InFlightJournaled(requests=self.pool_restart.report["requests_journaled"]))
+            return
+        n = journal_in_flight(self.frontend, self.durable)
+        if n:
+            log.warning("%d in-flight requests journaled to %s for the next start", n, self.durable.dir)
+        self._send_owner(fl.InFlightJournaled(requests=n))
+
+    def _on_answer(self, msg) -> None:
+        query = self._queries.pop(msg.tag, None)
+        if query is None:
+            return
+        kind, key, tag, _ = query
+        if kind == "status":
+            self.send_client(key, m.StatusReply(tag=tag, status=self._merged_status(msg.status)))
+        else:
+            self.send_client(key, m.AdmissionsReply(tag=tag, open=not self.frontend.closed,
+                                                    closed_by=dict(self.frontend.closed)))
+
+    _link_handlers = {
+        fl.OwnerHello: _on_owner_hello,
+        fl.Committed: lambda self, msg: self.frontend.on_committed(msg.slots),
+        fl.FailRequest: _on_fail,
+        fl.AdmissionsChanged: _on_admissions_changed,
+        fl.ExecutorsStopped: _on_executors_stopped,
+        fl.OwnerStatus: _on_answer,
+        fl.AdmissionsAnswer: lambda self, msg: (self._on_admissions_changed(fl.AdmissionsChanged(
+            closed=msg.closed)), self._on_answer(msg)),
+    }
+
+    # ------------------------------------------------------------------ FrontendHost
+    def wake_executor(self) -> None:
+        self._send_owner(fl.WakeExecutor())
+
+    def post(self, callback) -> None:
+        self.loop.post(callback)
+
+    def status(self) -> dict:
+        return self._merged_status(None)
+
+    # ------------------------------------------------------------------ client requests it relays
+    def _query(self, kind: str, key: bytes, tag: int, msg_for_owner) -> None:
+        self._queries[msg_for_owner.tag] = (kind, key, tag, now_ns() + QUERY_TIMEOUT_NS)
+        self._send_owner(msg_for_owner)
+
+    def _on_status(self, key: bytes, msg: m.Status):
+        self._query("status", key, msg.tag, fl.OwnerStatusQuery(tag=next(self._tags)))
+        return None
+
+    def _on_admissions(self, key: bytes, msg: m.Admissions):
+        if key[:1] != b"u":
+            return m.Error(code=ErrorCode.UNAUTHORIZED, tag=msg.tag,
+                           message="admissions are managed only on the local ipc socket")
+        self._query("admissions", key, msg.tag, fl.AdmissionsQuery(tag=next(self._tags), reopen=msg.reopen))
+        return None
+
+    def _expire_queries(self, now: int) -> None:
+        for link_tag, (kind, key, tag, deadline) in list(self._queries.items()):
+            if now < deadline:
+                continue
+            del self._queries[link_tag]
+            if kind == "status":       # the frontend's part alone: the sidecar does not answer
+                self.send_client(key, m.StatusReply(tag=tag, status=self._merged_status(None)))
+            else:
+                self.send_client(key, m.Error(code=ErrorCode.UNAVAILABLE, tag=tag,
+                                              message="the sidecar did not answer"))
+
+    def _merged_status(self, owner: dict | None) -> dict:
+        """The owner's status with the frontend's part (requests, admissions, streams, clients)."""
+        fe = self.frontend.status()
+        fe.pop("recoveries")          # the owner's timeline has them
+        pool_restart = self.restore.status()
+        owner_restore = ((owner or {}).get("memory_owner") or {}).get("restore")
+        if owner_restore:             # the owner re-admitted them, this process adopted their streams
+            mine = pool_restart["restore"]
+            pool_restart["restore"] = {**{k: v for k, v in owner_restore.items() if k != "previous_drain"},
+                                       **{k: mine[k] for k in ("requests_adopted", "first_token_ns") if k in mine}}
+            pool_restart["previous_drain"] = pool_restart["previous_drain"] or owner_restore.get("previous_drain")
+        return {**(owner or {"instance": self.paths.instance, "pid": self.owner_pid or None,
+                             "generation": self.generation, "uptime_s": (now_ns() - self.started_ns) / 1e9,
+                             "executors": [], "events": [], "recoveries": [], "memory_owner": None}),
+                **fe, "client_tcp": self.tcp.status() if self.tcp else None,
+                "client_peers": self.peers.status(), "pool_restart": pool_restart,
+                "frontend": {"pid": os.getpid(), "uptime_s": (now_ns() - self.started_ns) / 1e9,
+                             "owner_pid": self.owner_pid, "owner_answered": owner is not None,
+                             "generation": self.generation, "loop": self.loop.stats()}}
+
+    # ------------------------------------------------------------------ loop
+    def serve_forever(self) -> int:
+        while not self.loop.stop_requested:
+            self.run_once()
+        return self.exit_code
+
+    def run_once(self) -> None:
+        now = now_ns()
+        deadline = min(self.frontend.next_deadline_ns(), self._next_hello_ns)
+        events = self.loop.poll(min(max(0, -(-(deadline - now) // 1_000_000)), 1000))
+        if self.link in events:
+            self._on_link()
+        self._on_client_events(events)
+        now = now_ns()
+        if now >= self._next_hello_ns:       # the owner's liveness is its answer; this is ours
+            self._send_owner(fl.Hello(pid=os.getpid(), generation=self.generation))
+            self._next_hello_ns = now + int(fl.HELLO_INTERVAL_S * 1e9)
+        self.frontend.tick(now)
+        if self.pool_restart.due:           # the reply went out: tell the clients, then the owner
+            self.pool_restart.start_drain()
+            self._send_owner(fl.PoolRestartAsked(hold=self.pool_restart.request.hold))
+        self._expire_queries(now)
+        if self.stats_log.due(now):
+            fe, counts = self.frontend, PageTable(self.tables).counts()
+            waiting = fe.num_waiting()
+            self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
+                                running=len(fe.streams) - waiting, waiting=waiting,
+                                pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
+                                recoveries=0)
+        self.loop.turn_ended()
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def run_frontend(config: SidecarConfig) -> int:
+    sys.setswitchinterval(0.0005)
+    proc = FrontendProcess(config)
+    try:
+        proc.start()
+        code = proc.serve_forever()
+    finally:
+        proc.close()
+    if code == fl.EXIT_POOL_GONE:          # a new pool: this image starts over it (same pid)
+        return reexec()
+    return code
