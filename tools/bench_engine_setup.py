@@ -48,7 +48,7 @@ def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
 
 def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,
                  max_batch_tokens: int, prefill_chunk: int, commit: bool = True, weights=None,
-                 use_graph: bool = True, timeline: dict | None = None):
+                 use_graph: bool = True, timeline: dict | None = None, exact_prefill: bool = True):
     timeline = timeline if timeline is not None else {}
     spec = ModelSpec.from_dir(model_dir)
     dev = torch.device(device)
@@ -70,7 +70,7 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
         from kvhold.executor.cuda_runner import CudaRunner
 
         runner = CudaRunner(model, kv, max_batch, prefill_chunk, geometry.max_pages_per_seq, use_graph,
-                            slot_hashes=commit)
+                            slot_hashes=commit, exact=exact_prefill)
         runner.prepare()
         checksum = TritonChecksum(kv.pool)
     timeline["graphs_captured"] = time.monotonic()

@@ -42,7 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ENGINE_KEYS = {"prefill_chunk": int, "max_batch_tokens": int, "max_batch": int, "commit": int}
+ENGINE_KEYS = {"prefill_chunk": int, "max_batch_tokens": int, "max_batch": int, "commit": int,
+               "exact_prefill": int}
 H200_BF16_TFLOPS = 790.0
 FLOPS_FORMULA = ("per prompt of P tokens: 2*P*N + 2*L*H*D*P*(P+1) + 2*V*E; N = the decoder layers' "
                  "projection weights (q,k,v,o,gate,up,down), L layers, H query heads of D dims, V the "
@@ -176,7 +177,8 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     weights = load_weights(args.model, args.device)
     t_built = time.monotonic()
     engine, tables = build_engine(args.model, args.device, kv_pages, max_seq, cfg["max_batch"],
-                                  cfg["max_batch_tokens"], chunk, commit=bool(cfg["commit"]), weights=weights)
+                                  cfg["max_batch_tokens"], chunk, commit=bool(cfg["commit"]), weights=weights,
+                                  exact_prefill=bool(cfg["exact_prefill"]))
     setup = {"load_s": round(t_built - t_load, 2), "engine_s": round(time.monotonic() - t_built, 2)}
     journal = Journal(tables)
     gen = torch.Generator().manual_seed(0)
@@ -262,6 +264,9 @@ def main(argv=None) -> int:
                    help="as kvhold serve's flag (default: what the executor derives)")
     p.add_argument("--commit", type=int, default=1, choices=(0, 1),
                    help="1: the full commit protocol, as served; 0: NoCommit (the engine only)")
+    p.add_argument("--exact-prefill", type=int, default=1, choices=(0, 1),
+                   help="1: exact prefill (the executors' default: prefill rows on the decode kernels); "
+                        "0: cuBLAS and SDPA (--no-exact-prefill)")
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool pages (default: what the rows need)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help=f"the device's peak, the MFU's denominator (default {H200_BF16_TFLOPS}: H200 bf16)")

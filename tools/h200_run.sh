@@ -20,8 +20,9 @@
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
 #   prefill        Llama-3-8B prefill tokens/s and MFU, prompts 512/2048/8192, 1 and 8 at once, chunked as
-#                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served:
-#                  chunk2048:prefill_chunk=2048"), each LABEL:KEY=VALUE,... (tools/bench_prefill.py)
+#                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served: (exact
+#                  prefill) fast:exact_prefill=0 chunk2048fast:prefill_chunk=2048,exact_prefill=0"),
+#                  each LABEL:KEY=VALUE,... (tools/bench_prefill.py)
 #                                                                                  -> prefill_cuda.json
 #   serve          kvhold serve with Llama-3-8B, streaming HTTP at SERVE_CONCURRENCY (1,8,32,64), SERVE_ROUNDS (2)
 #                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
@@ -113,9 +114,9 @@ for phase in "${@:-tests}"; do
     ;;
   prefill)
     model_8b
-    variants=(); for v in ${PREFILL_VARIANTS-served: chunk2048:prefill_chunk=2048}; do variants+=(--variant "$v"); done
+    variants=(); for v in ${PREFILL_VARIANTS-served: fast:exact_prefill=0 chunk2048fast:prefill_chunk=2048,exact_prefill=0}; do variants+=(--variant "$v"); done
     timeout $(left) python3 -m tools.bench_prefill --model /tmp/l8b --device cuda:0 --prompts 512,2048,8192 \
-        --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048,8192 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
+        --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
     ;;
   serve)
     model_8b
