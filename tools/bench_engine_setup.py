@@ -48,7 +48,7 @@ def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
 
 def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,
                  max_batch_tokens: int, prefill_chunk: int, commit: bool = True, weights=None,
-                 use_graph: bool = True, timeline: dict | None = None, exact_prefill: bool = True):
+                 use_graph: bool = True, timeline: dict | None = None, exact_prefill: bool = False):
     timeline = timeline if timeline is not None else {}
     spec = ModelSpec.from_dir(model_dir)
     dev = torch.device(device)

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/pool_restart_cpu.json"))
     p.add_argument("--device", default="cpu", help="cpu, or cuda:N (CUDA VMM memory, bf16/fp32 engine)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the tiny demo model)")
-    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --no-exact-prefill "
+    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --exact-prefill "
                    "(after the defaults: --max-seq-len, --kv-pages given here win)")
     p.add_argument("--max-tokens", type=int, default=440, help="per stream (within --max-seq-len)")
     args = p.parse_args(argv)

@@ -20,9 +20,9 @@
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
 #   prefill        Llama-3-8B prefill tokens/s and MFU, prompts 512/2048/8192, 1 and 8 at once, chunked as
-#                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served: (exact
-#                  prefill) fast:exact_prefill=0 chunk2048fast:prefill_chunk=2048,exact_prefill=0"),
-#                  each LABEL:KEY=VALUE,... (tools/bench_prefill.py)
+#                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served:
+#                  exact:exact_prefill=1 chunk2048:prefill_chunk=2048"), each LABEL:KEY=VALUE,...
+#                  (tools/bench_prefill.py)
 #                                                                                  -> prefill_cuda.json
 #   serve          kvhold serve with Llama-3-8B, streaming HTTP at SERVE_CONCURRENCY (1,8,32,64), SERVE_ROUNDS (2)
 #                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
@@ -31,8 +31,8 @@
 #   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), prefill tokens/s + MFU exact
 #                  on/off (Llama-3-8B's shapes, 8 layers)           -> exact_tests.txt, exact_prefill_cuda.json
 #   exact-gemm     the GEMM kernel's bits across tiles and its TFLOP/s against cuBLAS -> exact_gemm_cuda.json
-#   exact-e2e      exact recompute end to end, tiny model in bf16 (exact prefill on; EXACT_CONTROL=1 also
-#                  runs each with --no-exact-prefill): preemption in a small KV pool, 5 pool restarts,
+#   exact-e2e      exact recompute end to end, tiny model in bf16 (--exact-prefill; EXACT_CONTROL=1 also
+#                  runs each without it): preemption in a small KV pool, 5 pool restarts,
 #                  3 CUDA faults that damage 4 pages each    -> exact_preemption_cuda.json,
 #                                                   exact_pool_restart_cuda.json, exact_cuda_fault_cuda.json
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
@@ -114,7 +114,7 @@ for phase in "${@:-tests}"; do
     ;;
   prefill)
     model_8b
-    variants=(); for v in ${PREFILL_VARIANTS-served: fast:exact_prefill=0 chunk2048fast:prefill_chunk=2048,exact_prefill=0}; do variants+=(--variant "$v"); done
+    variants=(); for v in ${PREFILL_VARIANTS-served: exact:exact_prefill=1 chunk2048:prefill_chunk=2048}; do variants+=(--variant "$v"); done
     timeout $(left) python3 -m tools.bench_prefill --model /tmp/l8b --device cuda:0 --prompts 512,2048,8192 \
         --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
     ;;
@@ -143,10 +143,10 @@ for phase in "${@:-tests}"; do
     timeout $(( $(left) < 50 ? $(left) : 50 )) python3 -m tools.probe_exact_recompute --model /tmp/tiny-bf16 \
         --device cuda:0 --requests 12 --max-tokens 160 $CONTROL --out "$OUT/exact_preemption_cuda.json" 2>&1 | tail -4
     timeout $(( $(left) < 75 ? $(left) : 75 )) python3 -m tools.bench_pool_restart --device cuda:0 \
-        --model /tmp/tiny-bf16 --restarts 5 --max-tokens 1200 --sidecar-args "--max-seq-len 1280 --kv-pages 700" \
+        --model /tmp/tiny-bf16 --restarts 5 --max-tokens 1200 --sidecar-args "--max-seq-len 1280 --kv-pages 700 --exact-prefill" \
         --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
     timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
-        --max-tokens 48 --log-level WARNING --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
+        --max-tokens 48 --log-level WARNING --sidecar-args "--exact-prefill" --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--trials", type=int, default=3, help="faults, one per run of the request set (default 3)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --no-exact-prefill")
+    p.add_argument("--sidecar-args", default="", help="more sidecar flags, e.g. --exact-prefill")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--out", default=None, help="write the JSON here (else stdout only)")
     args = p.parse_args(argv)

@@ -10,7 +10,7 @@ the scheduler preempts running requests and recomputes them (prefill over the pr
 the tokens they had generated, positions that decode steps computed the first time).
 Reports the preemptions the clients were told about, streams lost,
 and whether every output equals the reference. `--control` repeats both runs with
-`--no-exact-prefill` (prefill on cuBLAS and SDPA), to show what exact prefill buys. Greedy
+without `--exact-prefill` (prefill on cuBLAS and SDPA, the default), to show what exact prefill buys. Greedy
 and seeded-sampling requests alternate. Writes JSON.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def run_set(args, kv_pages: int, extra: list[str], reqs: list[dict]) -> dict:
 def run(args) -> dict:
     vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
     reqs = requests(args.requests, vocab, args.max_tokens, args.seed)
-    modes = [("exact", [])] + ([("no_exact_prefill", ["--no-exact-prefill"])] if args.control else [])
+    modes = [("exact", ["--exact-prefill"])] + ([("no_exact_prefill", [])] if args.control else [])
     out = {}
     for name, extra in modes:
         ref = run_set(args, args.reference_pages, extra, reqs)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-pages", type=int, default=48, help="the small pool (pages of 16 tokens)")
     p.add_argument("--reference-pages", type=int, default=1024)
     p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--control", action="store_true", help="also run both with --no-exact-prefill")
+    p.add_argument("--control", action="store_true", help="also run both without --exact-prefill")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.make_bf16:

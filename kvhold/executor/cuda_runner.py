@@ -10,7 +10,7 @@ what else is in the batch.
   projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
   holds because every GEMM always sees the same shape. Attention reads pages in place
   (kvhold.executor.cuda_attention).
-* Exact prefill (the default, `exact`; ExecutorSettings.exact_prefill): a prefill chunk's
+* Exact prefill (opt-in, `exact`; ExecutorSettings.exact_prefill, `--exact-prefill`): a prefill chunk's
   rows are computed by the decode step's kernels, so a position's KV and logits are the
   same bits whether a single prefill, chunked prefill (any chunk sizes, any batch) or a
   decode step computed it, and a request recomputed after a preemption, a damaged page
@@ -70,7 +70,7 @@ PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]     # not 
 class CudaRunner:
     def __init__(self, model: LlamaModel, kv: KvCache, max_batch: int, prefill_chunk: int,
                  max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True,
-                 exact: bool = True):
+                 exact: bool = False):
         self.model, self.kv = model, kv
         self.device = model.device
         self.max_batch = max_batch
@@ -184,6 +184,7 @@ class CudaRunner:
             for keys in range(self.prefill_chunk, self.max_seq_len + self.prefill_chunk, self.prefill_chunk):
                 self._prefill(self._padding_chunk(max(self.prefill_chunk, min(keys, self.max_seq_len))))
             lap("prefill_warm_up")
+        if not urgent:
             self.capture()
             lap("graph_capture")
         return times

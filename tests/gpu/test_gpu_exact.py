@@ -123,7 +123,7 @@ def runner(tiny_model):
                        torch.device("cuda"), 512)
     kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", PAGE), 400,
                          "cuda")
-    r = CudaRunner(model, kv, max_batch=64, prefill_chunk=256, max_pages_per_seq=32)
+    r = CudaRunner(model, kv, max_batch=64, prefill_chunk=256, max_pages_per_seq=32, exact=True)
     assert r.exact, r.exact_refusal
     r.prepare()
     return r
@@ -264,7 +264,7 @@ def test_exact_prefill_is_refused_by_name_where_decode_is_not_batch_invariant(ti
     spec = ModelSpec.from_dir(tiny_model)
     model = LlamaModel(spec, load_weights(tiny_model, "cuda"), torch.float32, torch.device("cuda"), 256)
     kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", PAGE), 8, "cuda")
-    r = CudaRunner(model, kv, max_batch=8, prefill_chunk=32, max_pages_per_seq=16)
+    r = CudaRunner(model, kv, max_batch=8, prefill_chunk=32, max_pages_per_seq=16, exact=True)
     assert not r.exact and "bf16/fp16" in r.exact_refusal
     off = CudaRunner(model, kv, max_batch=8, prefill_chunk=32, max_pages_per_seq=16, exact=False)
     assert not off.exact and off.exact_refusal is None
