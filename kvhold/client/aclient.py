@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import zmq
@@ -33,7 +34,8 @@ import zmq.asyncio
 
 from kvhold.protocol import messages as m, wire
 from kvhold.client.client import (RECONNECT_EVENTS, RESUME_AFTER_S, GenerationResult, ReconnectWatch, TokenEvent,
-                                  TokenLogprob, hear_keepalive, result_of, resume_all, resume_message, take_tokens)
+                                  TokenLogprob, hear_keepalive, result_of, resume_all, resume_message, shut_sockets,
+                                  take_tokens)
 from kvhold.protocol.curve import apply_client_curve
 from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from kvhold.protocol.naming import InstancePaths
@@ -141,6 +143,8 @@ class AsyncClient:
                 raise
         self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS) if resume_on_reconnect else None
         self._reconnect = ReconnectWatch()
+        # never closed and collected in a cycle: closed in order (kvhold.client.client.shut_sockets)
+        self._shut = weakref.finalize(self, shut_sockets, self._sock, self._monitor, self._ctx, self._own_ctx)
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
@@ -215,12 +219,7 @@ class AsyncClient:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-        self._sock.close(0)
-        if self._own_ctx:
-            self._ctx.term()
+        self._shut()
 
     async def __aenter__(self):
         return self

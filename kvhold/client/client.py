@@ -27,6 +27,7 @@ import collections
 import itertools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import zmq
@@ -147,6 +148,22 @@ def resume_all(streams: dict) -> m.Resume | None:
     return m.Resume(request_ids=list(streams), next_indices=[len(st.token_ids) for st in streams.values()])
 
 
+def shut_sockets(sock, monitor, ctx, own_ctx: bool) -> None:
+    """Close a client's sockets, its monitor first, then end its context if it made it. Run by
+    `close`, or by the client's finalizer when a client that was never closed is collected:
+    collected in a reference cycle, its context's own finalizer could otherwise run first and
+    wait for ever on the sockets still open."""
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(0)
+    sock.close(0)
+    if own_ctx:
+        ctx.term()
+
+
 class ReconnectWatch:
     """Reads a socket monitor's events: `seen(frames)` is True for a handshake that succeeded
     after a disconnect (not for the first connection)."""
@@ -243,6 +260,7 @@ class Client:
         self._poller.register(self._sock, zmq.POLLIN)
         if self._monitor is not None:
             self._poller.register(self._monitor, zmq.POLLIN)
+        self._shut = weakref.finalize(self, shut_sockets, self._sock, self._monitor, self._ctx, self._own_ctx)
         self._sock.connect(endpoint)
         self._tags = itertools.count(1)
         self._replies: dict[int, object] = {}
@@ -300,13 +318,11 @@ class Client:
         return self._wait_reply(tag)
 
     def close(self) -> None:
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None:
-            self._sock.disable_monitor()
-            monitor.close(0)
-        self._sock.close(0)
-        if self._own_ctx:
-            self._ctx.term()
+        shut = getattr(self, "_shut", None)
+        if shut is not None:
+            shut()                  # once: a finalizer runs its function at most one time
+            return
+        shut_sockets(self._sock, getattr(self, "_monitor", None), self._ctx, self._own_ctx)
 
     def __enter__(self):
         return self
