@@ -128,8 +128,9 @@ for phase in "${@:-tests}"; do
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   exact)
-    timeout $(( $(left) < 80 ? $(left) : 80 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
-        tests/gpu/test_gpu_exact.py 2>&1 | tail -30 | tee "$OUT/exact_tests.txt"
+    timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
+        --tb=short tests/gpu/test_gpu_exact.py > "$OUT/exact_tests.txt" 2>&1
+    tail -30 "$OUT/exact_tests.txt"
     timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
         --modes fast,exact,exact_packed --budget-s 30 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
     ;;

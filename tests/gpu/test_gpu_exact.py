@@ -144,8 +144,10 @@ def _clear(runner, pages):
     runner.kv.pool[pages] = 0
 
 
-def _by_decode(runner, tokens, pages, first=2):
-    """Prefill `first` tokens, then one decode step per token: ({position: logits}, KV)."""
+def _by_decode(runner, tokens, pages, first=1):
+    """Prefill `first` tokens, then one decode step per token: ({position: logits}, KV). With
+    the default every position has its logits here, so a chunking may end a chunk anywhere
+    (a first chunk of one token included)."""
     _clear(runner, pages)
     logits = {first - 1: runner.run(plan([(tokens[:first], 0, first, pages)]))[0].clone()}
     for p in range(first, len(tokens)):
