@@ -264,9 +264,9 @@ def main(argv=None) -> int:
                    help="as kvhold serve's flag (default: what the executor derives)")
     p.add_argument("--commit", type=int, default=1, choices=(0, 1),
                    help="1: the full commit protocol, as served; 0: NoCommit (the engine only)")
-    p.add_argument("--exact-prefill", type=int, default=0, choices=(0, 1),
-                   help="1: exact prefill (prefill rows on the decode kernels, the executors' --exact-prefill); "
-                        "0: cuBLAS and SDPA (their default)")
+    p.add_argument("--exact-prefill", type=int, default=1, choices=(0, 1),
+                   help="1: exact prefill (prefill rows on the decode kernels: the executors' default); "
+                        "0: cuBLAS and SDPA (the executors' --no-exact-prefill)")
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool pages (default: what the rows need)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help=f"the device's peak, the MFU's denominator (default {H200_BF16_TFLOPS}: H200 bf16)")

@@ -20,8 +20,9 @@
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
 #   prefill        Llama-3-8B prefill tokens/s and MFU, prompts 512/2048/8192, 1 and 8 at once, chunked as
-#                  served (--max-batch-tokens 8192, LOAD's); PREFILL_VARIANTS (default "served:
-#                  exact:exact_prefill=1 chunk2048:prefill_chunk=2048"), each LABEL:KEY=VALUE,...
+#                  served (--max-batch-tokens 8192, LOAD's; exact prefill, the default); PREFILL_VARIANTS
+#                  (default "served: fast:exact_prefill=0 chunk2048fast:prefill_chunk=2048,exact_prefill=0"),
+#                  each LABEL:KEY=VALUE,...
 #                  (tools/bench_prefill.py)
 #                                                                                  -> prefill_cuda.json
 #   serve          kvhold serve with Llama-3-8B, streaming HTTP at SERVE_CONCURRENCY (1,8,32,64), SERVE_ROUNDS (2)
@@ -114,7 +115,7 @@ for phase in "${@:-tests}"; do
     ;;
   prefill)
     model_8b
-    variants=(); for v in ${PREFILL_VARIANTS-served: exact:exact_prefill=1 chunk2048:prefill_chunk=2048}; do variants+=(--variant "$v"); done
+    variants=(); for v in ${PREFILL_VARIANTS-served: fast:exact_prefill=0 chunk2048fast:prefill_chunk=2048,exact_prefill=0}; do variants+=(--variant "$v"); done
     timeout $(left) python3 -m tools.bench_prefill --model /tmp/l8b --device cuda:0 --prompts 512,2048,8192 \
         --concurrent 1,8 --max-batch-tokens 8192 --profile-prompt 2048 "${variants[@]}" --out "$OUT/prefill_cuda.json" 2>&1 | tail -30
     ;;
@@ -147,7 +148,7 @@ for phase in "${@:-tests}"; do
         --model /tmp/tiny-bf16 --restarts 5 --max-tokens 1200 --sidecar-args "--max-seq-len 1280 --kv-pages 700 --exact-prefill" \
         --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
     timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
-        --max-tokens 48 --log-level WARNING --sidecar-args "--exact-prefill" --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
+        --max-tokens 48 --log-level WARNING --sidecar-args=--exact-prefill --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)

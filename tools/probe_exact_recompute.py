@@ -9,8 +9,8 @@ once (the reference, no preemption), then on one with `--kv-pages` pages, so sma
 the scheduler preempts running requests and recomputes them (prefill over the prompt and
 the tokens they had generated, positions that decode steps computed the first time).
 Reports the preemptions the clients were told about, streams lost,
-and whether every output equals the reference. `--control` repeats both runs with
-without `--exact-prefill` (prefill on cuBLAS and SDPA, the default), to show what exact prefill buys. Greedy
+and whether every output equals the reference. `--control` repeats both runs
+with `--no-exact-prefill` (prefill on cuBLAS and SDPA), to show what exact prefill buys. Greedy
 and seeded-sampling requests alternate. Writes JSON.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def run_set(args, kv_pages: int, extra: list[str], reqs: list[dict]) -> dict:
 def run(args) -> dict:
     vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
     reqs = requests(args.requests, vocab, args.max_tokens, args.seed)
-    modes = [("exact", ["--exact-prefill"])] + ([("no_exact_prefill", [])] if args.control else [])
+    modes = [("exact", ["--exact-prefill"])] + ([("no_exact_prefill", ["--no-exact-prefill"])] if args.control else [])
     out = {}
     for name, extra in modes:
         ref = run_set(args, args.reference_pages, extra, reqs)

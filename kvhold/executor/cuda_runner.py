@@ -10,7 +10,7 @@ what else is in the batch.
   projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
   holds because every GEMM always sees the same shape. Attention reads pages in place
   (kvhold.executor.cuda_attention).
-* Exact prefill (opt-in, `exact`; ExecutorSettings.exact_prefill, `--exact-prefill`): a prefill chunk's
+* Exact prefill (`exact`, on by default; ExecutorSettings.exact_prefill, `--no-exact-prefill` turns it off): a prefill chunk's
   rows are computed by the decode step's kernels, so a position's KV and logits are the
   same bits whether a single prefill, chunked prefill (any chunk sizes, any batch) or a
   decode step computed it, and a request recomputed after a preemption, a damaged page

@@ -42,7 +42,7 @@ class ExecutorSettings:
     cpu_threads: int | None = None    # torch threads on CPU; None: half the cores
     kv_mode: str = "native"           # foreign: the engine keeps a private pool, mirrored
     cuda_graph: bool = True           # capture the decode step in a CUDA graph (CUDA only)
-    exact_prefill: bool = False       # CUDA prefill rows on the decode kernels (kvhold.executor.cuda_runner)
+    exact_prefill: bool = True        # CUDA prefill rows on the decode kernels (kvhold.executor.cuda_runner)
     sidecar_wait_ms: int = 30_000     # a sidecar that dies: wait this long for one to re-adopt (0: exit)
 
     def __post_init__(self):

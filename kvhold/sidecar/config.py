@@ -166,7 +166,7 @@ class ExecutorsConfig:
     takeover: str = "fast"            # fast: promote at once; wait-exit: after the dead process exits
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
-    exact_prefill: bool = False       # CUDA: prefill computes each row as decode does (exact recompute)
+    exact_prefill: bool = True        # CUDA: prefill computes each row as decode does (exact recompute)
 
     def __post_init__(self):
         _check(self.workload in WORKLOADS, f"executors.workload must be one of {WORKLOADS}, "

@@ -152,12 +152,13 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
                    help="native: the engine computes in kvhold's KV pages; foreign: it keeps a "
                         "private KV pool (as TensorRT-LLM does) protected by the KV mirror")
-    p.add_argument("--exact-prefill", action="store_true",
+    p.add_argument("--exact-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: prefill on the decode kernels instead of cuBLAS and SDPA, so that a "
                         "recomputed request (preemption, damaged pages, a pool restart) gives the tokens "
-                        "of an uninterrupted run even where bf16 rounding tips a near-tie; slower for "
-                        "long prompts, and not yet confirmed bit-identical in every chunking on the H200 "
-                        "(off by default)")
+                        "of an uninterrupted run even where bf16 rounding tips a near-tie (on by default; "
+                        "where the decode step is not on the batch-invariant kernels the executor logs why "
+                        "and prefills on cuBLAS). --no-exact-prefill: cuBLAS and SDPA, faster prefill "
+                        "(docs/BENCHMARKS.md gives the cost on the H200); the CPU engine is exact either way")
     p.add_argument("--no-kill-fenced", dest="kill_fenced", action="store_false",
                    help="fence hung executors without SIGKILLing them")
     p.add_argument("--no-spawn", dest="spawn_executors", action="store_false",

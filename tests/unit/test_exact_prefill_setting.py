@@ -1,4 +1,4 @@
-"""The exact-prefill setting: off by default, `--exact-prefill` turns it on, and it reaches
+"""The exact-prefill setting: on by default, `--no-exact-prefill` turns it off, and it reaches
 the executors' settings over the wire (kvhold.executor.cuda_runner reads it; the CPU engine
 is exact in every path without it)."""
 import argparse
@@ -15,7 +15,7 @@ def _config(argv):
     return sidecar_config_from_args(p.parse_args(argv))
 
 
-@pytest.mark.parametrize("argv,want", [([], False), (["--exact-prefill"], True)])
+@pytest.mark.parametrize("argv,want", [([], True), (["--exact-prefill"], True), (["--no-exact-prefill"], False)])
 def test_the_flag_reaches_the_executor_settings_and_survives_the_wire(argv, want):
     settings = _config(argv).executor_settings()
     assert settings.exact_prefill is want
