@@ -40,6 +40,7 @@ from kvhold.protocol import messages as m
 from kvhold.protocol.leases import Fenced, Lease
 from kvhold.protocol.memory import Mapping, RegionInfo, map_region
 from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.procfs import pid_alive
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables
 from kvhold.executor import faults
@@ -252,7 +253,7 @@ class ExecutorRuntime:
         while time.monotonic() < deadline and not self.stop_reason:
             ctx.beat()                    # Fenced (the new sidecar did not keep this lease) ends it
             pid = ctx.tables.sidecar_pid
-            if pid != old_pid and _alive(pid):
+            if pid != old_pid and pid_alive(pid):
                 return self._reattach(ctx, pid)
             time.sleep(min(ctx.settings.heartbeat_ms / 1e3, SIDECAR_POLL_S))
         log.error("no sidecar adopted this executor within %.0f s; exiting", wait_s)
@@ -354,16 +355,6 @@ class ExecutorRuntime:
         log.info("active (lease %d, epoch %d)", ctx.attached.slot, ctx.epoch)
         if report is not None:
             ctx.channel.send(m.Recovered(slot=ctx.attached.slot, epoch=ctx.epoch, report=report))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid > 0
 
 
 def make_workload(name: str, ctx: ExecutorContext) -> Workload:

@@ -1,4 +1,4 @@
-"""Binary layout of the shared tables segment (layout version 1).
+"""Binary layout of the shared tables segment (its version: LAYOUT_VERSION).
 
 One POSIX shm segment per instance, little-endian, every section 64-byte aligned:
 

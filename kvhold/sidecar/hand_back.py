@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from kvhold.protocol import fdpass
 from kvhold.protocol.hand_back import HandBack, HandBackFormatError
 from kvhold.protocol.memory import SHM_DIR, RegionInfo
+from kvhold.protocol.procfs import pid_alive
 
 log = logging.getLogger(__name__)
 RECV_TIMEOUT_S = 0.5
@@ -68,7 +69,7 @@ class Receiver:
         deadline = t0 + wait_s
         live = {h.pid for h in self.found.live}
         while time.monotonic() < deadline:
-            if not live - self._given_up - {p for p in live if not _alive(p)}:
+            if not live - self._given_up - {p for p in live if not pid_alive(p)}:
                 log.error("every live executor was refused or died: no descriptors to take back")
                 return None
             ready = select.select([listener], [], [], min(0.2, max(0.0, deadline - time.monotonic())))[0]
@@ -202,14 +203,3 @@ def _close(fds) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False

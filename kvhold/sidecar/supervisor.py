@@ -54,6 +54,7 @@ from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.hand_back import is_hand_back
 from kvhold.protocol.layout import PageFlag, Role
 from kvhold.protocol.leases import LeaseTable, now_ns
+from kvhold.protocol.procfs import exit_code, stat_fields
 from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.recovery_report import FENCE_REASONS
@@ -528,15 +529,12 @@ class Supervisor:
         robust futexes (the liveness mutex whose release is the death signal) and long before
         a GPU process becomes a zombie (its CUDA context's teardown takes ~100 ms on an H200).
         /proc/PID/stat's last field shows it; 0 there means not known yet."""
+        fields = stat_fields(h.pid)
         try:
-            fields = open(f"/proc/{h.pid}/stat").read().rpartition(")")[2].split()
-            raw = int(fields[-1])
-        except (OSError, ValueError, IndexError):
+            raw = int(fields[-1]) if fields else 0
+        except ValueError:
             return None
-        if raw == 0:
-            return None
-        code = os.waitstatus_to_exitcode(raw)
-        return code if code >= 0 else 128 - code
+        return exit_code(raw) if raw else None
 
     @staticmethod
     def _reap(h: ExecutorHandle) -> int:
@@ -545,13 +543,12 @@ class Supervisor:
             return code if code >= 0 else 128 - code
         # not our child (the zygote's, or adopted): its parent reaps it, but until then the
         # zombie's /proc stat holds its wait status (its last field)
-        try:
-            fields = open(f"/proc/{h.pid}/stat").read().rpartition(")")[2].split()
-            if fields and fields[0] == "Z":
-                code = os.waitstatus_to_exitcode(int(fields[-1]))
-                return code if code >= 0 else 128 - code
-        except (OSError, ValueError):
-            pass
+        fields = stat_fields(h.pid)
+        if fields and fields[0] == "Z":
+            try:
+                return exit_code(int(fields[-1]))
+            except ValueError:
+                pass
         return -1  # reaped already: unknown
 
     def _lease_ms(self, h: ExecutorHandle) -> float:
