@@ -36,6 +36,8 @@
 #                  runs each without it): preemption in a small KV pool, 5 pool restarts,
 #                  3 CUDA faults that damage 4 pages each    -> exact_preemption_cuda.json,
 #                                                   exact_pool_restart_cuda.json, exact_cuda_fault_cuda.json
+#   exact-fault    exact-e2e's last part alone: CUDA faults that damage 4 pages each (FAULT_TRIALS, default 3)
+#                                                                                  -> exact_cuda_fault_cuda.json
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
 #   sidecar-crash  SIGKILL of the sidecar on VMM memory mid-stream: its executors hand the
@@ -149,6 +151,12 @@ for phase in "${@:-tests}"; do
         --out "$OUT/exact_pool_restart_cuda.json" 2>&1 | tail -12
     timeout $(left) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials 3 --requests 8 \
         --max-tokens 48 --log-level WARNING --sidecar-args=--exact-prefill --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
+    gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  exact-fault)
+    [ -d /tmp/tiny-bf16 ] || python3 -m tools.probe_exact_recompute --make-bf16 /tmp/tiny-bf16
+    timeout $(( $(left) < 75 ? $(left) : 75 )) python3 -m tools.probe_cuda_fault --model /tmp/tiny-bf16 --trials ${FAULT_TRIALS:-3} \
+        --requests 8 --max-tokens 48 --log-level WARNING --sidecar-args=--exact-prefill --out "$OUT/exact_cuda_fault_cuda.json" 2>&1 | tail -8
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   cuda-fault)
