@@ -16,8 +16,10 @@ stream is running; then:
   the uninterrupted run's, event id and content.
 * `--kill frontend`: the frontend process (`kvhold frontend`) is SIGKILLed; the supervisor restarts
   it, the HTTP server's streams and the SDK's pause and continue on their connections. Measured:
-  the first event any stream receives after the killed process is gone (events read before were
-  sent before the kill), and every stream's; the texts against the uninterrupted run.
+  each stream's first event after the pause (the event that ends the longest silence after the
+  kill: the events on their way at the kill, sent before it, come first at the usual spacing;
+  `first_event_after_kill_ms` is the first of those), the first and the last stream's; the texts
+  against the uninterrupted run.
 
 Counted per kill: streams lost (no complete, identical result), the memory owner's and the
 executors' pids kept, tokens recomputed (SDK). The restart delays are set with
@@ -241,6 +243,21 @@ def probe(srv: Serve, kill: dict, out: dict, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
+def resumed_at(times: list[int], last_before: int, kill_ns: int) -> int | None:
+    """The arrival of a stream's first event after the pause a kill made: the event that ends
+    the longest gap between its events after the kill (events still on their way at the kill,
+    sent before it, arrive first at the usual spacing; then the stream is silent until the
+    restarted part serves it). None if none came after the kill."""
+    if not times:
+        return None
+    best, gap, prev = None, -1, max(last_before, kill_ns) if last_before else kill_ns
+    for t in times:
+        if t - prev > gap:
+            best, gap = t, t - prev
+        prev = t
+    return best
+
+
 def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s: float) -> dict:
     srv.wait_healthy()
     before = owner_state(srv.status())
@@ -255,7 +272,7 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
     if mode == "http":
         threads.append(threading.Thread(target=probe, args=(srv, kill, probe_out, timeout_s), daemon=True))
     sdk_box: dict = {}
-    sdk_first: dict[int, int] = {}
+    sdk_first: dict[int, list[int]] = {}      # SDK stream -> its events' arrival after the kill
     client = None
     if mode == "frontend":
         client = Client.for_instance(srv.instance, srv.root, timeout=timeout_s)
@@ -268,8 +285,8 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
             started.wait()
 
             def on_event(stream, event):
-                if kill.get("gone_ns"):
-                    sdk_first.setdefault(id(stream), time.monotonic_ns())
+                if kill.get("ns"):
+                    sdk_first.setdefault(id(stream), []).append(time.monotonic_ns())
             sdk_box["results"] = wait_all(sdk, on_event)
         threads.append(threading.Thread(target=sdk_run, daemon=True))
     for t in threads:
@@ -287,7 +304,7 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
         client.close()
     t0 = kill["ns"]
     ms = lambda ns: None if ns is None else (ns - t0) / 1e6      # noqa: E731
-    identical, firsts, problems = 0, [], []
+    identical, firsts, problems, buffered = 0, [], [], []
     for o, ref in zip(outs, reference):
         events = o.get("events") or []
         same = bool(events) and events[-1][1] == "[DONE]" and comparable(events) == comparable(ref)
@@ -297,12 +314,18 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
         if mode == "http":
             firsts.append(o.get("resumed_first_ns"))
         else:
-            firsts.append(next((e[2] for e in events if e[2] > kill["gone_ns"]), None))
+            before_ns = [e[2] for e in events if e[2] <= kill["ns"]]
+            firsts.append(resumed_at([e[2] for e in events if e[2] > kill["ns"]],
+                                     before_ns[-1] if before_ns else kill["ns"], kill["ns"]))
+            buffered.append(next((e[2] for e in events if e[2] > kill["ns"]), None))
     sdk_identical = None
     if mode == "frontend":
         res = sdk_box.get("results") or []
         sdk_identical = sum(r.token_ids == ref for r, ref in zip(res, sdk_reference))
-        firsts += [sdk_first.get(k) for k in sorted(sdk_first)] + [None] * (len(SDK_REQUESTS) - len(sdk_first))
+        for times in sdk_first.values():
+            firsts.append(resumed_at(times, kill["ns"], kill["ns"]))
+            buffered.append(times[0] if times else None)
+        firsts += [None] * (len(SDK_REQUESTS) - len(sdk_first))
     got = [f for f in firsts if f is not None]
     after = owner_state(srv.status())
     streams = n + (len(SDK_REQUESTS) if mode == "frontend" else 0)
@@ -311,6 +334,9 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
         "victim_gone_ms": ms(kill["gone_ns"]),
         "first_token_after_kill_ms": ms(min(got)) if got else None,
         "all_streams_resumed_ms": ms(max(got)) if len(got) == len(firsts) else None,
+        # frontend: the first event read after the kill at all (sent before it, buffered on the way)
+        "first_event_after_kill_ms": ms(min(b for b in buffered if b is not None))
+        if any(b is not None for b in buffered) else None,
         "streams": streams, "identical": identical + (sdk_identical or 0),
         "lost": streams - identical - (sdk_identical or 0),
         "owner_and_executors_kept": before == after,
@@ -379,6 +405,7 @@ def main(argv=None) -> int:
         "serving_again_ms": summarize([r.get("serving_again_ms") for r in rows]) if args.kill == "http" else None,
         "first_token_after_kill_ms": summarize([r["first_token_after_kill_ms"] for r in rows]),
         "all_streams_resumed_ms": summarize([r["all_streams_resumed_ms"] for r in rows]),
+        "first_event_after_kill_ms": summarize([r.get("first_event_after_kill_ms") for r in rows]),
         "streams": sum(r["streams"] for r in rows), "lost": sum(r["lost"] for r in rows),
         "owner_or_executors_changed_kills": sum(not r["owner_and_executors_kept"] for r in rows),
         "tokens_recomputed": (sum(r["tokens_recomputed"] or 0 for r in rows) if args.kill == "frontend" else None),
