@@ -418,8 +418,8 @@ class Sidecar(ClientSide):
             self.frontend.on_step(h, msg)
             return
         received_ns = now_ns()
-        self.link.committed(msg.slots)
         self.timeline.step_done(h.epoch, msg.marks, received_ns)
+        self.link.committed(msg.slots, self.timeline.num_recovered)
 
     def _on_recovered(self, h, msg) -> None:
         self.timeline.recovered(h.pid, h.epoch, msg.report)
