@@ -41,8 +41,10 @@
 #   cuda-fault     a real illegal-address fault in the active executor (tiny model, FAULT_TRIALS, default 5)
 #                                                                                  -> cuda_fault_cuda.json
 #   sidecar-crash  SIGKILL of the sidecar on VMM memory mid-stream: its executors hand the
-#                  descriptors back (tests/gpu/test_gpu_sidecar_crash.py), then the benchmark
-#                  (SIDECAR_KILLS, default 5; 0 skips it)                          -> sidecar_crash_cuda.json
+#                  descriptors back (tests/gpu/test_gpu_sidecar_crash.py, tiny model), then the
+#                  benchmark on LOAD (Llama-3-8B, 64 streams, 512-2048-token prompts, hot standby;
+#                  SIDECAR_MAX_TOKENS, default 128, tokens each), SIDECAR_KILLS (default 5; 0 skips
+#                  it) kills; SIDECAR_BENCH_S (330) of the budget is kept for it  -> sidecar_crash_cuda.json
 #
 # BUDGET_S (default 585) bounds the whole call: the last phase gets what is left of it.
 set -uo pipefail
@@ -166,10 +168,20 @@ for phase in "${@:-tests}"; do
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   sidecar-crash)
-    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/gpu/test_gpu_sidecar_crash.py 2>&1 | tail -40 | tee "$OUT/pytest_sidecar_crash.txt"
+    # the 8B model first (the benchmark's load), then the GPU test with what the benchmark leaves
+    # (SIDECAR_BENCH_S, default 330 s, kept for it), then the benchmark with the rest
+    [ "${SIDECAR_KILLS:-5}" -gt 0 ] && model_8b
+    keep=$(( ${SIDECAR_KILLS:-5} > 0 ? ${SIDECAR_BENCH_S:-330} : 0 ))
+    t=$(( $(left) - keep )); t=$(( t > 300 ? 300 : t ))
+    if [ "$t" -gt 30 ]; then
+      timeout $t python3 -m pytest -q -p no:cacheprovider -m gpu \
+          tests/gpu/test_gpu_sidecar_crash.py 2>&1 | tail -40 | tee "$OUT/pytest_sidecar_crash.txt"
+    else
+      echo "sidecar-crash: no time for the GPU test ($(left) s left, $keep kept for the benchmark)"
+    fi
     if [ "${SIDECAR_KILLS:-5}" -gt 0 ]; then
-      timeout $(left) python3 -m tools.bench_sidecar_crash --device cuda:0 --kills ${SIDECAR_KILLS:-5} \
+      timeout $(left) python3 -m tools.bench_sidecar_crash $LOAD --max-tokens ${SIDECAR_MAX_TOKENS:-128} \
+          --kills ${SIDECAR_KILLS:-5} --log-level INFO \
           --out "$OUT/sidecar_crash_cuda.json" 2>&1 | tail -30
     fi
     for f in /tmp/pytest-of-*/pytest-*/test_sigkilled_sidecar_on_vmm*[0-9]/*.log /tmp/kvh-crash-*/logs/*.log; do

@@ -129,6 +129,8 @@ class FrontendProcess(ClientSide):
         self.restore.restore(adopting=True, readmit=False)
         self._on_owner_hello(hello)
         self.stats_log = StatsLog(cfg.logs.stats_interval_s)
+        self.recoveries_total = 0       # takeovers since this frontend started (the owner counts them)
+        self._owner_recoveries: int | None = None    # the owner's count at its last Committed
         self._open_client_sockets(stack)
         self.loop.register(self.link)
         log.info("frontend for sidecar %r (pid %d, generation %d) serving on %s: %d streams adopted",
@@ -242,9 +244,17 @@ class FrontendProcess(ClientSide):
             self.send_client(key, m.AdmissionsReply(tag=tag, open=not self.frontend.closed,
                                                     closed_by=dict(self.frontend.closed)))
 
+    def _on_committed(self, msg: fl.Committed) -> None:
+        self.frontend.on_committed(msg.slots)
+        # the owner's count of takeovers, for the stats line; a restarted owner counts from 0
+        seen = self._owner_recoveries
+        if seen is not None:        # the first message gives the count this frontend starts from
+            self.recoveries_total += msg.recoveries - seen if msg.recoveries >= seen else msg.recoveries
+        self._owner_recoveries = msg.recoveries
+
     _link_handlers = {
         fl.OwnerHello: _on_owner_hello,
-        fl.Committed: lambda self, msg: self.frontend.on_committed(msg.slots),
+        fl.Committed: lambda self, msg: self._on_committed(msg),
         fl.FailRequest: _on_fail,
         fl.AdmissionsChanged: _on_admissions_changed,
         fl.ExecutorsStopped: _on_executors_stopped,
@@ -338,7 +348,7 @@ class FrontendProcess(ClientSide):
             self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
                                 running=len(fe.streams) - waiting, waiting=waiting,
                                 pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
-                                recoveries=0)
+                                recoveries=self.recoveries_total)
         self.loop.turn_ended()
 
     def close(self) -> None:

@@ -103,6 +103,7 @@ class AdmissionsAnswer:
 class Committed:
     """Tokens were committed to the journal for these slots (an executor's StepDone)."""
     slots: list[int]
+    recoveries: int = 0        # takeovers the owner's timeline has recorded (its stats line's count)
 
 
 @message("fail_request")

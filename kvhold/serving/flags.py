@@ -17,6 +17,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "endpoint (ipc://PATH, or tcp://HOST:PORT without CURVE), starting and stopping "
                         "none: its checkpoint, context length and lease apply, and sidecar flags are "
                         "refused; --model is then a local copy of its checkpoint (default: its path)")
+    p.add_argument("--http-restart-backoff-s", type=_backoff, default=(0.5, 30.0), metavar="FIRST,MAX",
+                   help="the HTTP server is restarted FIRST s after it dies, the delay doubling to at "
+                        "most MAX while it keeps dying (a run of 60 s resets it) (default 0.5,30)")
+    p.add_argument("--frontend-restart-backoff-s", type=_backoff, default=(0.1, 30.0), metavar="FIRST,MAX",
+                   help="the same for the frontend process (default 0.1,30; not with --sidecar-endpoint, "
+                        "which runs no frontend)")
+
+
+def _backoff(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"FIRST,MAX seconds, got {text!r}")
+    first, most = (_seconds(x) for x in parts)
+    if first > most:
+        raise argparse.ArgumentTypeError(f"FIRST {first} is more than MAX {most}")
+    return first, most
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

@@ -99,6 +99,8 @@ class ServeConfig:
     sse_keepalive_s: float = 10.0
     guards: HttpGuards = HttpGuards()
     sidecar_endpoint: str | None = None   # a sidecar that runs already (serve starts none)
+    http_restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S          # the supervisor's only
+    frontend_restart_backoff_s: tuple[float, float] = FRONTEND_BACKOFF_S
 
     @property
     def paths(self) -> InstancePaths:
@@ -155,7 +157,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        lease_ms=args.lease_ms, context_len=geometry.max_seq_len,
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
                        log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
-                       guards=HttpGuards.from_args(args))
+                       guards=HttpGuards.from_args(args), http_restart_backoff_s=tuple(args.http_restart_backoff_s),
+                       frontend_restart_backoff_s=tuple(args.frontend_restart_backoff_s))
 
 
 # with --sidecar-endpoint, the sidecar flags that still mean something here; the others configure
@@ -179,6 +182,8 @@ def _front_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--sidecar-endpoint {args.sidecar_endpoint!r}: ipc://PATH or tcp://HOST:PORT")
     if args.model is not None and not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model}: not a directory")
+    if tuple(args.frontend_restart_backoff_s) != FRONTEND_BACKOFF_S:
+        raise ValueError("--frontend-restart-backoff-s: with --sidecar-endpoint kvhold serve runs no frontend")
     api_key = http_flags_from_args(args)
     return ServeConfig(model=Path(args.model) if args.model is not None else None,
                        served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -186,7 +191,8 @@ def _front_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        lease_ms=0, context_len=0, start_timeout_s=args.start_timeout,
                        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
                        access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
-                       guards=HttpGuards.from_args(args), sidecar_endpoint=args.sidecar_endpoint)
+                       guards=HttpGuards.from_args(args), sidecar_endpoint=args.sidecar_endpoint,
+                       http_restart_backoff_s=tuple(args.http_restart_backoff_s))
 
 
 def front_of_sidecar(config: ServeConfig) -> ServeConfig:
@@ -326,7 +332,7 @@ class FrontendChild:
         self.config = config
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
-        self.delay = FRONTEND_BACKOFF_S[0]
+        self.delay = config.frontend_restart_backoff_s[0]
         self.restart_at: float | None = None
         self.restarts = 0
 
@@ -342,12 +348,12 @@ class FrontendChild:
         code = self.proc.poll() if self.proc is not None else None
         if code is not None and self.restart_at is None:
             if now - self.started >= HEALTHY_RUN_S:
-                self.delay = FRONTEND_BACKOFF_S[0]
+                self.delay = self.config.frontend_restart_backoff_s[0]
             log.error("the frontend pid %d %s after %.1f s: restarting it in %.1f s (the sidecar and "
                       "its executors go on; clients resume their streams)", self.proc.pid,
                       _how_it_ended(code), now - self.started, self.delay)
             self.restart_at = now + self.delay
-            self.delay = min(self.delay * 2, FRONTEND_BACKOFF_S[1])
+            self.delay = min(self.delay * 2, self.config.frontend_restart_backoff_s[1])
         if self.restart_at is not None and now >= self.restart_at:
             self.restart_at = None
             self.restarts += 1
@@ -437,7 +443,7 @@ def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild
     of anything but a clean stop (a new one re-adopts the executors, which wait for it with
     their memory: kvhold.sidecar.adoption); drain on a signal (the HTTP server first, then the
     sidecar). Exit 1 if the sidecar stops by itself or keeps dying. Returns the exit code."""
-    delay = RESTART_BACKOFF_S[0]
+    delay = config.http_restart_backoff_s[0]
     restart_at: float | None = None
     sidecar_restart_at: float | None = None
     forwarded = 0               # signals passed on to the HTTP server
@@ -482,12 +488,12 @@ def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild
         if code is not None and restart_at is None:
             ran = now - http.started
             if ran >= HEALTHY_RUN_S:
-                delay = RESTART_BACKOFF_S[0]
+                delay = config.http_restart_backoff_s[0]
             log.error("the HTTP server pid %d %s after %.1f s: restarting it in %.1f s (the sidecar "
                       "keeps its requests for its clients to resume)", http.proc.pid, _how_it_ended(code),
                       ran, delay)
             restart_at = now + delay
-            delay = min(delay * 2, RESTART_BACKOFF_S[1])
+            delay = min(delay * 2, config.http_restart_backoff_s[1])
         if restart_at is not None and now >= restart_at:
             restart_at = None
             http.start()

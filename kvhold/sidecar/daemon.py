@@ -161,7 +161,8 @@ class Sidecar(ClientSide):
                                   spare=spare == "on" or (spare == "auto" and cfg.pool.device.startswith("cuda")))
         launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
                                 settings=self.executor_settings)
-        self.deaths = RequestDeaths(self.tables, lambda *failed: self._failer.fail_request(*failed))
+        self.deaths = RequestDeaths(self.tables, lambda *failed: self._failer.fail_request(*failed),
+                                    store=self.durable.dir / "request_deaths.json")
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
                                      self.send_executor, launch, self.timeline.event, zygote, self.deaths)
         self.stats_log = StatsLog(cfg.logs.stats_interval_s)
@@ -418,8 +419,8 @@ class Sidecar(ClientSide):
             self.frontend.on_step(h, msg)
             return
         received_ns = now_ns()
-        self.link.committed(msg.slots)
         self.timeline.step_done(h.epoch, msg.marks, received_ns)
+        self.link.committed(msg.slots, self.timeline.num_recovered)
 
     def _on_recovered(self, h, msg) -> None:
         self.timeline.recovered(h.pid, h.epoch, msg.report)

@@ -104,8 +104,8 @@ class FrontendLink:
         except zmq.ZMQError as exc:
             log.warning("could not send %s to the frontend: %s", msg.TYPE, exc)
 
-    def committed(self, slots) -> None:
-        self._send(fl.Committed(slots=list(slots)))
+    def committed(self, slots, recoveries: int = 0) -> None:
+        self._send(fl.Committed(slots=list(slots), recoveries=recoveries))
 
     def fail_request(self, request_id: int, slot: int, message: str) -> None:
         log.error("%s", message)

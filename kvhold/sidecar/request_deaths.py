@@ -36,11 +36,20 @@ What this costs: after a crash, one step alone for each request that was in the 
 (about 6 ms each for Llama-3-8B on an H200); an outside kill known as it is detected costs
 none.
 The TensorRT-LLM bridge names no steps, so its deaths count against no request.
+The counts outlive the sidecar: with `store` (a file beside the durable journal) every change is
+written there (a temporary file renamed over it; no fsync: a process kill loses nothing, a machine
+crash may), and a starting sidecar reads it back, each suspect found again by its request id in
+the journal (an adopted pool, or one restored from the durable journal) at the next promotion.
+Without it a sidecar restarted between a death and the isolated re-run forgot the suspect: the
+request ran batched again and killed one more executor, with others in its step.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from kvhold.protocol.journal import Journal
@@ -55,14 +64,16 @@ OUTSIDE_KILLS = (128 + 9, 128 + 15)   # exit codes of SIGKILL and SIGTERM (128 +
 
 @dataclass(slots=True)
 class Suspect:
-    slot: int            # its journal slot
+    slot: int            # its journal slot (-1: read back from the store, not yet found in the journal)
     deaths: int
     end: int             # the KV position the step it last died in computed up to (exclusive)
+    read_back: bool = False   # counted by a previous sidecar (the store)
 
 
 class RequestDeaths:
-    def __init__(self, tables: Tables, fail: Callable[[int, int, str], None]):
-        """`fail(request_id, journal slot, message)` ends a request with an error to its client."""
+    def __init__(self, tables: Tables, fail: Callable[[int, int, str], None], store: Path | None = None):
+        """`fail(request_id, journal slot, message)` ends a request with an error to its client;
+        `store`: the file the counts are kept in across restarts (None: memory only)."""
         self.journal = Journal(tables)
         self.leases = LeaseTable(tables)
         self.fail = fail
@@ -71,6 +82,43 @@ class RequestDeaths:
         self.num_forgiven = 0                       # deaths taken back: the executor was killed from outside
         self._unsettled: dict[int, list[tuple[int, int, int, str | None]]] = {}   # epoch -> counted deaths
         self._oom_kills = oom_kills()
+        self.store = Path(store) if store is not None else None
+        self._saved: dict | None = None
+        self._load()
+
+    def _load(self) -> None:
+        if self.store is None:
+            return
+        try:
+            doc = json.loads(self.store.read_text())
+            for rid, deaths, end in doc.get("suspects", []):
+                self.suspects[int(rid)] = Suspect(slot=-1, deaths=int(deaths), end=int(end),
+                                                  read_back=True)
+            self.num_failed = int(doc.get("failed_total", 0))
+            self.num_forgiven = int(doc.get("forgiven_total", 0))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError) as exc:
+            log.error("request death counts in %s not read (%s): counting from zero", self.store, exc)
+            return
+        if self.suspects:
+            log.warning("read back the death counts of %d requests that were in the step of a dead "
+                        "executor", len(self.suspects))
+
+    def _save(self) -> None:
+        if self.store is None:
+            return
+        doc = {"suspects": [[rid, s.deaths, s.end] for rid, s in self.suspects.items()],
+               "failed_total": self.num_failed, "forgiven_total": self.num_forgiven}
+        if doc == self._saved:
+            return
+        tmp = self.store.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.store)
+            self._saved = doc
+        except OSError as exc:
+            log.error("could not keep the request death counts in %s: %s", self.store, exc)
 
     def executor_died(self, slot: int, epoch: int, cause_known: bool = False) -> list[int]:
         """The active executor of lease `slot` under `epoch` died (or hung): count a death for
@@ -87,6 +135,7 @@ class RequestDeaths:
                 continue                         # a batched step before its isolated one
             if s is None or start >= s.end:      # new, or it had run past its last death alone
                 s = self.suspects[rid] = Suspect(slot=jslot, deaths=0, end=end)
+            s.slot = jslot
             s.deaths += 1
             s.end = end
             log.warning("request %#x was in the step of a dead executor (epoch %d, step %d, KV up to "
@@ -103,6 +152,7 @@ class RequestDeaths:
         self._unsettled[epoch] = counted
         if len(self._unsettled) > 64:              # an exit never seen (a process not ours): settled as a crash
             self._settle(self._unsettled.pop(next(iter(self._unsettled))))
+        self._save()
         return []
 
     def exit_known(self, epoch: int, exit_code: int) -> list[int]:
@@ -123,6 +173,7 @@ class RequestDeaths:
                     if s.deaths <= 0:
                         del self.suspects[rid]      # nothing to isolate: the kill was not its doing
             self.num_forgiven += 1
+            self._save()
             log.info("executor of epoch %d was killed from outside (exit code %d): its death counts "
                      "against none of the %d requests in its step", epoch, exit_code, len(counted))
             return []
@@ -138,6 +189,7 @@ class RequestDeaths:
             self.num_failed += 1
             failed.append(rid)
             self.fail(rid, jslot, message)
+        self._save()
         return failed
 
     def isolate(self) -> list[list[int]]:
@@ -147,12 +199,20 @@ class RequestDeaths:
 
     def _forget_released(self) -> None:
         """Suspects whose journal slot no longer holds them have finished: forget them."""
-        for rid in [r for r, s in self.suspects.items() if not self._live(r, s.slot)]:
+        if any(s.slot < 0 for s in self.suspects.values()):   # read back: found again by request id
+            by_rid = {int(self.journal.entry(slot).request_id): int(slot) for slot in self.journal.live_slots()}
+            for rid, s in self.suspects.items():
+                if s.slot < 0:
+                    s.slot = by_rid.get(rid, -1)
+        gone = [rid for rid, s in self.suspects.items() if s.slot < 0 or not self._live(rid, s)]
+        for rid in gone:
             del self.suspects[rid]
+        if gone:
+            self._save()
 
-    def _live(self, request_id: int, slot: int) -> bool:
-        e = self.journal.entry(slot)
-        return e.request_id == request_id and e.admit_state != AdmitState.FREE and e.taken
+    def _live(self, request_id: int, s: Suspect) -> bool:
+        e = self.journal.entry(s.slot)       # one restored from the durable journal is not taken yet
+        return e.request_id == request_id and e.admit_state != AdmitState.FREE and (e.taken or s.read_back)
 
     def status(self) -> dict:
         self._forget_released()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 from itertools import islice
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from kvhold.protocol import messages as m
@@ -49,6 +50,7 @@ from kvhold.protocol.leases import now_ns
 from kvhold.sidecar import logprob_stream
 from kvhold.sidecar.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.durable_journal import FailedRecord
+from kvhold.sidecar.kept_results import KeptResults
 
 log = logging.getLogger(__name__)
 UNCLAIMED_CANCEL_S = 30.0   # a stream held this long for an owner who is not connected is cancelled
@@ -92,6 +94,8 @@ class Restore:
         self._next_check_ns = 0
         # failed (request_deaths) while its stream waited for its client: told when it resumes
         self.failed_requests: dict[int, str] = {}
+        directory = getattr(durable, "dir", None)      # results kept on disk: they outlive this process
+        self.kept = KeptResults(Path(directory) / "results") if directory is not None else None
 
     # ------------------------------------------------------------------ start-up
     def restore(self, adopting: bool = False, readmit: bool = True) -> None:
@@ -102,6 +106,7 @@ class Restore:
         running pool, kvhold.frontend.process): those are not re-admitted either, since
         executors already run; each is reported failed with the reason."""
         t0 = now_ns()
+        self._load_kept()
         records, failed = self.durable.load()
         self.failed.update((f.request_id, f) for f in failed)
         self.adopting = adopting
@@ -205,6 +210,25 @@ class Restore:
                         adopted)
         return [by_id[rid] for rid in sorted(by_id)], adopted
 
+    def _load_kept(self) -> None:
+        """The results a previous process kept for pickup (kvhold.sidecar.kept_results)."""
+        if self.kept is None:
+            return
+        now = now_ns()
+        for doc in self.kept.load():
+            try:
+                done = m.Done(**doc["done"])
+                rid = doc["request_id"]
+                finished = min(int(doc.get("finished_ns", now)), now)   # a reboot restarts the clock
+                self.unclaimed[rid] = Unclaimed(doc["identity"], list(doc["ids"]), list(doc["texts"]), done,
+                                                finished, doc.get("logprobs") or {})
+            except (TypeError, ValueError, KeyError) as exc:
+                log.error("dropped a kept result: %s", exc)
+                self.kept.remove(doc.get("request_id", -1))
+                continue
+            log.warning("request %#x: its result, kept for pickup by the previous process, waits "
+                        "for its client", rid)
+
     # ------------------------------------------------------------------ streams
     def on_first_token(self) -> None:
         if self.report and not self.report["first_token_ns"]:
@@ -223,11 +247,14 @@ class Restore:
                      st.request_id, len(ids))
             return
         self.unclaimed.pop(st.request_id, None)          # kept in the order they finished
-        self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
-                                                  now_ns(), logprobs or {})
+        kept = self.unclaimed[st.request_id] = Unclaimed(st.identity, ids, list(st.text[:len(ids)]), done,
+                                                         now_ns(), logprobs or {})
+        if self.kept is not None:
+            self.kept.save(st.request_id, kept)     # before its durable record goes
         if len(self.unclaimed) > UNCLAIMED_MAX:
             oldest = next(iter(self.unclaimed))
             del self.unclaimed[oldest]
+            self._forget_kept(oldest)
             log.warning("dropped the unclaimed result of request %#x: more than %d results wait "
                         "for pickup", oldest, UNCLAIMED_MAX)
         log.warning("request %#x finished with no client attached "
@@ -280,6 +307,7 @@ class Restore:
         parked = self.unclaimed.get(rid)
         if parked is not None and parked.identity == identity:
             del self.unclaimed[rid]
+            self._forget_kept(rid)
             index = min(max(0, index), len(parked.ids))
             self.send_client(identity, m.Tokens(request_id=rid, start=index,
                                                         ids=parked.ids[index:], texts=parked.texts[index:],
@@ -301,7 +329,12 @@ class Restore:
             if self.unclaimed[rid].finished_ns >= oldest_kept:
                 return
             del self.unclaimed[rid]
+            self._forget_kept(rid)
             log.warning("dropped the unclaimed result of request %#x after %.0f s", rid, UNCLAIMED_KEEP_S)
+
+    def _forget_kept(self, rid: int) -> None:
+        if self.kept is not None:
+            self.kept.remove(rid)
 
     def _cancel_unclaimed(self, now: int) -> None:
         """Cancel the streams held longer than `cancel_after_ns` for an owner who is not connected."""

@@ -227,3 +227,26 @@ def test_a_request_failed_while_no_frontend_runs_is_failed_for_its_client(tiny_m
         assert status["memory_owner"]["frontend"]["failed_pending"] == 0
     finally:
         sp.stop()
+
+
+@pytest.mark.slow
+def test_the_frontends_stats_line_counts_the_owners_recoveries(tiny_model, runtime_root, tmp_path):
+    """An executor SIGKILLed mid-stream: the takeover is the memory owner's, and the stats line
+    the frontend process logs counts it."""
+    sp = SplitProcesses(["--model", str(tiny_model), *FLAGS, "--lease-ms", "3000", "--stats-interval", "1"],
+                        runtime_root=runtime_root, log_dir=tmp_path)
+    sp.start()
+    try:
+        active = next(p for p, r in executor_pids(_steady(sp)).items() if r == "active")
+        with sp.new_client() as client:
+            stream = client.generate(**dict(PROMPT, max_tokens=300))
+            for _ in range(5):
+                next(stream)
+            os.kill(active, signal.SIGKILL)
+            stream.result()
+            time.sleep(2.5)             # a stats line after the takeover's first step
+        assert len(sp.status()["recoveries"]) == 1
+        log = (tmp_path / "frontend-1.log").read_text()
+        assert "generation throughput" in log and ", recoveries 1" in log, log[-3000:]
+    finally:
+        sp.stop()

@@ -62,6 +62,38 @@ def test_a_request_that_kills_its_executors_fails_after_two_deaths_and_the_other
 
 
 
+def test_a_death_counted_before_the_sidecar_is_sigkilled_still_counts_after_its_restart(
+        tiny_model, start_sidecar, tmp_path):
+    """The query of death kills its executor once, then the sidecar and its processes are
+    SIGKILLed before the re-run alone: the restarted sidecar (a fresh pool, the requests from the
+    durable journal) reads the count back, runs the request's step alone at once and fails it at
+    its second death, with the request beside it never again in a dead step."""
+    import signal
+    flags = ["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--lease-ms", "3000",
+             "--journal-dir", str(tmp_path / "journal")]
+    env = {"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"}
+    first = start_sidecar(flags, env=env)
+    first.wait_steady(standbys=0, timeout=120)
+    with first.new_client(timeout=120) as client:
+        reference = client.generate(**GOOD).result().token_ids
+        good = client.generate(**GOOD)
+        bad = client.generate(**BAD)
+        deadline = time.monotonic() + 60
+        while first.status()["request_deaths"]["suspects"] < 1:    # the first death counted
+            assert time.monotonic() < deadline, "no death counted"
+            time.sleep(0.02)
+        assert len(_deaths(first)) == 1            # the replacement (a cold start) has not run it yet
+        os.killpg(first.proc.pid, signal.SIGKILL)  # the sidecar and every process with it
+        first.proc.wait()
+        second = start_sidecar(flags, instance=first.instance, env=env)
+        with pytest.raises(RequestFailed) as failure:
+            bad.result()
+        assert good.result().token_ids == reference
+    assert "died 2 times" in str(failure.value)
+    assert len(_deaths(second)) == 1, _deaths(second)        # not batched again: one death, alone
+    assert second.status()["request_deaths"]["failed_total"] == 1
+
+
 def test_the_sidecar_refuses_a_tokenizer_larger_than_the_vocabulary(tiny_model, runtime_root, tmp_path):
     """The cause of such a request, refused before any executor runs: one clear line, exit 2."""
     from tokenizers import Tokenizer

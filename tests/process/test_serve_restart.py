@@ -230,3 +230,44 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path):
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model, tmp_path):
+    """The HTTP server dies mid-stream, the request ends with no client (its result kept for
+    pickup, its durable record and journal slot gone), then the frontend is SIGKILLed too: the
+    restarted frontend still hands the result over to the client that resumes."""
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024",
+                 "--journal-dir", str(tmp_path / "journal"))
+    try:
+        reference = whole(srv, "/v1/chat/completions", CHAT)
+        before = srv.sidecar_status()
+        frontend_pid = before["frontend"]["pid"]
+        with httpx.stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as r:
+            assert r.status_code == 200
+            part = Events(r).read(3)
+            os.kill(srv.proc.pid, signal.SIGSTOP)     # no restarts until both are dead
+            try:
+                os.kill(http_child(srv), signal.SIGKILL)
+                part.read()
+                rid = int(part.events[-1][0].split("-")[0], 16)
+                wait_until(lambda: rid in [u["request_id"] for u in srv.sidecar_status()["pool_restart"]["unclaimed"]],
+                           60, 0.1, what="the chat to finish unclaimed")
+                os.kill(frontend_pid, signal.SIGKILL)
+                wait_until(lambda: not _alive(frontend_pid), 10, 0.05, what="the frontend to die")
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+        last = part.events[-1][0]
+        srv.wait_healthy(timeout=60)
+        with httpx.stream("GET", f"{srv.base}/v1/streams/{rid:x}", headers={"Last-Event-ID": last},
+                          timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            rest = Events(r).read().events
+        assert rest[-1] == (None, "[DONE]")
+        assert comparable(part.events + rest) == comparable(reference)     # nothing skipped or repeated
+        after = srv.sidecar_status()
+        assert after["frontend"]["pid"] != frontend_pid
+        assert after["pid"] == before["pid"] and executor_pids(after) == executor_pids(before)
+        assert after["pool_restart"]["unclaimed_total"] == 0                # picked up
+        assert not list((tmp_path / "journal").rglob("*.kept"))           # its file went with it
+    finally:
+        srv.stop()

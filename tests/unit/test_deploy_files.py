@@ -189,7 +189,18 @@ def test_systemd_unit_runtime_dir_and_stop(path):
         assert svc.get("RuntimeDirectoryMode") == "0700"
         assert svc.get("RuntimeDirectoryPreserve") == "yes"
         # SIGTERM to the main process only: it stops its children in order (drain first).
-        assert svc.get("KillMode") == "mixed", f"{path.name}: KillMode=mixed, or the executors get SIGTERM at once"
+        if command == "serve":     # serve restarts a dead sidecar itself; systemd acts once serve is gone
+            assert svc.get("KillMode") == "mixed", f"{path.name}: KillMode=mixed, or the executors get SIGTERM at once"
+        else:
+            # nothing above the sidecar but systemd: a dead sidecar's executors must be left alive,
+            # waiting with their memory, for the restarted sidecar to re-adopt them
+            assert svc.get("KillMode") == "process", \
+                f"{path.name}: KillMode=process, or systemd kills the executors (and the memory) with a dead sidecar"
+            assert svc.get("Restart") in ("on-failure", "always"), f"{path.name}: restart a sidecar that dies"
+            wait_s = (args.get("sidecar_wait_ms") or 30_000) / 1000
+            restart_s = float(svc.get("RestartSec", "0.1").rstrip("s"))
+            assert restart_s + 10 < wait_s, \
+                f"{path.name}: RestartSec={restart_s:g} + a start must stay under --sidecar-wait-ms ({wait_s:g} s)"
         stop_s = float(svc.get("TimeoutStopSec", "90").rstrip("s"))
         need = SERVE_STOP_AFTER_DRAIN_S + (args.get("drain_timeout") or DEFAULT_DRAIN_S) if command == "serve" else 15
         assert stop_s > need, f"{path.name}: TimeoutStopSec={stop_s:g} must exceed {need:g} s"
