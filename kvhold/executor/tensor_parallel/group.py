@@ -168,10 +168,7 @@ def _rank_main(state: Path, rank: int, epoch: int) -> int:
         if meta.step_delay_s:
             time.sleep(meta.step_delay_s)
     beats[rank] = time.time()
-    dist.barrier()
-    print(f"done {rank}", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return 0                                   # no closing collective: the owner ends the group
 
 
 # ---------------------------------------------------------------- the owner
@@ -195,7 +192,7 @@ class GroupOwner:
     """Owns a group's state and runs groups over it: an active one and a hot standby."""
     state: Path
     meta: Meta
-    hang_s: float = 2.0
+    hang_s: float = 5.0
     standby: bool = True
     groups: list[Group] = field(default_factory=list)
     takeovers: list[Takeover] = field(default_factory=list)
@@ -285,6 +282,7 @@ class GroupOwner:
         spare = self._spawn(epoch + 1) if self.standby else None
         self._activate(active)
         beats = _beats(self.state, self.meta, "r")
+        target = np.array([len(p) + self.meta.max_new for p in self.meta.prompts])
         deadline = time.monotonic() + timeout_s
         self.fault_at: float | None = None
         pending: tuple[float, float, str, np.ndarray] | None = None
@@ -295,8 +293,8 @@ class GroupOwner:
                 if on_tick is not None:
                     on_tick(self, active)
                 codes = [p.poll() for p in active.procs]
-                if all(c == 0 for c in codes):
-                    break
+                if all(c == 0 for c in codes) or (self.committed() >= target).all():
+                    break                      # every token committed: the group's work is done
                 now = time.time()
                 why = None
                 if any(c is not None and c != 0 for c in codes):
@@ -307,19 +305,23 @@ class GroupOwner:
                     fault, detected, reason, _ = pending
                     self.takeovers.append(Takeover(detected - fault, time.time() - fault, reason))
                     pending = None
+                    if self.standby and spare is None:   # the next standby, once the group resumed
+                        spare = self._spawn(active.epoch + 1)
                 if why is None:
                     time.sleep(0.002)
                     continue
                 detected = time.time()
                 self.kill(active)              # the whole group: peers stuck in a collective too
-                if spare is None:
+                if spare is None and not self.standby:
                     raise RuntimeError(f"group {active.epoch} failed ({why}) and no standby group is kept")
+                if spare is None:                  # a fault before the standby was replaced: a cold one
+                    spare = self._spawn(active.epoch + 1)
                 before = self.committed().copy()
                 if pending is not None:        # a fault before the previous takeover resumed
                     self.takeovers.append(Takeover(pending[1] - pending[0], None, pending[2]))
                 fault = self.fault_at if self.fault_at is not None else detected
                 self.fault_at = None
-                active, spare = spare, self._spawn(spare.epoch + 1)
+                active, spare = spare, None
                 self._activate(active)
                 pending = (fault, detected, why, before)
             if pending is not None:
