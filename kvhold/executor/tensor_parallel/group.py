@@ -178,6 +178,7 @@ class Group:
     epoch: int
     procs: list[subprocess.Popen]
     ready: bool = False
+    _seen: int = 0           # ranks whose "ready" line was read
 
 
 @dataclass
@@ -242,8 +243,10 @@ class GroupOwner:
 
     @staticmethod
     def _wait_ready(g: Group, timeout: float = 300.0) -> None:
+        if g.ready:
+            return
         deadline = time.monotonic() + timeout
-        for p in g.procs:
+        for p in g.procs[g._seen:]:
             line = ""
             while not line.startswith("ready"):
                 if time.monotonic() > deadline or p.poll() is not None:
@@ -252,6 +255,22 @@ class GroupOwner:
                 if r:
                     line = p.stdout.readline()
         g.ready = True
+
+    def standby_ready(self) -> bool:
+        """Whether a standby group is kept and every rank of it is ready (does not block)."""
+        g = getattr(self, "spare", None)
+        if g is None:
+            return False
+        if not g.ready:
+            for i, p in enumerate(g.procs):
+                if i < g._seen:
+                    continue
+                r, _, _ = select.select([p.stdout], [], [], 0)
+                if not r or not p.stdout.readline().startswith("ready"):
+                    return False
+                g._seen = i + 1
+            g.ready = True
+        return True
 
     def _activate(self, g: Group) -> None:
         self._wait_ready(g)
@@ -279,7 +298,7 @@ class GroupOwner:
         poll (a test's or benchmark's fault injector). Returns each sequence's output tokens."""
         epoch = int(_lease(self.state)[0]) + 1
         active = self._spawn(epoch)
-        spare = self._spawn(epoch + 1) if self.standby else None
+        self.spare = spare = self._spawn(epoch + 1) if self.standby else None
         self._activate(active)
         beats = _beats(self.state, self.meta, "r")
         target = np.array([len(p) + self.meta.max_new for p in self.meta.prompts])
@@ -306,7 +325,7 @@ class GroupOwner:
                     self.takeovers.append(Takeover(detected - fault, time.time() - fault, reason))
                     pending = None
                     if self.standby and spare is None:   # the next standby, once the group resumed
-                        spare = self._spawn(active.epoch + 1)
+                        self.spare = spare = self._spawn(active.epoch + 1)
                 if why is None:
                     time.sleep(0.002)
                     continue
@@ -322,6 +341,7 @@ class GroupOwner:
                 fault = self.fault_at if self.fault_at is not None else detected
                 self.fault_at = None
                 active, spare = spare, None
+                self.spare = None
                 self._activate(active)
                 pending = (fault, detected, why, before)
             if pending is not None:

@@ -15,31 +15,10 @@ import torch
 
 from kvhold.protocol.layout import KvGeometry
 from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.tensor_parallel import tensor_parallel_refusal
 
 COLUMN = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-
-
-def tensor_parallel_refusal(spec: ModelSpec | None, size: int, device: str = "cpu") -> str | None:
-    """Why a group of `size` ranks cannot serve `spec` on `device` (None: it can)."""
-    if size < 1:
-        return f"--tensor-parallel-size must be at least 1, got {size}"
-    if size == 1:
-        return None
-    if device != "cpu":
-        return (f"--tensor-parallel-size {size} on {device}: tensor-parallel groups run on CPU (gloo) "
-                "only; a CUDA group needs an NCCL communicator, which kvhold does not build yet")
-    if spec is None:
-        return None
-    for what, n in (("attention heads", spec.num_heads), ("KV heads", spec.num_kv_heads),
-                    ("MLP intermediate size", spec.intermediate_size)):
-        if n % size:
-            return (f"--tensor-parallel-size {size}: the model's {what} ({n}) do not divide by {size} "
-                    "(each rank holds an equal share)")
-    if spec.fused_tensors:
-        return (f"--tensor-parallel-size {size}: {spec.model_type} stores q|k|v and gate|up fused; "
-                "kvhold shards separate q/k/v/gate/up tensors only")
-    return None
 
 
 @dataclass(frozen=True, slots=True)
