@@ -361,7 +361,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--epoch", type=int, required=True)
     a = ap.parse_args(argv)
-    return _rank_main(a.state, a.rank, a.epoch)
+    try:
+        return _rank_main(a.state, a.rank, a.epoch)
+    except RuntimeError as exc:                # a collective broken by a peer's death: the group is over
+        print(f"rank {a.rank} of group {a.epoch}: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
