@@ -66,7 +66,8 @@ class Faults:
         if not self.plan:
             return
         after, rank, sig = self.plan[0]
-        if owner.committed()[0] - len(PROMPTS[0]) >= after and all(p.poll() is None for p in group.procs):
+        fresh = not self.sent or group.epoch > self.sent[-1][0]     # one fault per group
+        if fresh and owner.committed()[0] - len(PROMPTS[0]) >= after and all(p.poll() is None for p in group.procs):
             owner.fault_at = time.time()
             os.kill(group.procs[rank].pid, sig)
             self.sent.append((group.epoch, rank, sig))
@@ -114,3 +115,14 @@ def test_fenced_group_publishes_nothing(tiny_model, state):
         p.stdin.flush()
     assert [p.wait(timeout=60) for p in stale.procs] == [FENCED_EXIT, FENCED_EXIT]
     assert np.array_equal(before, _tables(state, owner.meta, "r"))
+
+
+def test_fault_during_takeover(tiny_model, state, references):
+    """A rank of the standby group dies the moment its group takes over, before it commits
+    anything: a third group (started cold, no standby was ready yet) resumes."""
+    faults = Faults([(8, 0, signal.SIGKILL), (-10**9, 1, signal.SIGKILL)])
+    owner, out = _run(tiny_model, state, 2, standby=True, on_tick=faults)
+    assert [e for e, _, _ in faults.sent] == [1, 2]
+    assert len(owner.takeovers) == 2
+    assert owner.takeovers[0].resumed_s is None and owner.takeovers[1].resumed_s is not None
+    assert out == references[2]
