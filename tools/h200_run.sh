@@ -45,6 +45,11 @@
 #                  benchmark on LOAD (Llama-3-8B, 64 streams, 512-2048-token prompts, hot standby;
 #                  SIDECAR_MAX_TOKENS, default 128, tokens each), SIDECAR_KILLS (default 5; 0 skips
 #                  it) kills; SIDECAR_BENCH_S (330) of the budget is kept for it  -> sidecar_crash_cuda.json
+#   recovery-tp    a tensor-parallel group (TP, default 2; needs that many GPUs): SIGKILL of a random rank
+#                  (TP_KILLS, default 10), kill -> first resumed token, 64 streams (tools/bench_recovery_tp.py)
+#                                                                             -> recovery_cuda_tp${TP}.json
+#                  The benchmark refuses CUDA, saying why, until kvhold builds NCCL groups (docs/ARCHITECTURE.md
+#                  section 10); it was written for Llama-3-70B shapes (random bf16) at TP=2.
 #
 # BUDGET_S (default 585) bounds the whole call: the last phase gets what is left of it.
 set -uo pipefail
@@ -187,6 +192,16 @@ for phase in "${@:-tests}"; do
     for f in /tmp/pytest-of-*/pytest-*/test_sigkilled_sidecar_on_vmm*[0-9]/*.log /tmp/kvh-crash-*/logs/*.log; do
       [ -f "$f" ] && tail -c 200000 "$f" | gzip > "$OUT/$(basename "$(dirname "$f")")-$(basename "$f").gz"
     done
+    ;;
+  recovery-tp)
+    gpus=$(nvidia-smi -L | wc -l)
+    if [ "$gpus" -lt "${TP:-2}" ]; then
+      echo "recovery-tp: TP=${TP:-2} needs ${TP:-2} GPUs, this machine has $gpus" | tee "$OUT/recovery_tp.txt"
+    else
+      timeout $(left) python3 -m tools.bench_recovery_tp --device cuda --tensor-parallel-size ${TP:-2} \
+          --kills ${TP_KILLS:-10} --requests 64 --out "$OUT/recovery_cuda_tp${TP:-2}.json" 2>&1 | tail -30 \
+          | tee "$OUT/recovery_tp.txt"
+    fi
     ;;
   *)
     echo "unknown phase: $phase (see the head of tools/h200_run.sh)"; exit 2

@@ -78,6 +78,7 @@ class PoolConfig:
     kv_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None   # share of the GPU for weights + KV (+ reserve)
     page_tokens: int = 16
+    tensor_parallel_size: int = 1    # ranks one model is split across (kvhold.protocol.tensor_parallel)
     max_seq_len: int | None = None
     max_requests: int = 256
     max_logprobs: int = 20           # top log-probs a request may ask for per token (0: no log-probs)
@@ -121,6 +122,11 @@ class PoolConfig:
         _check(self.compute_dtype is None or self.compute_dtype in KV_DTYPE_CODES,
                f"pool.compute_dtype must be one of {sorted(KV_DTYPE_CODES)}", "pool.compute_dtype")
         self._check_device()
+        if self.tensor_parallel_size != 1:
+            from kvhold.protocol.tensor_parallel import sidecar_refusal
+
+            why = sidecar_refusal(self.tensor_parallel_size, self.model, self.device)
+            _check(why is None, why or "", "pool.tensor_parallel_size")
 
     def _check_device(self) -> None:
         _check(self.device == "cpu" or self.device.startswith("cuda"),

@@ -94,6 +94,11 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                          "less the weights and a 3 GiB reserve per executor (active and standbys), "
                          "as vLLM's flag of the same name")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="ranks one model is split across (vLLM's name; default 1). Checked against the "
+                        "model (heads, KV heads and MLP width divide by N); N > 1 is refused for now: "
+                        "the sidecar does not yet run executor groups (docs/ARCHITECTURE.md, "
+                        "\"Tensor-parallel groups\")")
     p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
                    help="longest sequence (prompt + output); default min(model context, 4096) "
                         "(--max-model-len: vLLM's name)")
@@ -218,6 +223,7 @@ def add_tcp_args(p: argparse.ArgumentParser) -> None:
 SETTINGS = {
     "pool.model": "model", "pool.backend": "backend", "pool.device": "device",
     "pool.kv_pages": "kv_pages", "pool.kv_memory_bytes": "kv_memory", "pool.page_tokens": "page_tokens",
+    "pool.tensor_parallel_size": "tensor_parallel_size",
     "pool.gpu_memory_utilization": "gpu_memory_utilization",
     "pool.max_seq_len": "max_seq_len", "pool.max_requests": "max_requests",
     "pool.max_logprobs": "max_logprobs",

@@ -1,0 +1,47 @@
+"""Whether a tensor-parallel size can serve a model: the checks `kvhold sidecar`, `kvhold
+serve` (`pool.tensor_parallel_size`) and the executor groups (kvhold.executor.tensor_parallel)
+share. Each rank holds an equal share of the attention heads, the KV heads and the MLP's
+intermediate width."""
+from __future__ import annotations
+
+from kvhold.protocol.model_spec import CheckpointError, ModelSpec
+
+
+def tensor_parallel_refusal(spec: ModelSpec | None, size: int, device: str = "cpu") -> str | None:
+    """Why a group of `size` ranks cannot serve `spec` on `device` (None: it can)."""
+    if size < 1:
+        return f"pool.tensor_parallel_size must be at least 1, got {size}"
+    if size == 1:
+        return None
+    if device != "cpu":
+        return (f"pool.tensor_parallel_size {size} on {device}: tensor-parallel groups run on CPU (gloo) "
+                "only; a CUDA group needs an NCCL communicator, which kvhold does not build yet")
+    if spec is None:
+        return None
+    for what, n in (("attention heads", spec.num_heads), ("KV heads", spec.num_kv_heads),
+                    ("MLP intermediate size", spec.intermediate_size)):
+        if n % size:
+            return (f"pool.tensor_parallel_size {size}: the model's {what} ({n}) do not divide by {size} "
+                    "(each rank holds an equal share)")
+    if spec.fused_tensors:
+        return (f"pool.tensor_parallel_size {size}: {spec.model_type} stores q|k|v and gate|up fused; "
+                "kvhold shards separate q/k/v/gate/up tensors only")
+    return None
+
+
+def sidecar_refusal(size: int, model_dir, device: str) -> str | None:
+    """Why `kvhold sidecar` / `kvhold serve` cannot run `pool.tensor_parallel_size size` (None: it can,
+    size 1). The size is checked against the model first, so a size that could never work says so."""
+    if size == 1:
+        return None
+    spec = None
+    if model_dir is not None and size > 1:
+        try:
+            spec = ModelSpec.from_dir(model_dir)
+        except (CheckpointError, OSError, ValueError):   # reported by the checks of the model itself
+            spec = None
+    if (why := tensor_parallel_refusal(spec, size, device)) is not None:
+        return why
+    return (f"pool.tensor_parallel_size {size}: the model splits across {size} ranks, but the sidecar does "
+            "not yet run executor groups (per-rank regions and group takeover exist in "
+            "kvhold.executor.tensor_parallel.group, run by tools/bench_recovery_tp.py); use 1")
