@@ -415,6 +415,7 @@ class Sidecar(ClientSide):
     }
 
     def _on_step(self, h, msg: m.StepDone) -> None:
+        self.supervisor.step_done(h)
         if self.link is None:
             self.frontend.on_step(h, msg)
             return

@@ -65,7 +65,7 @@ from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
 log = logging.getLogger(__name__)
-TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; `takeover_done` or the active's fence ends it sooner
+TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; the first step after `takeover_done`, or the active's fence, ends it sooner
 FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
 RESPAWN_LOOP_DEATHS = 3              # deaths without a ready executor in between: a respawn loop
 
@@ -141,6 +141,7 @@ class Supervisor:
         self._failures: collections.deque = collections.deque(maxlen=32)
         self._next_spawn_ns = 0
         self._takeover_until_ns = 0   # re-arming waits while a promoted standby takes over
+        self._takeover_reported = False   # ... and then for its first step (step_done)
         self._stopping = False
         self._last_ready_ns = 0
         self._spawn_error: str | None = None   # why the last spawn failed; None once one succeeds
@@ -398,8 +399,17 @@ class Supervisor:
             self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
 
     def takeover_done(self) -> None:
-        """The promoted executor reported its takeover: re-arm standbys now."""
-        self._takeover_until_ns = 0
+        """The promoted executor reported its takeover (validated and resumed, before its first
+        step): re-arming waits on for that step, so a new standby's start (its context, its
+        mappings, its warm-up on the same GPU) does not compete with the first resumed token."""
+        self._takeover_reported = True
+
+    def step_done(self, h: ExecutorHandle) -> None:
+        """The active executor published a step: after a reported takeover, re-arm standbys now.
+        With nothing to step, TAKEOVER_GRACE_NS ends the wait."""
+        if self._takeover_reported and h.slot == self.active_slot:
+            self._takeover_reported = False
+            self._takeover_until_ns = 0
 
     def on_bye(self, h: ExecutorHandle, msg: m.Bye) -> None:
         h.stopping = True
@@ -420,8 +430,9 @@ class Supervisor:
         return recent[-1] if recent else None
 
     def promote(self, h: ExecutorHandle, fenced_epoch: int, detect_ns: int) -> None:
-        if fenced_epoch:  # a failover: give the takeover the CPU before starting a new standby
+        if fenced_epoch:  # a failover: give the takeover the CPU and GPU before starting a new standby
             self._takeover_until_ns = now_ns() + TAKEOVER_GRACE_NS
+            self._takeover_reported = False
         self.leases.set_role(h.slot, Role.ACTIVE)
         self.active_slot = h.slot
         isolate = self.deaths.isolate() if self.deaths is not None else None
@@ -473,6 +484,7 @@ class Supervisor:
         if was_active:
             self.active_slot = None
             self._takeover_until_ns = 0   # whatever takeover ran is over: re-arming may start now
+            self._takeover_reported = False
             if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
                 # before the successor is promoted; a death is settled by its exit status (on_exit)
                 self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
