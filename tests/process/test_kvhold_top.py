@@ -95,9 +95,11 @@ def test_top_shows_executors_pages_and_a_recovery(sidecar):
     assert str(rec["pid"]) in out.stdout
 
 
-def _read_until(fd, needle: bytes, timeout_s: float) -> bytes:
+def _read_until(fd, needle: bytes | tuple[bytes, ...], timeout_s: float) -> bytes:
+    """What the terminal shows until every needle has appeared (a frame may arrive in pieces)."""
+    needles = (needle,) if isinstance(needle, bytes) else needle
     out, deadline = b"", time.monotonic() + timeout_s
-    while needle not in out and time.monotonic() < deadline:
+    while not all(n in out for n in needles) and time.monotonic() < deadline:
         if select.select([fd], [], [], 0.2)[0]:
             try:
                 out += os.read(fd, 65536)
@@ -119,7 +121,7 @@ def test_live_top_marks_a_silent_sidecar_stale_and_quits_on_q(sidecar):
         assert b"KV page pool" in _read_until(master, b"KV page pool", 30)
         os.kill(sidecar.proc.pid, signal.SIGSTOP)
         try:
-            shown = _read_until(master, b"STALE", 20)
+            shown = _read_until(master, (b"STALE: the sidecar has not answered for", b"executors"), 20)
         finally:
             os.kill(sidecar.proc.pid, signal.SIGCONT)
         assert b"STALE: the sidecar has not answered for" in shown and b"executors" in shown
