@@ -59,8 +59,9 @@ def summarize(values) -> dict | None:
 
 
 def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, reference,
-          requests, start_timeout: float = 120) -> tuple[dict, SidecarProcess]:
+          requests, start_timeout: float = 120, spare: bool = False) -> tuple[dict, SidecarProcess]:
     current.wait_steady(standbys=1, timeout=start_timeout)
+    waiting = current.spare(log_path=logs / f"sidecar-{index + 1}.log", timeout=start_timeout) if spare else None
     before = {e["pid"]: e["role"] for e in current.status()["executors"]}
     client = current.new_client(timeout=start_timeout)
     streams = submit_requests(client, requests)
@@ -83,8 +84,11 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
     os.kill(current.proc.pid, signal.SIGKILL)          # the sidecar alone
     current.proc.wait()
     reaped_ns[0] = time.monotonic_ns()
-    nxt = SidecarProcess(flags, instance=current.instance, runtime_root=root,
-                         log_path=logs / f"sidecar-{index + 1}.log").start(timeout=start_timeout)
+    if waiting is not None:        # it takes the lock the moment the kill lands
+        nxt = waiting.wait_serving(timeout=start_timeout)
+    else:
+        nxt = SidecarProcess(flags, instance=current.instance, runtime_root=root,
+                             log_path=logs / f"sidecar-{index + 1}.log").start(timeout=start_timeout)
     answered_ns = time.monotonic_ns()
     attached_ns = None
     deadline = time.monotonic() + start_timeout
@@ -114,6 +118,10 @@ def trial(current: SidecarProcess, flags, root: Path, logs: Path, index: int, re
         "requests_adopted": st["pool_restart"]["restore"].get("requests_adopted"),
         "weights_loaded": st["weights"].get("load_ms") is not None,
         "hand_back": (st.get("adoption") or {}).get("hand_back"),
+        "spare": waiting is not None,
+        # the new sidecar's start, from taking the lock to re-adopting the pool (its own clock)
+        "adoption_ms": (st.get("adoption") or {}).get("ms"),
+        "spare_lock_taken_ms": ms((st.get("spare") or {}).get("lock_taken_ns")),
     }
     return row, nxt
 
@@ -134,6 +142,9 @@ def write(out: dict, rows: list[dict], path: Path, partial: bool) -> None:
         "first_token_after_answer_ms": summarize([r["first_token_after_answer_ms"] for r in rows
                                                   if r["first_token_after_answer_ms"] is not None]),
         "executors_attached_ms": summarize([r["executors_attached_ms"] for r in rows if r["executors_attached_ms"]]),
+        "adoption_ms": summarize([r["adoption_ms"] for r in rows if r.get("adoption_ms") is not None]),
+        "spare_lock_taken_ms": summarize([r["spare_lock_taken_ms"] for r in rows
+                                          if r.get("spare_lock_taken_ms") is not None]),
         "requests": sum(r["requests"] for r in rows), "lost": sum(r["requests"] - r["completed"] for r in rows),
         "differing": sum(r["completed"] - r["identical"] for r in rows),
         "tokens_recomputed": sum(r["tokens_recomputed"] for r in rows),
@@ -168,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=None,
                     help="seconds for a sidecar to answer, executors to attach (default 120; 600 with --model)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spare", action=argparse.BooleanOptionalAction, default=True,
+                    help="a spare sidecar (`kvhold sidecar --spare`) waits before each kill and takes "
+                         "over (the default); --no-spare starts a new sidecar after the kill")
     args = ap.parse_args(argv)
     if args.kv_pages and args.kv_memory:
         ap.error("--kv-pages and --kv-memory both size the pool: give one")
@@ -206,7 +220,7 @@ def main(argv=None) -> int:
     out = {"command": "python -m tools.bench_sidecar_crash " + " ".join(argv or os.sys.argv[1:]),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
            "device": args.device, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()},
-           "model": str(model), "flags": flags,
+           "model": str(model), "flags": flags, "spare": args.spare,
            "requests": requests if args.requests is None else
            {"n": len(requests), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "prompt_tokens": [len(r["prompt_ids"]) for r in requests]},
@@ -220,7 +234,7 @@ def main(argv=None) -> int:
         with sc.new_client(timeout=start_timeout) as c:
             reference = [r.token_ids for r in wait_all(submit_requests(c, requests))]
         for i in range(args.kills):
-            row, sc = trial(sc, flags, root, logs, i, reference, requests, start_timeout)
+            row, sc = trial(sc, flags, root, logs, i, reference, requests, start_timeout, spare=args.spare)
             rows.append(row)
             write(out, rows, args.out, partial=i + 1 < args.kills)      # kept if the run is cut short
             print(f"kill {i + 1}/{args.kills}: answered {row['answered_ms']:.0f} ms, attached "
@@ -231,6 +245,7 @@ def main(argv=None) -> int:
             pids = [e["pid"] for e in sc.status()["executors"]]
         except Exception:  # noqa: BLE001 - a sidecar that does not answer: its group goes anyway
             pids = []
+        pids += sc.paths.spare_pids()      # a spare left waiting would take over from this stop
         sc.stop(signal.SIGKILL)
         for pid in pids:
             try:

@@ -40,7 +40,7 @@ def cmd_sidecar(args) -> int:
     setup_logging(args.log_level, role="sidecar")
     try:
         config = sidecar_config_from_args(args)
-        return run_sidecar(config, external_frontend=args.external_frontend)
+        return run_sidecar(config, external_frontend=args.external_frontend, spare=args.spare)
     except (ValueError, InstanceBusy, PermissionError, ShmCapacityError) as exc:
         print(f"kvhold sidecar: {exc}", file=sys.stderr)
         return 2
@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve no client: own the memory and supervise the executors only, while "
                         "`kvhold frontend` (same instance and flags) serves the clients in its own "
                         "process, which may die and be restarted without touching them")
+    p.add_argument("--spare", action="store_true",
+                   help="start as a spare: load the code, the checkpoint's description and the "
+                        "tokenizer, then wait, holding nothing, until the sidecar now serving this "
+                        "instance dies, and take over at once (its memory, executors and requests, "
+                        "as a restarted sidecar would), without a new process's start-up. A clean "
+                        "stop of that sidecar does not wake it; give it the same flags")
     p.set_defaults(func=cmd_sidecar)
 
     p = sub.add_parser("frontend", help="the client-facing frontend of a `kvhold sidecar --external-frontend`",

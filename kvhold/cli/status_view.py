@@ -22,6 +22,12 @@ def print_status(status: dict, console: Console | None = None) -> None:
         console.print(f"frontend: pid {frontend['pid']}, its own process, up {frontend['uptime_s']:.0f}s, "
                       f"{(owner.get('frontend') or {}).get('sessions', '?')} frontend session(s) seen by the sidecar"
                       + ("" if frontend.get("owner_answered") else "; [bold red]the sidecar does not answer[/]"))
+    spares = status.get("spares")
+    if spares is not None:      # sidecars waiting to take over (kvhold sidecar --spare)
+        console.print("spare sidecar: " + (", ".join(f"pid {pid} waiting" for pid in spares) if spares
+                                           else "none (a sidecar crash waits for a new process's start)"))
+    if status.get("spare"):
+        console.print(f"took over as a spare from sidecar pid {status['spare']['previous_pid']}")
     protection = status.get("protection") or {}
     if protection.get("ok") is False:
         console.print(f"[bold red]unprotected[/]: {protection.get('reason')}")

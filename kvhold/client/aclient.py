@@ -35,7 +35,7 @@ import zmq.asyncio
 from kvhold.protocol import messages as m, wire
 from kvhold.client.client import (RECONNECT_EVENTS, RESUME_AFTER_S, GenerationResult, ReconnectWatch, TokenEvent,
                                   TokenLogprob, hear_keepalive, result_of, resume_all, resume_message, shut_sockets,
-                                  take_tokens)
+                                  dealer_socket, take_tokens)
 from kvhold.protocol.curve import apply_client_curve
 from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
 from kvhold.protocol.naming import InstancePaths
@@ -129,10 +129,7 @@ class AsyncClient:
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # A stable identity keeps ownership of our requests across reconnects.
-        self._sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+        self._sock = dealer_socket(self._ctx, identity)
         if curve_server_key is not None:
             try:
                 apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)

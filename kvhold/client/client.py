@@ -42,6 +42,20 @@ from kvhold.protocol.sampling import RequestInput
 RESUME_AFTER_S = 1.0   # silence (two missed keepalives) after which open streams are re-attached
 # the monitor's events: a new connection is usable once its handshake succeeded
 RECONNECT_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+# a dropped connection is tried again after 10 ms, doubling to 0.5 s: a restarted sidecar (a
+# spare takes over within ~20 ms of the crash) is reached at once, not after ZeroMQ's 100 ms
+RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 10, 500
+
+
+def dealer_socket(ctx: zmq.Context, identity: bytes | None):
+    """The SDK's socket to a sidecar: no linger, a stable identity, prompt reconnects."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # A stable identity keeps ownership of our requests across reconnects.
+    sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    return sock
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +258,7 @@ class Client:
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # A stable identity keeps ownership of our requests across reconnects.
-        self._sock.setsockopt(zmq.ROUTING_ID, identity or os.urandom(16))
+        self._sock = dealer_socket(self._ctx, identity)
         if curve_server_key is not None:
             try:
                 apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)

@@ -62,7 +62,10 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 ZOMBIE_KEEP_S = 2.0     # an exited child stays a zombie this long before it is reaped
 TASK_DIR = "/proc/self/task"
-SPARE_DELAY_S = 5.0     # the next spare is forked this long after one was handed a request
+# the next spare is forked this long after one was handed a request: the replacement has taken
+# over and run its first steps by then (~0.2-0.6 s on the H200), and the spare is warm about
+# 0.8 s later, so a kill two seconds after the last one finds one
+SPARE_DELAY_S = 1.0
 SPARE_FAILURES = 3      # spares that die before their request, in a row, before none is made
 CUDA_ENV = ("CUDA_", "NVIDIA_", "PYTORCH_CUDA", "TORCH_CUDA")   # set at a CUDA context's creation
 

@@ -97,6 +97,14 @@ class InstancePaths:
     def state_file(self) -> Path:
         return self.runtime_dir / "sidecar.json"
 
+    def spare_file(self, pid: int) -> Path:
+        """Where a spare sidecar (`kvhold sidecar --spare`) says it waits: the holder it waits on."""
+        return self.runtime_dir / f"spare-{pid}"
+
+    def spare_pids(self) -> list[int]:
+        """The spares that say they wait (their processes may have died since)."""
+        return sorted(int(p.name[6:]) for p in self.runtime_dir.glob("spare-*") if p.name[6:].isdigit())
+
     @property
     def control_endpoint(self) -> str:
         return f"ipc://{self.control_socket}"

@@ -23,6 +23,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend-restart-backoff-s", type=_backoff, default=(0.1, 30.0), metavar="FIRST,MAX",
                    help="the same for the frontend process (default 0.1,30; not with --sidecar-endpoint, "
                         "which runs no frontend)")
+    p.add_argument("--sidecar-spare", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a spare memory owner (`kvhold sidecar --spare`) waiting beside the sidecar: "
+                        "when the sidecar dies it takes over at once, without a new process's start-up "
+                        "(on by default; --no-sidecar-spare restarts the sidecar instead; not with "
+                        "--sidecar-endpoint)")
 
 
 def _backoff(text: str) -> tuple[float, float]:

@@ -10,6 +10,8 @@ Processes (four failure domains):
     │                      the memory owner: memory, tables, executors, health; parses no
     │                      client input; own session; sent SIGTERM (a drain) if the
     │                      supervisor dies
+    ├─ kvhold sidecar --external-frontend --spare
+    │                      its spare: code loaded, holds nothing, waits to take over
     ├─ kvhold frontend     client sockets, admission, tokenizer, streams, durable journal
     │                      (kvhold.frontend.process); own session; SIGTERM if the supervisor dies
     └─ kvhold serve-http   uvicorn + the FastAPI app (kvhold.serving.http_api) on the
@@ -34,9 +36,12 @@ A stream nobody takes up is cancelled by the sidecar after --unclaimed-cancel-s.
 SIGTERM or SIGINT drains: the HTTP server is told first (new requests get 503 and /health
 turns 503 at once, the streams in flight finish, for at most --drain-timeout seconds), then
 the sidecar is stopped and the process exits 0. A second signal stops at once. If the
-sidecar dies (SIGKILL, an OOM kill, a crash), it is started again at once (then after 1 s,
-2 s): its executors outlive it and wait with their memory (--sidecar-wait-ms), the new
-sidecar re-adopts them with the tables and the in-flight requests (kvhold.sidecar.adoption),
+sidecar dies (SIGKILL, an OOM kill, a crash), its spare takes over: a second `kvhold sidecar
+--external-frontend --spare`, started once the sidecar serves (and 5 s after each takeover),
+that has its code loaded and waits in the instance lock, which the kernel hands it at the
+death (--no-sidecar-spare: none). Without a spare the sidecar is started again at once (then
+after 1 s, 2 s). Either way its executors outlive it and wait with their memory
+(--sidecar-wait-ms), the new sidecar re-adopts them with the tables and the in-flight requests (kvhold.sidecar.adoption),
 and the HTTP server's streams resume with nothing recomputed. If it stops by itself (exit 0)
 or dies a fourth time within a minute, the HTTP server is stopped and the supervisor exits
 1, so that a process supervisor (systemd, Kubernetes) restarts the whole.
@@ -76,6 +81,7 @@ RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first,
 FRONTEND_BACKOFF_S = (0.1, 30.0)       # the frontend's: its clients' streams wait meanwhile
 SIDECAR_RESTARTS = 3                   # sidecar deaths within HEALTHY_RUN_S before serve gives up
 SIDECAR_RESTART_DELAY_S = 1.0          # times the restarts so far: 0 s, 1 s, 2 s
+SPARE_DELAY_S = 5.0                    # a new spare sidecar's start, after one took over (or died)
 HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
 STOP_SIGNAL = signal.SIGUSR1           # to the HTTP server: stop without a drain (the sidecar is gone)
 
@@ -101,6 +107,7 @@ class ServeConfig:
     sidecar_endpoint: str | None = None   # a sidecar that runs already (serve starts none)
     http_restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S          # the supervisor's only
     frontend_restart_backoff_s: tuple[float, float] = FRONTEND_BACKOFF_S
+    sidecar_spare: bool = True            # a spare memory owner waits to take over (SidecarChild)
 
     @property
     def paths(self) -> InstancePaths:
@@ -158,7 +165,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        start_timeout_s=args.start_timeout, drain_timeout_s=args.drain_timeout,
                        log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
                        guards=HttpGuards.from_args(args), http_restart_backoff_s=tuple(args.http_restart_backoff_s),
-                       frontend_restart_backoff_s=tuple(args.frontend_restart_backoff_s))
+                       frontend_restart_backoff_s=tuple(args.frontend_restart_backoff_s),
+                       sidecar_spare=args.sidecar_spare)
 
 
 # with --sidecar-endpoint, the sidecar flags that still mean something here; the others configure
@@ -184,6 +192,8 @@ def _front_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--model {args.model}: not a directory")
     if tuple(args.frontend_restart_backoff_s) != FRONTEND_BACKOFF_S:
         raise ValueError("--frontend-restart-backoff-s: with --sidecar-endpoint kvhold serve runs no frontend")
+    if not args.sidecar_spare:
+        raise ValueError("--no-sidecar-spare: with --sidecar-endpoint kvhold serve starts no sidecar")
     api_key = http_flags_from_args(args)
     return ServeConfig(model=Path(args.model) if args.model is not None else None,
                        served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -276,18 +286,54 @@ def _how_it_ended(code: int) -> str:
 
 
 class SidecarChild:
+    """The memory owner (`kvhold sidecar --external-frontend`) and, with `sidecar_spare`, a spare
+    of it (`--spare`): a second process, started once the owner serves (and again SPARE_DELAY_S
+    after it took over), that waits in the instance lock and takes over the moment the owner
+    dies, without a new process's start-up. `take_over` makes it the owner."""
+
     def __init__(self, config: ServeConfig):
         self.config = config
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
         self.restarts = 0
+        self.spare: subprocess.Popen | None = None
+        self.spare_due: float | None = None
+
+    def _popen(self, *extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "kvhold", "sidecar", "--external-frontend", *extra, *self.config.sidecar_argv]
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        log.info("started %s pid %d: %s", "a spare sidecar" if extra else "sidecar", proc.pid, " ".join(cmd[3:]))
+        return proc
 
     def start(self) -> "SidecarChild":
-        cmd = [sys.executable, "-m", "kvhold", "sidecar", "--external-frontend", *self.config.sidecar_argv]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = self._popen()
         self.started = time.monotonic()
-        log.info("started sidecar pid %d: %s", self.proc.pid, " ".join(cmd[3:]))
         return self
+
+    def schedule_spare(self, now: float, delay: float = 0.0) -> None:
+        if self.config.sidecar_spare and self.spare is None:
+            self.spare_due = now + delay
+
+    def watch_spare(self, now: float) -> None:
+        """Start the spare when due; one that died is started again after SPARE_DELAY_S."""
+        if self.spare is not None and self.spare.poll() is not None:
+            log.error("the spare sidecar pid %d %s: starting another in %.0f s", self.spare.pid,
+                      _how_it_ended(self.spare.returncode), SPARE_DELAY_S)
+            self.spare = None
+            self.schedule_spare(now, SPARE_DELAY_S)
+        if self.spare_due is not None and now >= self.spare_due and not self.exited():
+            self.spare_due = None
+            self.spare = self._popen("--spare")
+
+    def take_over(self, now: float) -> bool:
+        """The owner died: the spare, if one waits, is the owner now (it took the lock at the
+        death). False if there is none to take over."""
+        if self.spare is None or self.spare.poll() is not None:
+            return False
+        self.proc, self.spare = self.spare, None
+        self.started = now
+        self.schedule_spare(now, SPARE_DELAY_S)
+        return True
 
     def wait_until_serving(self) -> None:
         from kvhold.client.client import Client
@@ -314,6 +360,10 @@ class SidecarChild:
         return self.proc is not None and self.proc.poll() is not None
 
     def stop(self, timeout: float = 20.0) -> None:
+        if self.spare is not None:     # first: it would take over from the owner's stop otherwise
+            self.spare.kill()
+            self.spare.wait()
+            self.spare = None
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
@@ -463,14 +513,23 @@ def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild
             if sidecar_restart_at is None:
                 if now - sidecar.started >= HEALTHY_RUN_S:
                     sidecar.restarts = 0
+                dead = sidecar.proc.pid
+                if sidecar.take_over(now):
+                    sidecar.restarts += 1
+                    log.error("the sidecar pid %d %s: the spare pid %d took over (the executors wait "
+                              "for it with their memory; the HTTP server's streams resume)", dead,
+                              _how_it_ended(code), sidecar.proc.pid)
+                    continue
                 log.error("the sidecar pid %d %s: restarting it (its executors wait for it with "
-                          "their memory; the HTTP server's streams resume)", sidecar.proc.pid,
-                          _how_it_ended(code))
+                          "their memory; the HTTP server's streams resume)", dead, _how_it_ended(code))
                 sidecar_restart_at = now + SIDECAR_RESTART_DELAY_S * sidecar.restarts
             if now >= sidecar_restart_at:
                 sidecar_restart_at = None
                 sidecar.restarts += 1
                 sidecar.start()
+                sidecar.schedule_spare(now, SPARE_DELAY_S)
+        if sidecar is not None and drain_deadline is None:
+            sidecar.watch_spare(now)
         if frontend is not None and drain_deadline is None:
             frontend.watch(now)
         if signals.count > forwarded:
@@ -546,6 +605,7 @@ def run_serve(config: ServeConfig) -> int:
         log.info("listening on http://%s:%d while the sidecar starts (instance %r)", config.host,
                  listener.getsockname()[1], config.instance)
         sidecar.wait_until_serving()
+        sidecar.schedule_spare(time.monotonic())
         log.info("serving %r on http://%s:%d (sidecar instance %r)", config.served_model_name,
                  config.host, listener.getsockname()[1], config.instance)
         return supervise(config, sidecar, http, _Signals(), frontend)

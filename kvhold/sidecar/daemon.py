@@ -17,6 +17,12 @@ start that fails half-way) undoes them in reverse order: the registry entry is
 revoked, the health monitor stopped, the executors stopped and the in-flight
 requests journaled, then the state file, sockets, shm regions, tables, a token
 this sidecar created and the instance lock are removed.
+
+A spare (`kvhold sidecar --spare`, `run_sidecar(spare=True)`) is a sidecar started ahead:
+it imports its code, reads the checkpoint's description and loads the tokenizer, then
+holds nothing and waits in the instance lock (kvhold.sidecar.instance_lock) for the running
+sidecar's death. The kernel hands it the lock at once, and it starts as a restarted
+sidecar would (re-adoption, kvhold.sidecar.adoption) without a new process's start-up.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 
 import zmq
@@ -37,6 +44,7 @@ from kvhold.protocol.memory import check_shm_capacity
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.procfs import pid_alive
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar import adoption, hand_back
 from kvhold.sidecar.client_side import ClientSide, bind_router, decode, drain, reply, unlink as _unlink
@@ -45,7 +53,7 @@ from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
 from kvhold.sidecar.frontend_link import FrontendLink, JournalOnly
 from kvhold.sidecar.health_responder import HealthResponder
-from kvhold.sidecar.instance_lock import InstanceLock
+from kvhold.sidecar.instance_lock import InstanceLock, wait_for_holder_death
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
 from kvhold.sidecar.regions import PoolMemory, create_regions, expected_infos
 from kvhold.sidecar.request_deaths import RequestDeaths
@@ -84,6 +92,50 @@ class Sidecar(ClientSide):
         self._started = False     # a start refused (instance busy) made nothing to clean up
         self.adoption: dict | None = None   # what this start re-adopted (kvhold.sidecar.adoption)
         self.fd_listener = None
+        self._held_lock: int | None = None  # a spare's lock, taken at its predecessor's death
+        self.spare: dict | None = None      # a spare's takeover: whom it followed, how fast
+
+    # ------------------------------------------------------------------ a spare's wait
+    def prepare(self) -> None:
+        """What a start needs that no predecessor holds: the checkpoint's description and, with
+        the frontend in this process, its code and tokenizer (a spare does this ahead)."""
+        cfg = self.config
+        if cfg.pool.model is not None and self.spec is None:
+            self.spec = ModelSpec.from_dir(cfg.pool.model)
+            self.manifest = build_manifest(cfg.pool.model, self.spec)
+        if not self.external_frontend:
+            from kvhold.sidecar.frontend import load_tokenizer
+
+            if cfg.pool.model is not None:
+                load_tokenizer(str(cfg.pool.model))
+
+    def wait_as_spare(self) -> None:
+        """Prepare, then wait until this instance's running sidecar dies, holding nothing but a
+        file that says this spare waits (`InstancePaths.spare_file`). SIGTERM/SIGINT end the wait."""
+        self.prepare()
+        marker = self.paths.spare_file(os.getpid())
+
+        def stop(signum, frame):
+            raise SystemExit(0)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        waiting_on = [0]
+
+        def on_waiting(pid: int) -> None:
+            if pid != waiting_on[0]:
+                waiting_on[0] = pid
+                marker.write_text(f"{pid}\n")
+                log.info("spare sidecar of instance %r ready: waiting for sidecar pid %d",
+                         self.paths.instance, pid)
+        try:
+            self._held_lock, dead = wait_for_holder_death(self.paths, on_waiting)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            marker.unlink(missing_ok=True)
+        self.started_ns = now_ns()
+        self.spare = {"previous_pid": dead, "lock_taken_ns": self.started_ns}
+        log.warning("sidecar pid %d of instance %r died: this spare takes over", dead, self.paths.instance)
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> "Sidecar":
@@ -99,11 +151,9 @@ class Sidecar(ClientSide):
 
     def _start(self, stack: contextlib.ExitStack) -> None:
         cfg = self.config
-        if cfg.pool.model is not None:
-            self.spec = ModelSpec.from_dir(cfg.pool.model)
-            self.manifest = build_manifest(cfg.pool.model, self.spec)
+        self.prepare()
         geometry = cfg.table_geometry(self.spec)
-        self.lock = InstanceLock(self.paths)
+        self.lock = InstanceLock(self.paths, held_fd=self._held_lock)
         stack.callback(self.lock.release)
         self.durable = DurableJournal(cfg.journal_path)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
@@ -498,6 +548,8 @@ class Sidecar(ClientSide):
                 "loop": self.loop.stats(),
                 "request_deaths": self.deaths.status(),
                 "adoption": self.adoption,
+                "spare": self.spare,            # this sidecar took over as a spare: whom it followed
+                "spares": [pid for pid in self.paths.spare_pids() if pid_alive(pid)],   # waiting now
                 # what an HTTP API in front of this sidecar needs (`kvhold serve --sidecar-endpoint`)
                 "serving": {"model": str(self.config.pool.model) if self.config.pool.model else None,
                             "max_seq_len": self.tables.geometry.max_seq_len,
@@ -539,11 +591,14 @@ class Sidecar(ClientSide):
             log.exception("could not journal the in-flight requests")
 
 
-def run_sidecar(config: SidecarConfig, external_frontend: bool = False) -> int:
+def run_sidecar(config: SidecarConfig, external_frontend: bool = False, spare: bool = False) -> int:
+    """`spare`: wait for the running sidecar's death first (`Sidecar.wait_as_spare`)."""
     if not wait_while_held(config.paths):   # `kvhold pool-restart --wait-for-operator`
         return 0
     sidecar = Sidecar(config, external_frontend=external_frontend)
     try:
+        if spare:
+            sidecar.wait_as_spare()
         sidecar.start()
         sidecar.serve_forever()
     finally:

@@ -23,6 +23,7 @@ with `add_handler`; the pool restart's restored streams are `restored`.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from concurrent.futures import Future
 import secrets
@@ -66,6 +67,21 @@ class Stream:
     failed: bool = False                # ended with an error (fail_request): silent until released
     conn: int = 0                       # the owner's connection it streams to (0: not checked)
     opened_ns: int = 0                  # admitted (for its time to first token)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, loaded once per process (a spare sidecar loads it before it
+    is needed: kvhold.sidecar.daemon)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        log.warning("%s missing: clients must send prompt_ids and get no text", path)
+        return None
+    return Tokenizer.from_file(str(path))
 
 
 class FrontendHost(Protocol):
@@ -127,17 +143,7 @@ class Frontend:
 
     @staticmethod
     def _load_tokenizer(model_dir):
-        if model_dir is None:
-            return None
-        from pathlib import Path
-
-        from tokenizers import Tokenizer
-
-        path = Path(model_dir) / "tokenizer.json"
-        if not path.is_file():
-            log.warning("%s missing: clients must send prompt_ids and get no text", path)
-            return None
-        return Tokenizer.from_file(str(path))
+        return None if model_dir is None else load_tokenizer(str(model_dir))
 
     def handle(self, identity: bytes, msg):
         try:

@@ -14,13 +14,22 @@ path, while a third one creates and locks a fresh file: two holders, and the
 second would remove the first's sockets and shm as "stale". So the lock counts
 only when the locked inode is still the one at the path; otherwise it is taken
 again on the file now there.
+
+A spare sidecar (`kvhold sidecar --spare`, `wait_for_holder_death`) waits in flock for the
+lock of a running sidecar, having loaded everything it can beforehand. The kernel hands it
+the lock the moment the holder dies, so its takeover starts without a new process's start.
+Which end it was tells the lock file: a holder that died left the file at the path (the
+spare takes over); one that stopped unlinked it first (the spare waits for the next holder).
+A spare takes over only from a holder it saw: never an instance nobody serves.
 """
 from __future__ import annotations
 
 import fcntl
 import logging
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 import posix_ipc
 
@@ -47,30 +56,66 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
+SPARE_POLL_S = 0.05          # a spare's look for a holder while no sidecar runs
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+
+
+def wait_for_holder_death(paths: InstancePaths, on_waiting: Callable[[int], None] | None = None,
+                          poll_s: float = SPARE_POLL_S) -> tuple[int, int]:
+    """Block until a sidecar of this instance that holds the lock dies, and return
+    (locked fd, the dead holder's pid). `on_waiting(pid)` is called each time the wait starts
+    on a holder. A holder that stops cleanly (it unlinks the lock file) is not a death: the
+    wait goes on for the next one."""
+    ensure_private_dir(paths.runtime_dir.parent)
+    ensure_private_dir(paths.runtime_dir)
+    while True:
+        try:
+            fd = os.open(paths.lock_file, os.O_RDWR)      # never creates it: only a sidecar does
+        except FileNotFoundError:
+            time.sleep(poll_s)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            if on_waiting is not None:
+                on_waiting(int(holder) if holder.isdigit() else 0)
+            fcntl.flock(fd, fcntl.LOCK_EX)             # until the holder's end, however it ends
+            if _same_file(fd, paths.lock_file):           # it died: the file is still in place
+                return fd, int(holder) if holder.isdigit() else 0
+        os.close(fd)             # no holder (none seen: not ours to take), or a clean stop
+        time.sleep(poll_s)
+
+
 class InstanceLock:
-    def __init__(self, paths: InstancePaths):
+    def __init__(self, paths: InstancePaths, held_fd: int | None = None):
+        """`held_fd`: the lock already taken (`wait_for_holder_death`), the file still at its path."""
         self.paths = paths
         ensure_private_dir(paths.runtime_dir.parent)
         ensure_private_dir(paths.runtime_dir)
-        self._fd = -1
+        self._fd = held_fd if held_fd is not None else self._take(paths)
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    @staticmethod
+    def _take(paths: InstancePaths) -> int:
         for _ in range(LOCK_ATTEMPTS):
             fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                holder = _holder(fd)
                 os.close(fd)
                 raise InstanceBusy(f"instance {paths.instance!r} is already served by sidecar pid "
                                    f"{holder} (lock {paths.lock_file})") from None
             if _same_file(fd, paths.lock_file):
-                self._fd = fd
-                break
+                return fd
             os.close(fd)        # a stopping holder unlinked it: lock the file at the path now
-        else:
-            raise InstanceBusy(f"instance {paths.instance!r}: the lock file {paths.lock_file} keeps "
-                               f"being replaced; is another sidecar starting and stopping?")
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        raise InstanceBusy(f"instance {paths.instance!r}: the lock file {paths.lock_file} keeps "
+                           f"being replaced; is another sidecar starting and stopping?")
 
     def remove_stale(self, shm_whats: tuple[str, ...], keep_shm: bool = False,
                      keep_client_socket: bool = False) -> list[str]:

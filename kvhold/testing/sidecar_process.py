@@ -32,10 +32,18 @@ class SidecarProcess:
         self._client: Client | None = None
 
     def start(self, timeout: float = 60.0) -> "SidecarProcess":
+        return self.spawn().wait_serving(timeout)
+
+    def spawn(self, extra: list[str] = ()) -> "SidecarProcess":
+        """Start the process and return at once (a spare, `extra=["--spare"]`, answers only
+        once it has taken over: `wait_serving`)."""
         cmd = [*self.prefix, sys.executable, "-m", "kvhold", "sidecar", "--instance", self.instance,
-               "--runtime-root", str(self.runtime_root), *self.args]
+               "--runtime-root", str(self.runtime_root), *self.args, *extra]
         out = open(self.log_path, "ab") if self.log_path else None
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=True)
+        return self
+
+    def wait_serving(self, timeout: float = 60.0) -> "SidecarProcess":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -45,8 +53,31 @@ class SidecarProcess:
                     return self
             except KvholdError:
                 pass
-            time.sleep(0.05)
+            time.sleep(0.02)
         raise TimeoutError("sidecar did not answer within the start-up timeout")
+
+    def spare(self, log_path: Path | None = None, timeout: float = 60.0) -> "SidecarProcess":
+        """A spare of this sidecar (`kvhold sidecar --spare`, same flags), returned once it waits
+        on this sidecar's lock."""
+        other = SidecarProcess(self.args, instance=self.instance, runtime_root=self.runtime_root,
+                               env=self.env, log_path=log_path or self.log_path, prefix=self.prefix)
+        other.spawn(["--spare"])
+        marker = other.paths.spare_file(other.proc.pid)
+        deadline = time.monotonic() + timeout
+        while not (marker.exists() and marker.read_text().strip() == str(self.proc.pid)):
+            if other.proc.poll() is not None:
+                raise RuntimeError(f"spare sidecar exited with code {other.proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                other.proc.kill()
+                raise TimeoutError("the spare sidecar did not start waiting within the timeout")
+            time.sleep(0.02)
+        return other
+
+    @property
+    def paths(self):
+        from kvhold.protocol.naming import InstancePaths
+
+        return InstancePaths.for_instance(self.instance, self.runtime_root)
 
     @property
     def client(self) -> Client:

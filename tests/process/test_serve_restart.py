@@ -200,16 +200,25 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path):
-    """The memory owner dies mid-stream: the supervisor starts a new sidecar, which re-adopts
-    the executors (same pids) and the requests; the HTTP stream pauses and goes on to the same
-    events as an uninterrupted run, with nothing recomputed and no weights loaded again."""
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")
+@pytest.mark.parametrize("spare", [True, False], ids=["spare", "no-spare"])
+def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path, spare):
+    """The memory owner dies mid-stream: its spare takes over (or, with --no-sidecar-spare, the
+    supervisor starts a new sidecar) and re-adopts the executors (same pids) and the requests;
+    the HTTP stream pauses and goes on to the same events as an uninterrupted run, with nothing
+    recomputed and no weights loaded again."""
+    extra = () if spare else ("--no-sidecar-spare",)
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024", *extra)
     try:
         body = dict(COMPLETION, max_tokens=300)
         reference = whole(srv, "/v1/completions", body)
         srv.wait_healthy()
         before = srv.sidecar_status()
+        if spare:
+            before = wait_until(lambda: (st := srv.sidecar_status()) and st["spares"] and st, 60, 0.1,
+                                what="the spare sidecar waiting")
+            assert len(before["spares"]) == 1
+        else:
+            assert before["spares"] == []
         with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
@@ -225,7 +234,14 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path):
         usage = json.loads(got[-2][1])["usage"]
         assert usage["completion_tokens"] == 300
         log = (tmp_path / "serve.log").read_text()
-        assert f"the sidecar pid {before['pid']} was killed by SIGKILL: restarting it" in log
+        if spare:
+            assert after["pid"] == before["spares"][0]
+            assert after["spare"]["previous_pid"] == before["pid"]
+            assert (f"the sidecar pid {before['pid']} was killed by SIGKILL: the spare pid {after['pid']} "
+                    f"took over") in log
+        else:
+            assert after["spare"] is None
+            assert f"the sidecar pid {before['pid']} was killed by SIGKILL: restarting it" in log
         assert srv.wait_healthy(timeout=60)["status"] == "ok"
     finally:
         srv.stop()
