@@ -42,9 +42,10 @@ from kvhold.protocol.sampling import RequestInput
 RESUME_AFTER_S = 1.0   # silence (two missed keepalives) after which open streams are re-attached
 # the monitor's events: a new connection is usable once its handshake succeeded
 RECONNECT_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-# a dropped connection is tried again after 10 ms, doubling to 0.5 s: a restarted sidecar (a
-# spare takes over within ~20 ms of the crash) is reached at once, not after ZeroMQ's 100 ms
-RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 10, 500
+# a dropped connection is tried again after 10 ms, doubling to 40 ms: a restarted sidecar (a
+# spare re-adopts the pool some 30-200 ms after the crash) is reached within 40 ms of binding,
+# not ZeroMQ's 100 ms (or, with a longer backoff, the next doubling's) later
+RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 10, 40
 
 
 def dealer_socket(ctx: zmq.Context, identity: bytes | None):

@@ -27,13 +27,23 @@ class Channel:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(paths.control_endpoint)
+        self._poller: tuple[int, zmq.Poller] | None = None     # (wake fd, poller over it and the socket)
 
     def send(self, msg) -> None:
         self.sock.send(wire.encode(msg))
 
-    def recv(self, timeout_ms: int):
-        """One message, or None after timeout_ms. Error replies become exceptions."""
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+    def recv(self, timeout_ms: int, wake_fd: int = -1):
+        """One message, or None after timeout_ms (or sooner once `wake_fd`, e.g. the sidecar's
+        pidfd, turns readable). Error replies become exceptions."""
+        if wake_fd >= 0 and timeout_ms:
+            if self._poller is None or self._poller[0] != wake_fd:
+                poller = zmq.Poller()
+                poller.register(self.sock, zmq.POLLIN)
+                poller.register(wake_fd, zmq.POLLIN)
+                self._poller = (wake_fd, poller)
+            if self.sock not in dict(self._poller[1].poll(timeout_ms)):
+                return None
+        elif not self.sock.poll(timeout_ms, zmq.POLLIN):
             return None
         msg = wire.decode(self.sock.recv())
         if isinstance(msg, m.Error):

@@ -299,7 +299,9 @@ class ExecutorRuntime:
         while True:
             ctx.beat()
             busy = self.active and workload.has_work()
-            msg = ctx.channel.recv(0 if busy else heartbeat_ms)
+            # idle: woken by the sidecar's death too (its pidfd), so a standby hands back the
+            # regions' descriptors to a new sidecar at once instead of after a heartbeat
+            msg = ctx.channel.recv(0 if busy else heartbeat_ms, wake_fd=self.sidecar_pidfd)
             while msg is not None:
                 if isinstance(msg, m.Shutdown):
                     log.info("shutdown requested: %s", msg.reason)

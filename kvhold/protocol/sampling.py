@@ -160,7 +160,12 @@ def check_token_ids(ids, name: str, vocab_size: int | None = None, *, label: str
     vocabulary size when one is given; `error` (InvalidTokenId, or InvalidParams) otherwise."""
     if not isinstance(ids, (list, tuple)):
         raise InvalidParams(f"{name} must be a list of token ids, got {type(ids).__name__}")
-    for t in ids:
+    # the common case in one pass of builtins (a 2k-token prompt: ~0.1 ms instead of ~0.5);
+    # `type(t) is int` is False for bools, as the loop below requires
+    if all(type(t) is int for t in ids) and (not ids or (
+            min(ids) >= 0 and max(ids) <= TOKEN_ID_MAX and (vocab_size is None or max(ids) < vocab_size))):
+        return list(ids)
+    for t in ids:                # the first offending id, for the error
         if isinstance(t, bool) or not isinstance(t, int):
             raise InvalidParams(f"{name} must be a list of integers, got {show(t)}")
         if not 0 <= t <= TOKEN_ID_MAX:

@@ -104,10 +104,10 @@ class Sidecar(ClientSide):
             self.spec = ModelSpec.from_dir(cfg.pool.model)
             self.manifest = build_manifest(cfg.pool.model, self.spec)
         if not self.external_frontend:
-            from kvhold.sidecar.frontend import load_tokenizer
+            from kvhold.sidecar.frontend import tokenizer_top_id
 
             if cfg.pool.model is not None:
-                load_tokenizer(str(cfg.pool.model))
+                tokenizer_top_id(str(cfg.pool.model))      # loads the tokenizer and reads its vocabulary
 
     def wait_as_spare(self) -> None:
         """Prepare, then wait until this instance's running sidecar dies, holding nothing but a
@@ -156,12 +156,15 @@ class Sidecar(ClientSide):
         self.lock = InstanceLock(self.paths, held_fd=self._held_lock)
         stack.callback(self.lock.release)
         self.durable = DurableJournal(cfg.journal_path)
+        parts = {"lock": now_ns()}                  # a re-adoption's timed parts (status: adoption.parts_ms)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
+        parts["found"] = now_ns()
         self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=self.external_frontend)
         if found is not None:
             found = self._take_back_regions(stack, found, geometry)
             if found is None:           # no executor handed its descriptors back: a fresh pool
                 self.lock.remove_stale(SHM_PARTS, keep_client_socket=self.external_frontend)
+        parts["regions_back"] = now_ns()
         generation = self._next_generation() if found is None else found.tables.generation
         self.token, self.token_path = self._load_token(stack, reuse=found is not None)
         self.memory = self._create_memory(stack, geometry, generation, found)
@@ -170,21 +173,26 @@ class Sidecar(ClientSide):
         self.loop = EventLoop()
         stack.callback(self.loop.close)
         self._make_components()
+        parts["components"] = now_ns()
         # the previous pool's journaled requests (or an adopted pool's streams), before any executor;
         # with an external frontend, a pool adopted keeps its requests for the frontend as they are
         if not (self.external_frontend and found is not None):
             self.restore.restore(adopting=found is not None)
+        parts["restored"] = now_ns()
         if found is not None:
             self.supervisor.adopt(found.live, found.dead)
         self._open_sockets(stack)
         self._write_state_file(stack)
+        parts["sockets"] = now_ns()
         if found is not None:           # the header names this sidecar since the hand-back
             self.adoption = {"previous_pid": found.previous_pid, "killed": found.killed,
                              "hand_back": found.taken_back.record,
                              "executors": [{"pid": h.pid, "slot": h.slot, "role": h.role.name.lower()}
                                            for h in found.live],
                              "dead": [h.pid for h in found.dead], "adopted_ns": now_ns(),
-                             "ms": (now_ns() - self.started_ns) / 1e6}
+                             "ms": (now_ns() - self.started_ns) / 1e6,
+                             # ms from the start (a spare: from taking the lock) to the end of each part
+                             "parts_ms": {k: round((v - self.started_ns) / 1e6, 2) for k, v in parts.items()}}
             log.warning("re-adopted the pool of sidecar pid %d: %d live executors, %d in-flight "
                         "requests", found.previous_pid, len(found.live),
                         len(self.journal_only.journal.live_slots()) if self.external_frontend

@@ -118,7 +118,7 @@ class Frontend:
         self.restored: RestoredStreams | None = None
         self.tokenizer = self._load_tokenizer(model_dir)
         if self.tokenizer is not None:
-            _check_tokenizer_fits(self.tokenizer, spec.vocab_size, model_dir)
+            _check_tokenizer_fits(tokenizer_top_id(str(model_dir)), spec.vocab_size, model_dir)
         self.streams: dict[int, Stream] = {}
         self._next_pump_ns = 0
         self.num_admitted = 0
@@ -508,10 +508,16 @@ class Frontend:
                                "durable": self.durable.stats() if self.durable is not None else None}}
 
 
-def _check_tokenizer_fits(tokenizer, vocab_size: int, model_dir) -> None:
+@functools.lru_cache(maxsize=4)
+def tokenizer_top_id(model_dir: str) -> int:
+    """The largest id the checkpoint's tokenizer can produce (-1 without one); reading the
+    vocabulary takes ~0.1 s at 128k ids, so once per process, ahead in a spare."""
+    tokenizer = load_tokenizer(model_dir)
+    return -1 if tokenizer is None else max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+
+
+def _check_tokenizer_fits(top: int, vocab_size: int, model_dir) -> None:
     """Refuse a tokenizer that can produce token ids the model has no embedding for."""
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    top = max(vocab.values(), default=-1)
     if top >= vocab_size:
         raise ValueError(f"{model_dir}/tokenizer.json produces token ids up to {top}, but the model's "
                          f"vocab_size is {vocab_size} (config.json): text prompts could hold ids the "
