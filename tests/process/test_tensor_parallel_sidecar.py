@@ -1,0 +1,95 @@
+"""Tensor-parallel executor groups served by the real sidecar (`-tp 2`, gloo, real processes):
+requests through the SDK give the TP=1 tokens (float64 CPU: greedy and sampled alike); a
+SIGKILL of either rank or a SIGSTOP of one rank in the middle of the streams kills the whole
+active group (no rank of it survives) and the hot-standby group resumes: every request
+completes, 0 lost, every output equal to the uninterrupted TP=1 run's."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kvhold.client.client import wait_all
+from kvhold.protocol.procfs import pid_alive, stat_fields
+from tests.process.helpers import FLAGS, ids, submit, wait_until
+
+TP_FLAGS = [*FLAGS, "-tp", "2", "--cpu-threads", "1"]
+
+
+def group_pids(leader: int) -> list[int]:
+    """The leader (rank 0) and its follower ranks, in rank order (they are its children)."""
+    followers = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = stat_fields(int(name))
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if fields and int(fields[1]) == leader and b"kvhold.executor.tensor_parallel.ranks" in cmd:
+            followers.append(int(name))
+    return [leader, *sorted(followers)]
+
+
+def _steady_group(sc) -> list[int]:
+    active = sc.wait_steady(standbys=1, timeout=120)
+    return wait_until(lambda: g if len(g := group_pids(active["pid"])) == 2 else None, 30,
+                      what="the active group's two ranks")
+
+
+def _run_with_fault(sc, client, at_event: int, fault) -> list[list[int]]:
+    seen = [0]
+
+    def on_event(stream, event):
+        seen[0] += 1
+        if seen[0] == at_event:
+            fault()
+
+    return ids(wait_all(submit(client), on_event))
+
+
+def _gone(pids: list[int]) -> None:
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, what=f"every rank of {pids} to be gone")
+
+
+def test_group_serves_tp1_tokens_and_survives_each_rank_faulted(tiny_model, reference, start_sidecar):
+    sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS])
+    with sc.new_client(timeout=60) as client:
+        group = _steady_group(sc)
+        assert ids(wait_all(submit(client))) == reference, "TP=2 gives the TP=1 tokens"
+        faults = [("SIGKILL rank 1", 1, signal.SIGKILL), ("SIGKILL rank 0", 0, signal.SIGKILL),
+                  ("SIGSTOP rank 1", 1, signal.SIGSTOP)]
+        for trial, (what, rank, sig) in enumerate(faults):
+            group = _steady_group(sc)
+            out = _run_with_fault(sc, client, 30 + 20 * trial, lambda: os.kill(group[rank], sig))
+            assert out == reference, what
+            _gone(group)                     # the whole group: a stopped rank too
+            assert sc.status()["executors"], what
+    recoveries = sc.status()["recoveries"]
+    assert len(recoveries) >= len(faults)
+    assert all(r["requests_lost"] == 0 for r in recoveries)
+
+
+@pytest.mark.slow
+def test_double_fault_a_follower_then_the_promoted_leader(tiny_model, reference, start_sidecar):
+    """A rank of the active group dies; the standby group is promoted and its leader dies before
+    a new standby is ready: a group started cold takes over, and nothing is lost."""
+    sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS])
+    with sc.new_client(timeout=120) as client:
+        first = _steady_group(sc)
+        standby = sc.executors(sc.status(), "standby")[0]["pid"]
+        second: list[int] = []
+
+        def double():
+            os.kill(first[1], signal.SIGKILL)
+            wait_until(lambda: any(e["pid"] == standby for e in sc.executors(sc.status(), "active")), 30,
+                       what="the standby group's promotion")
+            second.extend(group_pids(standby))
+            os.kill(standby, signal.SIGKILL)
+
+        assert _run_with_fault(sc, client, 25, double) == reference
+        _gone(first + second)
+    assert all(r["requests_lost"] == 0 for r in sc.status()["recoveries"])
