@@ -101,12 +101,17 @@ def _args(*argv):
     return p.parse_args(list(argv))
 
 
-def test_the_flag_is_checked_against_the_model_and_never_run_as_one(tiny_model):
-    assert sidecar_config_from_args(_args("--model", str(tiny_model))).pool.tensor_parallel_size == 1
+def test_the_flag_is_checked_against_the_model_and_reaches_the_executors(tiny_model):
+    cfg = sidecar_config_from_args(_args("--model", str(tiny_model)))
+    assert cfg.pool.tensor_parallel_size == 1 and cfg.executor_settings().tensor_parallel_size == 1
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: the model's attention heads"):
         sidecar_config_from_args(_args("--model", str(tiny_model), "--tensor-parallel-size", "3"))
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: .*does not yet run executor groups"):
-        sidecar_config_from_args(_args("--model", str(tiny_model), "-tp", "2"))
+    cfg = sidecar_config_from_args(_args("--model", str(tiny_model), "-tp", "2"))
+    assert cfg.pool.tensor_parallel_size == 2 and cfg.executor_settings().tensor_parallel_size == 2
+    for extra, what in ((["--zygote"], "--zygote is not supported"),
+                        (["--kv-mode", "foreign"], "--kv-mode foreign is not supported")):
+        with pytest.raises(ValueError, match=what):
+            sidecar_config_from_args(_args("--model", str(tiny_model), "-tp", "2", *extra))
     with pytest.raises(ValueError, match="NCCL"):
         sidecar_config_from_args(_args("--model", str(tiny_model), "--tensor-parallel-size", "2",
                                        "--device", "cuda", "--backend", "cuda"))
