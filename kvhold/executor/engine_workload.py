@@ -77,6 +77,7 @@ class EngineWorkload(WorkloadBase):
             from kvhold.executor.tensor_parallel.ranks import start_group
 
             model = start_group(ctx, spec, weights, s.compute_dtype, kv, geometry.max_seq_len)
+            self.group_ranks = model.ranks.pids     # reported in Ready: the supervisor watches them too
             self._phase("tensor_parallel_group")
         else:
             model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)

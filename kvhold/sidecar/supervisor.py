@@ -87,6 +87,7 @@ class ExecutorHandle:
     via: str = "cold"                    # how it was started: cold, zygote, adopted, readopted
     deferred_failover: tuple[int, int] | None = None   # (fenced epoch, detect ns) for wait-exit
     info: dict = field(default_factory=dict)
+    rank_pidfds: dict[int, int] = field(default_factory=dict)   # a group's ranks 1..N-1: pid -> pidfd
 
 
 class Loop(Protocol):
@@ -388,6 +389,8 @@ class Supervisor:
         h.info["private_mib"] = msg.private_mib
         h.info["warm_phases_ms"] = msg.phases
         h.info["spawn_to_ready_ms"] = round((now_ns() - h.spawned_ns) / 1e6, 1)
+        if msg.ranks and not self._watch_ranks(h, msg.ranks):
+            return
         if self.leases.role(h.slot) == Role.STARTING:
             self.leases.set_role(h.slot, Role.STANDBY)
         self._event("ready", h, warm_ms=msg.warm_ms, private_mib=msg.private_mib)
@@ -397,6 +400,43 @@ class Supervisor:
             fenced_epoch, detect_ns = self._unserved_failover
             self._unserved_failover = (0, 0)
             self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
+
+    def _watch_ranks(self, h: ExecutorHandle, pids) -> bool:
+        """A tensor-parallel group (kvhold.executor.tensor_parallel.ranks): the executor is rank 0,
+        `pids` its children ranks 1..N-1. The death of any of them fences and kills the group."""
+        for pid in pids:
+            fields = stat_fields(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                fd = -1
+            if fd < 0 or not fields or int(fields[1]) != h.pid:   # gone already, or not its child
+                if fd >= 0:
+                    os.close(fd)
+                self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} is not running")
+                return False
+            h.rank_pidfds[pid] = fd
+            self.loop.watch_fd(fd, lambda h=h, pid=pid, epoch=h.epoch: self._rank_died(h, pid, epoch))
+        h.info["ranks"] = [h.pid, *h.rank_pidfds]
+        return True
+
+    def _rank_died(self, h: ExecutorHandle, pid: int, epoch: int) -> None:
+        self.loop.unwatch_fd(h.rank_pidfds[pid])
+        if self.handles.get(h.slot) is h and h.epoch == epoch and not h.fenced:
+            self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} of its group died")
+
+    def _kill_ranks(self, h: ExecutorHandle) -> None:
+        for fd in h.rank_pidfds.values():
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _close_ranks(self, h: ExecutorHandle) -> None:
+        for fd in h.rank_pidfds.values():
+            self.loop.unwatch_fd(fd)
+            os.close(fd)
+        h.rank_pidfds.clear()
 
     def takeover_done(self) -> None:
         """The promoted executor reported its takeover (validated and resumed, before its first
@@ -477,6 +517,9 @@ class Supervisor:
                 signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self._kill_ranks(h)            # every rank of a group, one stopped or in a collective too
+        elif reason in ("died", "exited"):
+            self._kill_ranks(h)            # rank 0 is gone: its ranks die with it (PDEATHSIG) or now
         if not h.stopping and not self._stopping:
             self._failures.append(detect_ns)
         log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s%s",
@@ -524,6 +567,7 @@ class Supervisor:
         self.pending_epochs.discard(h.epoch)
         self.leases.release(h.slot, exit_code)
         os.close(h.pidfd)
+        self._close_ranks(h)
         del self.handles[h.slot]
         self._event("exit", h, exit_code=exit_code)
         log.info("executor pid %d exited with code %d", h.pid, exit_code)

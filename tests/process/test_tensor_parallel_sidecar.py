@@ -1,7 +1,8 @@
 """Tensor-parallel executor groups served by the real sidecar (`-tp 2`, gloo, real processes):
 requests through the SDK give the TP=1 tokens (float64 CPU: greedy and sampled alike); a
-SIGKILL of either rank or a SIGSTOP of one rank in the middle of the streams kills the whole
-active group (no rank of it survives) and the hot-standby group resumes: every request
+SIGKILL of either rank, a SIGSTOP of one rank, or a SIGKILL of rank 1 while rank 0 is stopped
+(the sidecar's own watch of the ranks) in the middle of the streams kills the whole active
+group (no rank of it survives) and the hot-standby group resumes: every request
 completes, 0 lost, every output equal to the uninterrupted TP=1 run's."""
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def group_pids(leader: int) -> list[int]:
     return [leader, *sorted(followers)]
 
 
-def _steady_group(sc) -> list[int]:
+def _steady_group(sc) -> tuple[list[int], int]:
+    """The active group's pids (rank order) and epoch, once a hot-standby group is ready too."""
     active = sc.wait_steady(standbys=1, timeout=120)
-    return wait_until(lambda: g if len(g := group_pids(active["pid"])) == 2 else None, 30,
-                      what="the active group's two ranks")
+    assert active["ranks"] == group_pids(active["pid"]), "the sidecar watches the ranks the leader started"
+    assert len(active["ranks"]) == 2
+    return active["ranks"], active["epoch"]
 
 
 def _run_with_fault(sc, client, at_event: int, fault) -> list[list[int]]:
@@ -58,16 +61,26 @@ def _gone(pids: list[int]) -> None:
 def test_group_serves_tp1_tokens_and_survives_each_rank_faulted(tiny_model, reference, start_sidecar):
     sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS])
     with sc.new_client(timeout=60) as client:
-        group = _steady_group(sc)
+        _steady_group(sc)
         assert ids(wait_all(submit(client))) == reference, "TP=2 gives the TP=1 tokens"
-        faults = [("SIGKILL rank 1", 1, signal.SIGKILL), ("SIGKILL rank 0", 0, signal.SIGKILL),
-                  ("SIGSTOP rank 1", 1, signal.SIGSTOP)]
-        for trial, (what, rank, sig) in enumerate(faults):
-            group = _steady_group(sc)
-            out = _run_with_fault(sc, client, 30 + 20 * trial, lambda: os.kill(group[rank], sig))
-            assert out == reference, what
+        faults = [("SIGKILL rank 1", [(1, signal.SIGKILL)], "died"),
+                  ("SIGKILL rank 0", [(0, signal.SIGKILL)], "died"),
+                  ("SIGSTOP rank 1", [(1, signal.SIGSTOP)], "hang"),
+                  # rank 0 cannot act on its watch: the sidecar's own watch of rank 1 fences the group
+                  ("SIGSTOP rank 0, SIGKILL rank 1", [(0, signal.SIGSTOP), (1, signal.SIGKILL)], "died")]
+        for trial, (what, signals, reason) in enumerate(faults):
+            group, epoch = _steady_group(sc)
+
+            def fault(group=group, signals=signals):
+                for rank, sig in signals:
+                    os.kill(group[rank], sig)
+
+            assert _run_with_fault(sc, client, 30 + 20 * trial, fault) == reference, what
             _gone(group)                     # the whole group: a stopped rank too
-            assert sc.status()["executors"], what
+            fence = next(e for e in sc.events("fence") if e.get("fenced_epoch") == epoch)
+            assert fence["reason"] == reason, (what, fence)
+            if len(signals) == 2:
+                assert "of its group died" in fence["detail"], fence
     recoveries = sc.status()["recoveries"]
     assert len(recoveries) >= len(faults)
     assert all(r["requests_lost"] == 0 for r in recoveries)
@@ -79,7 +92,7 @@ def test_double_fault_a_follower_then_the_promoted_leader(tiny_model, reference,
     a new standby is ready: a group started cold takes over, and nothing is lost."""
     sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS])
     with sc.new_client(timeout=120) as client:
-        first = _steady_group(sc)
+        first, _ = _steady_group(sc)
         standby = sc.executors(sc.status(), "standby")[0]["pid"]
         second: list[int] = []
 
