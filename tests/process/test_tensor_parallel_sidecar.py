@@ -106,3 +106,27 @@ def test_double_fault_a_follower_then_the_promoted_leader(tiny_model, reference,
         assert _run_with_fault(sc, client, 25, double) == reference
         _gone(first + second)
     assert all(r["requests_lost"] == 0 for r in sc.status()["recoveries"])
+
+
+def test_serve_streams_over_http_across_a_rank_kill(tiny_model, tmp_path):
+    """`kvhold serve -tp 2`: an OpenAI stream crosses a SIGKILL of rank 1 with the same text as
+    the uninterrupted completion."""
+    from tests.process.test_serve_http import KEY, Server
+
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "-tp", "2", "--cpu-threads", "1",
+                 api_key=KEY)
+    try:
+        kw = dict(model="tiny-v1", prompt="Never lose a stream", max_tokens=80, temperature=0.9, seed=11)
+        reference = srv.openai().completions.create(**kw).choices[0].text
+        active = next(e for e in srv.sidecar_status()["executors"] if e["role"] == "active")
+        assert len(active["ranks"]) == 2
+        parts = []
+        for i, chunk in enumerate(srv.openai().completions.create(stream=True, **kw)):
+            parts.append(chunk.choices[0].text)
+            if i == 10:
+                os.kill(active["ranks"][1], signal.SIGKILL)
+        assert "".join(parts) == reference
+        assert srv.wait_healthy()["active_pid"] != active["pid"]
+        _gone(active["ranks"])
+    finally:
+        srv.stop()

@@ -24,9 +24,11 @@ Failure: a follower sets PR_SET_PDEATHSIG (SIGKILL), so the group dies with its 
 (the supervisor SIGKILLs a fenced or hung leader; a follower stopped with SIGSTOP or stuck
 in a collective dies too). The leader watches its followers' pidfds from a thread and
 exits at once (code FOLLOWER_DIED_EXIT) when one dies, before it could publish anything of
-a step that rank did not finish; the supervisor sees the group's death through the
-leader's liveness mutex and promotes the standby, itself a leader whose followers are
-started, mapped, and whose communicator is initialised and exercised by the warm-up.
+a step that rank did not finish. The leader reports its followers' pids in `Ready` and the
+supervisor watches and kills them as well (kvhold.sidecar.supervisor: a rank's death fences
+the group; a fence that kills or loses the leader SIGKILLs every rank). The supervisor then
+promotes the standby, itself a leader whose followers are started and mapped, and whose
+communicator is initialised and exercised by the warm-up.
 
     python -m kvhold.executor.tensor_parallel.ranks   (a follower: its config on stdin)
 """
