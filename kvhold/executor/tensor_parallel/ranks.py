@@ -133,6 +133,9 @@ def start_group(ctx, spec, weights: dict[str, torch.Tensor], compute_dtype: str,
     s = ctx.settings
     world = s.tensor_parallel_size
     plan = TpPlan(spec, world)
+    # --cpu-threads per rank; by default the N ranks share half the cores, as one executor does
+    threads = s.cpu_threads or max(1, (os.cpu_count() or 2) // (2 * world))
+    torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=GLOO_TIMEOUT)
     fds = ctx.channel.fetch_fds(ctx.attached)
@@ -142,11 +145,11 @@ def start_group(ctx, spec, weights: dict[str, torch.Tensor], compute_dtype: str,
         for rank in range(1, world):
             config = dict(rank=rank, world=world, port=store.port, leader_pid=os.getpid(), model=s.model,
                           compute_dtype=compute_dtype, kv_geometry=kv.geometry, num_pages=kv.num_pages,
-                          max_positions=max_positions, cpu_threads=s.cpu_threads,
+                          max_positions=max_positions, cpu_threads=threads,
                           kv_fd=fds["kv"], kv_info=infos["kv"],
                           weights_fd=fds["weights"], weights_info=infos["weights"].with_access(True),
                           manifest=ctx.attached.weights["manifest"])
-            env = dict(os.environ, OMP_NUM_THREADS=str(s.cpu_threads or 1))
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             p = subprocess.Popen([sys.executable, "-m", "kvhold.executor.tensor_parallel.ranks"],
                                  stdin=subprocess.PIPE, pass_fds=(fds["kv"], fds["weights"]), env=env)
             body = pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL)
@@ -180,7 +183,7 @@ def _follower(f) -> int:
     libc.prctl(1, signal.SIGKILL)             # PR_SET_PDEATHSIG: the group dies with its leader
     if os.getppid() != c["leader_pid"]:
         return 1                              # the leader died before the prctl
-    torch.set_num_threads(c["cpu_threads"] or 1)
+    torch.set_num_threads(c["cpu_threads"])
     rank, world = c["rank"], c["world"]
     spec = ModelSpec.from_dir(c["model"])
     plan = TpPlan(spec, world)
