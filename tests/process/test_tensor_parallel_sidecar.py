@@ -130,3 +130,62 @@ def test_serve_streams_over_http_across_a_rank_kill(tiny_model, tmp_path):
         _gone(active["ranks"])
     finally:
         srv.stop()
+
+
+def test_a_takeover_validates_every_ranks_kv(tiny_model, reference, start_sidecar):
+    """A bit flipped in rank 1's heads of a sealed page (the group frozen, then killed) is found
+    by the standby group's validation: that request is recomputed from that page on, the others
+    resume, and every output equals the TP=1 run's."""
+    import numpy as np
+
+    from tests.process.test_recovery_e2e import _attach
+
+    sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS, "--lease-ms", "3000"])
+    group, _ = _steady_group(sc)
+    tables, words = _attach(sc)
+    row_words = words.shape[-1]                # [kv_head][head_dim] of a token row; rank 1 holds the back half
+    with sc.new_client(timeout=60) as client:
+        streams = submit(client)
+        flipped = {}
+
+        def sealed_page():
+            rid = streams[0].request_id
+            hit = np.nonzero(tables.requests["request_id"] == rid)[0]
+            if not len(hit) or int(tables.requests["num_pages"][hit[0]]) < 3:
+                return None
+            page = int(tables.page_lists[hit[0], 1])
+            return page if tables.pages["num_tokens"][page] == 16 else None
+
+        def on_event(stream, event):
+            if flipped or sealed_page() is None:
+                return
+            for pid in group:
+                os.kill(pid, signal.SIGSTOP)   # the tables and the pool hold still
+            page = sealed_page()
+            words[page, 1, 0, 3, row_words - 1] ^= np.uint32(1 << 17)   # layer 1, keys, token 3, rank 1
+            flipped[streams[0].request_id] = page
+            for pid in group:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+
+        results = wait_all(streams, on_event)
+    assert flipped and ids(results) == reference
+    rec = sc.status()["recoveries"][-1]
+    assert rec["pages_bad"] == 1 and rec["requests_damaged"] == 1 and rec["requests_lost"] == 0
+    by_id = {r["request_id"]: r for r in rec["requests"]}
+    assert by_id[streams[0].request_id]["class"] == "damaged"
+    assert by_id[streams[0].request_id]["first_bad_page"] == 1
+    assert by_id[streams[0].request_id]["kv_kept"] == 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["commit_pages:9:kill", "commit_journal:8:kill"])
+def test_leader_death_between_commit_stages(tiny_model, reference, start_sidecar, tmp_path, fault):
+    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS], env=env)
+    _steady_group(sc)
+    with sc.new_client(timeout=60) as client:
+        assert ids(wait_all(submit(client))) == reference
+    assert (tmp_path / "fired").exists()
+    rec = sc.status()["recoveries"]
+    assert len(rec) == 1 and rec[0]["requests_lost"] == 0
