@@ -7,7 +7,8 @@ followers (ranks 1..N-1) over a pipe and runs rank 0's shard, the all-reduces af
 o_proj and down_proj joining the ranks (gloo). The followers are the leader's children:
 `start_followers` fetches the region descriptors from the sidecar again and hands each
 follower the KV pool's and the weights' (inherited fds), so every rank maps the sidecar's
-own memory. A follower runs its shard's layers over its KV heads and computes no logits.
+own memory. The ranks meet through a FileStore in the instance's runtime directory and
+connect gloo's pairs on the loopback interface. A follower runs its shard's layers over its KV heads and computes no logits.
 
 KV layout: the pool keeps the N = 1 layout `[page][layer][k/v][token][kv_head][head_dim]`;
 rank r reads and writes only its heads `[r*H/N, (r+1)*H/N)` of every page (`rank_kv`).
@@ -91,9 +92,15 @@ class LeaderModel(TensorParallelLlama):
         self.ranks = group             # (LlamaModel's `group` is the query heads per KV head)
         self.shared_pool = shared_pool
 
+    store_path = None
+
     def forward(self, step: StepInput, kv: KvCache) -> torch.Tensor:
         self.ranks.send(_step_message(step, scratch=kv.pool.data_ptr() != self.shared_pool.data_ptr()))
-        return super().forward(step, rank_kv(kv, self.plan, 0))
+        logits = super().forward(step, rank_kv(kv, self.plan, 0))
+        if self.store_path is not None:       # every rank has joined and run a step: the rendezvous is over
+            self.store_path.unlink(missing_ok=True)
+            self.store_path = None
+        return logits
 
 
 class FollowerGroup:
@@ -136,14 +143,18 @@ def start_group(ctx, spec, weights: dict[str, torch.Tensor], compute_dtype: str,
     # --cpu-threads per rank; by default the N ranks share half the cores, as one executor does
     threads = s.cpu_threads or max(1, (os.cpu_count() or 2) // (2 * world))
     torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=GLOO_TIMEOUT)
+    # the rendezvous: a file in the instance's 0700 runtime directory (a TCPStore would listen on
+    # every interface), removed once the warm-up step has run through every rank; gloo's pairs
+    # on the loopback interface only, not the address the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store_path = ctx.channel.paths.runtime_dir / f"tp-{os.getpid()}-{ctx.epoch}.store"
+    store_path.unlink(missing_ok=True)
     fds = ctx.channel.fetch_fds(ctx.attached)
     infos = {d["name"]: RegionInfo.from_wire(d) for d in ctx.attached.regions}
     procs = []
     try:
         for rank in range(1, world):
-            config = dict(rank=rank, world=world, port=store.port, leader_pid=os.getpid(), model=s.model,
+            config = dict(rank=rank, world=world, store=str(store_path), leader_pid=os.getpid(), model=s.model,
                           compute_dtype=compute_dtype, kv_geometry=kv.geometry, num_pages=kv.num_pages,
                           max_positions=max_positions, cpu_threads=threads,
                           kv_fd=fds["kv"], kv_info=infos["kv"],
@@ -159,10 +170,13 @@ def start_group(ctx, spec, weights: dict[str, torch.Tensor], compute_dtype: str,
     finally:
         for fd in fds.values():
             os.close(fd)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=GLOO_TIMEOUT)
+    dist.init_process_group("gloo", store=dist.FileStore(str(store_path), world), rank=0, world_size=world,
+                            timeout=GLOO_TIMEOUT)
     group = FollowerGroup(procs)
     log.info("tensor-parallel group of %d ranks: followers %s", world, group.pids)
-    return LeaderModel(plan, plan.shard(weights, 0), TORCH_DTYPES[compute_dtype], max_positions, group, kv.pool)
+    model = LeaderModel(plan, plan.shard(weights, 0), TORCH_DTYPES[compute_dtype], max_positions, group, kv.pool)
+    model.store_path = store_path
+    return model
 
 
 # ---------------------------------------------------------------- the follower process
@@ -197,8 +211,8 @@ def _follower(f) -> int:
     os.close(c["kv_fd"])
     os.close(c["weights_fd"])
     mine, scratch = rank_kv(shared, plan, rank), rank_kv(KvCache.private(geometry, 1), plan, rank)
-    store = dist.TCPStore("127.0.0.1", c["port"], world, is_master=False, timeout=GLOO_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=GLOO_TIMEOUT)
+    dist.init_process_group("gloo", store=dist.FileStore(c["store"], world), rank=rank, world_size=world,
+                            timeout=GLOO_TIMEOUT)
     while (header := _read_exact(f, _HEADER.size)) is not None:
         is_scratch, ids, positions, pages, slots, seqs = pickle.loads(_read_exact(f, _HEADER.unpack(header)[0]))
         kv = scratch if is_scratch else mine
