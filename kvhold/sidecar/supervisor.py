@@ -423,7 +423,13 @@ class Supervisor:
     def _rank_died(self, h: ExecutorHandle, pid: int, epoch: int) -> None:
         self.loop.unwatch_fd(h.rank_pidfds[pid])
         if self.handles.get(h.slot) is h and h.epoch == epoch and not h.fenced:
-            self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} of its group died")
+            fields = stat_fields(pid)          # its zombie's exit status (rank 0 leaves it unreaped)
+            try:
+                code = exit_code(int(fields[-1])) if fields and fields[0] == "Z" else None
+            except ValueError:
+                code = None
+            self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} of its group died",
+                       exit_hint=code)
 
     def _kill_ranks(self, h: ExecutorHandle) -> None:
         for fd in h.rank_pidfds.values():
@@ -496,9 +502,10 @@ class Supervisor:
         return h.pid
 
     def fence(self, h: ExecutorHandle, reason: str, detect_ns: int, kill: bool = False,
-              detail: str = "") -> None:
+              detail: str = "", exit_hint: int | None = None) -> None:
         """Revoke h's epoch; if it was active, promote a standby right away. `reason` is one of
-        FENCE_REASONS (a metric label); `detail` says more (an exit code, a health event)."""
+        FENCE_REASONS (a metric label); `detail` says more (an exit code, a health event);
+        `exit_hint`: the exit status that settles a death (a group's: its dead rank's), if known."""
         if reason not in FENCE_REASONS:
             raise ValueError(f"fence reason {reason!r} is not one of {FENCE_REASONS}")
         if h.fenced:
@@ -531,7 +538,8 @@ class Supervisor:
             if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
                 # before the successor is promoted; a death is settled by its exit status (on_exit)
                 self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
-                early = self._exit_code_while_exiting(h) if reason == "died" else None
+                early = exit_hint if exit_hint is not None else (
+                    self._exit_code_while_exiting(h) if reason == "died" else None)
                 if early is not None:      # settled before the promotion: an outside kill isolates nothing
                     self.deaths.exit_known(old_epoch, early)
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):

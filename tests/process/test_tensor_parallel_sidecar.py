@@ -1,7 +1,7 @@
 """Tensor-parallel executor groups served by the real sidecar (`-tp 2`, gloo, real processes):
 requests through the SDK give the TP=1 tokens (float64 CPU: greedy and sampled alike); a
-SIGKILL of either rank, a SIGSTOP of one rank, or a SIGKILL of rank 1 while rank 0 is stopped
-(the sidecar's own watch of the ranks) in the middle of the streams kills the whole active
+SIGKILL of either rank, a SIGSTOP of one rank, a SIGKILL of rank 1 while rank 0 is stopped
+(the sidecar's own watch of the ranks) or a crash (SIGSEGV) of rank 1 in the middle of the streams kills the whole active
 group (no rank of it survives) and the hot-standby group resumes: every request
 completes, 0 lost, every output equal to the uninterrupted TP=1 run's."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.protocol.procfs import pid_alive, stat_fields
-from tests.process.helpers import FLAGS, ids, submit, wait_until
+from tests.process.helpers import FLAGS, ids, sidecar_log, submit, wait_until
 
 TP_FLAGS = [*FLAGS, "-tp", "2", "--cpu-threads", "1"]
 
@@ -67,7 +67,9 @@ def test_group_serves_tp1_tokens_and_survives_each_rank_faulted(tiny_model, refe
                   ("SIGKILL rank 0", [(0, signal.SIGKILL)], "died"),
                   ("SIGSTOP rank 1", [(1, signal.SIGSTOP)], "hang"),
                   # rank 0 cannot act on its watch: the sidecar's own watch of rank 1 fences the group
-                  ("SIGSTOP rank 0, SIGKILL rank 1", [(0, signal.SIGSTOP), (1, signal.SIGKILL)], "died")]
+                  ("SIGSTOP rank 0, SIGKILL rank 1", [(0, signal.SIGSTOP), (1, signal.SIGKILL)], "died"),
+                  # a crash of a rank (not a kill from outside) counts against the step's requests
+                  ("SIGSEGV rank 1", [(1, signal.SIGSEGV)], "died")]
         for trial, (what, signals, reason) in enumerate(faults):
             group, epoch = _steady_group(sc)
 
@@ -81,6 +83,15 @@ def test_group_serves_tp1_tokens_and_survives_each_rank_faulted(tiny_model, refe
             assert fence["reason"] == reason, (what, fence)
             if len(signals) == 2:
                 assert "of its group died" in fence["detail"], fence
+            wait_until(lambda: any(e["pid"] == group[0] for e in sc.events("exit")), 10,
+                       what="the leader's exit, which settles the death")
+            assert sc.status()["request_deaths"]["failed_total"] == 0, what
+            # a death in a step counts against its requests unless the group was killed from
+            # outside (SIGKILL of a rank): a crash of a rank (SIGSEGV) is not forgiven
+            log = sidecar_log(sc)
+            forgiven = f"executor of epoch {epoch} was killed from outside" in log
+            if reason == "died" and f"dead executor (epoch {epoch}," in log:
+                assert forgiven == (signals[-1][1] != signal.SIGSEGV), what
     recoveries = sc.status()["recoveries"]
     assert len(recoveries) >= len(faults)
     assert all(r["requests_lost"] == 0 for r in recoveries)

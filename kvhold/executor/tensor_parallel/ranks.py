@@ -24,8 +24,9 @@ exactly as at N = 1.
 Failure: a follower sets PR_SET_PDEATHSIG (SIGKILL), so the group dies with its leader
 (the supervisor SIGKILLs a fenced or hung leader; a follower stopped with SIGSTOP or stuck
 in a collective dies too). The leader watches its followers' pidfds from a thread and
-exits at once (code FOLLOWER_DIED_EXIT) when one dies, before it could publish anything of
-a step that rank did not finish. The leader reports its followers' pids in `Ready` and the
+exits at once when one dies, before it could publish anything of a step that rank did not
+finish: SIGKILLed itself if the rank was killed from outside (SIGKILL, SIGTERM), with code
+FOLLOWER_DIED_EXIT otherwise (a crash: it counts against the requests of the step, section 8). The leader reports its followers' pids in `Ready` and the
 supervisor watches and kills them as well (kvhold.sidecar.supervisor: a rank's death fences
 the group; a fence that kills or loses the leader SIGKILLs every rank). The supervisor then
 promotes the standby, itself a leader whose followers are started and mapped, and whose
@@ -123,10 +124,16 @@ class FollowerGroup:
     def _watch(self) -> None:
         ready, _, _ = select.select(self.pidfds, [], [])
         rank = 1 + self.pidfds.index(ready[0])
+        # how it died, left unreaped (WNOWAIT): the sidecar reads the same status from its zombie
+        info = os.waitid(os.P_PIDFD, ready[0], os.WEXITED | os.WNOWAIT)
+        outside = info.si_code == os.CLD_KILLED and info.si_status in (signal.SIGKILL, signal.SIGTERM)
         # the group is over: exit before anything of a step this rank did not finish is published
-        log.error("rank %d of the tensor-parallel group (pid %d) died; the group's leader exits",
-                  rank, self.procs[rank - 1].pid)
+        log.error("rank %d of the tensor-parallel group (pid %d) died (%s %d); the group's leader exits",
+                  rank, self.procs[rank - 1].pid, "signal" if info.si_code != os.CLD_EXITED else "code",
+                  info.si_status)
         logging.shutdown()
+        if outside:     # killed from outside: so is the group, which is how the sidecar counts the death
+            os.kill(os.getpid(), signal.SIGKILL)
         os._exit(FOLLOWER_DIED_EXIT)
 
 
