@@ -119,6 +119,7 @@ def test_double_fault_a_follower_then_the_promoted_leader(tiny_model, reference,
     assert all(r["requests_lost"] == 0 for r in sc.status()["recoveries"])
 
 
+@pytest.mark.slow
 def test_serve_streams_over_http_across_a_rank_kill(tiny_model, tmp_path):
     """`kvhold serve -tp 2`: an OpenAI stream crosses a SIGKILL of rank 1 with the same text as
     the uninterrupted completion."""
