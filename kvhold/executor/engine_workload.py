@@ -72,8 +72,15 @@ class EngineWorkload(WorkloadBase):
         self._phase("weights")
         geometry = ctx.tables.geometry
         dtype = TORCH_DTYPES[s.compute_dtype]
-        model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
         kv = self._kv_cache(geometry, device)
+        if s.tensor_parallel_size > 1:   # rank 0 of a group (kvhold.executor.tensor_parallel.ranks)
+            from kvhold.executor.tensor_parallel.ranks import start_group
+
+            model = start_group(ctx, spec, weights, s.compute_dtype, kv, geometry.max_seq_len)
+            self.group_ranks = model.ranks.pids     # reported in Ready: the supervisor watches them too
+            self._phase("tensor_parallel_group")
+        else:
+            model = LlamaModel(spec, weights, dtype, device, max_positions=geometry.max_seq_len)
         max_batch, max_tokens, chunk = s.max_batch, s.max_batch_tokens, s.prefill_chunk
         runner = checksum = None
         if device.type == "cuda":

@@ -193,7 +193,8 @@ class ExecutorRuntime:
             ctx.beat()
             channel.send(m.Ready(slot=attached.slot, epoch=attached.epoch,
                                  warm_ms=(time.monotonic() - t0) * 1e3, private_mib=float(workload.private_mib),
-                                 phases={"attach_and_map": mapped_ms, **laps, **workload.phases}))
+                                 phases={"attach_and_map": mapped_ms, **laps, **workload.phases},
+                                 ranks=list(getattr(workload, "group_ranks", ()))))
             return self._loop(ctx, workload)
         except Exception as exc:
             if not is_device_fault(exc):

@@ -46,6 +46,7 @@ class Ready:
     warm_ms: float = 0.0
     private_mib: float = 0.0     # device memory this executor holds beyond the shared regions
     phases: dict = dataclasses.field(default_factory=dict)   # warm-up parts, ms
+    ranks: list[int] = dataclasses.field(default_factory=list)   # pids of a group's ranks 1..N-1 (its children)
 
 
 @message("weights_loading")

@@ -44,6 +44,7 @@ class ExecutorSettings:
     cuda_graph: bool = True           # capture the decode step in a CUDA graph (CUDA only)
     exact_prefill: bool = True        # CUDA prefill rows on the decode kernels (kvhold.executor.cuda_runner)
     sidecar_wait_ms: int = 30_000     # a sidecar that dies: wait this long for one to re-adopt (0: exit)
+    tensor_parallel_size: int = 1     # ranks of the executor group (kvhold.executor.tensor_parallel.ranks)
 
     def __post_init__(self):
         for name, allowed in _FIELD_TYPES.items():
@@ -65,7 +66,7 @@ class ExecutorSettings:
             raise ValueError(f"executor settings: compute_dtype {self.compute_dtype!r} not one of "
                              f"{sorted(KV_DTYPE_CODES)}")
         for name in ("heartbeat_ms", "lease_ms", "max_batch", "max_batch_tokens", "prefill_chunk",
-                     "cpu_threads"):
+                     "cpu_threads", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"executor settings: {name} must be positive, got {value}")

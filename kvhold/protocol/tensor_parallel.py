@@ -30,8 +30,9 @@ def tensor_parallel_refusal(spec: ModelSpec | None, size: int, device: str = "cp
 
 
 def sidecar_refusal(size: int, model_dir, device: str) -> str | None:
-    """Why `kvhold sidecar` / `kvhold serve` cannot run `pool.tensor_parallel_size size` (None: it can,
-    size 1). The size is checked against the model first, so a size that could never work says so."""
+    """Why `kvhold sidecar` / `kvhold serve` cannot run `pool.tensor_parallel_size size` (None: it
+    can). The size is checked against the model, and N > 1 against the device: executor groups
+    run on CPU (gloo) only."""
     if size == 1:
         return None
     spec = None
@@ -40,8 +41,4 @@ def sidecar_refusal(size: int, model_dir, device: str) -> str | None:
             spec = ModelSpec.from_dir(model_dir)
         except (CheckpointError, OSError, ValueError):   # reported by the checks of the model itself
             spec = None
-    if (why := tensor_parallel_refusal(spec, size, device)) is not None:
-        return why
-    return (f"pool.tensor_parallel_size {size}: the model splits across {size} ranks, but the sidecar does "
-            "not yet run executor groups (per-rank regions and group takeover exist in "
-            "kvhold.executor.tensor_parallel.group, run by tools/bench_recovery_tp.py); use 1")
+    return tensor_parallel_refusal(spec, size, device)

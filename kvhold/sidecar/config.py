@@ -331,6 +331,8 @@ class SidecarConfig:
         _check(self.executors.workload not in ("engine", "vllm") or self.pool.model is not None,
                f"the {self.executors.workload} workload needs pool.model (a Hugging Face checkpoint "
                "directory)", "pool.model")
+        if self.pool.tensor_parallel_size > 1:
+            _check_tensor_parallel(self)
         if self.executors.workload == "vllm":
             _check_vllm(self)
             if self.pool.compute_dtype is None:   # vLLM computes in the checkpoint's dtype
@@ -406,7 +408,7 @@ class SidecarConfig:
             prefill_chunk=ex.prefill_chunk or None,
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms,
-            exact_prefill=ex.exact_prefill)
+            exact_prefill=ex.exact_prefill, tensor_parallel_size=pool.tensor_parallel_size)
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations
@@ -430,6 +432,17 @@ def gpu_total_bytes(device: str) -> int:
     except Exception as exc:   # noqa: BLE001 - no NVML, no device: one clear message
         raise SettingError(f"pool.gpu_memory_utilization needs the memory of {device} from NVML "
                            f"(nvidia-ml-py): {exc}", "pool.gpu_memory_utilization") from None
+
+
+def _check_tensor_parallel(cfg: "SidecarConfig") -> None:
+    """What an executor group (kvhold.executor.tensor_parallel.ranks) runs, refused clearly otherwise."""
+    ex, n = cfg.executors, cfg.pool.tensor_parallel_size
+    _check(ex.workload == "engine", f"pool.tensor_parallel_size {n}: executor groups run the engine "
+           f"workload only, not {ex.workload!r}", "pool.tensor_parallel_size", "executors.workload")
+    _check(ex.kv_mode == "native", f"pool.tensor_parallel_size {n}: executor groups compute into kvhold's "
+           "own pool: --kv-mode foreign is not supported", "pool.tensor_parallel_size", "executors.kv_mode")
+    _check(not ex.zygote, f"pool.tensor_parallel_size {n}: an executor group's ranks start cold: "
+           "--zygote is not supported", "pool.tensor_parallel_size", "executors.zygote")
 
 
 def _check_vllm(cfg: "SidecarConfig") -> None:

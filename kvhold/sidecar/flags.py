@@ -96,9 +96,9 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="ranks one model is split across (vLLM's name; default 1). Checked against the "
-                        "model (heads, KV heads and MLP width divide by N); N > 1 is refused for now: "
-                        "the sidecar does not yet run executor groups (docs/ARCHITECTURE.md, "
-                        "\"Tensor-parallel groups\")")
+                        "model (heads, KV heads and MLP width divide by N); N > 1 runs each executor as "
+                        "a group of N rank processes joined by gloo, on --device cpu only (CUDA needs "
+                        "NCCL, not built yet); docs/ARCHITECTURE.md, \"Tensor-parallel groups\"")
     p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=int, default=None,
                    help="longest sequence (prompt + output); default min(model context, 4096) "
                         "(--max-model-len: vLLM's name)")

@@ -87,6 +87,7 @@ class ExecutorHandle:
     via: str = "cold"                    # how it was started: cold, zygote, adopted, readopted
     deferred_failover: tuple[int, int] | None = None   # (fenced epoch, detect ns) for wait-exit
     info: dict = field(default_factory=dict)
+    rank_pidfds: dict[int, int] = field(default_factory=dict)   # a group's ranks 1..N-1: pid -> pidfd
 
 
 class Loop(Protocol):
@@ -388,6 +389,8 @@ class Supervisor:
         h.info["private_mib"] = msg.private_mib
         h.info["warm_phases_ms"] = msg.phases
         h.info["spawn_to_ready_ms"] = round((now_ns() - h.spawned_ns) / 1e6, 1)
+        if msg.ranks and not self._watch_ranks(h, msg.ranks):
+            return
         if self.leases.role(h.slot) == Role.STARTING:
             self.leases.set_role(h.slot, Role.STANDBY)
         self._event("ready", h, warm_ms=msg.warm_ms, private_mib=msg.private_mib)
@@ -397,6 +400,49 @@ class Supervisor:
             fenced_epoch, detect_ns = self._unserved_failover
             self._unserved_failover = (0, 0)
             self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
+
+    def _watch_ranks(self, h: ExecutorHandle, pids) -> bool:
+        """A tensor-parallel group (kvhold.executor.tensor_parallel.ranks): the executor is rank 0,
+        `pids` its children ranks 1..N-1. The death of any of them fences and kills the group."""
+        for pid in pids:
+            fields = stat_fields(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                fd = -1
+            if fd < 0 or not fields or int(fields[1]) != h.pid:   # gone already, or not its child
+                if fd >= 0:
+                    os.close(fd)
+                self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} is not running")
+                return False
+            h.rank_pidfds[pid] = fd
+            self.loop.watch_fd(fd, lambda h=h, pid=pid, epoch=h.epoch: self._rank_died(h, pid, epoch))
+        h.info["ranks"] = [h.pid, *h.rank_pidfds]
+        return True
+
+    def _rank_died(self, h: ExecutorHandle, pid: int, epoch: int) -> None:
+        self.loop.unwatch_fd(h.rank_pidfds[pid])
+        if self.handles.get(h.slot) is h and h.epoch == epoch and not h.fenced:
+            fields = stat_fields(pid)          # its zombie's exit status (rank 0 leaves it unreaped)
+            try:
+                code = exit_code(int(fields[-1])) if fields and fields[0] == "Z" else None
+            except ValueError:
+                code = None
+            self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} of its group died",
+                       exit_hint=code)
+
+    def _kill_ranks(self, h: ExecutorHandle) -> None:
+        for fd in h.rank_pidfds.values():
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _close_ranks(self, h: ExecutorHandle) -> None:
+        for fd in h.rank_pidfds.values():
+            self.loop.unwatch_fd(fd)
+            os.close(fd)
+        h.rank_pidfds.clear()
 
     def takeover_done(self) -> None:
         """The promoted executor reported its takeover (validated and resumed, before its first
@@ -456,9 +502,10 @@ class Supervisor:
         return h.pid
 
     def fence(self, h: ExecutorHandle, reason: str, detect_ns: int, kill: bool = False,
-              detail: str = "") -> None:
+              detail: str = "", exit_hint: int | None = None) -> None:
         """Revoke h's epoch; if it was active, promote a standby right away. `reason` is one of
-        FENCE_REASONS (a metric label); `detail` says more (an exit code, a health event)."""
+        FENCE_REASONS (a metric label); `detail` says more (an exit code, a health event);
+        `exit_hint`: the exit status that settles a death (a group's: its dead rank's), if known."""
         if reason not in FENCE_REASONS:
             raise ValueError(f"fence reason {reason!r} is not one of {FENCE_REASONS}")
         if h.fenced:
@@ -477,6 +524,9 @@ class Supervisor:
                 signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self._kill_ranks(h)            # every rank of a group, one stopped or in a collective too
+        elif reason in ("died", "exited"):
+            self._kill_ranks(h)            # rank 0 is gone: its ranks die with it (PDEATHSIG) or now
         if not h.stopping and not self._stopping:
             self._failures.append(detect_ns)
         log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s%s",
@@ -488,7 +538,8 @@ class Supervisor:
             if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
                 # before the successor is promoted; a death is settled by its exit status (on_exit)
                 self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
-                early = self._exit_code_while_exiting(h) if reason == "died" else None
+                early = exit_hint if exit_hint is not None else (
+                    self._exit_code_while_exiting(h) if reason == "died" else None)
                 if early is not None:      # settled before the promotion: an outside kill isolates nothing
                     self.deaths.exit_known(old_epoch, early)
             if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
@@ -524,6 +575,7 @@ class Supervisor:
         self.pending_epochs.discard(h.epoch)
         self.leases.release(h.slot, exit_code)
         os.close(h.pidfd)
+        self._close_ranks(h)
         del self.handles[h.slot]
         self._event("exit", h, exit_code=exit_code)
         log.info("executor pid %d exited with code %d", h.pid, exit_code)

@@ -95,18 +95,73 @@ def test_two_ranks_compute_the_whole_models_logits(tiny):
     torch.testing.assert_close(out[0], expected, rtol=1e-10, atol=1e-10)
 
 
+def test_ranks_write_their_heads_of_one_pool_and_the_checksum_covers_every_rank(tiny):
+    """Served groups (kvhold.executor.tensor_parallel.ranks): each rank writes its KV heads of the
+    N = 1 pool layout, so the pool two ranks write equals the whole model's, and a page's checksum
+    changes with any rank's bytes (a takeover's validation covers every rank)."""
+    from kvhold.executor.tensor_parallel.ranks import rank_kv
+    from kvhold.protocol.checksum import TorchChecksum
+
+    spec, w = tiny
+    prompt = [1, 17, 99, 240, 5, 33, 8, 400, 12]
+    geometry = KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64", 16)
+    whole_kv = KvCache.private(geometry, 2)
+    LlamaModel(spec, w, torch.float64, torch.device("cpu"), 64).forward(_step(prompt), whole_kv)
+
+    plan = TpPlan(spec, 2)
+    shared = KvCache.private(geometry, 2)
+    views = [rank_kv(shared, plan, r) for r in range(2)]
+    assert views[0].pool.shape[-2] == views[1].pool.shape[-2] == spec.num_kv_heads // 2
+    barrier, parts = threading.Barrier(2), [None, None]
+
+    def reduce_for(rank):
+        def reduce(t):
+            parts[rank] = t.clone()
+            barrier.wait()
+            total = parts[0] + parts[1]
+            barrier.wait()
+            t.copy_(total)
+            return t
+        return reduce
+
+    def rank_main(rank):
+        m = TensorParallelLlama(plan, plan.shard(w, rank), torch.float64, 64, reduce=reduce_for(rank))
+        m.forward(_step(prompt), views[rank])
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    torch.testing.assert_close(shared.pool, whole_kv.pool, rtol=1e-10, atol=1e-10)
+    hasher = TorchChecksum(shared.pool)
+    page = torch.tensor([0])
+    before = hasher.pages(page, torch.tensor([len(prompt)])).tolist()
+    for r in range(2):
+        kept = views[r].pool[0, 0, 0, 0].clone()
+        views[r].pool[0, 0, 0, 0] += 1.0         # rank r's heads of one token row only
+        assert hasher.pages(page, torch.tensor([len(prompt)])).tolist() != before, f"rank {r}"
+        views[r].pool[0, 0, 0, 0] = kept
+        assert hasher.pages(page, torch.tensor([len(prompt)])).tolist() == before
+
+
 def _args(*argv):
     p = argparse.ArgumentParser()
     add_sidecar_args(p)
     return p.parse_args(list(argv))
 
 
-def test_the_flag_is_checked_against_the_model_and_never_run_as_one(tiny_model):
-    assert sidecar_config_from_args(_args("--model", str(tiny_model))).pool.tensor_parallel_size == 1
+def test_the_flag_is_checked_against_the_model_and_reaches_the_executors(tiny_model):
+    cfg = sidecar_config_from_args(_args("--model", str(tiny_model)))
+    assert cfg.pool.tensor_parallel_size == 1 and cfg.executor_settings().tensor_parallel_size == 1
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: the model's attention heads"):
         sidecar_config_from_args(_args("--model", str(tiny_model), "--tensor-parallel-size", "3"))
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: .*does not yet run executor groups"):
-        sidecar_config_from_args(_args("--model", str(tiny_model), "-tp", "2"))
+    cfg = sidecar_config_from_args(_args("--model", str(tiny_model), "-tp", "2"))
+    assert cfg.pool.tensor_parallel_size == 2 and cfg.executor_settings().tensor_parallel_size == 2
+    for extra, what in ((["--zygote"], "--zygote is not supported"),
+                        (["--kv-mode", "foreign"], "--kv-mode foreign is not supported")):
+        with pytest.raises(ValueError, match=what):
+            sidecar_config_from_args(_args("--model", str(tiny_model), "-tp", "2", *extra))
     with pytest.raises(ValueError, match="NCCL"):
         sidecar_config_from_args(_args("--model", str(tiny_model), "--tensor-parallel-size", "2",
                                        "--device", "cuda", "--backend", "cuda"))
