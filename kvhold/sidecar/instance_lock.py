@@ -35,6 +35,7 @@ import posix_ipc
 
 from kvhold.protocol.memory import SHM_DIR as _SHM_DIR
 from kvhold.protocol.naming import InstancePaths, ensure_private_dir
+from kvhold.protocol.procfs import pid_alive
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path(_SHM_DIR)
@@ -142,6 +143,10 @@ class InstanceLock:
             if sock.exists():
                 sock.unlink()
                 removed.append(str(sock))
+        for pid in self.paths.spare_pids():      # a spare that died waiting left its file
+            if not pid_alive(pid):
+                self.paths.spare_file(pid).unlink(missing_ok=True)
+                removed.append(str(self.paths.spare_file(pid)))
         if removed:
             log.warning("removed %d stale object(s) of a previous sidecar of instance %r: %s",
                         len(removed), self.paths.instance, ", ".join(removed))

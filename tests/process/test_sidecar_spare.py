@@ -74,6 +74,15 @@ def test_a_clean_stop_does_not_wake_a_spare_which_then_waits_on_the_next_sidecar
         assert spare.proc.wait(10) == 0
         assert not marker.exists() and second.status()["spares"] == []
         assert alive(second.proc.pid)
+        killed = second.spare(log_path=tmp_path / "spare2.log")     # one SIGKILLed while it waits
+        killed.proc.kill()
+        killed.proc.wait()
+        assert second.status()["spares"] == []          # not listed: its process is gone
+        assert second.stop() == 0
+        third = SidecarProcess(IDLE, instance=first.instance, runtime_root=runtime_root,
+                               log_path=tmp_path / "third.log").start()
+        assert not killed.paths.spare_file(killed.proc.pid).exists()   # its file removed as stale
+        third.stop()
     finally:
         for sc in (spare, second, first):
             if sc is not None:
