@@ -248,6 +248,8 @@ class _LiveCollector:
                                 value=int(st.get("weights", {}).get("state") == "sealed"))
         yield GaugeMetricFamily("kvhold_pool_generation", "Pool generation (bumped by pool restarts)",
                                 value=st.get("generation", 0))
+        yield GaugeMetricFamily("kvhold_sidecar_spares", "Spare sidecars waiting to take over if the "
+                                "sidecar dies (kvhold sidecar --spare)", value=len(st.get("spares") or []))
         yield from _health_metrics(st.get("health"))
 
 

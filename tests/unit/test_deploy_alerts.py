@@ -37,10 +37,10 @@ def _shipped_alerts() -> set[str]:
     return {r["alert"] for g in doc["groups"] for r in g["rules"] if "alert" in r}
 
 
-def _steady(executors=("active", "standby"), pages=None, health=None, timeline=None) -> dict:
+def _steady(executors=("active", "standby"), pages=None, health=None, timeline=None, spares=(4242,)) -> dict:
     """A sidecar status as `Sidecar.status()` shapes it (the fields the exporter reads)."""
     tl = timeline or RecoveryTimeline()
-    return {"weights": {"state": "sealed"}, "generation": 1,
+    return {"weights": {"state": "sealed"}, "generation": 1, "spares": list(spares),
             "pages": pages or {"total": 100, "free": 80, "used": 20, "quarantined": 0, "bad": 0},
             "executors": [{"slot": i, "pid": 100 + i, "role": r, "ready": True, "heartbeat_age_ms": 3.0}
                           for i, r in enumerate(executors)],
@@ -169,6 +169,17 @@ def _no_executors():
         _firing("KvholdNoHotStandby", "13m", [{"role": "standby", "severity": "warning"}])]
 
 
+def _no_spare():
+    """The spare sidecar took over at minute 2 and no new one came: none waits from then on."""
+    return _run(9, lambda t, m: _steady(spares=() if t >= 2 else (4242,))), [
+        _firing("KvholdNoSpareSidecar", "6m", None), _firing("KvholdNoSpareSidecar", "7m", [{"severity": "warning"}])]
+
+
+def _never_a_spare():
+    """A plain `kvhold sidecar` with no spare ever: the alert stays silent."""
+    return _run(9, lambda t, m: _steady(spares=())), [_firing("KvholdNoSpareSidecar", "8m", None)]
+
+
 def _health(action: str, alert: str, severity: str):
     def at(t, m):
         return _steady(health={"action": action if t >= 2 else "none", "events": []})
@@ -207,7 +218,8 @@ def _http_errors():
 
 
 SCENARIOS = {"first_failover": _first_failover, "restart_storm": _restart_storm, "pages": _pages,
-             "no_executors": _no_executors,
+             "no_executors": _no_executors, "no_spare": _no_spare,
+             "never_a_spare": _never_a_spare,
              "nvml_restart_executor": _health("restart_executor", "KvholdNvmlRestartExecutor", "warning"),
              "nvml_drain": _health("drain", "KvholdNvmlEscalation", "critical"),
              "unreachable": _unreachable, "target_down": _target_down, "http_errors": _http_errors}
