@@ -48,10 +48,13 @@ class BlockManager:
 
     def adopt(self, seq: Sequence, pages: list[int], counts: list[int], checksums: list[int]) -> None:
         """Take over pages a previous executor committed (recovery)."""
-        for page, count, checksum in zip(pages, counts, checksums):
-            self.checksums[page] = checksum
-            self.counts[page] = count
+        self.record(pages, counts, checksums)
         seq.pages = list(pages)
+
+    def record(self, pages, counts, checksums) -> None:
+        """The committed (count, checksum) of pages a takeover keeps (`adopt` without a sequence)."""
+        self.checksums.update(zip(pages, checksums))
+        self.counts.update(zip(pages, counts))
 
     def free(self, seq: Sequence) -> None:
         if not seq.pages:
