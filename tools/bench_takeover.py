@@ -11,7 +11,11 @@ page table and free list have the serving load's shapes (64 streams of 512-2048 
 in 16-token pages: ~5,700 listed pages, a 12,288-page pool as 24 GiB of Llama-3-8B KV); only
 the bytes per page are the small model's, so the KV work (checksums of the listed pages, tail
 copies) is timed apart from the bookkeeping: the checksum and the copies are timed where they
-are called, and each part's host time is its time less that.
+are called, and each part's host time is its time less that. With `--checksum replay` (the
+default) each distinct checksum pass is computed once (its time in `checksum_computed_ms`) and
+replayed in the trials, as every trial starts from the same state: a CPU checksum of thousands of
+pages takes seconds and disturbs the timing of what follows it. `--state FILE` keeps the state
+before the kill, so that runs of different code start from the same one.
 
 Per trial, from the RecoveryReport's marks: validate (pages checked and classified), clear
 (unkept pages released or quarantined, free list built), tails (partial pages placed and
