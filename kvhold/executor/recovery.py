@@ -123,7 +123,7 @@ class NativeTakeover:
         full = np.fromiter((plan.kv_valid // page_tokens for plan in plans), dtype=np.int64, count=len(plans))
         kept = self.flat[segment_positions(self.lens) < np.repeat(full, self.lens)]
         pages = kept.tolist()
-        blocks.record(pages, itertools.repeat(page_tokens), self.checksums[kept].tolist())
+        blocks.record_array(kept, np.full(len(kept), page_tokens, dtype=np.int64), self.checksums[kept])
         out, start = [], 0
         for plan, n in zip(plans, full.tolist()):
             own = pages[start:start + n]

@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file
 
+from kvhold.executor.block_manager import CommittedPages
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
@@ -266,3 +267,18 @@ def test_validate_and_clear_equal_a_page_by_page_reference(rig, state):
     # a listed page found bad is flagged BAD; clearing then releases or quarantines every one no
     # request keeps (one listed twice, good for one request and bad for the other, stays kept)
     assert {p for p in range(NUM_PAGES) if pages["flags"][p] & PageFlag.BAD} == bad & kept
+
+
+def test_committed_pages_read_adopted_values_until_set_or_removed():
+    c = CommittedPages()
+    c[3] = 7
+    c.adopt(np.array([3, 5, 9]), np.array([30, 50, 90], dtype=np.uint64), 12)
+    assert (c[3], c[5], c.get(9), c.get(4), 5 in c, 4 in c) == (30, 50, 90, None, True, False)
+    assert type(c[5]) is int
+    c[5] = 51                                    # a commit after the takeover
+    assert c[5] == 51 and c.pop(5) == 51 and 5 not in c and c.get(5) is None
+    assert c.pop(9) == 90 and 9 not in c and c.pop(9, None) is None
+    with pytest.raises(KeyError):
+        c[9]
+    c.adopt(np.array([1]), np.array([10], dtype=np.uint64), 12)   # a second adoption keeps the first's
+    assert (c[1], c[3], 9 in c) == (10, 30, False)
