@@ -163,11 +163,14 @@ def test_an_outside_sigkill_isolates_nothing_and_a_crash_isolates_its_step(tiny_
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"})
     sc.wait_steady()
     with sc.new_client(timeout=60) as client:
-        streams = [client.generate(**dict(GOOD, seed=i)) for i in range(4)]
+        # long enough to be mid-stream at the kill on a loaded machine: 100 tokens each after
+        # their first (a fixed sleep could outlast 40 tokens, and a kill between steps counts none)
+        streams = [client.generate(**dict(GOOD, seed=i, max_tokens=100, ignore_eos=True)) for i in range(4)]
         sc.wait_for(lambda st: st["requests"]["in_flight"] == 4 and any(
             e["kind"] == "ready" for e in st["events"]), timeout=30)
         victim = sc.wait_steady()["pid"]
-        time.sleep(0.3)                             # mid-stream: the four are in every step
+        for s in streams:                           # mid-stream: the four are in every step
+            next(s)
         os.kill(victim, signal.SIGKILL)
         for s in streams:
             s.result()
