@@ -241,24 +241,13 @@ def _sidecar_main(a, argv, rng: random.Random) -> int:
 
 def _group_pids(leader: int, world: int, timeout_s: float = 30.0) -> list[int]:
     """The leader (rank 0) and its follower ranks (its children), in rank order."""
-    from kvhold.protocol.procfs import stat_fields
+    from kvhold.executor.tensor_parallel.ranks import group_pids
 
     deadline = time.monotonic() + timeout_s
     while True:
-        followers = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                fields = stat_fields(int(name))
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if fields and int(fields[1]) == leader and b"kvhold.executor.tensor_parallel.ranks" in cmd:
-                followers.append(int(name))
-        if len(followers) == world - 1 or time.monotonic() > deadline:
-            return [leader, *sorted(followers)]
+        pids = group_pids(leader)
+        if len(pids) == world or time.monotonic() > deadline:
+            return pids
         time.sleep(0.05)
 
 

@@ -12,27 +12,11 @@ import signal
 import pytest
 
 from kvhold.client.client import wait_all
-from kvhold.protocol.procfs import pid_alive, stat_fields
+from kvhold.executor.tensor_parallel.ranks import group_pids
+from kvhold.protocol.procfs import pid_alive
 from tests.process.helpers import FLAGS, ids, sidecar_log, submit, wait_until
 
 TP_FLAGS = [*FLAGS, "-tp", "2", "--cpu-threads", "1"]
-
-
-def group_pids(leader: int) -> list[int]:
-    """The leader (rank 0) and its follower ranks, in rank order (they are its children)."""
-    followers = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fields = stat_fields(int(name))
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if fields and int(fields[1]) == leader and b"kvhold.executor.tensor_parallel.ranks" in cmd:
-            followers.append(int(name))
-    return [leader, *sorted(followers)]
 
 
 def _steady_group(sc) -> tuple[list[int], int]:

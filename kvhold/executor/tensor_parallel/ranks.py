@@ -58,6 +58,27 @@ from kvhold.executor.tensor_parallel.plan import TpPlan
 
 log = logging.getLogger(__name__)
 FOLLOWER_DIED_EXIT = 71
+FOLLOWER_MODULE = "kvhold.executor.tensor_parallel.ranks"     # `python -m` of a follower
+
+
+def group_pids(leader: int) -> list[int]:
+    """The leader (rank 0) and its follower ranks (its children running this module), in rank
+    order, as /proc shows them: for tests and tools, independently of what the sidecar reports."""
+    from kvhold.protocol.procfs import stat_fields
+
+    followers = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = stat_fields(int(name))
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if fields and int(fields[1]) == leader and FOLLOWER_MODULE.encode() in cmd:
+            followers.append(int(name))
+    return [leader, *sorted(followers)]
 GLOO_TIMEOUT = timedelta(seconds=600)   # a rank stuck longer is a hang: the supervisor kills first
 _HEADER = struct.Struct("<I")
 
@@ -168,7 +189,7 @@ def start_group(ctx, spec, weights: dict[str, torch.Tensor], compute_dtype: str,
                           weights_fd=fds["weights"], weights_info=infos["weights"].with_access(True),
                           manifest=ctx.attached.weights["manifest"])
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            p = subprocess.Popen([sys.executable, "-m", "kvhold.executor.tensor_parallel.ranks"],
+            p = subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE],
                                  stdin=subprocess.PIPE, pass_fds=(fds["kv"], fds["weights"]), env=env)
             body = pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL)
             p.stdin.write(_HEADER.pack(len(body)) + body)
