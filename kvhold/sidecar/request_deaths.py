@@ -45,6 +45,7 @@ request ran batched again and killed one more executor, with others in its step.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ from kvhold.protocol.tables import Tables
 log = logging.getLogger(__name__)
 MAX_DEATHS = 2       # executor deaths with the same request in the step, at the same position
 OUTSIDE_KILLS = (128 + 9, 128 + 15)   # exit codes of SIGKILL and SIGTERM (128 + signal)
+LOGGED_IDS = 8       # request ids a death's log line names
 
 
 @dataclass(slots=True)
@@ -84,6 +86,7 @@ class RequestDeaths:
         self._oom_kills = oom_kills()
         self.store = Path(store) if store is not None else None
         self._saved: dict | None = None
+        self._held = 0                              # saves_after() blocks open
         self._load()
 
     def _load(self) -> None:
@@ -105,8 +108,20 @@ class RequestDeaths:
             log.warning("read back the death counts of %d requests that were in the step of a dead "
                         "executor", len(self.suspects))
 
+    @contextlib.contextmanager
+    def saves_after(self):
+        """Write the store once, when the block ends: the supervisor counts a death and promotes the
+        successor inside one, so the file's write does not delay the promotion."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self._save()
+
     def _save(self) -> None:
-        if self.store is None:
+        if self.store is None or self._held:
             return
         doc = {"suspects": [[rid, s.deaths, s.end] for rid, s in self.suspects.items()],
                "failed_total": self.num_failed, "forgiven_total": self.num_forgiven}
@@ -138,15 +153,20 @@ class RequestDeaths:
             s.slot = jslot
             s.deaths += 1
             s.end = end
-            log.warning("request %#x was in the step of a dead executor (epoch %d, step %d, KV up to "
-                        "%d): death %d of %d", rid, epoch, step, end, s.deaths, MAX_DEATHS)
             message = None
             if s.deaths >= MAX_DEATHS:
+                log.warning("request %#x was in the step of a dead executor (epoch %d, step %d, KV up "
+                            "to %d): death %d of %d", rid, epoch, step, end, s.deaths, MAX_DEATHS)
                 message = (f"request {rid:#x} failed: the executor died {s.deaths} times while running "
                            f"it, the last time with no other request in its step (at KV position "
                            f"{end}); it crashes the engine and is not retried (check its prompt and "
                            f"parameters, or the model's tokenizer and vocabulary)")
             counted.append((rid, jslot, end, message))
+        if counted:    # one line: this runs between the fence and the promotion
+            shown = ", ".join(f"{rid:#x}" for rid, _, _, _ in counted[:LOGGED_IDS])
+            more = f" and {len(counted) - LOGGED_IDS} more" if len(counted) > LOGGED_IDS else ""
+            log.warning("%d requests were in the step of a dead executor (epoch %d, step %d): %s%s",
+                        len(counted), epoch, step, shown, more)
         if cause_known:
             return self._settle(counted)
         self._unsettled[epoch] = counted

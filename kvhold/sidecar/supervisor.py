@@ -37,6 +37,7 @@ promote, fence, bye, exit: kvhold.sidecar.timeline keeps them).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
 import logging
 import os
@@ -532,21 +533,28 @@ class Supervisor:
         log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s%s",
                     h.pid, h.slot, role.name, old_epoch, reason, f" ({detail})" if detail else "")
         if was_active:
-            self.active_slot = None
-            self._takeover_until_ns = 0   # whatever takeover ran is over: re-arming may start now
-            self._takeover_reported = False
-            if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
-                # before the successor is promoted; a death is settled by its exit status (on_exit)
-                self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
-                early = exit_hint if exit_hint is not None else (
-                    self._exit_code_while_exiting(h) if reason == "died" else None)
-                if early is not None:      # settled before the promotion: an outside kill isolates nothing
-                    self.deaths.exit_known(old_epoch, early)
-            if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
-                h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
-                self.want_active = True
-            else:
-                self.failover(old_epoch, detect_ns)
+            with self.deaths.saves_after() if self.deaths is not None else contextlib.nullcontext():
+                self._fail_over_from(h, reason, old_epoch, detect_ns, exit_hint)
+
+    def _fail_over_from(self, h: ExecutorHandle, reason: str, old_epoch: int, detect_ns: int,
+                        exit_hint: int | None) -> None:
+        """The fenced executor was the active one: count the death against its step's requests,
+        then promote a standby (or wait for the exit, with `--takeover wait-exit`)."""
+        self.active_slot = None
+        self._takeover_until_ns = 0   # whatever takeover ran is over: re-arming may start now
+        self._takeover_reported = False
+        if reason in ("died", "hang", "cuda_fault") and not h.stopping and self.deaths is not None:
+            # before the successor is promoted; a death is settled by its exit status (on_exit)
+            self.deaths.executor_died(h.slot, old_epoch, cause_known=reason != "died")
+            early = exit_hint if exit_hint is not None else (
+                self._exit_code_while_exiting(h) if reason == "died" else None)
+            if early is not None:      # settled before the promotion: an outside kill isolates nothing
+                self.deaths.exit_known(old_epoch, early)
+        if self.config.takeover == "wait-exit" and (reason != "hang" or self.config.kill_fenced):
+            h.deferred_failover = (old_epoch, detect_ns)   # on_exit promotes
+            self.want_active = True
+        else:
+            self.failover(old_epoch, detect_ns)
 
     def failover(self, fenced_epoch: int, detect_ns: int) -> None:
         standby = next((x for x in self.live_handles()   # attached: a re-adopted one may not be yet
