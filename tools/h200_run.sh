@@ -15,6 +15,11 @@
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
 #                                                                                  -> recovery_cuda.json
+#   takeover-profile  recovery as above (standby, PROFILE_KILLS, default 3) with KVHOLD_PROFILE_TAKEOVER:
+#                  the promoted executor's kernels in its takeover and first steps
+#                                                   -> takeover_profile_cuda.txt, recovery_cuda_profiled.json
+#   checksum       the validation pass's checksum kernel at Llama-3-8B page shapes against its bandwidth
+#                  floor and candidate kernels (tools/probe_checksum.py)          -> checksum_cuda.json
 #   mirror         foreign-pool mode: the KV mirror's decode cost, then recovery through the mirror
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
@@ -105,6 +110,15 @@ for phase in "${@:-tests}"; do
         --zygote-kills ${ZYGOTE_KILLS:-3} --cold-kills ${COLD_KILLS:-2} --wait-kills ${WAIT_KILLS:-0} \
         --log-level INFO --out "$OUT/recovery_cuda.json" 2>&1 | tail -30
     gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  takeover-profile)
+    model_8b
+    KVHOLD_PROFILE_TAKEOVER="$OUT/takeover_profile_cuda.txt" timeout $(left) python3 -m tools.bench_recovery $LOAD \
+        --kills ${PROFILE_KILLS:-3} --tiers standby --out "$OUT/recovery_cuda_profiled.json" 2>&1 | tail -14
+    ;;
+  checksum)
+    timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m tools.probe_checksum --pages 5700 \
+        --out "$OUT/checksum_cuda.json" 2>&1 | tail -20
     ;;
   mirror)
     model_8b

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvhold.executor import faults
+from kvhold.executor import faults, takeover_profile
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
@@ -48,6 +48,8 @@ class EngineWorkload(WorkloadBase):
         self.runner = None
         self._t = time.monotonic()
         self._active_steps = 0
+        path = takeover_profile.target()     # a diagnostic: off unless asked for
+        self._profile = takeover_profile.TakeoverProfile(path, os.getpid()) if path else None
 
     def _phase(self, name: str) -> None:
         now = time.monotonic()
@@ -113,6 +115,7 @@ class EngineWorkload(WorkloadBase):
         if device.type == "cuda":
             torch.cuda.synchronize()
             self._phase("checksum_warm_up")
+            takeover_profile.warm_up()
             self.private_mib = torch.cuda.memory_reserved(device) / 2**20
             log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
                      self.private_mib)
@@ -172,7 +175,12 @@ class EngineWorkload(WorkloadBase):
 
     # ------------------------------------------------------------------ workload interface
     def promote(self, msg: m.Promote) -> RecoveryReport:
-        report = self.engine.take_over(msg.pending_epochs, msg.detect_ns, msg.isolate or ())
+        if self._profile is not None and msg.fenced_epoch:
+            with self._profile.part("takeover"):
+                report = self.engine.take_over(msg.pending_epochs, msg.detect_ns, msg.isolate or ())
+            self._profile.steps_after = 0
+        else:
+            report = self.engine.take_over(msg.pending_epochs, msg.detect_ns, msg.isolate or ())
         report = dataclasses.replace(report, fenced_epoch=msg.fenced_epoch)
         log.info("took over: %d resumable, %d damaged, %d lost, %d pages checked (%d bad), "
                  "%d tokens recomputed", report.requests_resumable, report.requests_damaged,
@@ -183,7 +191,11 @@ class EngineWorkload(WorkloadBase):
         return self.engine.has_work
 
     def step(self) -> list[int]:
-        slots = self.engine.step()
+        if self._profile is not None:
+            with self._profile.step():
+                slots = self.engine.step()
+        else:
+            slots = self.engine.step()
         self._active_steps += 1
         if (self.runner is not None and self.runner.capture_pending
                 and self._active_steps >= DEFERRED_CAPTURE_STEPS):
