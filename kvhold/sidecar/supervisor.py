@@ -437,7 +437,7 @@ class Supervisor:
             return
         if size > 1 and len(pids) != size - 1:
             self.fence(h, "died", now_ns(), kill=True,
-                       detail=f"its group has {len(pids) + 1} ranks running, not {size}")
+                       detail=f"{len(pids) + 1} of its group's {size} ranks are running")
             return
         log.info("watching ranks %s of re-adopted executor pid %d's group", pids, h.pid)
 

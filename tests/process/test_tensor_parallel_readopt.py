@@ -4,8 +4,10 @@ hot standby, the same pids in the same roles), watches every rank of each as the
 spawned them did, and the streams go on with the tokens of an uninterrupted TP=1 run. After the
 re-adoption a rank's death still ends its whole group and the standby group resumes, 0 lost;
 with rank 0 stopped (it cannot act on its own watch) only the re-adopting sidecar's watch of
-rank 1 can fence the group at once rather than after a lease of silence. A pool restart of a
-`-tp 2` sidecar brings every request back on new groups, outputs unchanged."""
+rank 1 can fence the group at once rather than after a lease of silence. A follower killed while
+no sidecar runs ends its group (the leader's watch), and one killed while its leader is stopped
+leaves a group short of a rank, which the re-adopting sidecar fences at once. A pool restart of
+a `-tp 2` sidecar brings every request back on new groups, outputs unchanged."""
 from __future__ import annotations
 
 import contextlib
@@ -98,6 +100,72 @@ def test_restarted_sidecar_readopts_both_groups_and_watches_their_ranks(tiny_mod
         (recovery,) = second.status()["recoveries"]
         assert recovery["requests_lost"] == 0
         assert second.status()["request_deaths"]["failed_total"] == 0
+    finally:
+        clients.close()
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_follower_killed_while_no_sidecar_runs_ends_its_group_and_the_standby_group_resumes(
+        tiny_model, reference, runtime_root, tmp_path):
+    """The leader's own watch ends the group while no sidecar runs; the restarted sidecar finds the
+    ACTIVE lease dead, re-adopts the standby group alone and promotes it once it attached again."""
+    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
+    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
+    second, clients = None, contextlib.ExitStack()
+    try:
+        client = clients.enter_context(first.new_client(timeout=120))
+        streams = submit(client)
+        before = _kill_sidecar_mid_stream(first, streams)
+        os.kill(before["active"][1], signal.SIGKILL)
+        _gone(before["active"])                         # the leader exits on its watch, rank 1 is gone
+        assert all(pid_alive(p) for p in before["standby"])
+        second = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
+                                log_path=tmp_path / "second.log").start()
+        assert ids(wait_all(streams)) == reference
+        new = second.wait_steady(standbys=1, timeout=120)
+        assert new["pid"] == before["standby"][0] and new["ranks"] == before["standby"]
+        status = second.status()
+        assert status["adoption"]["dead"] == [before["active"][0]]
+        (recovery,) = status["recoveries"]
+        assert recovery["requests_lost"] == 0 and recovery["tokens_recomputed"] == 0
+    finally:
+        clients.close()
+        if second is not None:
+            second.stop()
+        first.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_group_short_of_a_rank_at_readoption_is_fenced_and_killed_at_once(tiny_model, reference, runtime_root,
+                                                                             tmp_path):
+    """Rank 0 stopped, then rank 1 killed, while no sidecar runs: the leader holds its liveness
+    mutex but its group cannot step. The re-adopting sidecar finds one rank running of two and
+    fences the group at once (not after a lease of silence); the standby group resumes."""
+    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
+    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
+    second, clients = None, contextlib.ExitStack()
+    try:
+        client = clients.enter_context(first.new_client(timeout=120))
+        streams = submit(client)
+        before = _kill_sidecar_mid_stream(first, streams)
+        leader, follower = before["active"]
+        os.kill(leader, signal.SIGSTOP)
+        wait_stopped(leader)
+        os.kill(follower, signal.SIGKILL)
+        second = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
+                                log_path=tmp_path / "second.log").start()
+        assert ids(wait_all(streams)) == reference
+        _gone(before["active"])                         # the stopped leader is killed too
+        (fence,) = second.events("fence")
+        assert fence["pid"] == leader and fence["reason"] == "died", fence
+        assert "1 of its group's 2 ranks are running" in fence["detail"], fence
+        new = second.wait_steady(standbys=1, timeout=120)
+        assert new["pid"] == before["standby"][0]
+        (recovery,) = second.status()["recoveries"]
+        assert recovery["requests_lost"] == 0
     finally:
         clients.close()
         if second is not None:
