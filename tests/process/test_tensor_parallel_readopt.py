@@ -21,7 +21,7 @@ from kvhold.client.client import wait_all
 from kvhold.executor.tensor_parallel.ranks import group_pids
 from kvhold.protocol.procfs import pid_alive
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, ids, sidecar_log, submit, wait_stopped, wait_until
+from tests.process.helpers import FLAGS, REQUESTS, ids, sidecar_log, submit, wait_stopped, wait_until
 from tests.process.test_pool_restart import REQUESTS as LONG_REQUESTS, pool_restart_cli
 
 # a lease long enough that a hang fence (a stopped rank 0) cannot pass for the rank watch's
@@ -61,10 +61,10 @@ def _readopted(second: SidecarProcess, before: dict[str, list[int]]) -> None:
     status = second.status()
     assert {e["role"]: e["ranks"] for e in status["executors"]} == before   # watched, same roles
     assert {e["via"] for e in status["executors"]} == {"readopted"}
+    assert status["pool_restart"]["restore"]["requests_adopted"] == len(REQUESTS)   # all mid-stream
     assert not second.events("spawn") and not second.events("fence")
 
 
-@pytest.mark.slow
 def test_restarted_sidecar_readopts_both_groups_and_watches_their_ranks(tiny_model, reference, runtime_root,
                                                                         tmp_path):
     flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
