@@ -269,8 +269,9 @@ class Supervisor:
     def adopt(self, live, dead) -> None:
         """Take over a dead sidecar's executors (kvhold.sidecar.adoption): each live lease keeps
         its slot, epoch and role, and is watched (liveness mutex, pidfd, heartbeat) at once, a
-        group's ranks once the loop runs; it gets its handle's identity when it attaches again. A dead ACTIVE lease is fenced and
-        its requests left to a takeover; other dead leases are freed."""
+        group's ranks once the loop runs; it gets its handle's identity when it attaches again.
+        A dead ACTIVE lease is fenced and its requests left to a takeover; other dead leases are
+        freed."""
         now = now_ns()
         for holder in live:
             try:
