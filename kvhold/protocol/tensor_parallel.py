@@ -42,3 +42,31 @@ def sidecar_refusal(size: int, model_dir, device: str) -> str | None:
         except (CheckpointError, OSError, ValueError):   # reported by the checks of the model itself
             spec = None
     return tensor_parallel_refusal(spec, size, device)
+
+
+# the program a group's ranks 1..N-1 run (`python -m`): kvhold.executor.tensor_parallel.ranks
+FOLLOWER_MODULE = "kvhold.executor.tensor_parallel.ranks"
+
+
+def follower_pids(leader: int) -> list[int]:
+    """The follower ranks (1..N-1) of the group led by `leader` as /proc shows them: the leader's
+    children that run FOLLOWER_MODULE, in pid order (their rank order: the leader starts them in
+    turn, unless pids wrapped between them). A sidecar that re-adopts a group (it
+    got no `Ready` naming them) watches these; tests and tools check what the sidecar reports."""
+    import os
+
+    from kvhold.protocol.procfs import stat_fields
+
+    followers = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = stat_fields(int(name))
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if fields and int(fields[1]) == leader and FOLLOWER_MODULE.encode() in cmd.split(b"\0"):
+            followers.append(int(name))
+    return sorted(followers)

@@ -60,6 +60,7 @@ from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.recovery_report import FENCE_REASONS
 from kvhold.protocol.tables import Tables
+from kvhold.protocol.tensor_parallel import follower_pids
 from kvhold.sidecar.config import ExecutorsConfig
 from kvhold.sidecar.hand_back import late_reply
 from kvhold.sidecar.weights_keeper import WeightsKeeper
@@ -268,9 +269,10 @@ class Supervisor:
     # ------------------------------------------------------------------ re-adoption
     def adopt(self, live, dead) -> None:
         """Take over a dead sidecar's executors (kvhold.sidecar.adoption): each live lease keeps
-        its slot, epoch and role, and is watched (liveness mutex, pidfd, heartbeat) at once; it
-        gets its handle's identity when it attaches again. A dead ACTIVE lease is fenced and
-        its requests left to a takeover; other dead leases are freed."""
+        its slot, epoch and role, and is watched (liveness mutex, pidfd, heartbeat) at once, a
+        group's ranks once the loop runs; it gets its handle's identity when it attaches again.
+        A dead ACTIVE lease is fenced and its requests left to a takeover; other dead leases are
+        freed."""
         now = now_ns()
         for holder in live:
             try:
@@ -285,6 +287,7 @@ class Supervisor:
             self._watch_liveness(h)
             if holder.role == Role.ACTIVE:
                 self.active_slot = h.slot
+            self.loop.post(lambda h=h: self._watch_readopted_ranks(h))   # once the loop runs
             self._event("readopt", h, role=holder.role.name)
             log.warning("re-adopted executor pid %d (lease %d, %s, epoch %d)", h.pid, h.slot,
                         holder.role.name, h.epoch)
@@ -420,6 +423,25 @@ class Supervisor:
             self.loop.watch_fd(fd, lambda h=h, pid=pid, epoch=h.epoch: self._rank_died(h, pid, epoch))
         h.info["ranks"] = [h.pid, *h.rank_pidfds]
         return True
+
+    def _watch_readopted_ranks(self, h: ExecutorHandle) -> None:
+        """A re-adopted executor sends no `Ready`: a group's ranks 1..N-1 are found as its children
+        running the follower program (/proc) and watched as `_watch_ranks` does, so a rank's
+        death fences and kills the group as under the sidecar that spawned it. A group short of
+        a rank is fenced and killed at once (its leader is exiting, or will wait in a collective)."""
+        if self.handles.get(h.slot) is not h or h.fenced:
+            return
+        pids = follower_pids(h.pid)
+        size = self.launch.settings.tensor_parallel_size
+        if not pids and size <= 1:
+            return
+        if not self._watch_ranks(h, pids):
+            return
+        if size > 1 and len(pids) != size - 1:
+            self.fence(h, "died", now_ns(), kill=True,
+                       detail=f"{len(pids) + 1} of its group's {size} ranks are running")
+            return
+        log.info("watching ranks %s of re-adopted executor pid %d's group", pids, h.pid)
 
     def _rank_died(self, h: ExecutorHandle, pid: int, epoch: int) -> None:
         self.loop.unwatch_fd(h.rank_pidfds[pid])

@@ -55,30 +55,18 @@ from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import SeqSlice, StepInput
 from kvhold.executor.tensor_parallel.model import TensorParallelLlama
 from kvhold.executor.tensor_parallel.plan import TpPlan
+from kvhold.protocol.tensor_parallel import FOLLOWER_MODULE, follower_pids
 
 log = logging.getLogger(__name__)
 FOLLOWER_DIED_EXIT = 71
-FOLLOWER_MODULE = "kvhold.executor.tensor_parallel.ranks"     # `python -m` of a follower
 
 
 def group_pids(leader: int) -> list[int]:
     """The leader (rank 0) and its follower ranks (its children running this module), in rank
     order, as /proc shows them: for tests and tools, independently of what the sidecar reports."""
-    from kvhold.protocol.procfs import stat_fields
+    return [leader, *follower_pids(leader)]
 
-    followers = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fields = stat_fields(int(name))
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if fields and int(fields[1]) == leader and FOLLOWER_MODULE.encode() in cmd:
-            followers.append(int(name))
-    return [leader, *sorted(followers)]
+
 GLOO_TIMEOUT = timedelta(seconds=600)   # a rank stuck longer is a hang: the supervisor kills first
 _HEADER = struct.Struct("<I")
 
