@@ -114,7 +114,7 @@ for phase in "${@:-tests}"; do
   takeover-profile)
     model_8b
     KVHOLD_PROFILE_TAKEOVER="$OUT/takeover_profile_cuda.txt" timeout $(left) python3 -m tools.bench_recovery $LOAD \
-        --kills ${PROFILE_KILLS:-3} --tiers standby --out "$OUT/recovery_cuda_profiled.json" 2>&1 | tail -14
+        --kills ${PROFILE_KILLS:-3} --tiers standby --lease-ms 30000 --log-level INFO --out "$OUT/recovery_cuda_profiled.json" 2>&1 | tail -14
     ;;
   checksum)
     timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m tools.probe_checksum --pages 5700 \
