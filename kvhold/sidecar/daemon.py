@@ -27,6 +27,7 @@ sidecar would (re-adoption, kvhold.sidecar.adoption) without a new process's sta
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -487,6 +488,10 @@ class Sidecar(ClientSide):
 
     # ------------------------------------------------------------------ loop
     def serve_forever(self) -> None:
+        # what start-up built (modules, tables, the tokenizer) is kept for good: the cyclic GC's
+        # full collections, which can land between a fence and the first resumed token, then
+        # scan only what was made since
+        gc.freeze()
         while not self.loop.stop_requested and not self.pool_restart.draining:
             if self.link is not None and self.link.pool_restart is not None:
                 break                              # close() stops executors, the frontend journals
