@@ -15,6 +15,9 @@
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
 #                                                                                  -> recovery_cuda.json
+#   takeover       a takeover's parts in one process, Llama-3-8B, 64 streams (512-2048-token prompts) in a
+#                  12,288-page pool: host bookkeeping and the KV work (checksums, tail copies) apart,
+#                  TAKEOVER_TRIALS (9) takeovers from one saved state (tools/bench_takeover.py) -> takeover_host_cuda.json
 #   mirror         foreign-pool mode: the KV mirror's decode cost, then recovery through the mirror
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
@@ -105,6 +108,12 @@ for phase in "${@:-tests}"; do
         --zygote-kills ${ZYGOTE_KILLS:-3} --cold-kills ${COLD_KILLS:-2} --wait-kills ${WAIT_KILLS:-0} \
         --log-level INFO --out "$OUT/recovery_cuda.json" 2>&1 | tail -30
     gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  takeover)
+    model_8b
+    timeout $(left) python3 -m tools.bench_takeover --device cuda:0 --model /tmp/l8b --requests 64 \
+        --prompt-len 512,2048 --kv-pages 12288 --checksum compute --trials ${TAKEOVER_TRIALS:-9} \
+        --out "$OUT/takeover_host_cuda.json" 2>&1 | tail -20
     ;;
   mirror)
     model_8b
