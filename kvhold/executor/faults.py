@@ -21,7 +21,9 @@ fires only while <path> exists, so a test can let executors start clean, then ma
 every replacement fail. With no variable set, a fault point costs one dict lookup.
 
 Start-up points: `attached` (lease granted, regions mapped, before the workload
-is prepared and Ready is sent).
+is prepared and Ready is sent). Takeover points (kvhold.executor.takeover): `takeover_cleared`
+(the pages no request keeps released or quarantined) and `takeover_tails` (the partially
+filled tails placed), both before the requests are resumed.
 
 Request-conditioned points fire on what is in a step rather than on a count:
 `<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt

@@ -71,23 +71,43 @@ class NativeTakeover:
         engine, records = self.engine, self.records
         ends = np.fromiter((-(-plan.kv_valid // engine.page_tokens) for plan in plans), dtype=np.int64,
                            count=len(plans))
+        # the journal lists only the pages kept before any page is released or quarantined: an
+        # executor that dies in its takeover leaves lists whose pages still hold their KV
+        engine.journal.truncate_page_lists(_slots(plans), ends)
         kept = kept_mask(len(records), self.flat, self.lens, ends)
         hold, epochs = _clear_unkept(engine, records, kept, pending)
         engine.quarantined.update(zip(hold.tolist(), epochs.tolist()))
         engine.blocks.allocator = PageAllocator.from_sorted(free_pages(kept, hold))
 
     def place_tails(self, plans: list[RequestPlan], pending: set[int]) -> None:
-        """Where each partially filled last page continues (`_place_tail`); the copies are made
-        first, then their sources quarantined in one call, then every tail published."""
-        placed, hold = [], []
+        """Where each partially filled last page continues (`_place_tail`). The copies are made
+        and published first, then the journal lists each copy in place of its source (or, for a
+        tail given up, no longer lists it), and only then are the sources quarantined in one
+        call: at every instant the journal lists pages whose records hold their KV, should this
+        executor die too."""
+        engine, placed, hold, dropped = self.engine, [], [], []
         for plan in plans:
+            held = len(hold)
             tail = self._place_tail(plan, pending, hold)
+            if tail is None and len(hold) > held:
+                dropped.append(plan)            # given up: its source is quarantined below
             if tail is not None:
                 placed.append((plan, tail))
                 self.tails[plan.entry.slot] = tail
+        _publish_tails(engine, placed)
+        copied = [(plan, tail) for plan, tail in placed if tail.copied]
+        if copied:
+            engine.journal.replace_pages(_slots(plan for plan, _ in copied),
+                                         np.fromiter((plan.kv_valid // engine.page_tokens for plan, _ in copied),
+                                                     dtype=np.int64, count=len(copied)),
+                                         np.fromiter((tail.page for _, tail in copied), dtype=np.int64,
+                                                     count=len(copied)))
+        if dropped:
+            engine.journal.truncate_page_lists(
+                _slots(dropped), np.fromiter((-(-plan.kv_valid // engine.page_tokens) for plan in dropped),
+                                             dtype=np.int64, count=len(dropped)))
         if hold:
-            self.engine.page_table.quarantine(hold)
-        _publish_tails(self.engine, placed)
+            engine.page_table.quarantine(hold)
 
     def _place_tail(self, plan: RequestPlan, pending: set[int], hold: list[int]) -> Tail | None:
         """Where a partially filled last page continues, or None.
@@ -98,7 +118,8 @@ class NativeTakeover:
         up instead: the old page is quarantined all the same and its rows are recomputed from
         the journal (`tails_dropped`), like the rest of a damaged request. Failing the takeover
         instead would cost the standby and leave half-repaired tables to the next executor.
-        A page to quarantine is appended to `hold` (place_tails quarantines them, after the copies)."""
+        A page to quarantine is appended to `hold` (place_tails quarantines them, once the journal
+        no longer lists them)."""
         engine, records = self.engine, self.records
         full, rest = divmod(plan.kv_valid, engine.page_tokens)
         if not rest:
@@ -141,6 +162,10 @@ class NativeTakeover:
                            interrupted=self.interrupted,
                            copied=sum(1 for t in self.tails.values() if t.copied),
                            tails_dropped=self.dropped, prompts_realigned=self.realigned)
+
+
+def _slots(plans) -> np.ndarray:
+    return np.fromiter((plan.entry.slot for plan in plans), dtype=np.int64)
 
 
 def listing(plans: list[RequestPlan]) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,10 @@ kvhold.executor.recovery.NativeTakeover) or in a private pool that kvhold's page
    filled tail page is copied into a fresh page, which the new executor continues,
    while the old one is quarantined; orphans are quarantined too. Quarantined pages go
    back to the free list when the sidecar reports the writer's exit (`reaped`). When
-   the writer is known to be gone, tails are simply claimed in place.
+   the writer is known to be gone, tails are simply claimed in place. The journal never
+   lists a page the takeover released or quarantined (lists are cut to the kept pages
+   first; a copied tail is listed before its source is quarantined): a takeover that dies
+   half way leaves the next one lists whose pages still hold their KV.
 4. Resume: each request gets its kept KV (strategy), the journal lists the kvhold pages
    that hold it, and it continues from its last valid KV position; the journal holds
    every token, so recomputation needs no sampling and the output is unchanged. A
@@ -40,6 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvhold.executor import faults
 from kvhold.executor.sequence import Sequence
 from kvhold.protocol.journal import JournalEntry
 from kvhold.protocol.layout import ExecState, FinishReason
@@ -128,8 +132,10 @@ def _take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: in
     t_validated = now_ns()
     strategy.clear(plans, pending)
     t_cleared = now_ns()
+    faults.point("takeover_cleared")     # crash tests: a death between the takeover's steps
     strategy.place_tails(plans, pending)
     t_tails = now_ns()
+    faults.point("takeover_tails")
     _resume(engine, strategy, plans)
     pages = strategy.figures()
     classes = [plan.klass for plan in plans]

@@ -315,6 +315,17 @@ class Journal:
         self.page_lists[slot, first:first + len(pages)] = pages
         self.req["num_pages"][slot] = first + len(pages)
 
+    def truncate_page_lists(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        """List at most `counts[k]` pages for `slots[k]` (a takeover, before it releases or
+        quarantines the pages after them)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        self.req["num_pages"][slots] = np.minimum(self.req["num_pages"][slots], counts)
+
+    def replace_pages(self, slots: np.ndarray, positions: np.ndarray, pages: np.ndarray) -> None:
+        """List `pages[k]` at `positions[k]` of `slots[k]`'s list, in place of the page there (a
+        takeover's copy of a tail page), the counts unchanged."""
+        self.page_lists[np.asarray(slots, dtype=np.int64), np.asarray(positions, dtype=np.int64)] = pages
+
     def set_page_lists(self, slots: np.ndarray, lists: list[list[int]]) -> None:
         """`set_pages(slot, pages)` for many slots at once (distinct ones): every list is written,
         then every count published."""
