@@ -7,8 +7,10 @@ with array operations over every listed page at once. Here the reference walks p
 (the rules of kvhold.executor.takeover's docstring) on random tables: pages valid, corrupt
 (checksum), interrupted (odd version, with a matching checksum or not), flagged BAD or
 QUARANTINED, malformed (count above the page), owned by another request or listed at another
-logical index, the same page listed by two requests, garbage page numbers, partial tails (full
-pages after one), orphans of a pending or a reaped writer, and empty lists."""
+logical index, released or quarantined while still listed (no record left: not usable), the
+same page listed by two requests, garbage page numbers, partial tails (full
+pages after one), orphans of a pending or a reaped writer, and empty lists. Then: a takeover
+that dies after any of its steps leaves lists the next takeover keeps whole."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 from safetensors.torch import load_file
 
 from kvhold.executor.block_manager import CommittedPages
@@ -26,7 +28,7 @@ from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
 from kvhold.executor.recovery import NativeTakeover, first_per_segment, valid_prefixes
-from kvhold.executor.takeover import live_requests
+from kvhold.executor.takeover import _resume as resume, live_requests
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import KvGeometry, PageFlag, TableGeometry
 from kvhold.protocol.leases import Lease, LeaseTable
@@ -127,6 +129,10 @@ def rig(tiny_model):
     tables.unlink()
 
 
+_GOOD = dict(mine=True, logical_ok=True, count=PT, sum_ok=True, odd=False, flag=PageFlag.NONE, writer="dead",
+             cleared=False)
+
+
 @st.composite
 def _state(draw):
     n_req = draw(st.integers(0, SLOTS))
@@ -147,6 +153,8 @@ def _state(draw):
                 "odd": st.sampled_from([False, False, False, True]),
                 "flag": st.sampled_from([PageFlag.NONE] * 4 + [PageFlag.BAD, PageFlag.QUARANTINED]),
                 "writer": st.sampled_from(["dead", "dead", "reaped"]),
+                # released or quarantined (no owner, no count) by a takeover that then died
+                "cleared": st.sampled_from([False] * 7 + [True]),
             }))
             pages.append((page, rec))
         reqs.append((prompt, gen, pages))
@@ -188,6 +196,8 @@ def _write_state(tables, kv, engine_checksum, state, dead_epoch, reaped_epoch):
             pages["version"][page] = 2 * (i + 1) + (1 if rec["odd"] else 0)
             pages["flags"][page] = rec["flag"]
             pages["epoch"][page] = dead_epoch if rec["writer"] == "dead" else reaped_epoch
+            if rec.get("cleared"):
+                pages["owner"][page] = pages["num_tokens"][page] = pages["checksum"][page] = 0
         journal.set_pages(slot, ids)
 
 
@@ -231,6 +241,9 @@ def _reference(records, plans, checksum, chunk):
 
 @given(_state())
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# listed pages a takeover that died had quarantined (a first page: nothing usable) and released
+@example(state=([(6, 0, [(5, dict(_GOOD, count=PT - 2, cleared=True, flag=PageFlag.QUARANTINED))]),
+                 (9, 0, [(7, _GOOD), (8, dict(_GOOD, cleared=True))])], []))
 def test_validate_and_clear_equal_a_page_by_page_reference(rig, state):
     model, kv, tables, leases, dead_epoch, raw, pristine = rig
     raw[:] = pristine
@@ -255,7 +268,7 @@ def test_validate_and_clear_equal_a_page_by_page_reference(rig, state):
     for plan in plans:
         kept.update(plan.pages[:-(-plan.kv_valid // PT)])
     used = [p for p in range(NUM_PAGES)
-            if before["owner"][p] != 0 or before["flags"][p] & (PageFlag.QUARANTINED | PageFlag.BAD)]
+            if before["owner"][p] != 0 or before["flags"][p] & (PageFlag.QUARANTINED | PageFlag.BAD) or p in bad]
     hold = {p: int(before["epoch"][p]) for p in used if p not in kept and int(before["epoch"][p]) in pending}
     released = [p for p in used if p not in kept and p not in hold]
     free = [p for p in range(NULL_PAGE + 1, NUM_PAGES) if p not in kept and p not in hold]
@@ -282,3 +295,56 @@ def test_committed_pages_read_adopted_values_until_set_or_removed():
         c[9]
     c.adopt(np.array([1]), np.array([10], dtype=np.uint64), 12)   # a second adoption keeps the first's
     assert (c[1], c[3], 9 in c) == (10, 30, False)
+
+
+# ---------------------------------------------------------------- a takeover that dies half way
+
+def _promote(tables, leases, model, kv, slot):
+    """An engine under a fresh lease of `slot` (the previous holder fenced)."""
+    leases.fence(slot - 1)
+    lease = Lease(tables, slot, leases.grant(slot, os.getpid()))
+    return Engine(model, kv, tables, lease, 4, 64, prefill_chunk=CHUNK)
+
+
+@given(_state(), st.sampled_from(["validated", "cleared", "tails", "resumed"]))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(state=([(6, 0, [(5, dict(_GOOD, count=PT - 2))])], []), died="cleared")     # a first page that is its tail
+@example(state=([(6, 0, [(5, dict(_GOOD, count=PT - 2))])], []), died="tails")
+@example(state=([(9, 0, [(5, _GOOD), (6, dict(_GOOD, count=0))])], []), died="cleared")   # a page never published
+@example(state=([(17, 0, [(5, _GOOD), (6, _GOOD), (7, _GOOD), (8, _GOOD), (9, dict(_GOOD, count=1))])], []),
+         died="tails")                                                        # a prompt realigned to its chunk
+def test_a_takeover_that_dies_half_way_leaves_lists_the_next_one_keeps(rig, state, died):
+    """The promoted executor dies after one of its takeover's steps (its writes so far are in
+    the tables); the next takeover keeps exactly the KV the dead one had decided to keep, and
+    once the dead one had cleared pages, counts no request lost or damaged: no journal list
+    names a page it released, quarantined or flagged."""
+    model, kv, tables, leases, dead_epoch, raw, pristine = rig
+    listed = [page for _, _, pages in state[0] for page, _ in pages if 0 <= page < NUM_PAGES]
+    assume(len(listed) == len(set(listed)))       # a page listed twice is bad for one of them
+    raw[:] = pristine
+    checksum = TorchChecksum(kv.pool)
+    _write_state(tables, kv, checksum, state, dead_epoch, dead_epoch + 1000)
+
+    engine = _promote(tables, leases, model, kv, 1)
+    first = NativeTakeover(engine)
+    plans, _ = live_requests(Journal(tables))
+    pending = {dead_epoch}
+    steps = ["validated", "cleared", "tails", "resumed"]
+    first.validate(plans, pending)                 # take_over's steps, up to the death
+    if steps.index(died) >= 1:
+        first.clear(plans, pending)
+    if steps.index(died) >= 2:
+        first.place_tails(plans, pending)
+    if steps.index(died) >= 3:
+        resume(engine, first, plans)
+    decided = {plan.entry.slot: (plan.kv_valid, plan.first_bad) for plan in plans}
+
+    successor = _promote(tables, leases, model, kv, 2)
+    again, _ = live_requests(Journal(tables))
+    NativeTakeover(successor).validate(again, pending | {engine.lease.epoch})
+    assert {plan.entry.slot for plan in again} == set(decided)
+    for plan in again:
+        kv_valid, first_bad = decided[plan.entry.slot]
+        assert plan.kv_valid == kv_valid, (died, plan.entry.slot, plan.pages)
+        # once the lists are cut (the clear), every listed page is kept; before, nothing changed
+        assert plan.first_bad == (first_bad if died == "validated" else None), (died, plan.entry.slot, plan.pages)
