@@ -201,7 +201,11 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
     logical = segment_positions(lens).astype(np.uint32)
     fields_ok = ((sub["owner"] == owners) & (sub["logical"] == logical)
                  & ((sub["flags"] & PageFlag.BAD) == 0) & (sub["num_tokens"] <= page_tokens))
-    ok = trusted(sub, page_tokens, sums == sub["checksum"]) & fields_ok
+    sum_ok = sums == sub["checksum"]
+    torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
+    if len(torn):
+        counts, sum_ok = torn_prefixes(engine, idx, sub["checksum"], counts, sum_ok, torn)
+    ok = trusted(sub, page_tokens, sum_ok) & fields_ok
     valid, recorded, first_bad = valid_prefixes(lens, ok, fields_ok, counts, page_tokens)
     for plan, v, rec, f in zip(plans, valid.tolist(), recorded.tolist(), first_bad.tolist()):
         plan.valid_tokens += v
@@ -215,6 +219,30 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
         # even where its record has no owner
         records["flags"][idx[~ok]] |= records.dtype["flags"].type(PageFlag.BAD)
     return len(idx), bad
+
+
+def torn_prefixes(engine, idx: np.ndarray, recorded: np.ndarray, counts: np.ndarray, sum_ok: np.ndarray,
+                  torn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows committed before a publish that its writer's death interrupted.
+
+    `PageTable.publish` writes a page's new count, then its new checksum: a death between the
+    two leaves an odd version with the new count and the old checksum, which matches the rows
+    committed before (committed rows are never written again). For each such record (`torn`:
+    indices into `idx` of odd versions whose fields are sane and whose checksum does not match
+    their count), the longest shorter prefix whose checksum is the recorded one is trusted: its
+    count replaces the record's, its verdict becomes a match. A record no prefix matches stays
+    untrusted. Returns (counts, sum_ok), copies."""
+    counts, sum_ok = counts.copy(), sum_ok.copy()
+    shorter = counts[torn]
+    which = np.repeat(torn, shorter)             # each torn record, once per shorter prefix
+    k = segment_positions(shorter)               # 0 .. count - 1, ascending
+    dev = engine.device
+    got = to_u64(engine.checksum.pages(torch.from_numpy(idx[which]).to(dev), torch.from_numpy(k).to(dev)))
+    match = got == recorded[which]
+    for i, n in zip(which[match].tolist(), k[match].tolist()):
+        counts[i] = n                            # ascending per record: the longest match wins
+        sum_ok[i] = True
+    return counts, sum_ok
 
 
 def first_per_segment(lens: np.ndarray, hit: np.ndarray) -> np.ndarray:
