@@ -20,6 +20,9 @@
 #                                                   -> takeover_profile_cuda.txt, recovery_cuda_profiled.json
 #   checksum       the validation pass's checksum kernel at Llama-3-8B page shapes against its bandwidth
 #                  floor and candidate kernels (tools/probe_checksum.py)          -> checksum_cuda.json
+#   takeover       a takeover's parts in one process, Llama-3-8B, 64 streams (512-2048-token prompts) in a
+#                  12,288-page pool: host bookkeeping and the KV work (checksums, tail copies) apart,
+#                  TAKEOVER_TRIALS (9) takeovers from one saved state (tools/bench_takeover.py) -> takeover_host_cuda.json
 #   mirror         foreign-pool mode: the KV mirror's decode cost, then recovery through the mirror
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
@@ -119,6 +122,12 @@ for phase in "${@:-tests}"; do
   checksum)
     timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m tools.probe_checksum --pages 5700 \
         --out "$OUT/checksum_cuda.json" 2>&1 | tail -20
+    ;;
+  takeover)
+    model_8b
+    timeout $(left) python3 -m tools.bench_takeover --device cuda:0 --model /tmp/l8b --requests 64 \
+        --prompt-len 512,2048 --kv-pages 12288 --checksum compute --trials ${TAKEOVER_TRIALS:-9} \
+        --out "$OUT/takeover_host_cuda.json" 2>&1 | tail -20
     ;;
   mirror)
     model_8b

@@ -21,7 +21,10 @@ fires only while <path> exists, so a test can let executors start clean, then ma
 every replacement fail. With no variable set, a fault point costs one dict lookup.
 
 Start-up points: `attached` (lease granted, regions mapped, before the workload
-is prepared and Ready is sent).
+is prepared and Ready is sent). Takeover points (kvhold.executor.takeover): `takeover_cleared`
+(the pages no request keeps released or quarantined) and `takeover_tails` (the partially
+filled tails placed), both before the requests are resumed. `publish_counts`: inside a
+page publish (kvhold.protocol.page_table), the new counts written and not yet the checksums.
 
 Request-conditioned points fire on what is in a step rather than on a count:
 `<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt
@@ -35,6 +38,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+from kvhold.protocol import page_table
 
 _ACTIONS = ("kill", "segv", "stop", "spin", "exit", "cuda_illegal")
 _plan: dict[str, tuple[int, str]] = {}
@@ -64,6 +69,8 @@ def configure(spec: str | None) -> None:
         plan, on_token = parse(spec)
         _plan.update(plan)
         _on_token.update(on_token)
+    # inside PageTable.publish, between a page's new count and its new checksum
+    page_table.between_count_and_checksum = (lambda: point("publish_counts")) if "publish_counts" in _plan else None
 
 
 def point(name: str, target=None) -> None:

@@ -244,7 +244,10 @@ class ForeignTakeover:
     def place_tails(self, plans: list[RequestPlan], pending: set[int]) -> None:
         pass                    # restored tails are copies in private blocks already
 
-    def attach(self, plan: RequestPlan) -> list[int]:
+    def attach(self, plans: list[RequestPlan]) -> list[list[int]]:
+        return [self._attach(plan) for plan in plans]
+
+    def _attach(self, plan: RequestPlan) -> list[int]:
         """Keep the restored blocks, free the others; the kvhold pages are the mirror's."""
         rid = plan.entry.request_id
         own, kept = self.blocks[rid], self.restored[rid].blocks_restored

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 
 NULL_PAGE = 0
 
@@ -21,6 +23,14 @@ class PageAllocator:
     def __init__(self, free_pages: Iterable[int]):
         self._free: list[int] = sorted(int(p) for p in free_pages)[::-1]  # low ids popped first
         self._is_free = set(self._free)
+
+    @classmethod
+    def from_sorted(cls, free_pages) -> "PageAllocator":
+        """From free page ids already unique and ascending (a numpy array: a takeover's mask)."""
+        self = cls.__new__(cls)
+        self._free = np.asarray(free_pages, dtype=np.int64)[::-1].tolist()   # low ids popped first
+        self._is_free = set(self._free)
+        return self
 
     @property
     def num_free(self) -> int:

@@ -18,6 +18,7 @@ rules are stated there). Here:
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
 from kvhold.executor.takeover import PageFigures, RequestPlan
 from kvhold.protocol.checksum import to_u64
+from kvhold.protocol.journal import segment_positions
 from kvhold.protocol.layout import PageFlag
 from kvhold.protocol.validation import trusted
 
@@ -48,7 +50,8 @@ class NativeTakeover:
 
     def __init__(self, engine):
         self.engine = engine
-        self.records = None
+        self.records = self.checksums = None
+        self.flat = self.lens = None             # every plan's page list (`listing`)
         self.checked = self.bad = self.interrupted = 0
         self.realigned = self.dropped = 0
         self.tails: dict[int, Tail] = {}         # journal slot -> its tail
@@ -56,33 +59,57 @@ class NativeTakeover:
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
         engine = self.engine
         self.records = engine.page_table.records()
+        self.checksums = self.records["checksum"]
         odd = ((self.records["version"] & 1) == 1).nonzero()[0]
         engine.page_table.repair_versions(odd)       # the writer is fenced: versions are stable now
         self.interrupted = len(odd)
-        self.checked, self.bad = _validate(engine, self.records, plans, engine.page_tokens)
+        self.flat, self.lens = listing(plans)
+        self.checked, self.bad = _validate(engine, self.records, plans, engine.page_tokens, self.flat, self.lens)
         self.realigned = sum(_realign_unsampled_prompt(engine, plan) for plan in plans)
 
     def clear(self, plans: list[RequestPlan], pending: set[int]) -> None:
         engine, records = self.engine, self.records
-        kept: set[int] = set()
-        for plan in plans:
-            full, rest = divmod(plan.kv_valid, engine.page_tokens)
-            kept.update(plan.pages[:full + (1 if rest else 0)])
-        quarantined = _clear_unkept(engine, records, kept, pending)
-        engine.quarantined.update(quarantined)
-        engine.blocks.allocator = PageAllocator(
-            p for p in range(NULL_PAGE + 1, len(records)) if p not in kept and p not in quarantined)
+        ends = np.fromiter((-(-plan.kv_valid // engine.page_tokens) for plan in plans), dtype=np.int64,
+                           count=len(plans))
+        # the journal lists only the pages kept before any page is released or quarantined: an
+        # executor that dies in its takeover leaves lists whose pages still hold their KV
+        engine.journal.truncate_page_lists(_slots(plans), ends)
+        kept = kept_mask(len(records), self.flat, self.lens, ends)
+        hold, epochs = _clear_unkept(engine, records, kept, pending)
+        engine.quarantined.update(zip(hold.tolist(), epochs.tolist()))
+        engine.blocks.allocator = PageAllocator.from_sorted(free_pages(kept, hold))
 
     def place_tails(self, plans: list[RequestPlan], pending: set[int]) -> None:
-        placed = []
+        """Where each partially filled last page continues (`_place_tail`). The copies are made
+        and published first, then the journal lists each copy in place of its source (or, for a
+        tail given up, no longer lists it), and only then are the sources quarantined in one
+        call: at every instant the journal lists pages whose records hold their KV, should this
+        executor die too."""
+        engine, placed, hold, dropped = self.engine, [], [], []
         for plan in plans:
-            tail = self._place_tail(plan, pending)
+            held = len(hold)
+            tail = self._place_tail(plan, pending, hold)
+            if tail is None and len(hold) > held:
+                dropped.append(plan)            # given up: its source is quarantined below
             if tail is not None:
                 placed.append((plan, tail))
                 self.tails[plan.entry.slot] = tail
-        _publish_tails(self.engine, placed)
+        _publish_tails(engine, placed)
+        copied = [(plan, tail) for plan, tail in placed if tail.copied]
+        if copied:
+            engine.journal.replace_pages(_slots(plan for plan, _ in copied),
+                                         np.fromiter((plan.kv_valid // engine.page_tokens for plan, _ in copied),
+                                                     dtype=np.int64, count=len(copied)),
+                                         np.fromiter((tail.page for _, tail in copied), dtype=np.int64,
+                                                     count=len(copied)))
+        if dropped:
+            engine.journal.truncate_page_lists(
+                _slots(dropped), np.fromiter((-(-plan.kv_valid // engine.page_tokens) for plan in dropped),
+                                             dtype=np.int64, count=len(dropped)))
+        if hold:
+            engine.page_table.quarantine(hold)
 
-    def _place_tail(self, plan: RequestPlan, pending: set[int]) -> Tail | None:
+    def _place_tail(self, plan: RequestPlan, pending: set[int], hold: list[int]) -> Tail | None:
         """Where a partially filled last page continues, or None.
 
         If its writer may still be running, the committed rows go to a fresh page and the
@@ -90,40 +117,45 @@ class NativeTakeover:
         the copy (a full pool: every other page is kept or quarantined), the tail is given
         up instead: the old page is quarantined all the same and its rows are recomputed from
         the journal (`tails_dropped`), like the rest of a damaged request. Failing the takeover
-        instead would cost the standby and leave half-repaired tables to the next executor."""
+        instead would cost the standby and leave half-repaired tables to the next executor.
+        A page to quarantine is appended to `hold` (place_tails quarantines them, once the journal
+        no longer lists them)."""
         engine, records = self.engine, self.records
         full, rest = divmod(plan.kv_valid, engine.page_tokens)
         if not rest:
             return None
         src = plan.pages[full]
-        if int(records["epoch"][src]) not in pending:
+        writer = int(records["epoch"][src])
+        if writer not in pending:
             return Tail(src, rest, copied=False)
+        hold.append(src)
+        engine.quarantined[src] = writer
         if not engine.blocks.allocator.can_allocate(1):
-            engine.page_table.quarantine([src])
-            engine.quarantined[src] = int(records["epoch"][src])
             plan.valid_tokens = full * engine.page_tokens
             self.dropped += 1
             return None
         dst = engine.blocks.allocator.allocate(1)[0]
         engine.kv.copy_tokens(src, dst, rest)
-        engine.page_table.quarantine([src])
-        engine.quarantined[src] = int(records["epoch"][src])
         return Tail(dst, rest, copied=True)
 
-    def attach(self, plan: RequestPlan) -> list[int]:
-        """The sequence adopts its full kept pages and its tail; they are the pages to list."""
-        page_tokens = self.engine.page_tokens
-        full = plan.kv_valid // page_tokens
-        pages = plan.pages[:full]
-        counts = [page_tokens] * full
-        checksums = [int(self.records["checksum"][p]) for p in pages]
-        tail = self.tails.get(plan.entry.slot)
-        if tail is not None:
-            pages.append(tail.page)
-            counts.append(tail.tokens)
-            checksums.append(tail.checksum)
-        self.engine.blocks.adopt(plan.seq, pages, counts, checksums)
-        return pages
+    def attach(self, plans: list[RequestPlan]) -> list[list[int]]:
+        """Each sequence adopts its full kept pages and its tail; they are the pages to list."""
+        page_tokens, blocks = self.engine.page_tokens, self.engine.blocks
+        full = np.fromiter((plan.kv_valid // page_tokens for plan in plans), dtype=np.int64, count=len(plans))
+        kept = self.flat[segment_positions(self.lens) < np.repeat(full, self.lens)]
+        pages = kept.tolist()
+        blocks.record_array(kept, np.full(len(kept), page_tokens, dtype=np.int64), self.checksums[kept])
+        out, start = [], 0
+        for plan, n in zip(plans, full.tolist()):
+            own = pages[start:start + n]
+            start += n
+            tail = self.tails.get(plan.entry.slot)
+            if tail is not None:
+                own.append(tail.page)
+                blocks.record((tail.page,), (tail.tokens,), (tail.checksum,))
+            plan.seq.pages = own
+            out.append(own)
+        return out
 
     def figures(self) -> PageFigures:
         return PageFigures(checked=self.checked, bad=self.bad, quarantined=len(self.engine.quarantined),
@@ -132,44 +164,125 @@ class NativeTakeover:
                            tails_dropped=self.dropped, prompts_realigned=self.realigned)
 
 
-def _validate(engine, records, plans: list[RequestPlan], page_tokens: int) -> tuple[int, int]:
-    """One batched checksum pass over every listed page; fills valid/recorded tokens."""
-    where, ids = [], []
-    for k, plan in enumerate(plans):
-        for i, page in enumerate(plan.pages):
-            if not 0 <= page < len(records):
-                plan.first_bad = i             # a garbage page number: nothing usable from here
-                break
-            where.append((k, i))
-            ids.append(page)
-    if not ids:
+def _slots(plans) -> np.ndarray:
+    return np.fromiter((plan.entry.slot for plan in plans), dtype=np.int64)
+
+
+def listing(plans: list[RequestPlan]) -> tuple[np.ndarray, np.ndarray]:
+    """Every plan's page list, one after the other: (the pages, each list's length)."""
+    lens = np.fromiter((len(plan.pages) for plan in plans), dtype=np.int64, count=len(plans))
+    flat = np.fromiter(itertools.chain.from_iterable(plan.pages for plan in plans), dtype=np.int64,
+                       count=int(lens.sum()))
+    return flat, lens
+
+
+def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat: np.ndarray,
+              lens: np.ndarray) -> tuple[int, int]:
+    """One batched checksum pass over every listed page (`flat`, `lens`: their `listing`); fills
+    valid/recorded tokens and first_bad. Array operations over all listed pages at once, no numpy
+    call per request."""
+    if not len(flat):
         return 0, 0
-    idx = np.array(ids, dtype=np.int64)
+    # a garbage page number: nothing usable from it on
+    garbage = first_per_segment(lens, (flat < 0) | (flat >= len(records)))
+    keep = segment_positions(lens) < np.repeat(garbage, lens)
+    for k in np.flatnonzero(garbage < lens).tolist():
+        plans[k].first_bad = int(garbage[k])
+    lens = np.minimum(lens, garbage)
+    idx = flat[keep]
+    if not len(idx):
+        return 0, 0
     counts = np.minimum(records["num_tokens"][idx], page_tokens).astype(np.int64)
     dev = engine.device
     sums = to_u64(engine.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
     sub = records[idx]
-    owners = np.array([plans[k].entry.request_id for k, _ in where], dtype=np.uint64)
-    logical = np.array([i for _, i in where], dtype=np.uint32)
+    owners = np.repeat(np.fromiter((plan.entry.request_id for plan in plans), dtype=np.uint64,
+                                   count=len(plans)), lens)
+    logical = segment_positions(lens).astype(np.uint32)
     fields_ok = ((sub["owner"] == owners) & (sub["logical"] == logical)
                  & ((sub["flags"] & PageFlag.BAD) == 0) & (sub["num_tokens"] <= page_tokens))
-    ok = trusted(sub, page_tokens, sums == sub["checksum"]) & fields_ok
-    for (k, i), good, belongs, count in zip(where, ok, fields_ok, counts.tolist()):
-        plan = plans[k]
-        if belongs:
-            plan.recorded_tokens += count
-        if plan.first_bad is not None and i >= plan.first_bad:
-            continue
-        if plan.valid_tokens != i * page_tokens:
-            continue                           # after a partially filled tail page
-        if good:
-            plan.valid_tokens += count
-        else:
-            plan.first_bad = i
+    sum_ok = sums == sub["checksum"]
+    torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
+    if len(torn):
+        counts, sum_ok = torn_prefixes(engine, idx, sub["checksum"], counts, sum_ok, torn)
+    ok = trusted(sub, page_tokens, sum_ok) & fields_ok
+    valid, recorded, first_bad = valid_prefixes(lens, ok, fields_ok, counts, page_tokens)
+    for plan, v, rec, f in zip(plans, valid.tolist(), recorded.tolist(), first_bad.tolist()):
+        plan.valid_tokens += v
+        plan.recorded_tokens += rec
+        if f >= 0:
+            plan.first_bad = f
     bad = int((~ok).sum())
     if bad:
         engine.page_table.set_flags(idx[~ok], PageFlag.BAD, engine.lease.epoch)
-    return len(ids), bad
+        # the copy too, so that the clear releases (or quarantines) a bad page no request keeps
+        # even where its record has no owner
+        records["flags"][idx[~ok]] |= records.dtype["flags"].type(PageFlag.BAD)
+    return len(idx), bad
+
+
+def torn_prefixes(engine, idx: np.ndarray, recorded: np.ndarray, counts: np.ndarray, sum_ok: np.ndarray,
+                  torn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows committed before a publish that its writer's death interrupted.
+
+    `PageTable.publish` writes a page's new count, then its new checksum: a death between the
+    two leaves an odd version with the new count and the old checksum, which matches the rows
+    committed before (committed rows are never written again). For each such record (`torn`:
+    indices into `idx` of odd versions whose fields are sane and whose checksum does not match
+    their count), the longest shorter prefix whose checksum is the recorded one is trusted: its
+    count replaces the record's, its verdict becomes a match. A record no prefix matches stays
+    untrusted. Returns (counts, sum_ok), copies."""
+    counts, sum_ok = counts.copy(), sum_ok.copy()
+    shorter = counts[torn]
+    which = np.repeat(torn, shorter)             # each torn record, once per shorter prefix
+    k = segment_positions(shorter)               # 0 .. count - 1, ascending
+    dev = engine.device
+    got = to_u64(engine.checksum.pages(torch.from_numpy(idx[which]).to(dev), torch.from_numpy(k).to(dev)))
+    match = got == recorded[which]
+    for i, n in zip(which[match].tolist(), k[match].tolist()):
+        counts[i] = n                            # ascending per record: the longest match wins
+        sum_ok[i] = True
+    return counts, sum_ok
+
+
+def first_per_segment(lens: np.ndarray, hit: np.ndarray) -> np.ndarray:
+    """Per segment of `lens` flags: the index of its first True one, its length if none."""
+    lens = np.asarray(lens, dtype=np.int64)
+    out = lens.copy()
+    present = lens > 0
+    if present.any():
+        heads = (np.cumsum(lens) - lens)[present]
+        pos = np.where(hit, segment_positions(lens), np.repeat(lens, lens))
+        out[present] = np.minimum.reduceat(pos, heads)
+    return out
+
+
+def valid_prefixes(lens: np.ndarray, ok: np.ndarray, belongs: np.ndarray, counts: np.ndarray,
+                   page_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request, from its pages' verdicts listed request after request (`lens` pages each):
+    (KV tokens of its valid prefix, tokens its pages record as committed, first bad page or -1).
+
+    In page order, the valid prefix runs up to the first page that is not `ok` (the first bad
+    page) or up to and including the first partially filled one, whichever comes first: pages
+    after a partial one are never read as KV, so a bad one there is not the first bad page.
+    The recorded tokens are those of every page that belongs to the request (`belongs`)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    n = len(lens)
+    valid = np.zeros(n, dtype=np.int64)
+    recorded = np.zeros(n, dtype=np.int64)
+    first_bad = np.full(n, -1, dtype=np.int64)
+    present = lens > 0
+    if not present.any():
+        return valid, recorded, first_bad
+    heads = (np.cumsum(lens) - lens)[present]
+    recorded[present] = np.add.reduceat(np.where(belongs, counts, 0), heads)
+    f = first_per_segment(lens, ~ok)
+    q = first_per_segment(lens, counts < page_tokens)
+    bad_first = f <= q
+    tail_count = counts[np.minimum(np.cumsum(lens) - lens + q, len(counts) - 1)]
+    valid = np.where(bad_first, f * page_tokens, q * page_tokens + np.where(present, tail_count, 0))
+    first_bad = np.where(bad_first & (f < lens), f, -1)
+    return valid.astype(np.int64), recorded, first_bad
 
 
 def _realign_unsampled_prompt(engine, plan: RequestPlan) -> bool:
@@ -191,18 +304,37 @@ def _realign_unsampled_prompt(engine, plan: RequestPlan) -> bool:
     return True
 
 
-def _clear_unkept(engine, records, kept: set[int], pending: set[int]) -> dict[int, int]:
-    """Release or quarantine every page no live request keeps. Returns {page: writer epoch}."""
+def kept_mask(num_pages: int, flat: np.ndarray, lens: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """A mask over the pages: the first `ends[k]` pages of each listed request k (`flat`, `lens`:
+    their `listing`; ends[k] at most the pages before its first garbage page number)."""
+    kept = np.zeros(num_pages, dtype=bool)
+    kept[flat[segment_positions(lens) < np.repeat(ends, lens)]] = True
+    return kept
+
+
+def free_pages(kept: np.ndarray, quarantined) -> np.ndarray:
+    """The free list after a takeover, ascending: every page but the null page, the kept ones
+    and the quarantined ones."""
+    free = ~kept
+    free[:NULL_PAGE + 1] = False
+    free[np.asarray(quarantined, dtype=np.int64)] = False
+    return np.flatnonzero(free)
+
+
+def _clear_unkept(engine, records, kept: np.ndarray, pending: set[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Release or quarantine every page no live request keeps (`kept`: a mask over the pages).
+    Returns (the quarantined pages, ascending, their writers' epochs)."""
     used = ((records["owner"] != 0) | ((records["flags"] & (PageFlag.QUARANTINED | PageFlag.BAD)) != 0))
-    candidates = [p for p in used.nonzero()[0].tolist() if p not in kept]
-    hold = [p for p in candidates if int(records["epoch"][p]) in pending]
-    free = [p for p in candidates if int(records["epoch"][p]) not in pending]
-    if hold:
+    candidates = np.flatnonzero(used & ~kept)
+    epochs = records["epoch"][candidates]
+    held = np.isin(epochs, np.fromiter(pending, dtype=epochs.dtype, count=len(pending)))
+    hold, free = candidates[held], candidates[~held]
+    if len(hold):
         engine.page_table.quarantine(hold)
-    if free:
+    if len(free):
         engine.page_table.release(free)
         records["owner"][free] = 0
-    return {p: int(records["epoch"][p]) for p in hold}
+    return hold, epochs[held]
 
 
 def _publish_tails(engine, placed: list[tuple[RequestPlan, Tail]]) -> None:

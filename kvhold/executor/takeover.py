@@ -23,7 +23,10 @@ kvhold.executor.recovery.NativeTakeover) or in a private pool that kvhold's page
    filled tail page is copied into a fresh page, which the new executor continues,
    while the old one is quarantined; orphans are quarantined too. Quarantined pages go
    back to the free list when the sidecar reports the writer's exit (`reaped`). When
-   the writer is known to be gone, tails are simply claimed in place.
+   the writer is known to be gone, tails are simply claimed in place. The journal never
+   lists a page the takeover released or quarantined (lists are cut to the kept pages
+   first; a copied tail is listed before its source is quarantined): a takeover that dies
+   half way leaves the next one lists whose pages still hold their KV.
 4. Resume: each request gets its kept KV (strategy), the journal lists the kvhold pages
    that hold it, and it continues from its last valid KV position; the journal holds
    every token, so recomputation needs no sampling and the output is unchanged. A
@@ -34,9 +37,13 @@ kvhold.executor.recovery.NativeTakeover) or in a private pool that kvhold's page
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
+from kvhold.executor import faults
 from kvhold.executor.sequence import Sequence
 from kvhold.protocol.journal import JournalEntry
 from kvhold.protocol.layout import ExecState, FinishReason
@@ -97,13 +104,27 @@ class TakeoverStrategy(Protocol):
     def place_tails(self, plans: list[RequestPlan], pending: set[int]) -> None:
         """Decide where each partially filled last page continues."""
 
-    def attach(self, plan: RequestPlan) -> list[int]:
-        """Give `plan.seq` its kept KV; returns the kvhold pages the journal is to list."""
+    def attach(self, plans: list[RequestPlan]) -> list[list[int]]:
+        """Give each plan's seq its kept KV; returns, per plan, the kvhold pages the journal is to list."""
 
     def figures(self) -> PageFigures: ...
 
 
 def take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int = 0) -> RecoveryReport:
+    """The takeover runs with Python's cyclic garbage collector paused: it allocates a few
+    thousand objects (a sequence's token list, page lists, journal entries), enough to set off
+    collections that scan the executor's whole young heap in the middle of it (milliseconds each
+    in an executor holding a model); what it leaves is collected after it."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _take_over(engine, strategy, pending_epochs, detect_ns)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int) -> RecoveryReport:
     t_start = now_ns()
     pending = {int(e) for e in pending_epochs}
     plans, finished = live_requests(engine.journal)
@@ -111,10 +132,11 @@ def take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int
     t_validated = now_ns()
     strategy.clear(plans, pending)
     t_cleared = now_ns()
+    faults.point("takeover_cleared")     # crash tests: a death between the takeover's steps
     strategy.place_tails(plans, pending)
     t_tails = now_ns()
-    for plan in plans:
-        _resume(engine, strategy, plan)
+    faults.point("takeover_tails")
+    _resume(engine, strategy, plans)
     pages = strategy.figures()
     classes = [plan.klass for plan in plans]
     return RecoveryReport(
@@ -133,29 +155,35 @@ def take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int
 def live_requests(journal) -> tuple[list[RequestPlan], int]:
     """A plan for every taken, unfinished request, and how many taken ones had finished."""
     plans, finished = [], 0
-    for slot in journal.live_slots():
-        e = journal.entry(int(slot))
+    for e in journal.entries(journal.live_slots()):
         if not e.taken:
             continue                                   # queued: normal admission takes it
         if e.exec_state == ExecState.FINISHED:
             finished += 1
             continue
         pages = journal.pages_of(e.slot, e.num_pages).tolist()
-        seq = Sequence.from_journal(e, journal.all_tokens(e.slot, e.num_tokens).tolist())
+        seq = Sequence.from_journal(e, journal.tokens[e.slot, :e.num_tokens].tolist())
         plans.append(RequestPlan(entry=e, seq=seq, pages=pages))
     return plans, finished
 
 
-def _resume(engine, strategy: TakeoverStrategy, plan: RequestPlan) -> None:
-    """List the kept pages in the journal, then schedule the sequence (or finish it)."""
-    journal, seq, slot = engine.journal, plan.seq, plan.entry.slot
-    pages = strategy.attach(plan)
-    journal.set_pages(slot, pages)
-    if plan.tokens_recomputed:
-        journal.add_counter(slot, "num_recomputed", plan.tokens_recomputed)
-    seq.num_computed = plan.kv_valid
-    # a request whose last token was committed but not yet marked finished
-    reason = engine.finish_reason(seq, seq.tokens[-1]) if seq.num_generated else None
-    engine.add(seq)
-    if reason is not None or journal.is_cancelled(slot):
-        engine.finish(seq, reason or FinishReason.CANCELLED)      # frees its pages
+def _resume(engine, strategy: TakeoverStrategy, plans: list[RequestPlan]) -> None:
+    """List the kept pages in the journal, then schedule each sequence (or finish it)."""
+    if not plans:
+        return
+    journal = engine.journal
+    slots = np.fromiter((plan.entry.slot for plan in plans), dtype=np.int64, count=len(plans))
+    journal.set_page_lists(slots, strategy.attach(plans))
+    cancelled = set(journal.cancelled(slots).tolist())
+    for plan in plans:
+        seq, slot = plan.seq, plan.entry.slot
+        kv_valid = plan.kv_valid
+        recomputed = plan.tokens_recomputed
+        if recomputed:
+            journal.add_counter(slot, "num_recomputed", recomputed)
+        seq.num_computed = kv_valid
+        # a request whose last token was committed but not yet marked finished
+        reason = engine.finish_reason(seq, seq.tokens[-1]) if seq.num_generated else None
+        engine.add(seq)
+        if reason is not None or slot in cancelled:
+            engine.finish(seq, reason or FinishReason.CANCELLED)      # frees its pages

@@ -14,11 +14,12 @@ restart) never rewrites one a client may have seen. Fields of the execution half
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvhold.protocol.layout import MAX_STOP_IDS, AdmitState, ExecState, FinishReason, RequestFlag
+from kvhold.protocol.layout import MAX_STOP_IDS, REQUEST_DTYPE, AdmitState, ExecState, FinishReason, RequestFlag
 from kvhold.protocol.errors import InvalidParams
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import TOKEN_ID_MAX, SamplingParams, check_token_ids
@@ -143,20 +144,13 @@ class Journal:
         return int(self.req["num_preempted"][slot]), int(self.req["num_recomputed"][slot])
 
     def entry(self, slot: int) -> JournalEntry:
-        r = self.req[slot].copy()
-        taken = int(r["exec_request_id"]) == int(r["request_id"]) and int(r["request_id"]) != 0
-        n_stop = min(int(r["num_stop"]), MAX_STOP_IDS)
-        return JournalEntry(
-            slot=slot, request_id=int(r["request_id"]), admit_state=AdmitState(int(r["admit_state"])),
-            prompt_len=int(r["prompt_len"]), max_tokens=int(r["max_tokens"]), seed=int(r["seed"]),
-            temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"]),
-            stop_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
-            ignore_eos=bool(int(r["flags"]) & RequestFlag.IGNORE_EOS),
-            taken=taken, exec_state=ExecState(int(r["exec_state"])) if taken else ExecState.NONE,
-            num_generated=int(r["num_generated"]) if taken else 0,
-            num_pages=int(r["num_pages"]) if taken else 0, num_prefix=int(r["num_prefix"]),
-            logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
-            lp_done=int(r["lp_done"]) if taken else 0)
+        return self.entries([slot])[0]
+
+    def entries(self, slots) -> list[JournalEntry]:
+        """The entries of `slots`, from one copy of their records."""
+        slots = np.asarray(slots, dtype=np.int64)
+        rows = self.req[slots].tolist()            # a copy, as tuples of plain Python values
+        return [_entry(slot, dict(zip(_REQUEST_FIELDS, row))) for slot, row in zip(slots.tolist(), rows)]
 
     def live_slots(self) -> np.ndarray:
         """Slots admitted (or cancelled) but not yet released."""
@@ -320,6 +314,52 @@ class Journal:
         then publish the new count."""
         self.page_lists[slot, first:first + len(pages)] = pages
         self.req["num_pages"][slot] = first + len(pages)
+
+    def truncate_page_lists(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        """List at most `counts[k]` pages for `slots[k]` (a takeover, before it releases or
+        quarantines the pages after them)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        self.req["num_pages"][slots] = np.minimum(self.req["num_pages"][slots], counts)
+
+    def replace_pages(self, slots: np.ndarray, positions: np.ndarray, pages: np.ndarray) -> None:
+        """List `pages[k]` at `positions[k]` of `slots[k]`'s list, in place of the page there (a
+        takeover's copy of a tail page), the counts unchanged."""
+        self.page_lists[np.asarray(slots, dtype=np.int64), np.asarray(positions, dtype=np.int64)] = pages
+
+    def set_page_lists(self, slots: np.ndarray, lists: list[list[int]]) -> None:
+        """`set_pages(slot, pages)` for many slots at once (distinct ones): every list is written,
+        then every count published."""
+        lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
+        self.page_lists[np.repeat(slots, lens), segment_positions(lens)] = flat
+        self.req["num_pages"][slots] = lens
+
+
+_REQUEST_FIELDS = REQUEST_DTYPE.names
+
+
+def _entry(slot: int, r: dict) -> JournalEntry:
+    """A JournalEntry from one record's fields as plain Python values."""
+    taken = r["exec_request_id"] == r["request_id"] and r["request_id"] != 0
+    n_stop = min(r["num_stop"], MAX_STOP_IDS)
+    return JournalEntry(
+        slot=slot, request_id=r["request_id"], admit_state=AdmitState(r["admit_state"]),
+        prompt_len=r["prompt_len"], max_tokens=r["max_tokens"], seed=r["seed"],
+        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=r["top_k"],
+        stop_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
+        ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),
+        taken=taken, exec_state=ExecState(r["exec_state"]) if taken else ExecState.NONE,
+        num_generated=r["num_generated"] if taken else 0,
+        num_pages=r["num_pages"] if taken else 0, num_prefix=r["num_prefix"],
+        logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
+        lp_done=r["lp_done"] if taken else 0)
+
+
+def segment_positions(lens: np.ndarray) -> np.ndarray:
+    """For items listed segment after segment (`lens` items each): each item's index in its segment."""
+    lens = np.asarray(lens, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens)
 
 
 def _asked(code) -> int | None:

@@ -32,6 +32,11 @@ class PageRecord:
         return bool(self.version & 1)
 
 
+# Called by `publish` between its count and checksum writes where set: crash tests die there
+# (the `publish_counts` fault point of kvhold.executor.faults).
+between_count_and_checksum = None
+
+
 class PageTable:
     def __init__(self, tables: Tables):
         self.pages = tables.pages
@@ -65,6 +70,8 @@ class PageTable:
         idx = np.asarray(idx, dtype=np.int64)
         v = self._begin(idx)
         self.pages["num_tokens"][idx] = num_tokens
+        if between_count_and_checksum is not None:
+            between_count_and_checksum()
         self.pages["checksum"][idx] = checksums
         self.pages["epoch"][idx] = epoch
         self._end(idx, v)

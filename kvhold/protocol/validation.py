@@ -7,7 +7,9 @@ here for host memory, torch on the device in kvhold.executor.recovery):
     FREE         no owner
     VALID        even version, sane fields, checksum matches
     INTERRUPTED  odd version: its writer died mid-update. Kept only if the
-                 checksum matches (the pair (count, checksum) is then consistent)
+                 checksum matches (the pair (count, checksum) is then consistent);
+                 a takeover keeps the rows of a publish's torn pair (new count, old
+                 checksum) that the old checksum covers (kvhold.executor.recovery)
     CORRUPT      even version but the checksum does not match: bytes changed
                  after they were committed (bit flip, stray write)
     MALFORMED    fields out of range (count above page size)

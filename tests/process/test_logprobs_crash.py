@@ -117,3 +117,20 @@ def test_death_after_a_middle_prefill_chunk_keeps_its_prompt_logprobs(tiny_model
     assert (tmp_path / "fired").exists()
     rec = sc.status()["recoveries"]
     assert len(rec) == 1 and rec[0]["tokens_kept"] >= 64     # the published chunks were kept
+
+
+@pytest.mark.parametrize("fault", ["publish_counts:1:kill", "publish_counts:2:kill", "publish_counts:5:kill"])
+def test_death_inside_a_page_publish_loses_no_request(tiny_model, lp_reference, start_sidecar, tmp_path, fault):
+    """The executor dies inside a page publish, its pages' new counts written and not yet their
+    checksums (the first prefill chunk's pages, or a later step's): the successor keeps the rows
+    each page had committed before (those its recorded checksum covers), so no request is lost
+    or damaged, and every token and log-prob equals an uninterrupted run's."""
+    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS], env=env)
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        assert outcome(wait_all(submit(client, LP_REQUESTS))) == lp_reference
+    assert (tmp_path / "fired").exists()
+    rec = sc.status()["recoveries"]
+    assert len(rec) == 1 and rec[0]["pages_interrupted"] > 0, rec
+    assert rec[0]["requests_lost"] == rec[0]["requests_damaged"] == 0, rec
