@@ -113,6 +113,11 @@ def main(argv=None) -> int:
     p.add_argument("--kv-pages", type=int, default=12288, help="pool size (24 GiB of Llama-3-8B KV)")
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--trials", type=int, default=9)
+    p.add_argument("--read-ahead", choices=("none", "current"), default="current",
+                   help="the tokens a hot standby reads ahead while it idles (JournalTokens): 'current' "
+                        "reads them at the state of the kill (a standby whose last read came just "
+                        "before it; a real one's is up to a heartbeat older), 'none' reads none, as a "
+                        "standby that never idled (default current)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="N more takeovers under cProfile")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checksum", choices=("replay", "compute"), default="replay",
@@ -170,6 +175,8 @@ def main(argv=None) -> int:
         survivor = Engine(dead.model, dead.kv, tables, lease, dead.scheduler.max_batch,
                           dead.scheduler.max_batch_tokens, runner=dead.runner,
                           checksum=replayed or dead.checksum, prefill_chunk=chunk)
+        if args.read_ahead == "current":
+            survivor.tokens_ahead.refresh()
         survivor.checksum = checksum = _Timed(survivor.checksum, ("pages",), sync)
         survivor.kv = kv = _Timed(dead.kv, kv_copy_names, sync)
         sync()

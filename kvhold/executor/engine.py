@@ -19,6 +19,7 @@ import torch
 from kvhold.executor import faults, takeover
 from kvhold.executor.block_manager import BlockManager
 from kvhold.executor.commit import CommitProtocol, NativePages
+from kvhold.executor.journal_tokens import JournalTokens
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import PageAllocator
@@ -50,6 +51,7 @@ class Engine:
         self.lease = lease
         self.device = model.device
         self.journal = Journal(tables)
+        self.tokens_ahead: JournalTokens | None = JournalTokens(self.journal)   # a standby's, for a takeover
         self.page_table = PageTable(tables)
         self.checksum = checksum or TorchChecksum(kv.pool)
         self.page_tokens = kv.page_tokens

@@ -10,6 +10,7 @@ the fenced epoch it recovers from. step(): one engine step.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -119,6 +120,7 @@ class EngineWorkload(WorkloadBase):
             self.private_mib = torch.cuda.memory_reserved(device) / 2**20
             log.info("standby ready on %s: %.0f MiB private GPU memory reserved by torch", device,
                      self.private_mib)
+        gc.freeze()     # the warmed-up heap (torch, the model, kernels) is out of the GC's scans
 
     def _kv_cache(self, geometry, device) -> KvCache:
         """The pool the engine computes into: kvhold's shared pages (kvhold.executor.foreign_pool overrides)."""
@@ -189,6 +191,11 @@ class EngineWorkload(WorkloadBase):
 
     def has_work(self) -> bool:
         return self.engine.has_work
+
+    def idle(self) -> None:
+        ahead = getattr(self.engine, "tokens_ahead", None)     # an engine bridge's has none
+        if ahead is not None:
+            ahead.refresh()
 
     def step(self) -> list[int]:
         if self._profile is not None:

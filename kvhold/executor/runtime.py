@@ -324,6 +324,8 @@ class ExecutorRuntime:
                 if not self._await_sidecar(ctx, workload):
                     return EXIT_SIDECAR_GONE
                 continue
+            if not self.active:
+                workload.idle()
             if self.active and workload.has_work():
                 slots = workload.step()
                 ctx.steps += 1

@@ -127,7 +127,11 @@ def take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int
 def _take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int) -> RecoveryReport:
     t_start = now_ns()
     pending = {int(e) for e in pending_epochs}
-    plans, finished = live_requests(engine.journal)
+    ahead = getattr(engine, "tokens_ahead", None)     # what a standby read while it idled
+    plans, finished = live_requests(engine.journal, ahead)
+    if ahead is not None:
+        ahead.clear()                                  # active from now on: read no more
+        engine.tokens_ahead = None
     strategy.validate(plans, pending)
     t_validated = now_ns()
     strategy.clear(plans, pending)
@@ -152,8 +156,10 @@ def _take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: in
         kv_mode=strategy.kv_mode)
 
 
-def live_requests(journal) -> tuple[list[RequestPlan], int]:
-    """A plan for every taken, unfinished request, and how many taken ones had finished."""
+def live_requests(journal, ahead=None) -> tuple[list[RequestPlan], int]:
+    """A plan for every taken, unfinished request, and how many taken ones had finished.
+    `ahead` (kvhold.executor.journal_tokens.JournalTokens): the tokens a standby read ahead,
+    of which only those committed since are read here."""
     plans, finished = [], 0
     for e in journal.entries(journal.live_slots()):
         if not e.taken:
@@ -162,7 +168,9 @@ def live_requests(journal) -> tuple[list[RequestPlan], int]:
             finished += 1
             continue
         pages = journal.pages_of(e.slot, e.num_pages).tolist()
-        seq = Sequence.from_journal(e, journal.tokens[e.slot, :e.num_tokens].tolist())
+        tokens = (ahead.take(e.slot, e.request_id, e.num_tokens) if ahead is not None
+                  else journal.tokens[e.slot, :e.num_tokens].tolist())
+        seq = Sequence.from_journal(e, tokens)
         plans.append(RequestPlan(entry=e, seq=seq, pages=pages))
     return plans, finished
 

@@ -35,6 +35,8 @@ class Workload(Protocol):
 
     def on_wake(self) -> None: ...
 
+    def idle(self) -> None: ...
+
     def on_reaped(self, epochs: list[int]) -> None: ...
 
 
@@ -70,6 +72,9 @@ class WorkloadBase:
 
     def on_wake(self) -> None:
         pass
+
+    def idle(self) -> None:
+        """A standby's loop woke with nothing to do (every heartbeat): work ahead of a takeover."""
 
     def on_reaped(self, epochs: list[int]) -> None:
         pass
