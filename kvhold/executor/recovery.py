@@ -205,6 +205,10 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
     torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
     if len(torn):
         counts, sum_ok = torn_prefixes(engine, idx, sub["checksum"], counts, sum_ok, torn)
+        cut = torn[sum_ok[torn]]
+        if len(cut):        # the record says what is kept (its version was repaired: a successor
+            engine.page_table.set_counts(idx[cut], counts[cut])       # would read it as corrupt)
+            records["num_tokens"][idx[cut]] = counts[cut]
     ok = trusted(sub, page_tokens, sum_ok) & fields_ok
     valid, recorded, first_bad = valid_prefixes(lens, ok, fields_ok, counts, page_tokens)
     for plan, v, rec, f in zip(plans, valid.tolist(), recorded.tolist(), first_bad.tolist()):

@@ -76,6 +76,15 @@ class PageTable:
         self.pages["epoch"][idx] = epoch
         self._end(idx, v)
 
+    def set_counts(self, idx, num_tokens) -> None:
+        """Cut records to `num_tokens` committed rows, checksum and writer epoch unchanged: a
+        takeover keeping the rows that a torn publish had committed before (their recorded
+        checksum covers exactly those), so that a later takeover reads the same."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        self.pages["num_tokens"][idx] = num_tokens
+        self._end(idx, v)
+
     def set_flags(self, idx, flags: PageFlag, epoch: int) -> None:
         idx = np.asarray(idx, dtype=np.int64)
         v = self._begin(idx)
