@@ -29,7 +29,7 @@ from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
 from kvhold.executor.takeover import PageFigures, RequestPlan
 from kvhold.protocol.checksum import to_u64
 from kvhold.protocol.journal import segment_positions
-from kvhold.protocol.layout import PageFlag
+from kvhold.protocol.layout import AdmitState, ExecState, PageFlag
 from kvhold.protocol.validation import trusted
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,31 @@ class NativeTakeover:
         self.engine = engine
         self.records = self.checksums = None
         self.flat = self.lens = None             # every plan's page list (`listing`)
+        self.prefetched = None                   # (pages, counts, their checksums on the device)
         self.checked = self.bad = self.interrupted = 0
         self.realigned = self.dropped = 0
         self.tails: dict[int, Tail] = {}         # journal slot -> its tail
+
+    def prefetch(self) -> None:
+        """Start validation's checksum pass before the plans are built, so that the device hashes
+        while the host rebuilds the requests: the pages every taken, unfinished request lists,
+        read from the journal's arrays. `_validate` takes its result only if it asks for exactly
+        these pages and counts, in this order, and computes its own otherwise (a garbage page
+        number, a count that changed)."""
+        engine = self.engine
+        journal, r = engine.journal, engine.journal.req
+        live = ((r["admit_state"] != AdmitState.FREE) & (r["request_id"] != 0)
+                & (r["exec_request_id"] == r["request_id"]) & (r["exec_state"] != ExecState.FINISHED))
+        slots = live.nonzero()[0]
+        lens = r["num_pages"][slots].astype(np.int64)
+        lens = np.minimum(lens, journal.page_lists.shape[1])
+        flat = journal.page_lists[np.repeat(slots, lens), segment_positions(lens)].astype(np.int64)
+        if not len(flat) or flat.min() < 0 or flat.max() >= len(engine.page_table.pages):
+            return
+        counts = np.minimum(engine.page_table.pages["num_tokens"][flat], engine.page_tokens).astype(np.int64)
+        dev = engine.device
+        sums = engine.checksum.pages(torch.from_numpy(flat).to(dev), torch.from_numpy(counts).to(dev))
+        self.prefetched = (flat, counts, sums)
 
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
         engine = self.engine
@@ -64,7 +86,9 @@ class NativeTakeover:
         engine.page_table.repair_versions(odd)       # the writer is fenced: versions are stable now
         self.interrupted = len(odd)
         self.flat, self.lens = listing(plans)
-        self.checked, self.bad = _validate(engine, self.records, plans, engine.page_tokens, self.flat, self.lens)
+        self.checked, self.bad = _validate(engine, self.records, plans, engine.page_tokens, self.flat, self.lens,
+                                           self.prefetched)
+        self.prefetched = None
         self.realigned = sum(_realign_unsampled_prompt(engine, plan) for plan in plans)
 
     def clear(self, plans: list[RequestPlan], pending: set[int]) -> None:
@@ -177,7 +201,7 @@ def listing(plans: list[RequestPlan]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat: np.ndarray,
-              lens: np.ndarray) -> tuple[int, int]:
+              lens: np.ndarray, prefetched=None) -> tuple[int, int]:
     """One batched checksum pass over every listed page (`flat`, `lens`: their `listing`); fills
     valid/recorded tokens and first_bad. Array operations over all listed pages at once, no numpy
     call per request."""
@@ -193,8 +217,11 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
     if not len(idx):
         return 0, 0
     counts = np.minimum(records["num_tokens"][idx], page_tokens).astype(np.int64)
-    dev = engine.device
-    sums = to_u64(engine.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
+    if prefetched is not None and np.array_equal(prefetched[0], idx) and np.array_equal(prefetched[1], counts):
+        sums = to_u64(prefetched[2])
+    else:
+        dev = engine.device
+        sums = to_u64(engine.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
     sub = records[idx]
     owners = np.repeat(np.fromiter((plan.entry.request_id for plan in plans), dtype=np.uint64,
                                    count=len(plans)), lens)

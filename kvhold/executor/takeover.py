@@ -127,6 +127,9 @@ def take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int
 def _take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int) -> RecoveryReport:
     t_start = now_ns()
     pending = {int(e) for e in pending_epochs}
+    prefetch = getattr(strategy, "prefetch", None)
+    if prefetch is not None:
+        prefetch()                                     # the device hashes while the host goes on
     ahead = getattr(engine, "tokens_ahead", None)     # what a standby read while it idled
     plans, finished = live_requests(engine.journal, ahead)
     if ahead is not None:

@@ -390,3 +390,40 @@ def test_a_fenced_executor_writes_no_journal_entry_of_its_pending_commit(model, 
         assert (pool.tables.requests["num_generated"] == before).all()
     finally:
         pool.close()
+
+
+class _CountedChecksum:
+    """The engine's checksum, counting the pages each `pages` pass hashes."""
+
+    def __init__(self, inner):
+        self.inner, self.passes = inner, []
+
+    def pages(self, page_ids, num_tokens):
+        self.passes.append(len(page_ids))
+        return self.inner.pages(page_ids, num_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_validation_hashes_every_listed_page_once_and_a_standby_read_ahead_gives_the_same_tokens(
+        model, reference):
+    """The checksum pass starts before the requests are rebuilt (NativeTakeover.prefetch) and
+    validation takes its result: one pass over the listed pages, then one over the copied tails.
+    A survivor that read the tokens ahead (a hot standby idling) continues to the same outputs."""
+    pool = Pool(model, 64)
+    try:
+        dead, ids = pool.started()
+        decode_until(dead, 3)
+        epoch = pool.fence(dead)
+        survivor = pool.engine()
+        survivor.tokens_ahead.refresh()
+        listed = int(survivor.journal.req["num_pages"][survivor.journal.live_slots()].sum())
+        survivor.checksum = counted = _CountedChecksum(survivor.checksum)
+        report = survivor.take_over([epoch], 0).to_dict()
+        assert counted.passes == [listed, report["pages_copied"]] and report["pages_checked"] == listed
+        assert survivor.tokens_ahead is None           # active: it reads ahead no more
+        run_to_end(survivor)
+        assert pool.outputs(ids) == reference
+    finally:
+        pool.close()
