@@ -10,8 +10,8 @@ tokens x 8 KV heads x 128 dims, bf16: 2 MiB a page), picked at random from a poo
 
 * `served`: the kernel kvhold validates with (kvhold.executor.cuda_checksum.TritonChecksum);
 * `read`: the same pages only read and summed, no hashing: the bandwidth floor of the pass;
-* candidate kernels with the same definition (kvhold.protocol.checksum), each checked to give
-  the served kernel's bits on every page before it is timed;
+* the served kernel's tiling swept (its block of words, splits per page, warps), each
+  checked to give the served kernel's bits on every page;
 * `pair64`: a cheaper definition for comparison (one splitmix64 per aligned 64-bit word
   instead of one per 32-bit word), not what kvhold computes.
 
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhold.executor.cuda_checksum import TritonChecksum
+from kvhold.executor.cuda_checksum import TritonChecksum, _pages_hash_kernel
 from kvhold.protocol.checksum import C1, C2, SEED
 
 
@@ -40,31 +40,6 @@ def _mix(x, C1: tl.constexpr, C2: tl.constexpr):
     x = (x ^ (x >> 30)) * C1
     x = (x ^ (x >> 27)) * C2
     return x ^ (x >> 31)
-
-
-@triton.jit
-def _pages_loop_kernel(words_ptr, pages_ptr, ends_ptr, out_ptr, page_words,
-                       ROW_WORDS: tl.constexpr, PAGE_TOKENS: tl.constexpr, N_LKV: tl.constexpr,
-                       SPLIT: tl.constexpr, SEED: tl.constexpr, C1: tl.constexpr,
-                       C2: tl.constexpr, BLOCK: tl.constexpr):
-    """Same definition; one program per (page, split), looping over its share of the page's
-    committed words: N_LKV runs of `end` token rows."""
-    i = tl.program_id(0)
-    s = tl.program_id(1)
-    page = tl.load(pages_ptr + i).to(tl.int64)
-    span = tl.load(ends_ptr + i).to(tl.int32) * ROW_WORDS
-    base = words_ptr + page * page_words
-    acc = tl.zeros([BLOCK], dtype=tl.uint64)
-    for r in range(0, N_LKV):
-        for k in range(0, tl.cdiv(PAGE_TOKENS * ROW_WORDS, SPLIT * BLOCK)):
-            offs = (k * SPLIT + s) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < span
-            widx = r * (PAGE_TOKENS * ROW_WORDS) + offs
-            w = tl.load(base + widx, mask=mask, other=0)
-            x = w.to(tl.uint32, bitcast=True).to(tl.uint64) | (widx.to(tl.uint64) << 32)
-            x = _mix(x ^ SEED, C1, C2)
-            acc += tl.where(mask, x, tl.zeros_like(x))
-    tl.store(out_ptr + i * SPLIT + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
 
 @triton.jit
@@ -161,7 +136,7 @@ def main(argv=None) -> int:
         out = torch.empty((args.pages, split), dtype=torch.int64, device=dev)
 
         def loop(block=block, split=split, warps=warps, out=out):
-            _pages_loop_kernel[(args.pages, split)](
+            _pages_hash_kernel[(args.pages, split)](
                 words, ids_d, counts_d, out, page_words, ROW_WORDS=row_words, PAGE_TOKENS=args.page_tokens,
                 N_LKV=args.layers * 2, SPLIT=split, SEED=SEED, C1=C1, C2=C2, BLOCK=block, num_warps=warps)
             return out.sum(dim=1)
