@@ -6,8 +6,11 @@ the engine computes its KV: in kvhold's shared pages (native mode,
 kvhold.executor.recovery.NativeTakeover) or in a private pool that kvhold's pages mirror
 (foreign-pool mode, kvhold.executor.foreign_pool.ForeignTakeover).
 0. Gather every live request the journal shows taken by an executor, rebuilt as a
-   sequence from the journal's tokens. Queued requests that no executor had taken yet
-   are left to normal admission; finished ones are only counted.
+   sequence from the journal's tokens (those a hot standby read ahead while it idled,
+   kvhold.executor.journal_tokens, and those committed since). Queued requests that no
+   executor had taken yet are left to normal admission; finished ones are only counted.
+   A strategy may start its validation's device work first (`prefetch`), so that the
+   device works while the host gathers.
 1. Validate (strategy): every page a live request's KV is kept from must name that
    request and position, and the checksum of its committed bytes must match (an
    interrupted record, odd version, is kept only if it does). Each request gets the KV
