@@ -3,7 +3,9 @@ streams are in flight: the spare sidecar (or, with --no-sidecar-spare, a restart
 re-adopts both executor groups (the same leaders and rank processes, in the same roles) and
 every request; each HTTP stream goes on (resumed by Last-Event-ID, should its connection
 break) to the same events as an uninterrupted TP=1 `kvhold serve` run, nothing lost, nothing
-failed, and once serve is stopped no process of it is left."""
+failed. The new sidecar watches the re-adopted ranks: a rank of the active group killed
+afterwards ends that group and the standby group resumes. Once serve is stopped no process of
+it is left."""
 from __future__ import annotations
 
 import contextlib
@@ -164,9 +166,27 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve_tp2(tiny_model, tmp_path,
             assert f"the sidecar pid {before['pid']} was killed by SIGKILL: restarting it" in log
         health = srv.wait_healthy(timeout=60)
         assert health["status"] == "ok" and health["active_pid"] == groups["active"][0]
+
+        # the re-adopted groups are watched: rank 1 of the active one killed mid-stream ends that
+        # group, and the re-adopted standby group resumes the stream
+        path, body = STREAMS[1]
+        with httpx.stream("POST", srv.base + path, json=_body(body), timeout=120) as r:
+            assert r.status_code == 200
+            part = Events(r).read(3)
+            os.kill(groups["active"][1], signal.SIGKILL)
+            part.read()
+        got, _ = _finish(srv, part.events)
+        assert comparable(got) == comparable(reference[1])
+        wait_until(lambda: not any(pid_alive(p) for p in groups["active"]), 30, 0.1,
+                   what="the whole active group to be gone")
+        final = srv.wait_healthy(timeout=60)
+        assert final["active_pid"] == groups["standby"][0]
+        status = srv.sidecar_status()
+        assert [r["requests_lost"] for r in status["recoveries"]] == [0]
+        assert status["request_deaths"]["failed_total"] == 0
         ours |= _descendants(srv.proc.pid)
         running = _with_instance(srv.instance)               # the ranks' command lines name none
-        assert {ranks[0] for ranks in groups.values()} <= running <= ours, (running, ours)
+        assert groups["standby"][0] in running and running <= ours, (running, ours)
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
