@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import types
 
 import pytest
 
@@ -53,6 +54,34 @@ def _kill_sidecar_mid_stream(first: SidecarProcess, streams) -> dict[str, list[i
     return groups
 
 
+@contextlib.contextmanager
+def _sidecar_killed_mid_stream(tiny_model, runtime_root, tmp_path, spare: bool = False):
+    """A `-tp 2` sidecar streaming REQUESTS, SIGKILLed once every stream has a token (its groups
+    live on), with a spare waiting if `spare` (`run.successor`). Yields the run: `streams`,
+    `before` (the groups' ranks at the kill), `restart()` to start a successor sidecar. Every
+    sidecar and the client are stopped at the end."""
+    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
+    with contextlib.ExitStack() as stack:
+        first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
+        stack.callback(first.stop, signal.SIGKILL)
+        run = types.SimpleNamespace(first=first, successor=None)
+        if spare:
+            _groups(first)
+            run.successor = first.spare(log_path=tmp_path / "spare.log")
+            stack.callback(run.successor.stop)
+        client = stack.enter_context(first.new_client(timeout=120))
+        run.streams = submit(client)
+        run.before = _kill_sidecar_mid_stream(first, run.streams)
+
+        def restart() -> SidecarProcess:
+            run.successor = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
+                                           log_path=tmp_path / "second.log").start()
+            stack.callback(run.successor.stop)
+            return run.successor
+        run.restart = restart
+        yield run
+
+
 def _readopted(second: SidecarProcess, before: dict[str, list[int]]) -> None:
     leaders = {ranks[0] for ranks in before.values()}
     wait_until(lambda: leaders <= {e["pid"] for e in second.events("attach")}, timeout_s=60,
@@ -67,15 +96,9 @@ def _readopted(second: SidecarProcess, before: dict[str, list[int]]) -> None:
 
 def test_restarted_sidecar_readopts_both_groups_and_watches_their_ranks(tiny_model, reference, runtime_root,
                                                                         tmp_path):
-    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
-    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
-    second, clients = None, contextlib.ExitStack()
-    try:
-        client = clients.enter_context(first.new_client(timeout=120))
-        streams = submit(client)
-        before = _kill_sidecar_mid_stream(first, streams)
-        second = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
-                                log_path=tmp_path / "second.log").start()
+    with _sidecar_killed_mid_stream(tiny_model, runtime_root, tmp_path) as run:
+        streams, before = run.streams, run.before
+        second = run.restart()
         _readopted(second, before)
         active_epoch = next(e["epoch"] for e in second.status()["executors"] if e["role"] == "active")
 
@@ -100,11 +123,6 @@ def test_restarted_sidecar_readopts_both_groups_and_watches_their_ranks(tiny_mod
         (recovery,) = second.status()["recoveries"]
         assert recovery["requests_lost"] == 0
         assert second.status()["request_deaths"]["failed_total"] == 0
-    finally:
-        clients.close()
-        if second is not None:
-            second.stop()
-        first.stop(signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -112,18 +130,12 @@ def test_a_follower_killed_while_no_sidecar_runs_ends_its_group_and_the_standby_
         tiny_model, reference, runtime_root, tmp_path):
     """The leader's own watch ends the group while no sidecar runs; the restarted sidecar finds the
     ACTIVE lease dead, re-adopts the standby group alone and promotes it once it attached again."""
-    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
-    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
-    second, clients = None, contextlib.ExitStack()
-    try:
-        client = clients.enter_context(first.new_client(timeout=120))
-        streams = submit(client)
-        before = _kill_sidecar_mid_stream(first, streams)
+    with _sidecar_killed_mid_stream(tiny_model, runtime_root, tmp_path) as run:
+        streams, before = run.streams, run.before
         os.kill(before["active"][1], signal.SIGKILL)
         _gone(before["active"])                         # the leader exits on its watch, rank 1 is gone
         assert all(pid_alive(p) for p in before["standby"])
-        second = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
-                                log_path=tmp_path / "second.log").start()
+        second = run.restart()
         assert ids(wait_all(streams)) == reference
         new = second.wait_steady(standbys=1, timeout=120)
         assert new["pid"] == before["standby"][0] and new["ranks"] == before["standby"]
@@ -131,11 +143,6 @@ def test_a_follower_killed_while_no_sidecar_runs_ends_its_group_and_the_standby_
         assert status["adoption"]["dead"] == [before["active"][0]]
         (recovery,) = status["recoveries"]
         assert recovery["requests_lost"] == 0 and recovery["tokens_recomputed"] == 0
-    finally:
-        clients.close()
-        if second is not None:
-            second.stop()
-        first.stop(signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -144,19 +151,13 @@ def test_a_group_short_of_a_rank_at_readoption_is_fenced_and_killed_at_once(tiny
     """Rank 0 stopped, then rank 1 killed, while no sidecar runs: the leader holds its liveness
     mutex but its group cannot step. The re-adopting sidecar finds one rank running of two and
     fences the group at once (not after a lease of silence); the standby group resumes."""
-    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
-    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
-    second, clients = None, contextlib.ExitStack()
-    try:
-        client = clients.enter_context(first.new_client(timeout=120))
-        streams = submit(client)
-        before = _kill_sidecar_mid_stream(first, streams)
+    with _sidecar_killed_mid_stream(tiny_model, runtime_root, tmp_path) as run:
+        streams, before = run.streams, run.before
         leader, follower = before["active"]
         os.kill(leader, signal.SIGSTOP)
         wait_stopped(leader)
         os.kill(follower, signal.SIGKILL)
-        second = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
-                                log_path=tmp_path / "second.log").start()
+        second = run.restart()
         assert ids(wait_all(streams)) == reference
         _gone(before["active"])                         # the stopped leader is killed too
         (fence,) = second.events("fence")
@@ -166,27 +167,15 @@ def test_a_group_short_of_a_rank_at_readoption_is_fenced_and_killed_at_once(tiny
         assert new["pid"] == before["standby"][0]
         (recovery,) = second.status()["recoveries"]
         assert recovery["requests_lost"] == 0
-    finally:
-        clients.close()
-        if second is not None:
-            second.stop()
-        first.stop(signal.SIGKILL)
 
 
 @pytest.mark.slow
 def test_spare_takes_over_two_groups_and_a_follower_kill_after_it(tiny_model, reference, runtime_root, tmp_path):
-    flags = ["--model", str(tiny_model), *TP_FLAGS, "--journal-dir", str(tmp_path / "journal")]
-    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
-    spare, clients = None, contextlib.ExitStack()
-    try:
-        _groups(first)
-        spare = first.spare(log_path=tmp_path / "spare.log")
-        client = clients.enter_context(first.new_client(timeout=120))
-        streams = submit(client)
-        before = _kill_sidecar_mid_stream(first, streams)
+    with _sidecar_killed_mid_stream(tiny_model, runtime_root, tmp_path, spare=True) as run:
+        streams, before, spare = run.streams, run.before, run.successor
         spare.wait_serving(timeout=60)
         _readopted(spare, before)
-        assert spare.status()["spare"]["previous_pid"] == first.proc.pid
+        assert spare.status()["spare"]["previous_pid"] == run.first.proc.pid
 
         seen = [0]
 
@@ -203,11 +192,6 @@ def test_spare_takes_over_two_groups_and_a_follower_kill_after_it(tiny_model, re
         (recovery,) = spare.status()["recoveries"]
         assert recovery["requests_lost"] == 0
         assert "this spare takes over" in sidecar_log(spare)
-    finally:
-        clients.close()
-        if spare is not None:
-            spare.stop()
-        first.stop(signal.SIGKILL)
 
 
 @pytest.mark.slow
