@@ -40,6 +40,8 @@
 #   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), prefill tokens/s + MFU exact
 #                  on/off (Llama-3-8B's shapes, 8 layers)           -> exact_tests.txt, exact_prefill_cuda.json
 #   exact-gemm     the GEMM kernel's bits across tiles and its TFLOP/s against cuBLAS -> exact_gemm_cuda.json
+#   prefill-tiles  the exact-prefill GEMM's candidate tiles at 512-8192 rows: TFLOP/s, bits, cuBLAS
+#                  (tools/probe_prefill_tiles.py)                                  -> prefill_tiles_cuda.json
 #   exact-e2e      exact recompute end to end, tiny model in bf16 (--exact-prefill; EXACT_CONTROL=1 also
 #                  runs each without it): preemption in a small KV pool, 5 pool restarts,
 #                  3 CUDA faults that damage 4 pages each    -> exact_preemption_cuda.json,
@@ -166,6 +168,10 @@ for phase in "${@:-tests}"; do
     tail -30 "$OUT/exact_tests.txt"
     timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
         --modes fast,exact,exact_packed --budget-s 30 --out "$OUT/exact_prefill_cuda.json" 2>&1 | tail -16
+    ;;
+  prefill-tiles)
+    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m tools.probe_prefill_tiles --budget-s $(( $(left) < 240 ? $(left) - 20 : 220 )) \
+        --out "$OUT/prefill_tiles_cuda.json" 2>&1 | tail -60
     ;;
   exact-gemm)
     timeout $(( $(left) < 100 ? $(left) : 100 )) python3 -m tools.probe_exact --gemm --budget-s 70 \
