@@ -99,11 +99,12 @@ def model_flops(spec, prompt: int) -> float:
     return 2 * prompt * layer_params(spec) + attention + 2 * spec.vocab_size * spec.hidden_size
 
 
-def served_chunk(device: str, prefill_chunk: int | None, max_batch_tokens: int, max_batch: int) -> int:
+def served_chunk(device: str, prefill_chunk: int | None, max_batch_tokens: int, max_batch: int,
+                 exact: bool = True) -> int:
     from kvhold.executor.engine_workload import cuda_prefill_chunk
 
     if device.startswith("cuda"):
-        return cuda_prefill_chunk(prefill_chunk, max_batch_tokens, max_batch)
+        return cuda_prefill_chunk(prefill_chunk, max_batch_tokens, max_batch, exact)
     return prefill_chunk or max(1, max_batch_tokens - max_batch)       # kvhold.executor.scheduler
 
 
@@ -167,7 +168,8 @@ def run_variant(args, label: str, flags: dict, save=lambda out: None) -> dict:
     concurrent = [int(x) for x in args.concurrent.split(",")]
     profile_prompts = [int(x) for x in args.profile_prompt.split(",") if x]
     spec = ModelSpec.from_dir(args.model)
-    chunk = served_chunk(args.device, cfg["prefill_chunk"], cfg["max_batch_tokens"], cfg["max_batch"])
+    chunk = served_chunk(args.device, cfg["prefill_chunk"], cfg["max_batch_tokens"], cfg["max_batch"],
+                         bool(cfg["exact_prefill"]))
     pt = 16
     max_seq = -(-(max(prompts + profile_prompts) + 1 + chunk) // pt) * pt
     kv_pages = args.kv_pages or (max(concurrent) * (max_seq // pt) + 64)

@@ -30,14 +30,21 @@ from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport
 
 log = logging.getLogger(__name__)
-DEFAULT_CUDA_PREFILL_CHUNK = 512
+# Prompt tokens per prefill chunk on CUDA. Exact prefill (the default) runs a chunk at its own
+# rows, so a long chunk costs a short prompt nothing; its GEMMs reach their throughput from about
+# 1-2k rows (bench/results/prefill_tiles_cuda.json), and at 2,048 a 2k-token prompt is one step.
+# The cuBLAS + SDPA path pads every chunk to the chunk size, so it keeps short chunks.
+DEFAULT_CUDA_PREFILL_CHUNK = 2048
+DEFAULT_CUDA_PREFILL_CHUNK_PADDED = 512
 DEFERRED_CAPTURE_STEPS = 8    # an urgent executor captures its decode graph after this many steps
 
 
-def cuda_prefill_chunk(prefill_chunk: int | None, max_batch_tokens: int, max_batch: int) -> int:
+def cuda_prefill_chunk(prefill_chunk: int | None, max_batch_tokens: int, max_batch: int, exact: bool = True) -> int:
     """The prompt tokens per prefill chunk a CUDA executor runs with (--prefill-chunk, or at
-    most DEFAULT_CUDA_PREFILL_CHUNK within the step's token budget)."""
-    return prefill_chunk or min(DEFAULT_CUDA_PREFILL_CHUNK, max_batch_tokens - max_batch)
+    most DEFAULT_CUDA_PREFILL_CHUNK with exact prefill, DEFAULT_CUDA_PREFILL_CHUNK_PADDED
+    without, within the step's token budget)."""
+    default = DEFAULT_CUDA_PREFILL_CHUNK if exact else DEFAULT_CUDA_PREFILL_CHUNK_PADDED
+    return prefill_chunk or min(default, max_batch_tokens - max_batch)
 
 
 class EngineWorkload(WorkloadBase):
@@ -90,7 +97,7 @@ class EngineWorkload(WorkloadBase):
             from kvhold.executor.cuda_checksum import TritonChecksum
             from kvhold.executor.cuda_runner import CudaRunner
 
-            chunk = cuda_prefill_chunk(chunk, max_tokens, max_batch)
+            chunk = cuda_prefill_chunk(chunk, max_tokens, max_batch, s.exact_prefill)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,
                                 use_graph=s.cuda_graph, exact=s.exact_prefill,
                                 slot_hashes=self.slot_hashes)

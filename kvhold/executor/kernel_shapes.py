@@ -79,7 +79,8 @@ class KernelShapes:
         from kvhold.protocol.model_spec import ModelSpec
 
         spec = ModelSpec.from_dir(settings.model)
-        chunk = cuda_prefill_chunk(settings.prefill_chunk, settings.max_batch_tokens, settings.max_batch)
+        chunk = cuda_prefill_chunk(settings.prefill_chunk, settings.max_batch_tokens, settings.max_batch,
+                                   settings.exact_prefill)
         return cls(dtype=settings.compute_dtype or spec.dtype, num_layers=spec.num_layers,
                    num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                    hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,

@@ -34,7 +34,8 @@ def test_variants_are_environment_or_engine_flags():
 
 
 def test_chunking_as_served():
-    assert served_chunk("cuda:0", None, 8192, 64) == 512      # the CUDA executor's default chunk
+    assert served_chunk("cuda:0", None, 8192, 64) == 2048     # the CUDA executor's default chunk
+    assert served_chunk("cuda:0", None, 8192, 64, exact=False) == 512    # padded chunks: short ones
     assert served_chunk("cuda:0", None, 512, 64) == 448
     assert served_chunk("cuda:0", 2048, 8192, 64) == 2048
     assert served_chunk("cpu", None, 512, 64) == 448           # the scheduler's default
