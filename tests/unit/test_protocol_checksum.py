@@ -185,3 +185,24 @@ def test_page_index_bound():
 def test_the_reference_reads_64_bit_words_only():
     with pytest.raises(TypeError):
         words_checksum_np(np.zeros(4, dtype=np.uint32), np.arange(4))
+
+
+def test_exchanging_two_different_words_is_caught_and_the_named_blind_spot_is_real():
+    """Every exchange of two different committed 64-bit words of a page changes the checksum;
+    the structured case the module docstring names (each takes the other's value XORed with
+    (j XOR k) << 40) does not, as documented."""
+    pool = _pool(torch.float32, pages=1, layers=1, tokens=2, heads=2, dim=4, seed=4)   # 16 words
+    cs = TorchChecksum(pool)
+    ids, counts = torch.tensor([0]), torch.tensor([2])
+    base = to_u64(cs.pages(ids, counts))[0]
+    flat = pool.view(torch.int64).view(-1)
+    for j in range(flat.numel()):
+        for k in range(j + 1, flat.numel()):
+            a, b = flat[j].item(), flat[k].item()
+            flat[j], flat[k] = b, a
+            assert a == b or to_u64(cs.pages(ids, counts))[0] != base, (j, k)
+            flat[j], flat[k] = a, b
+    j, k = 3, 9
+    a, b = flat[j].item(), flat[k].item()
+    flat[j], flat[k] = b ^ ((j ^ k) << 40), a ^ ((j ^ k) << 40)
+    assert to_u64(cs.pages(ids, counts))[0] == base
