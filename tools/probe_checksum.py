@@ -8,12 +8,14 @@ Times, with CUDA events (median of --repeat runs after a warm-up), the checksum 
 tokens x 8 KV heads x 128 dims, bf16: 2 MiB a page), picked at random from a pool of
 `--pool-pages`:
 
-* `served`: the kernel kvhold validates with (kvhold.executor.cuda_checksum.TritonChecksum);
+* `served`: the kernel kvhold validates with (kvhold.executor.cuda_checksum.TritonChecksum:
+  one splitmix64 mix per 64-bit word, kvhold.protocol.checksum);
 * `read`: the same pages only read and summed, no hashing: the bandwidth floor of the pass;
-* the served kernel's tiling swept (its block of words, splits per page, warps), each
-  checked to give the served kernel's bits on every page;
-* `pair64`: a cheaper definition for comparison (one splitmix64 per aligned 64-bit word
-  instead of one per 32-bit word), not what kvhold computes.
+* the served kernel's tiling swept (its block of 64-bit words, splits per page, warps),
+  each checked to give the served kernel's bits on every page;
+* `old32`: the previous definition (one mix per 32-bit word, its index in the high half),
+  kept for the before/after comparison and not what kvhold computes; its bits are checked
+  against a numpy transcription of that definition on a few pages (`old32_reference_ok`).
 
 Writes JSON: per kernel the median milliseconds, GB/s over the pages' bytes, and whether its
 checksums equal the served kernel's.
@@ -27,36 +29,50 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kvhold.executor.cuda_checksum import TritonChecksum, _pages_hash_kernel
-from kvhold.protocol.checksum import C1, C2, SEED
+from kvhold.protocol.checksum import C1, C2, SEED, mix_np, to_u64
 
 
 @triton.jit
-def _mix(x, C1: tl.constexpr, C2: tl.constexpr):
-    x = (x ^ (x >> 30)) * C1
-    x = (x ^ (x >> 27)) * C2
-    return x ^ (x >> 31)
-
-
-@triton.jit
-def _pages_pair_kernel(dwords_ptr, pages_ptr, out_ptr, page_dwords: tl.constexpr, SPLIT: tl.constexpr,
-                       SEED: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, BLOCK: tl.constexpr):
-    """A different definition, for comparison: one mix per 64-bit word (index in the high half)."""
+def _pages_hash32_kernel(words_ptr, pages_ptr, counts_ptr, out_ptr, page_words,
+                         ROW_WORDS: tl.constexpr, PAGE_TOKENS: tl.constexpr, N_LKV: tl.constexpr,
+                         SPLIT: tl.constexpr, SEED: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """The previous definition, for comparison: mix(w | i << 32) over 32-bit words w (i their
+    index in 32-bit words), the served kernel's loop otherwise (words, rows and blocks in 32-bit
+    units). Not what kvhold computes."""
     i = tl.program_id(0)
     s = tl.program_id(1)
     page = tl.load(pages_ptr + i).to(tl.int64)
-    base = dwords_ptr + page * page_dwords
+    span = tl.load(counts_ptr + i).to(tl.int32) * ROW_WORDS
+    base = words_ptr + page * page_words
     acc = tl.zeros([BLOCK], dtype=tl.uint64)
-    for k in range(0, page_dwords // (SPLIT * BLOCK)):
-        offs = (k * SPLIT + s) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(base + offs).to(tl.uint64, bitcast=True)
-        x = _mix(v ^ (offs.to(tl.uint64) << 40) ^ SEED, C1, C2)
-        acc += x
+    for lkv in range(0, N_LKV):
+        for k in range(0, tl.cdiv(PAGE_TOKENS * ROW_WORDS, SPLIT * BLOCK)):
+            offs = (k * SPLIT + s) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < span
+            widx = lkv * (PAGE_TOKENS * ROW_WORDS) + offs
+            w = tl.load(base + widx, mask=mask, other=0)
+            x = w.to(tl.uint32, bitcast=True).to(tl.uint64) | (widx.to(tl.uint64) << 32)
+            x = x ^ SEED
+            x = (x ^ (x >> 30)) * C1
+            x = (x ^ (x >> 27)) * C2
+            x = x ^ (x >> 31)
+            acc += tl.where(mask, x, tl.zeros_like(x))
     tl.store(out_ptr + i * SPLIT + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
+
+
+def old32_reference_np(page_words32: np.ndarray, num_tokens: int) -> int:
+    """The previous definition in numpy: page_words32 is a uint32 view [layers, 2, tokens, W]."""
+    index = np.arange(page_words32.size, dtype=np.uint64).reshape(page_words32.shape)
+    x = page_words32[:, :, :num_tokens].astype(np.uint64) | (index[:, :, :num_tokens] << np.uint64(32))
+    with np.errstate(over="ignore"):
+        return int(mix_np(x).sum(dtype=np.uint64))
 
 
 @triton.jit
@@ -116,10 +132,10 @@ def main(argv=None) -> int:
     page_bytes = pool[0].numel() * pool.element_size()
     committed_bytes = int((counts * page_bytes // args.page_tokens).sum())
     served = TritonChecksum(pool)
-    words = served.words
-    dwords = pool.reshape(args.pool_pages, -1).view(torch.int64)
-    page_words = words.shape[1]
-    row_words = page_words // (args.layers * 2 * args.page_tokens)
+    words = served.words                                      # int64: the definition's words
+    page_words, row_words = served.page_words, served.row_words
+    words32 = pool.reshape(args.pool_pages, -1).view(torch.int32)
+    page_words32, row_words32 = words32.shape[1], 2 * row_words
     reference = served.pages(ids_d, counts_d)
     rows = []
 
@@ -131,8 +147,8 @@ def main(argv=None) -> int:
         print(f"{name:34s} {ms:8.3f} ms  {bytes_ / ms / 1e6:8.1f} GB/s  same bits: {same}", flush=True)
 
     record("served", lambda: served.pages(ids_d, counts_d), note="TritonChecksum.pages, as validation runs it")
-    for block, split, warps in ((1024, 1, 4), (2048, 2, 8), (2048, 4, 8), (4096, 4, 8), (1024, 8, 4),
-                                (2048, 8, 8), (4096, 8, 16)):
+    for block, split, warps in ((512, 1, 4), (1024, 2, 8), (1024, 4, 4), (1024, 4, 8), (2048, 4, 8),
+                                (512, 8, 4), (1024, 8, 8), (2048, 8, 16)):
         out = torch.empty((args.pages, split), dtype=torch.int64, device=dev)
 
         def loop(block=block, split=split, warps=warps, out=out):
@@ -141,19 +157,33 @@ def main(argv=None) -> int:
                 N_LKV=args.layers * 2, SPLIT=split, SEED=SEED, C1=C1, C2=C2, BLOCK=block, num_warps=warps)
             return out.sum(dim=1)
         record(f"loop block={block} split={split} warps={warps}", loop, check=loop)
+    old32_reference_ok = None
+    for block, split, warps in ((2048, 2, 8), (1024, 8, 4)):      # the old definition's best two
+        out = torch.empty((args.pages, split), dtype=torch.int64, device=dev)
+
+        def old32(block=block, split=split, warps=warps, out=out):
+            _pages_hash32_kernel[(args.pages, split)](
+                words32, ids_d, counts_d, out, page_words32, ROW_WORDS=row_words32,
+                PAGE_TOKENS=args.page_tokens, N_LKV=args.layers * 2, SPLIT=split, SEED=SEED, C1=C1, C2=C2,
+                BLOCK=block, num_warps=warps)
+            return out.sum(dim=1)
+        record(f"old32 block={block} split={split} warps={warps}", old32,
+               note="the previous definition (one mix per 32-bit word), not served")
+        if old32_reference_ok is None:
+            got = to_u64(old32())
+            picks = [0, 1] + [int(k) for k in partial.nonzero()[:2, 0]]
+            old32_reference_ok = all(
+                int(got[k]) == old32_reference_np(
+                    words32[ids[k]].cpu().numpy().view(np.uint32).reshape(args.layers, 2, args.page_tokens, -1),
+                    int(counts[k]))
+                for k in picks)
+            print(f"old32 equals its numpy reference on pages {picks}: {old32_reference_ok}", flush=True)
     full_bytes = args.pages * page_bytes
+    dwords = words
     for block, split, warps in ((1024, 4, 4), (2048, 4, 8)):
         out = torch.empty((args.pages, split), dtype=torch.int64, device=dev)
 
-        def pair(block=block, split=split, warps=warps, out=out):
-            _pages_pair_kernel[(args.pages, split)](dwords, ids_d, out, dwords.shape[1], SPLIT=split,
-                                                    SEED=SEED, C1=C1, C2=C2, BLOCK=block, num_warps=warps)
-            return out.sum(dim=1)
-        record(f"pair64 block={block} split={split}", pair, bytes_=full_bytes,
-               note="another definition (whole pages): one mix per 64-bit word")
-        out2 = torch.empty((args.pages, split), dtype=torch.int64, device=dev)
-
-        def read(block=block, split=split, warps=warps, out=out2):
+        def read(block=block, split=split, warps=warps, out=out):
             _pages_read_kernel[(args.pages, split)](dwords, ids_d, out, dwords.shape[1], SPLIT=split,
                                                     BLOCK=block, num_warps=warps)
             return out.sum(dim=1)
@@ -163,7 +193,7 @@ def main(argv=None) -> int:
                             triton=triton.__version__, host=platform.node()),
                when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                pages=args.pages, page_bytes=page_bytes, committed_bytes=committed_bytes,
-               partial_pages=int(partial.sum()), rows=rows)
+               partial_pages=int(partial.sum()), old32_reference_ok=old32_reference_ok, rows=rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -28,8 +28,8 @@ class ChurnWorkload(WorkloadBase):
         super().__init__(ctx)
         g = ctx.tables.geometry
         self.page_tokens = g.kv.page_tokens
-        shape = (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4)
-        self.words = ctx.mappings["kv"].numpy(np.uint32, shape)
+        shape = (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 8)
+        self.words = ctx.mappings["kv"].numpy(np.uint64, shape)     # the checksum's 64-bit words
         self.index = np.arange(int(np.prod(shape[1:])), dtype=np.uint64).reshape(shape[1:])
         self.page_table = PageTable(ctx.tables)
         self.rng = np.random.default_rng()
@@ -68,7 +68,7 @@ class ChurnWorkload(WorkloadBase):
         page = open_pages[self.rng.integers(len(open_pages))]
         n, checksum = self.owned[page]
         rows = self.words[page, :, :, n, :]
-        rows[...] = self.rng.integers(0, 2**32, size=rows.shape, dtype=np.uint32)
+        rows[...] = self.rng.integers(0, 2**64, size=rows.shape, dtype=np.uint64)
         faults.point("churn_data")
         checksum = (checksum + words_checksum_np(rows, self.index[:, :, n, :])) % (1 << 64)
         self.ctx.lease.check()

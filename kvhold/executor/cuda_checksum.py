@@ -1,22 +1,26 @@
 """The KV-page checksum on CUDA: one fused Triton pass, bit-identical to kvhold.protocol.checksum.
 
-Same definition (sum of splitmix64(word | index << 32 ^ SEED) mod 2**64 over the
-committed words of a page), computed for token ranges [start, end) of pages in
-one launch: whole committed ranges when validating after a crash (`pages`: one program
-per page and split, looping over the page), the few new slots of each touched page when
-committing a step (`slots`, and `ranges`: a grid of (range, layer x k/v, block of the
-range's words)). Each program reduces its words and writes a partial sum; partials are
-added with wrapping int64 arithmetic, which is order-free, so the result is the CPU's to
-the bit (tests/gpu/test_gpu.py).
+Same definition (sum of splitmix64(word ^ index << 40 ^ SEED) mod 2**64 over the
+committed 64-bit words of a page; the pool is read as int64, and every index, length
+and block below counts 64-bit words), computed for token ranges [start, end) of pages
+in one launch: whole committed ranges when validating after a crash (`pages`: one
+program per page and split, looping over the page), the few new slots of each touched
+page when committing a step (`slots`, and `ranges`: a grid of (range, layer x k/v,
+block of the range's words)). Each program reduces its words and writes a partial sum;
+partials are added with wrapping int64 arithmetic, which is order-free, so the result
+is the CPU's to the bit (tests/gpu/test_gpu.py; tests/unit/test_checksum_triton.py
+under Triton's interpreter).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from kvhold.executor import triton_aot
-from kvhold.protocol.checksum import C1, C2, SEED
+from kvhold.protocol.checksum import C1, C2, SEED, check_page_shape
 
 BLOCK = 1024
 
@@ -40,7 +44,7 @@ def _range_hash_kernel(words_ptr, pages_ptr, starts_ptr, ends_ptr, out_ptr,
     mask = offs < (end - start) * row_words
     widx = (lkv * page_tokens + start) * row_words + offs
     w = tl.load(words_ptr + page * page_words + widx, mask=mask, other=0)
-    x = w.to(tl.uint32, bitcast=True).to(tl.uint64) | (widx.to(tl.uint64) << 32)
+    x = w.to(tl.uint64, bitcast=True) ^ (widx.to(tl.uint64) << 40)
     x = x ^ SEED
     x = (x ^ (x >> 30)) * C1
     x = (x ^ (x >> 27)) * C2
@@ -59,8 +63,9 @@ def _pages_hash_kernel(words_ptr, pages_ptr, counts_ptr, out_ptr, page_words,
     """Whole committed ranges (rows [0, count) of every layer x k/v block), for validation: one
     program per (page, split) loops over its share of the page, accumulating in registers, so
     a pass over thousands of 2 MiB pages runs as a few thousand programs instead of millions
-    of one-block ones (bench/results/checksum_cuda.json: 3.96 against 4.61 ms for 5,700
-    Llama-3-8B pages, where reading them alone takes 2.67 ms)."""
+    of one-block ones (bench/results/checksum_cuda.json, with the previous definition, one
+    mix per 32-bit word: 3.96 against 4.61 ms for 5,700 Llama-3-8B pages, where reading them
+    alone takes 2.67 ms; one mix per 64-bit word over whole pages measured 2.70 ms there)."""
     i = tl.program_id(0)
     s = tl.program_id(1)
     page = tl.load(pages_ptr + i).to(tl.int64)
@@ -73,7 +78,7 @@ def _pages_hash_kernel(words_ptr, pages_ptr, counts_ptr, out_ptr, page_words,
             mask = offs < span
             widx = lkv * (PAGE_TOKENS * ROW_WORDS) + offs
             w = tl.load(base + widx, mask=mask, other=0)
-            x = w.to(tl.uint32, bitcast=True).to(tl.uint64) | (widx.to(tl.uint64) << 32)
+            x = w.to(tl.uint64, bitcast=True) ^ (widx.to(tl.uint64) << 40)
             x = x ^ SEED
             x = (x ^ (x >> 30)) * C1
             x = (x ^ (x >> 27)) * C2
@@ -82,17 +87,20 @@ def _pages_hash_kernel(words_ptr, pages_ptr, counts_ptr, out_ptr, page_words,
     tl.store(out_ptr + i * SPLIT + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
 
-PAGES_BLOCK, PAGES_SPLIT, PAGES_WARPS = 2048, 2, 8     # the fastest of tools/probe_checksum's sweep
+# 1024 64-bit words (8 KiB) a block, 4 splits, 4 warps: the tiling at which tools/probe_checksum's
+# whole-page comparison kernel of this definition ran at the read floor (2.70 ms); this kernel's
+# own sweep on the GPU is the probe's `loop` rows
+PAGES_BLOCK, PAGES_SPLIT, PAGES_WARPS = 1024, 4, 4
 
 
 class TritonChecksum:
     """Drop-in for kvhold.protocol.checksum.TorchChecksum on CUDA pools."""
 
     def __init__(self, pool: torch.Tensor):
-        if pool.element_size() * pool.shape[-1] % 4:
-            raise ValueError("a KV row must be a whole number of 32-bit words")
         num_pages, layers, two, tokens = pool.shape[:4]
-        self.words = pool.reshape(num_pages, -1).view(torch.int32)
+        row_bytes = pool.element_size() * math.prod(pool.shape[4:])
+        check_page_shape(row_bytes, row_bytes * layers * two * tokens)
+        self.words = pool.reshape(num_pages, -1).view(torch.int64)
         self.page_tokens = tokens
         self.n_lkv = layers * two
         self.row_words = self.words.shape[1] // (self.n_lkv * tokens)

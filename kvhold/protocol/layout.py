@@ -37,8 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvhold.protocol.checksum import check_page_shape
+
 MAGIC = b"KVHOLDT1"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4           # 4: page checksums mix 64-bit words (kvhold.protocol.checksum)
 HEADER_BYTES = 4096
 LIVENESS_BYTES = 64
 ALIGN = 64
@@ -207,8 +209,10 @@ class KvGeometry:
                 raise ValueError(f"KV geometry: {name}={getattr(self, name)} out of range")
         if self.dtype not in KV_DTYPE_CODES:
             raise ValueError(f"KV geometry: dtype {self.dtype!r} not one of {sorted(KV_DTYPE_CODES)}")
-        if self.row_bytes % 4:
-            raise ValueError("KV geometry: a row (kv_heads x head_dim) must fill whole 32-bit words")
+        try:
+            check_page_shape(self.row_bytes, self.page_bytes)
+        except ValueError as exc:
+            raise ValueError(f"KV geometry: {exc}") from None
 
     @property
     def row_bytes(self) -> int:

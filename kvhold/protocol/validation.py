@@ -51,7 +51,7 @@ def trusted(records: np.ndarray, page_tokens: int, checksum_ok: np.ndarray) -> n
 
 
 def host_checksums_ok(tables: Tables, kv_words: np.ndarray) -> np.ndarray:
-    """Per-page verdict for a KV pool in host memory (uint32 view [P, L, 2, T, W])."""
+    """Per-page verdict for a KV pool in host memory (uint64 view [P, L, 2, T, W])."""
     pages = tables.pages
     index = np.arange(int(np.prod(kv_words.shape[1:])), dtype=np.uint64).reshape(kv_words.shape[1:])
     ok = np.ones(len(pages), dtype=bool)

@@ -35,8 +35,10 @@ def test_sidecar_keeps_memory_alive_without_a_context():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_checksum_is_bit_identical_to_the_cpu_definition(dtype):
+    """One mix per 64-bit word (kvhold.protocol.checksum): the compiled kernels, torch on the GPU
+    and on the CPU, and the numpy reference agree on pages, ranges and slots."""
     from kvhold.executor.cuda_checksum import TritonChecksum
-    from kvhold.protocol.checksum import TorchChecksum, page_checksum_np, to_u64
+    from kvhold.protocol.checksum import TorchChecksum, page_checksum_np, page_words_np, to_u64, words_checksum_np
 
     g = torch.Generator().manual_seed(0)
     pool_cpu = torch.randn(12, 3, 2, 16, 4, 64, generator=g).to(dtype)
@@ -46,13 +48,22 @@ def test_triton_checksum_is_bit_identical_to_the_cpu_definition(dtype):
     triton_sums = to_u64(TritonChecksum(pool).pages(ids, counts))
     torch_gpu = to_u64(TorchChecksum(pool).pages(ids.cuda(), counts.cuda()))
     torch_cpu = to_u64(TorchChecksum(pool_cpu).pages(ids, counts))
-    words = pool_cpu.view(torch.uint8).numpy().reshape(12, 3, 2, 16, -1).view(np.uint32)
+    words = page_words_np(pool_cpu.view(torch.uint8).numpy(), 12, 3, 16)
     ref = [page_checksum_np(words[i], int(n)) for i, n in zip(ids, counts)]
     assert list(triton_sums) == list(torch_gpu) == list(torch_cpu) == ref
     starts, ends = torch.tensor([2, 0, 4, 0, 14]), torch.tensor([5, 1, 9, 0, 15])
     a = to_u64(TritonChecksum(pool).ranges(ids, starts, ends))
     b = to_u64(TorchChecksum(pool_cpu).ranges(ids, starts, ends))
-    assert list(a) == list(b)
+    index = np.arange(words[0].size, dtype=np.uint64).reshape(words[0].shape)
+    ref = [words_checksum_np(words[i][:, :, s:e], index[:, :, s:e]) for i, s, e in zip(ids, starts, ends)]
+    assert list(a) == list(b) == ref
+    raw, at = pool.view(torch.uint8).view(12, -1), 4 * 64 * pool.element_size() + 5     # a byte of token 1
+    raw[3, at] ^= 4                                           # page 3 holds 1 token: not covered
+    raw[5, at] ^= 4                                           # page 5 holds 9: caught
+    after = to_u64(TritonChecksum(pool).pages(ids, counts))
+    assert list(after == triton_sums) == [True, True, False, True, True]
+    raw[3, at] ^= 4
+    raw[5, at] ^= 4
     slots = torch.tensor([2, 0, 4, 7, 15])          # one slot each: the decode commit's fast path
     for index_dtype in (torch.int64, torch.int32):
         fast = to_u64(TritonChecksum(pool).slots(ids.cuda(), slots.to(index_dtype).cuda()))

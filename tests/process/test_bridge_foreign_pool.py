@@ -187,7 +187,7 @@ def test_mirror_of_a_bf16_engine_pool_on_its_device(device):
                 queued = mirror.queue_decode([9], [pos // 16], [block], [row])
                 assert mirror.publish_decode(queued, [h] if pos % 2 else None) == 1
         pages = [mirror.page_of(9, i) for i in range(4)]
-        words = shared.pool.cpu().view(torch.int32).reshape(geom.num_pages, 4, 2, 16, -1).numpy().view(np.uint32)
+        words = shared.pool.cpu().view(torch.int64).reshape(geom.num_pages, 4, 2, 16, -1).numpy().view(np.uint64)
         for page, count in zip(pages, (16, 16, 16, 8)):
             assert int(tables.pages["num_tokens"][page]) == count
             assert int(tables.pages["checksum"][page]) == page_checksum_np(words[page], count)

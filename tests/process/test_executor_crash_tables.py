@@ -28,8 +28,8 @@ def _map_kv(sc, tables):
         mapping = Mapping.from_fd(shm.fd, RegionInfo("kv", size, "host", True))
     finally:
         shm.close_fd()
-    shape = (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4)
-    return mapping.numpy(np.uint32, shape)
+    shape = (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 8)
+    return mapping.numpy(np.uint64, shape)         # the checksum's 64-bit words
 
 
 def _executor(sc, fault=None):

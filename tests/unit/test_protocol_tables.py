@@ -7,7 +7,8 @@ import posix_ipc
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvhold.protocol.layout import (HEADER_BYTES, KvGeometry, PageFlag, TableGeometry)
+from kvhold.protocol.layout import (HEADER_BYTES, LAYOUT_VERSION, KvGeometry, PageFlag, TableGeometry,
+                                   header_crc)
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables, TableFormatError
 
@@ -59,6 +60,18 @@ def test_attach_rejects_inconsistent_headers(tables, field, value):
     header = np.ndarray((), tables.header.dtype, buffer=buf)
     header[field] = value
     with pytest.raises(TableFormatError):
+        Tables.attach(buf)
+
+
+def test_segments_of_the_32_bit_word_checksum_are_refused(tables):
+    """Layout 3 checksummed pages one mix per 32-bit word: its pages must not be validated
+    with the 64-bit definition, so the whole segment is refused by its version."""
+    assert LAYOUT_VERSION == 4
+    buf = bytearray(tables._mm[:])
+    header = np.ndarray((), tables.header.dtype, buffer=buf)
+    header["layout_version"] = 3
+    header["geometry_crc"] = header_crc(header)
+    with pytest.raises(TableFormatError, match="layout version 3, this build reads 4"):
         Tables.attach(buf)
 
 
@@ -115,7 +128,9 @@ def test_geometry_validation():
     with pytest.raises(ValueError):
         KvGeometry(0, 2, 8)
     with pytest.raises(ValueError):
-        KvGeometry(2, 1, 1, "bfloat16")  # a row must be whole 32-bit words
+        KvGeometry(2, 1, 1, "bfloat16")  # a row must be whole 64-bit words (the checksum's)
+    with pytest.raises(ValueError, match="64-bit words"):
+        KvGeometry(2, 1, 2, "bfloat16")  # 4 bytes: whole 32-bit words are not enough
     with pytest.raises(ValueError):
         TableGeometry(kv=SMALL.kv, num_pages=0)
 

@@ -21,8 +21,8 @@ def pool():
     tables = Tables.create(f"/kvhold-test-val-{tag}", GEOM, 1)
     region = HostRegion(f"/kvhold-test-valkv-{tag}", "kv", GEOM.kv_pool_bytes)
     kv = GEOM.kv
-    words = region.map_local().numpy(np.uint32, (GEOM.num_pages, kv.num_layers, 2, kv.page_tokens,
-                                                 kv.row_bytes // 4))
+    words = region.map_local().numpy(np.uint64, (GEOM.num_pages, kv.num_layers, 2, kv.page_tokens,
+                                                 kv.row_bytes // 8))
     yield tables, words
     tables.unlink()
     region.unlink()
@@ -31,7 +31,7 @@ def pool():
 def _commit(tables, words, page, n, rng):
     pt = PageTable(tables)
     pt.assign([page], 100 + page, 0, 1)
-    words[page] = rng.integers(0, 2**32, size=words[page].shape, dtype=np.uint32)
+    words[page] = rng.integers(0, 2**64, size=words[page].shape, dtype=np.uint64)
     index = np.arange(words[page].size, dtype=np.uint64).reshape(words[page].shape)
     pt.publish([page], n, words_checksum_np(words[page][:, :, :n], index[:, :, :n]), 1)
 
