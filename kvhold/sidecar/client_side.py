@@ -24,7 +24,7 @@ from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
 log = logging.getLogger(__name__)
 DRAIN_SLICE_NS = 1_000_000    # a socket's messages handled per loop turn: at most about this long
 FRAME_SLACK = 64 << 10        # a Generate's fields besides its prompt text
-_MORE = zmq.SNDMORE | zmq.NOBLOCK
+_MORE, _NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)   # plain ints: no enum arithmetic per send
 
 
 def bind_router(zctx: zmq.Context, endpoint: str, path, stack: contextlib.ExitStack) -> zmq.Socket:
@@ -66,7 +66,7 @@ def reply(sock: zmq.Socket, identity: bytes, msg) -> None:
     try:   # send_multipart's two sends, without its per-call checks
         data = wire.encode(msg)
         sock.send(identity, _MORE)
-        sock.send(data, zmq.NOBLOCK)
+        sock.send(data, _NOBLOCK)
     except zmq.ZMQError as exc:
         log.warning("dropped %s reply: %s", msg.TYPE, exc)
 
