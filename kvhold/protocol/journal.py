@@ -175,6 +175,19 @@ class Journal:
         reason = FinishReason(int(r["finish_reason"][slot])) if state == ExecState.FINISHED else FinishReason.NONE
         return state, count, reason
 
+    def stream_reads(self, slots) -> "StreamReads":
+        """What a streaming reader needs of each of `slots` (int64 array, within the journal), each
+        field read for all of them at once, in the order `progress`, `asked_logprobs` and
+        `lp_done` read it for one: the admission fields, then `exec_request_id`, `exec_state`
+        before `num_generated` (a FINISHED state covers the count read after it), the finish
+        reason, then `lp_done`."""
+        r = self.req
+        return StreamReads(r["request_id"][slots].tolist(), r["prompt_len"][slots].tolist(),
+                           r["logprobs"][slots].tolist(), r["prompt_logprobs"][slots].tolist(),
+                           r["exec_request_id"][slots].tolist(), r["exec_state"][slots].tolist(),
+                           r["num_generated"][slots].tolist(), r["finish_reason"][slots].tolist(),
+                           r["lp_done"][slots].tolist())
+
     def timings_s(self, slot: int) -> tuple[float | None, float | None]:
         """(queue time: admitted -> first in a step, prefill time: first in a step -> first token
         committed), in seconds, of the request executing in `slot`; None where a mark is missing
@@ -185,8 +198,9 @@ class Journal:
         prefill = (first - scheduled) / 1e9 if scheduled and first >= scheduled else None
         return queue, prefill
 
-    def generated(self, slot: int, start: int, end: int) -> list[int]:
-        p = int(self.req["prompt_len"][slot])
+    def generated(self, slot: int, start: int, end: int, prompt_len: int | None = None) -> list[int]:
+        """Generated tokens [start, end) of `slot` (`prompt_len`: its prompt's, when read already)."""
+        p = int(self.req["prompt_len"][slot]) if prompt_len is None else prompt_len
         return self.tokens[slot, p + start:p + end].tolist()
 
     def asked_logprobs(self, slot: int) -> tuple[int | None, int | None]:
@@ -336,6 +350,44 @@ class Journal:
 
 
 _REQUEST_FIELDS = REQUEST_DTYPE.names
+_EXEC_STATES = {int(v): v for v in ExecState}
+_FINISH_REASONS = {int(v): v for v in FinishReason}
+
+
+@dataclass(slots=True)
+class StreamReads:
+    """`Journal.stream_reads`: fields of many slots as lists of plain ints, index k for slot k."""
+
+    request_id: list
+    prompt_len: list
+    logprobs: list
+    prompt_logprobs: list
+    exec_request_id: list
+    exec_state: list
+    num_generated: list
+    finish_reason: list
+    lp_done: list
+
+    def progress(self, k: int, request_id: int) -> tuple[ExecState, int, FinishReason]:
+        """`Journal.progress` of the k-th slot for `request_id`, from these reads."""
+        if self.exec_request_id[k] != request_id:
+            return ExecState.NONE, 0, FinishReason.NONE
+        state = _EXEC_STATES.get(self.exec_state[k])
+        if state is None:
+            state = ExecState(self.exec_state[k])      # ValueError, as progress raises
+        if state != ExecState.FINISHED:
+            return state, self.num_generated[k], FinishReason.NONE
+        return state, self.num_generated[k], _FINISH_REASONS.get(self.finish_reason[k]) or \
+            FinishReason(self.finish_reason[k])
+
+    def asked_logprobs(self, k: int) -> tuple[int | None, int | None]:
+        """`Journal.asked_logprobs` of the k-th slot."""
+        lp, plp = self.logprobs[k], self.prompt_logprobs[k]
+        return (lp - 1 if lp else None), (plp - 1 if plp else None)
+
+    def lp_done_of(self, k: int, request_id: int) -> int:
+        """`Journal.lp_done` of the k-th slot for `request_id`."""
+        return self.lp_done[k] if self.exec_request_id[k] == request_id else 0
 
 
 def _entry(slot: int, r: dict) -> JournalEntry:

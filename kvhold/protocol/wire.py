@@ -13,6 +13,7 @@ checked like a message body (required fields, no unknown field, declared types).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 import typing
 from typing import Any, Callable
@@ -37,6 +38,7 @@ class WireError(Exception):
 _REGISTRY: dict[str, type] = {}
 _CHECKERS: dict[str, dict[str, Callable[[Any], Any]]] = {}
 _NESTED: dict[type, dict[str, Callable[[Any], Any]]] = {}
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}     # a message type's fields, in order (encode)
 
 
 def _checker(tp) -> Callable[[Any], Any]:
@@ -115,6 +117,7 @@ def message(type_name: str):
         cls.TYPE = type_name
         _REGISTRY[type_name] = cls
         _CHECKERS[type_name] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+        _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
         return cls
     return register
 
@@ -142,9 +145,20 @@ def from_map(cls, data):
     return cls(**_check_fields(cls, _NESTED[cls], data))
 
 
+class _Packers(threading.local):
+    """A msgpack packer per thread, reused (packb builds one per call)."""
+
+    def __init__(self):
+        self.packer = msgpack.Packer(use_bin_type=True, default=to_map)
+
+
+_PACKERS = _Packers()
+
+
 def encode(msg) -> bytes:
-    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE, body], use_bin_type=True, default=to_map)
+    names = _FIELD_NAMES.get(type(msg)) or tuple(f.name for f in dataclasses.fields(msg))
+    body = {name: getattr(msg, name) for name in names}
+    data = _PACKERS.packer.pack([PROTOCOL_VERSION, msg.TYPE, body])
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.TOO_LARGE, f"{msg.TYPE} encodes to {len(data)} bytes")
     return data

@@ -50,6 +50,7 @@ import zmq
 log = logging.getLogger(__name__)
 _ENDS = (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED, zmq.EVENT_ACCEPTED)  # a descriptor's connection is over
 PEERCRED, CURVE, NOBODY = "peercred", "curve", "nobody"
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # plain ints: refresh runs before every send
 
 
 def client_key(via: bytes, principal: bytes, routing_id: bytes) -> bytes:
@@ -146,7 +147,7 @@ class ClientPeers:
     def refresh(self) -> None:
         """Apply every monitor event that has arrived (drains each monitor to empty)."""
         for mon in self._monitors:
-            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while mon.getsockopt(_EVENTS) & _POLLIN:
                 head = mon.recv_multipart(zmq.NOBLOCK)[0]
                 event, fd = struct.unpack("=HI", head[:6])
                 if event in _ENDS:

@@ -24,6 +24,7 @@ from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
 log = logging.getLogger(__name__)
 DRAIN_SLICE_NS = 1_000_000    # a socket's messages handled per loop turn: at most about this long
 FRAME_SLACK = 64 << 10        # a Generate's fields besides its prompt text
+_MORE, _NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)   # plain ints: no enum arithmetic per send
 
 
 def bind_router(zctx: zmq.Context, endpoint: str, path, stack: contextlib.ExitStack) -> zmq.Socket:
@@ -62,8 +63,10 @@ def drain(sock: zmq.Socket, handler, budget: int = 256, copy: bool = True) -> No
 
 
 def reply(sock: zmq.Socket, identity: bytes, msg) -> None:
-    try:
-        sock.send_multipart([identity, wire.encode(msg)], zmq.NOBLOCK)
+    try:   # send_multipart's two sends, without its per-call checks
+        data = wire.encode(msg)
+        sock.send(identity, _MORE)
+        sock.send(data, _NOBLOCK)
     except zmq.ZMQError as exc:
         log.warning("dropped %s reply: %s", msg.TYPE, exc)
 

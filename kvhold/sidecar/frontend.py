@@ -417,13 +417,33 @@ class Frontend:
 
     def on_committed(self, slots) -> None:
         """Tokens were committed for these journal slots: stream them."""
-        for slot in slots:
-            st = self.streams.get(self.journal.request_id_at(slot))
+        n = len(self.journal.req)
+        slots = [s for s in slots if 0 <= s < n]     # another slot number names no request
+        if not slots:
+            return
+        reads = self.journal.stream_reads(np.array(slots, dtype=np.int64))
+        streams = self.streams
+        for k, rid in enumerate(reads.request_id):
+            st = streams.get(rid)
             if st is not None:
-                self._pump(st)
+                self._pump_read(st, reads, k)
+
+    def _pump_all(self) -> None:
+        """Pump every stream (the safety net: the journal is the truth, not messages)."""
+        streams = list(self.streams.values())
+        if not streams:
+            return
+        reads = self.journal.stream_reads(np.array([st.slot for st in streams], dtype=np.int64))
+        for k, st in enumerate(streams):
+            self._pump_read(st, reads, k)
 
     def _pump(self, st: Stream) -> None:
-        state, count, reason = self.journal.progress(st.slot, st.request_id)
+        self._pump_read(st, self.journal.stream_reads(np.array([st.slot], dtype=np.int64)), 0)
+
+    def _pump_read(self, st: Stream, reads, k: int) -> None:
+        """Stream what the journal holds for `st`, from its slot's reads (the k-th of `reads`,
+        kvhold.protocol.journal.StreamReads); the tokens and log-probs are read after them."""
+        state, count, reason = reads.progress(k, st.request_id)
         if st.failed:
             if state == ExecState.FINISHED:
                 self.journal.release(st.slot)
@@ -432,17 +452,26 @@ class Frontend:
         if st.restored_from is not None and count > st.restored_from:
             st.restored_from = None
             self.restored.on_first_token()
-        sendable = logprob_stream.sendable(self.journal, st.slot, st.request_id, st.prompt_len, count,
-                                           state == ExecState.FINISHED)   # with final log-probs
+        asked = reads.asked_logprobs(k)
+        finished = state == ExecState.FINISHED
+        if finished or asked == (None, None):     # with final log-probs
+            sendable = count
+        else:
+            sendable = logprob_stream.sendable_from(asked, reads.lp_done_of(k, st.request_id),
+                                                    st.prompt_len, count, finished)
         if sendable > st.sent:
             count = sendable
             if st.sent == st.prefix and st.opened_ns:
                 self.first_token_ms.append((now_ns() - st.opened_ns) / 1e6)
             self.num_tokens += count - st.sent
-            ids = self.journal.generated(st.slot, st.sent, count)
-            texts = [st.detok.push(t) for t in ids] if st.detok else [""] * len(ids)
+            ids = self.journal.generated(st.slot, st.sent, count, reads.prompt_len[k])
+            if st.detok:
+                push = st.detok.push
+                texts = [push(t) for t in ids]
+            else:
+                texts = [""] * len(ids)
             st.text.extend(texts)
-            lp = logprob_stream.fields(self.journal, st.slot, st.prompt_len, st.sent, count)
+            lp = logprob_stream.fields(self.journal, st.slot, st.prompt_len, st.sent, count, asked)
             self._send(st, m.Tokens(request_id=st.request_id, start=st.sent - st.prefix, ids=ids,
                                     texts=texts, **lp))
             st.sent = count
@@ -469,8 +498,7 @@ class Frontend:
     def tick(self, now: int) -> None:
         self._admit_ready()
         if now >= self._next_pump_ns:  # safety net: the journal is the truth, not messages
-            for st in list(self.streams.values()):
-                self._pump(st)
+            self._pump_all()
             self._next_pump_ns = now + PUMP_NS
         idle: dict[bytes, list[int]] = collections.defaultdict(list)
         for st in self.streams.values():

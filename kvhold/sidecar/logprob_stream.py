@@ -11,19 +11,33 @@ from __future__ import annotations
 
 def sendable(journal, slot: int, request_id: int, prompt_len: int, count: int, finished: bool) -> int:
     """How many of the `count` generated tokens (a resumed prefix included) may be sent now."""
-    logprobs, prompt_logprobs = journal.asked_logprobs(slot)
+    asked = journal.asked_logprobs(slot)
+    if finished or asked == (None, None):
+        return count
+    return sendable_from(asked, journal.lp_done(slot, request_id), prompt_len, count, finished)
+
+
+def sendable_from(asked: tuple[int | None, int | None], lp_done: int, prompt_len: int, count: int,
+                  finished: bool) -> int:
+    """`sendable` from values read already: the request's (logprobs, prompt_logprobs) and its
+    `lp_done` (read after `count`)."""
+    logprobs, prompt_logprobs = asked
     if finished or (logprobs is None and prompt_logprobs is None):
         return count
-    done = journal.lp_done(slot, request_id) - prompt_len
+    done = lp_done - prompt_len
     if prompt_logprobs is not None and done < 0:
         return 0
     return count if logprobs is None else max(0, min(count, done))
 
 
-def fields(journal, slot: int, prompt_len: int, start: int, end: int) -> dict:
+def fields(journal, slot: int, prompt_len: int, start: int, end: int,
+           asked: tuple[int | None, int | None] | None = None) -> dict:
     """The Tokens fields (kvhold.protocol.messages) of generated tokens [start, end) (a resumed
-    prefix counted): their log-probs if asked for, and the prompt's with the first (start 0)."""
-    logprobs, prompt_logprobs = journal.asked_logprobs(slot)
+    prefix counted): their log-probs if asked for, and the prompt's with the first (start 0).
+    `asked`: the request's (logprobs, prompt_logprobs), when read already."""
+    logprobs, prompt_logprobs = journal.asked_logprobs(slot) if asked is None else asked
+    if logprobs is None and prompt_logprobs is None:
+        return {}
     out = {}
     if logprobs is not None:
         out["logprobs"], out["top_ids"], out["top_logprobs"] = journal.logprobs_at(
