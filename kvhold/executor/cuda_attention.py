@@ -24,6 +24,8 @@ threads, would differ from the decode's.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -194,27 +196,18 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return out
 
 
-@triton_aot.aot
 @triton.jit
-def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr, ctx_ptr, out_ptr, T,
-                         stride_t, stride_cos, stride_ob, stride_oh,
-                         stride_page, stride_kv, stride_tok, stride_head, stride_table,
-                         layer_offset, scale,
-                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                         GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
-                         PRECISION: tl.constexpr, PAGES: tl.constexpr):
-    """_rope_decode_kernel's attention (keys and values already stored) for ROWS consecutive
-    positions of one sequence at once: the GROUP_PAD rows of the tile, which in a decode step
-    hold one position's GROUP query heads and zeros, hold ROWS positions' heads here. Each
-    row's q rotation, dot shapes, key blocks and online softmax are the decode kernel's; a
-    row takes no part in a block past its own context (its state is kept, as if the loop had
-    ended there, which it does in the decode)."""
-    kvh = tl.program_id(1)
+def _prefill_tile_q(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, ctx_ptr, first, T, stride_t, stride_cos, kvh,
+                    HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
+                    D: tl.constexpr):
+    """One tile of _rope_prefill_kernel: the rotated query rows of positions first..first+ROWS-1
+    (GROUP heads each, in the GROUP_PAD rows a decode step's tile has), their contexts, rows
+    and heads."""
     H2: tl.constexpr = D // 2
     half = tl.arange(0, H2)
     r = tl.arange(0, GROUP_PAD)
     local = r // GROUP
-    b = tl.program_id(0) * ROWS + local
+    b = first + local
     rmask = (local < ROWS) & (b < T)
     b = tl.where(rmask, b, 0).to(tl.int64)
     heads = kvh * GROUP + r % GROUP
@@ -230,15 +223,80 @@ def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr
     q2 = (x2 * c2 + x1 * s2).to(qkv_ptr.dtype.element_ty)
     q1 = q1.to(pool_ptr.dtype.element_ty)
     q2 = q2.to(pool_ptr.dtype.element_ty)
-    full = tl.arange(0, D)
-    base = pool_ptr + layer_offset + kvh * stride_head
-    first = tl.program_id(0).to(tl.int64) * ROWS       # the block's rows share one sequence's table
     ctx = tl.load(ctx_ptr + b, mask=rmask, other=0)
-    ctx_max = tl.max(ctx, axis=0)
+    return q1, q2, ctx, b, rmask, heads
+
+
+@triton.jit
+def _prefill_tile_block(q1, q2, ka, kb, v, p, ctx, block_start, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One key block of a tile's online softmax, the decode kernel's arithmetic; a row takes no
+    part in a block past its own context (its state is kept, as if its loop had ended there)."""
+    s = tl.dot(q2, tl.trans(kb), tl.dot(q1, tl.trans(ka), input_precision=PRECISION),
+               input_precision=PRECISION) * scale
+    s = tl.where(p[None, :] < ctx[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    prob = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_new = l_i * alpha + tl.sum(prob, axis=1)
+    acc_new = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+    active = block_start < ctx
+    return tl.where(active, m_new, m_i), tl.where(active, l_new, l_i), tl.where(active[:, None], acc_new, acc)
+
+
+@triton.jit
+def _prefill_tile_store(out_ptr, b, rmask, heads, acc, l_i, stride_ob, stride_oh, D: tl.constexpr):
+    full = tl.arange(0, D)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b[:, None] * stride_ob + heads[:, None] * stride_oh + full[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton_aot.aot
+@triton.jit
+def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr, ctx_ptr, out_ptr, T,
+                         stride_t, stride_cos, stride_ob, stride_oh,
+                         stride_page, stride_kv, stride_tok, stride_head, stride_table,
+                         layer_offset, scale,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                         PRECISION: tl.constexpr, PAGES: tl.constexpr, TILES: tl.constexpr = 1):
+    """_rope_decode_kernel's attention (keys and values already stored) for TILES x ROWS
+    consecutive positions of one sequence at once. A tile is the decode kernel's: its GROUP_PAD
+    rows, which in a decode step hold one position's GROUP query heads and zeros, hold ROWS
+    positions' heads here. Each tile keeps its own online softmax, with the decode kernel's
+    q rotation, dot shapes, key blocks and arithmetic; the TILES tiles (1, 2 or 4) share each key
+    block's load."""
+    kvh = tl.program_id(1)
+    H2: tl.constexpr = D // 2
+    half = tl.arange(0, H2)
+    full = tl.arange(0, D)
+    first = tl.program_id(0).to(tl.int64) * ROWS * TILES   # every row shares one sequence's table
+    q1a, q2a, ctx_a, b_a, rmask_a, heads = _prefill_tile_q(
+        qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, ctx_ptr, first, T, stride_t, stride_cos, kvh,
+        HEADS, GROUP, GROUP_PAD, ROWS, D)
+    ctx_max = tl.max(ctx_a, axis=0)
+    m_a = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_a = tl.zeros((GROUP_PAD,), tl.float32)
+    acc_a = tl.zeros((GROUP_PAD, D), tl.float32)
+    m_b, l_b, acc_b, m_c, l_c, acc_c, m_d, l_d, acc_d = m_a, l_a, acc_a, m_a, l_a, acc_a, m_a, l_a, acc_a
+    q1b, q2b, ctx_b, b_b, rmask_b = q1a, q2a, ctx_a, b_a, rmask_a
+    q1c, q2c, ctx_c, b_c, rmask_c = q1a, q2a, ctx_a, b_a, rmask_a
+    q1d, q2d, ctx_d, b_d, rmask_d = q1a, q2a, ctx_a, b_a, rmask_a
+    if TILES >= 2:
+        q1b, q2b, ctx_b, b_b, rmask_b, heads = _prefill_tile_q(
+            qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, ctx_ptr, first + ROWS, T, stride_t, stride_cos, kvh,
+            HEADS, GROUP, GROUP_PAD, ROWS, D)
+        ctx_max = tl.maximum(ctx_max, tl.max(ctx_b, axis=0))
+    if TILES >= 4:
+        q1c, q2c, ctx_c, b_c, rmask_c, heads = _prefill_tile_q(
+            qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, ctx_ptr, first + 2 * ROWS, T, stride_t, stride_cos,
+            kvh, HEADS, GROUP, GROUP_PAD, ROWS, D)
+        q1d, q2d, ctx_d, b_d, rmask_d, heads = _prefill_tile_q(
+            qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, ctx_ptr, first + 3 * ROWS, T, stride_t, stride_cos,
+            kvh, HEADS, GROUP, GROUP_PAD, ROWS, D)
+        ctx_max = tl.maximum(ctx_max, tl.maximum(tl.max(ctx_c, axis=0), tl.max(ctx_d, axis=0)))
+    base = pool_ptr + layer_offset + kvh * stride_head
     t = tl.arange(0, PAGE * PAGES)
-    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, D), tl.float32)
     for blk in range(0, tl.cdiv(ctx_max, PAGE * PAGES)):
         p = blk * PAGE * PAGES + t
         tmask = p < ctx_max
@@ -247,21 +305,23 @@ def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr
         ka = tl.load(kptr + half[None, :], mask=tmask[:, None], other=0.0)
         kb = tl.load(kptr + H2 + half[None, :], mask=tmask[:, None], other=0.0)
         v = tl.load(kptr + stride_kv + full[None, :], mask=tmask[:, None], other=0.0)
-        s = tl.dot(q2, tl.trans(kb), tl.dot(q1, tl.trans(ka), input_precision=PRECISION),
-                   input_precision=PRECISION) * scale
-        s = tl.where(p[None, :] < ctx[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        prob = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_new = l_i * alpha + tl.sum(prob, axis=1)
-        acc_new = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
-        active = blk * PAGE * PAGES < ctx
-        m_i = tl.where(active, m_new, m_i)
-        l_i = tl.where(active, l_new, l_i)
-        acc = tl.where(active[:, None], acc_new, acc)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + b[:, None] * stride_ob + heads[:, None] * stride_oh + full[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+        start = blk * PAGE * PAGES
+        m_a, l_a, acc_a = _prefill_tile_block(q1a, q2a, ka, kb, v, p, ctx_a, start, m_a, l_a, acc_a, scale,
+                                              PRECISION)
+        if TILES >= 2:
+            m_b, l_b, acc_b = _prefill_tile_block(q1b, q2b, ka, kb, v, p, ctx_b, start, m_b, l_b, acc_b, scale,
+                                                  PRECISION)
+        if TILES >= 4:
+            m_c, l_c, acc_c = _prefill_tile_block(q1c, q2c, ka, kb, v, p, ctx_c, start, m_c, l_c, acc_c, scale,
+                                                  PRECISION)
+            m_d, l_d, acc_d = _prefill_tile_block(q1d, q2d, ka, kb, v, p, ctx_d, start, m_d, l_d, acc_d, scale,
+                                                  PRECISION)
+    _prefill_tile_store(out_ptr, b_a, rmask_a, heads, acc_a, l_a, stride_ob, stride_oh, D)
+    if TILES >= 2:
+        _prefill_tile_store(out_ptr, b_b, rmask_b, heads, acc_b, l_b, stride_ob, stride_oh, D)
+    if TILES >= 4:
+        _prefill_tile_store(out_ptr, b_c, rmask_c, heads, acc_c, l_c, stride_ob, stride_oh, D)
+        _prefill_tile_store(out_ptr, b_d, rmask_d, heads, acc_d, l_d, stride_ob, stride_oh, D)
 
 
 # rope_prefill_attention's default (its docstring): packed. On the H200 the packed kernel gave the
@@ -269,12 +329,16 @@ def _rope_prefill_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, pool_ptr, table_ptr
 # prompt length (bench/results/exact_prefill_cuda.json: MFU 0.42 / 0.41 / 0.33 at 512 / 2k / 8k
 # tokens, against 0.35 / 0.30 / 0.17 one position per program)
 PREFILL_PACKED = True
+# decode tiles per program of the packed kernel (1, 2 or 4): its tiles share each key block's
+# load (KVHOLD_PREFILL_TILES sets it, for measurements)
+PREFILL_TILES = int(os.environ.get("KVHOLD_PREFILL_TILES", "4"))
 
 
 def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                            pages: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, layer: int,
                            block_table: torch.Tensor, context_lens: torch.Tensor, no_context: torch.Tensor,
-                           scale: float, heads: int, kv_heads: int, packed: bool | None = None) -> torch.Tensor:
+                           scale: float, heads: int, kv_heads: int, packed: bool | None = None,
+                           tiles: int | None = None) -> torch.Tensor:
     """A prefill chunk's RoPE, KV store and attention, each row computed exactly as a decode
     step computes it: the decode kernel (rope_decode_attention) with one row per position of
     the chunk. qkv [T, ...] holds the chunk's rows; positions, pages, slots [T]; block_table
@@ -294,7 +358,9 @@ def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     MMA instructions), each key block read once for those positions (4 for Llama-3-8B),
     no store. All rows of block_table must be the same sequence's. One row per program
     re-reads a row's whole context for each position: at 8k tokens it was 3/4 of an
-    exact prefill's time on the H200."""
+    exact prefill's time on the H200. `tiles` (default PREFILL_TILES) decode tiles run in one
+    program, each with its own softmax state and the decode's dot shapes, and share each
+    key block's load: 16 positions per key block read for Llama-3-8B at 4."""
     rope_decode_attention(qkv, cos, sin, positions, pages, slots, pool, layer, block_table, no_context, scale,
                           heads, kv_heads)
     if not (PREFILL_PACKED if packed is None else packed):
@@ -305,15 +371,18 @@ def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     rows = group_pad // group
+    tiles = PREFILL_TILES if tiles is None else tiles
+    if tiles not in (1, 2, 4):
+        raise ValueError(f"tiles: 1, 2 or 4 decode tiles per program, not {tiles}")
     out = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
     sp = pool.stride()
-    _rope_prefill_kernel[(triton.cdiv(t, rows), kv_heads)](
+    _rope_prefill_kernel[(triton.cdiv(t, rows * tiles), kv_heads)](
         qkv, cos, sin, positions, pool, block_table, context_lens, out, t,
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         sp[0], sp[2], sp[3], sp[4], block_table.stride(0), layer * sp[1], scale,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
         PAGE=page_tokens, D=dim, PRECISION="ieee" if pool.dtype == torch.float32 else "tf32",
-        PAGES=max(1, TOKENS_PER_ITERATION // page_tokens))
+        PAGES=max(1, TOKENS_PER_ITERATION // page_tokens), TILES=tiles)
     return out
 
 

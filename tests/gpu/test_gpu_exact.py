@@ -59,7 +59,7 @@ def test_a_gemm_row_is_the_same_bits_at_any_row_count_and_prefill_tile(n, k, res
 
 # ------------------------------------------------------------------ attention
 @pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (28, 4, 128), (4, 2, 32)])
-def test_prefill_attention_rows_are_the_decode_kernels_bits_packed_or_not(heads, kv_heads, dim):
+def test_prefill_attention_rows_are_the_decode_kernels_bits_packed_or_not_at_any_tiles(heads, kv_heads, dim):
     from kvhold.executor.cuda_attention import rope_decode_attention, rope_prefill_attention
 
     gen = torch.Generator(device="cuda").manual_seed(heads)
@@ -83,7 +83,7 @@ def test_prefill_attention_rows_are_the_decode_kernels_bits_packed_or_not(heads,
         want[p] = rope_decode_attention(qkv[r], cos, sin, positions[r], page_of[r], slot_of[r], pool, 1,
                                         table, ctx, scale, heads, kv_heads)[0]
     want_kv = pool.clone()
-    for packed in (False, True):
+    for packed, tiles in ((False, 1), (True, 1), (True, 2), (True, 4)):
         pool.zero_()
         got = []
         for a, b in ((0, 300), (300, 301), (301, 777), (777, length)):
@@ -91,11 +91,11 @@ def test_prefill_attention_rows_are_the_decode_kernels_bits_packed_or_not(heads,
             ctx = (positions[a:b] + 1).to(torch.int32)
             got.append(rope_prefill_attention(qkv[a:b], cos, sin, positions[a:b], page_of[a:b], slot_of[a:b], pool, 1,
                                               table.expand(n, -1), ctx, torch.zeros_like(ctx), scale, heads, kv_heads,
-                                              packed=packed))
-        assert _same(pool, want_kv), packed
+                                              packed=packed, tiles=tiles))
+        assert _same(pool, want_kv), (packed, tiles)
         got = torch.cat(got)
         bad = (_bits(got) != _bits(want)).reshape(length, -1).any(dim=1).nonzero().flatten().tolist()
-        assert not bad, (packed, bad[:10], len(bad))
+        assert not bad, (packed, tiles, bad[:10], len(bad))
 
 
 # ------------------------------------------------------------------ the whole model
