@@ -87,10 +87,10 @@ def _pages_hash_kernel(words_ptr, pages_ptr, counts_ptr, out_ptr, page_words,
     tl.store(out_ptr + i * SPLIT + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
 
-# 1024 64-bit words (8 KiB) a block, 4 splits, 4 warps: the tiling at which tools/probe_checksum's
-# whole-page comparison kernel of this definition ran at the read floor (2.70 ms); this kernel's
-# own sweep on the GPU is the probe's `loop` rows
-PAGES_BLOCK, PAGES_SPLIT, PAGES_WARPS = 1024, 4, 4
+# 1024 64-bit words (8 KiB) a block, 2 splits, 8 warps: the fastest of tools/probe_checksum's sweep
+# of this kernel on the H200 (its `loop` rows: 2.69 ms for 5,700 Llama-3-8B pages, the read floor
+# 2.70 ms; 1024/4/4 took 2.84 ms; bench/results/checksum_cuda.json)
+PAGES_BLOCK, PAGES_SPLIT, PAGES_WARPS = 1024, 2, 8
 
 
 class TritonChecksum:
