@@ -116,7 +116,8 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens in one step; prefill is chunked to fit (default 512)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per sequence per step; chunks are cut at fixed positions "
-                        "(default: --max-batch-tokens minus --max-batch)")
+                        "(default: --max-batch-tokens minus --max-batch; on CUDA at most 2048 with exact "
+                        "prefill, 512 without)")
     p.add_argument("--compute-dtype", "--dtype", dest="compute_dtype", type=parse_dtype, default=None,
                    metavar="DTYPE",
                    help="engine arithmetic and KV dtype: float64, float32, bfloat16, float16, or vLLM's "
