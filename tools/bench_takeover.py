@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--kv-pages {args.kv_pages}: the requests hold {listed} pages; give more")
     saved_tables, saved_kv = raw.copy(), dead.kv.pool.clone()
     leases = LeaseTable(tables)
-    kv_copy_names = ["copy_pages"]
+    kv_copy_names = [n for n in ("copy_tokens", "copy_pages") if hasattr(dead.kv, n)]
     replayed = _Replayed(dead.checksum) if args.checksum == "replay" else None
 
     def one_takeover(profiler=None):

@@ -56,12 +56,6 @@ class KvCache:
         v = blocks[:, 1].reshape(-1, h, d)[:num_tokens]
         return k.to(dtype), v.to(dtype)
 
-    def copy_pages(self, srcs: list[int], dsts: list[int]) -> None:
-        """Copy whole pages srcs[i] into dsts[i] (all layers, k and v), in one gather and one
-        scatter: a takeover's tail copies. The slots past a tail's committed rows are copied
-        too; they are not committed, so nothing reads or checksums them."""
-        if not srcs:
-            return
-        dev = self.pool.device
-        index = torch.tensor([srcs, dsts], dtype=torch.int64).to(dev, non_blocking=True)
-        self.pool.index_copy_(0, index[1], self.pool.index_select(0, index[0]))
+    def copy_tokens(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first num_tokens slots of page src into page dst (all layers, k and v)."""
+        self.pool[dst, :, :, :num_tokens] = self.pool[src, :, :, :num_tokens]

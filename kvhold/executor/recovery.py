@@ -109,16 +109,15 @@ class NativeTakeover:
         tail given up, no longer lists it), and only then are the sources quarantined in one
         call: at every instant the journal lists pages whose records hold their KV, should this
         executor die too."""
-        engine, placed, hold, dropped, copies = self.engine, [], [], [], ([], [])
+        engine, placed, hold, dropped = self.engine, [], [], []
         for plan in plans:
             held = len(hold)
-            tail = self._place_tail(plan, pending, hold, copies)
+            tail = self._place_tail(plan, pending, hold)
             if tail is None and len(hold) > held:
                 dropped.append(plan)            # given up: its source is quarantined below
             if tail is not None:
                 placed.append((plan, tail))
                 self.tails[plan.entry.slot] = tail
-        engine.kv.copy_pages(*copies)           # every copy in one launch, before the checksums
         _publish_tails(engine, placed)
         copied = [(plan, tail) for plan, tail in placed if tail.copied]
         if copied:
@@ -134,8 +133,7 @@ class NativeTakeover:
         if hold:
             engine.page_table.quarantine(hold)
 
-    def _place_tail(self, plan: RequestPlan, pending: set[int], hold: list[int],
-                    copies: tuple[list[int], list[int]]) -> Tail | None:
+    def _place_tail(self, plan: RequestPlan, pending: set[int], hold: list[int]) -> Tail | None:
         """Where a partially filled last page continues, or None.
 
         If its writer may still be running, the committed rows go to a fresh page and the
@@ -145,8 +143,7 @@ class NativeTakeover:
         the journal (`tails_dropped`), like the rest of a damaged request. Failing the takeover
         instead would cost the standby and leave half-repaired tables to the next executor.
         A page to quarantine is appended to `hold` (place_tails quarantines them, once the journal
-        no longer lists them), a copy to make to `copies` (sources, destinations: place_tails
-        makes them all at once)."""
+        no longer lists them)."""
         engine, records = self.engine, self.records
         full, rest = divmod(plan.kv_valid, engine.page_tokens)
         if not rest:
@@ -162,8 +159,7 @@ class NativeTakeover:
             self.dropped += 1
             return None
         dst = engine.blocks.allocator.allocate(1)[0]
-        copies[0].append(src)
-        copies[1].append(dst)
+        engine.kv.copy_tokens(src, dst, rest)
         return Tail(dst, rest, copied=True)
 
     def attach(self, plans: list[RequestPlan]) -> list[list[int]]:
