@@ -73,7 +73,7 @@ def probe(rows_list: list[int], budget_s: float, reps: int) -> dict:
             hb = h.clone()
             t = _time((lambda: hb.addmm_(x, w.t())) if residual else (lambda: F.linear(x, w)), reps)
             cublas = round(flops / t / 1e12, 1)
-            chosen = tuple(cuda_gemm.prefill_tiles(n, k, m))
+            chosen = tuple(cuda_gemm.prefill_tiles(n, k))
             rows = []
             for cfg in [chosen] + [c for c in CANDIDATES if c != chosen]:
                 if time.monotonic() - t0 > budget_s:

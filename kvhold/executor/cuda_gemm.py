@@ -22,8 +22,8 @@ K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
 
 Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's projections on this
 kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
-beyond that on `prefill_tiles` (64- to 256-row blocks by the chunk's rows, BLOCK_K 64, the
-grouped program order `GROUP_M` for L2 reuse). An element's value is its fp32 accumulator after
+beyond that on `prefill_tiles` (128- or 256-row blocks, BLOCK_K 64, 8 warps, the grouped
+program order `GROUP_M` for L2 reuse). An element's value is its fp32 accumulator after
 the k16 tensor-core steps over K in order and one rounding (the residual added in fp32
 first); the tile shapes, warps, stages and program order only decide which program
 computes which elements and how the loads are pipelined, so a row's bits are those a
@@ -169,33 +169,20 @@ def skinny(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
 # configurations (BLOCK_M 16..256, BLOCK_N 32..256, BLOCK_K 32..256, 4/8 warps, 2-4
 # stages; mma.sync at 16-32 rows per program, wgmma from 64) gave each row the decode's
 # bits at Llama-3-8B's four shapes, BLOCK_K included (bench/results/exact_gemm_cuda.json,
-# tools/probe_exact --gemm), and so did 14 candidate tiles at 512 to 8,192 rows
-# (bench/results/prefill_tiles_cuda.json, tools/probe_prefill_tiles), so the prefill tiles
-# are simply the fastest of that probe for the chunk's rows: a tile that fills the H200's
-# 132 SMs at 2,048 rows makes half as many programs as SMs at 512 (o_proj and down_proj at
-# 128 x 256: 64 programs), where 64- and 128-row tiles ran 20-55% faster.
-# tests/gpu/test_gpu_exact.py checks the bits on the GPU.
+# tools/probe_exact --gemm), so the prefill tiles are simply the fastest of that sweep:
+# 572-676 TFLOP/s at 2048 rows, against cuBLAS's 702-798. tests/gpu/test_gpu_exact.py
+# checks the bits on the GPU.
 PREFILL_GROUP_M = 8
 PREFILL_DEFAULT = (128, 256, 64, 8, 3)          # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-# (N, K) -> ((at most this many rows, tile), ...), the last for any more rows
-PREFILL_TUNED: dict[tuple[int, int], tuple[tuple[int, tuple[int, int, int, int, int]], ...]] = {
-    (6144, 4096): ((768, (64, 128, 64, 4, 3)), (1536, (128, 128, 64, 8, 3)), (6144, (256, 128, 64, 8, 3)),
-                   (0, (128, 128, 64, 8, 3))),
-    (4096, 4096): ((768, (64, 128, 64, 4, 3)), (0, (128, 256, 64, 8, 4))),
-    (28672, 4096): ((768, (128, 128, 64, 8, 4)), (3072, (256, 128, 64, 8, 3)), (0, (128, 128, 64, 8, 3))),
-    (4096, 14336): ((768, (128, 128, 64, 8, 4)), (0, (128, 256, 64, 8, 4)))}
-# row counts that pick each tile (warm-up compiles every tile a chunk of at most C rows may take)
-PREFILL_ROW_BUCKETS = (512, 1024, 2048, 4096, 8192)
+PREFILL_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (6144, 4096): (256, 128, 64, 8, 3), (4096, 4096): (128, 256, 64, 8, 4),
+    (28672, 4096): (256, 128, 64, 8, 3), (4096, 14336): (128, 256, 64, 8, 3)}
 
 
-def prefill_tiles(n: int, k: int, rows: int = 2048) -> tuple[int, int, int, int, int]:
+def prefill_tiles(n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a prefill chunk's [rows, k] @ [n, k].T
     (BLOCK_K divides K: K's largest power-of-2 divisor at most)."""
-    bm, bn, bk, warps, stages = PREFILL_DEFAULT
-    for most, tile in PREFILL_TUNED.get((n, k), ()):
-        if not most or rows <= most:
-            bm, bn, bk, warps, stages = tile
-            break
+    bm, bn, bk, warps, stages = PREFILL_TUNED.get((n, k), PREFILL_DEFAULT)
     return bm, bn, min(bk, k & -k), warps, stages
 
 
@@ -213,7 +200,7 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
     m = x.shape[0]
     if m <= MAX_ROWS:
         return skinny(x, w, residual=residual, out=out)
-    bm, bn, bk, warps, stages = prefill_tiles(w.shape[0], w.shape[1], m)
+    bm, bn, bk, warps, stages = prefill_tiles(w.shape[0], w.shape[1])
     return skinny(x, w, residual=residual, out=out, block_n=bn, block_k=bk, num_warps=warps,
                   num_stages=stages, rows_per_program=bm, group_m=PREFILL_GROUP_M)
 
@@ -254,12 +241,11 @@ def _aot_shapes(shapes) -> None:
             x, w = meta((b, k), dt), meta((n, k), dt)
             if fits(n, k, b) and not (b == 1 and residual):
                 skinny(x, w, residual=h if residual else None, out=h if residual else None)
-    c = shapes.prefill_chunk         # an exact prefill chunk's projections: a full chunk, and
-    rows = {c} | {r for r in PREFILL_ROW_BUCKETS if MAX_ROWS < r < c}     # a shorter one of each tile
-    for m in sorted(r for r in rows if r > MAX_ROWS):
-        h = meta((m, hidden), dt)
+    c = shapes.prefill_chunk         # an exact prefill chunk's projections (a full chunk)
+    if c > MAX_ROWS:
+        h = meta((c, hidden), dt)
         for n, k, residual in ((qkv, hidden, False), (2 * inter, hidden, False), (hidden, q, True),
                                (hidden, inter, True)):
             if fits(n, k, MAX_ROWS):
-                exact_linear(meta((m, k), dt), meta((n, k), dt), residual=h if residual else None,
+                exact_linear(meta((c, k), dt), meta((n, k), dt), residual=h if residual else None,
                              out=h if residual else None)
