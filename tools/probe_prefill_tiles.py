@@ -26,28 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, True), "gate_up": (28672, 4096, False),
-          "down": (4096, 14336, True)}
+from tools.probe_exact import SHAPES, _bits, _time
+
 CANDIDATES = [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
               (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 64, 4, 4),
               (64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
               (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)]
-
-
-def _bits(t):
-    return t.contiguous().view(torch.int16)
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def probe(rows_list: list[int], budget_s: float, reps: int) -> dict:
