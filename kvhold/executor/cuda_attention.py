@@ -386,6 +386,14 @@ def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return out
 
 
+def prefill_launch_key(rows: int) -> tuple[bool, bool]:
+    """What decides which compiled kernels a prefill chunk of `rows` rows launches here, as
+    kvhold.executor.cuda_runner stages its rows: Triton specialises the row count (a multiple
+    of 16 or not) and the 16-byte alignment of the int32 context lengths, zeros and block
+    table the runner packs one after another (aligned when rows is a multiple of 4)."""
+    return rows % 16 == 0, rows % 4 == 0
+
+
 @triton_aot.warm_up
 def _aot_shapes(shapes) -> None:
     """Decode as kvhold.executor.cuda_runner runs it, padded to max_batch rows (the grid is all a
@@ -406,11 +414,13 @@ def _aot_shapes(shapes) -> None:
             paged_decode_attention(q, pool, layer, table, ctx, shapes.head_dim ** -0.5)
             rope_decode_attention(qkv, cos, cos, staged64[1], staged64[2], staged64[3], pool, layer, table, ctx,
                                   shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)
-    c = shapes.prefill_chunk     # an exact prefill chunk (kvhold.executor.cuda_runner._prefill_exact)
-    rows64 = triton_aot.meta((4, c), torch.int64).unbind(0)
-    rows32 = triton_aot.meta((2 * c + width,), torch.int32)
-    qkv = triton_aot.meta((c, (shapes.num_heads + 2 * shapes.num_kv_heads) * shapes.head_dim), shapes.dtype)
-    table = rows32[2 * c:][None, :].expand(c, -1)
-    for layer in range(shapes.num_layers):
-        rope_prefill_attention(qkv, cos, cos, rows64[1], rows64[2], rows64[3], pool, layer, table, rows32[:c],
-                               rows32[c:2 * c], shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)
+    # exact prefill chunks (kvhold.executor.cuda_runner._prefill_exact), one of each launch key
+    from kvhold.executor.cuda_gemm import rows_per_key
+    for c in rows_per_key(shapes.prefill_chunk, prefill_launch_key):
+        rows64 = triton_aot.meta((4, c), torch.int64).unbind(0)
+        rows32 = triton_aot.meta((2 * c + width,), torch.int32)
+        qkv = triton_aot.meta((c, (shapes.num_heads + 2 * shapes.num_kv_heads) * shapes.head_dim), shapes.dtype)
+        table = rows32[2 * c:][None, :].expand(c, -1)
+        for layer in range(shapes.num_layers):
+            rope_prefill_attention(qkv, cos, cos, rows64[1], rows64[2], rows64[3], pool, layer, table, rows32[:c],
+                                   rows32[c:2 * c], shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)

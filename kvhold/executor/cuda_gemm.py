@@ -186,6 +186,30 @@ def prefill_tiles(n: int, k: int) -> tuple[int, int, int, int, int]:
     return bm, bn, min(bk, k & -k), warps, stages
 
 
+def exact_launch_key(n: int, k: int, rows: int) -> tuple:
+    """What decides which compiled kernel `exact_linear` launches at `rows` rows of an
+    [rows, k] @ [n, k].T: the tile it takes and how Triton specialises the row count (a
+    multiple of 16 or not; one row never comes here from a prefill). Two row counts with
+    the same key run the same compiled kernel."""
+    if rows <= MAX_ROWS:
+        return ("decode", block_m(rows), tiles(n, k, rows), rows % 16 == 0, rows == 1)
+    return ("prefill", prefill_tiles(n, k), rows % 16 == 0)
+
+
+def rows_per_key(chunk: int, key) -> list[int]:
+    """The largest row count in 2..`chunk` for each distinct `key(rows)`, largest first: a
+    warm-up that runs a chunk of each launches every compiled kernel a chunk of 2..chunk
+    rows can, so no step of a serving executor compiles one (a compile takes about a second,
+    and a step that long is fenced as a hang)."""
+    seen, rows = set(), []
+    for m in range(chunk, 1, -1):
+        k = key(m)
+        if k not in seen:
+            seen.add(k)
+            rows.append(m)
+    return rows
+
+
 def exact_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `exact_linear` takes x @ w.T: as `applies`, at any number of rows."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
@@ -241,11 +265,11 @@ def _aot_shapes(shapes) -> None:
             x, w = meta((b, k), dt), meta((n, k), dt)
             if fits(n, k, b) and not (b == 1 and residual):
                 skinny(x, w, residual=h if residual else None, out=h if residual else None)
-    c = shapes.prefill_chunk         # an exact prefill chunk's projections (a full chunk)
-    if c > MAX_ROWS:
-        h = meta((c, hidden), dt)
-        for n, k, residual in ((qkv, hidden, False), (2 * inter, hidden, False), (hidden, q, True),
-                               (hidden, inter, True)):
-            if fits(n, k, MAX_ROWS):
-                exact_linear(meta((c, k), dt), meta((n, k), dt), residual=h if residual else None,
+    projections = ((qkv, hidden, False), (hidden, q, True), (2 * inter, hidden, False), (hidden, inter, True))
+    if all(fits(n, k, MAX_ROWS) for n, k, _ in projections):      # an exact prefill chunk's projections
+        for m in rows_per_key(shapes.prefill_chunk,
+                              lambda m: tuple(exact_launch_key(n, k, m) for n, k, _ in projections)):
+            h = meta((m, hidden), dt)
+            for n, k, residual in projections:
+                exact_linear(meta((m, k), dt), meta((n, k), dt), residual=h if residual else None,
                              out=h if residual else None)

@@ -118,14 +118,17 @@ class FusedLayers:
     def fused_gemms(self) -> bool:
         return all(qkv.fused is not None and gu.fused is not None for _, qkv, _, _, gu, _ in self.layers_w)
 
-    def batch_invariant(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda_gemm's
-        kernel (whose rows come out the same at any row count)."""
+    def projection_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(N, K) of a layer's q|k|v, o, gate|up and down projections."""
         spec = self.spec
         hidden, q = spec.hidden_size, spec.num_heads * spec.head_dim
         qkv = q + 2 * spec.num_kv_heads * spec.head_dim
-        shapes = ((qkv, hidden), (hidden, q), (2 * spec.intermediate_size, hidden),
-                  (hidden, spec.intermediate_size), (self.model.lm_head.shape[0], hidden))
+        return ((qkv, hidden), (hidden, q), (2 * spec.intermediate_size, hidden), (hidden, spec.intermediate_size))
+
+    def batch_invariant(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda_gemm's
+        kernel (whose rows come out the same at any row count)."""
+        shapes = self.projection_shapes() + ((self.model.lm_head.shape[0], self.spec.hidden_size),)
         return (cuda_gemm.enabled() and self.fused_gemms and not spec.attention_bias
                 and self.model.dtype in (torch.bfloat16, torch.float16)
                 and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))

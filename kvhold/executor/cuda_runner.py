@@ -53,8 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvhold.executor import faults
-from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention, rope_prefill_attention
+from kvhold.executor import cuda_gemm, faults
+from kvhold.executor.cuda_attention import (paged_decode_attention, prefill_launch_key, rope_decode_attention,
+                                             rope_prefill_attention)
 from kvhold.executor.cuda_checksum import TritonChecksum
 from kvhold.executor.cuda_gemm import decode_buckets
 from kvhold.executor.kv_cache import KvCache
@@ -65,6 +66,16 @@ from kvhold.executor.step_runner import positions_of
 
 log = logging.getLogger(__name__)
 PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]     # not cuDNN: see the docstring
+
+
+def exact_warm_up_rows(chunk: int, shapes) -> list[int]:
+    """The chunk sizes a standby's warm-up prefills (exact prefill), largest first: one for each
+    combination of compiled kernels that a chunk of 2..`chunk` rows launches, the projections'
+    (`shapes`, (N, K) pairs; kvhold.executor.cuda_gemm.exact_launch_key) and the attention's
+    (kvhold.executor.cuda_attention.prefill_launch_key). A kernel first launched in a step would
+    compile there, for about a second: longer than the lease."""
+    return cuda_gemm.rows_per_key(chunk, lambda m: (tuple(cuda_gemm.exact_launch_key(n, k, m) for n, k in shapes),
+                                                    prefill_launch_key(m)))
 
 
 class CudaRunner:
@@ -175,10 +186,9 @@ class CudaRunner:
                 self._decode_forward(rows)
         lap("decode_warm_up")
         if not urgent and self.exact:
-            c = min(self.prefill_chunk, self.max_seq_len)     # each row-count specialisation once
-            for n in sorted({c, c - 1, min(c, 40), min(c, 17), min(c, 5)}):
-                if n > 1:
-                    self._prefill(self._padding_chunk(c, n))
+            c = min(self.prefill_chunk, self.max_seq_len)     # each kernel a chunk can launch, once
+            for n in exact_warm_up_rows(c, self.model.fused.projection_shapes()):
+                self._prefill(self._padding_chunk(c, n))
             lap("prefill_warm_up")
         elif not urgent:
             for keys in range(self.prefill_chunk, self.max_seq_len + self.prefill_chunk, self.prefill_chunk):

@@ -128,8 +128,10 @@ def test_a_forked_child_launches_the_prepared_kernel_through_the_driver_exactly_
     assert {k: v["prepared"] for k, v in out["stats"].items()} == {
         "kvhold.executor.cuda_attention._paged_decode_kernel": 1, "kvhold.executor.cuda_checksum._range_hash_kernel": 2,
         "kvhold.executor.cuda_kernels._rmsnorm_kernel": 1, "kvhold.executor.cuda_kernels._rope_store_kernel": 1,
-        "kvhold.executor.cuda_kernels._silu_mul_kernel": 1, "kvhold.executor.cuda_gemm._skinny_kernel": 5,
-        "kvhold.executor.cuda_attention._rope_decode_kernel": 1, "kvhold.executor.cuda_attention._rope_prefill_kernel": 1,
+        # an exact prefill chunk of each launch key (kvhold.executor.cuda_runner.exact_warm_up_rows):
+        # the GEMM's row tiles and 16-divisibility, the attention's and its staged rows' alignment
+        "kvhold.executor.cuda_kernels._silu_mul_kernel": 1, "kvhold.executor.cuda_gemm._skinny_kernel": 15,
+        "kvhold.executor.cuda_attention._rope_decode_kernel": 2, "kvhold.executor.cuda_attention._rope_prefill_kernel": 3,
         "kvhold.executor.cuda_checksum._pages_hash_kernel": 1}
     assert out["torch_cuda_initialised"] is False and out["driver_initialised"] is False
     assert out["miss"]["jit_fallbacks"] == 1 and out["miss"]["broken"] is None and out["miss_raised"]
