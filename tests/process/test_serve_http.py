@@ -249,7 +249,9 @@ def test_32_concurrent_streams_with_a_kill_lose_nothing(server):
 
 
 def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path):
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--standbys", "0")
+    # a stream long enough (1,000 tokens) to be in flight when the SIGTERM lands, however slowly this
+    # client reads: a server that had already sent all of it would rightly exit at once
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--standbys", "0", "--max-seq-len", "1024")
     try:
         sidecar_pid = srv.sidecar_status()["pid"]
         os.kill(srv.wait_healthy(standbys=0)["active_pid"], signal.SIGKILL)
@@ -263,7 +265,7 @@ def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path):
             seen_200_after = seen_503 and r.status_code == 200
         assert seen_503 and seen_200_after
 
-        body = {"prompt": "Drain me", "max_tokens": 400, "temperature": 0, "stream": True}
+        body = {"prompt": "Drain me", "max_tokens": 1000, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
             lines = (line for line in r.iter_lines() if not line.startswith("id: "))
             assert next(lines).startswith("data: {")
