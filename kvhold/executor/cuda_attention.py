@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kvhold.executor import triton_aot
+from kvhold.executor.cuda_gemm import rows_per_key
 
 
 TOKENS_PER_ITERATION = 64
@@ -415,7 +416,6 @@ def _aot_shapes(shapes) -> None:
             rope_decode_attention(qkv, cos, cos, staged64[1], staged64[2], staged64[3], pool, layer, table, ctx,
                                   shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)
     # exact prefill chunks (kvhold.executor.cuda_runner._prefill_exact), one of each launch key
-    from kvhold.executor.cuda_gemm import rows_per_key
     for c in rows_per_key(shapes.prefill_chunk, prefill_launch_key):
         rows64 = triton_aot.meta((4, c), torch.int64).unbind(0)
         rows32 = triton_aot.meta((2 * c + width,), torch.int32)

@@ -92,16 +92,23 @@ def test_sigkill_mid_prefill_and_mid_stream_keeps_every_logprob(tiny_model, lp_r
     assert all(rec["requests_lost"] == 0 for rec in recoveries)
 
 
-@pytest.mark.parametrize("fault", ["commit_pages:3:kill", "commit_begin:9:kill", "commit_journal:12:kill"])
-def test_death_between_commit_stages_keeps_every_logprob(tiny_model, lp_reference, start_sidecar,
-                                                         tmp_path, fault):
+def _run_with_fault(start_sidecar, tiny_model, tmp_path, fault, requests):
+    """The requests' outcome on a sidecar whose executor dies once at `fault`, and its recoveries."""
     env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
     sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS], env=env)
     sc.wait_steady()
     with sc.new_client(timeout=60) as client:
-        assert outcome(wait_all(submit(client, LP_REQUESTS))) == lp_reference
+        got = outcome(wait_all(submit(client, requests)))
     assert (tmp_path / "fired").exists()
-    assert len(sc.status()["recoveries"]) == 1
+    return got, sc.status()["recoveries"]
+
+
+@pytest.mark.parametrize("fault", ["commit_pages:3:kill", "commit_begin:9:kill", "commit_journal:12:kill"])
+def test_death_between_commit_stages_keeps_every_logprob(tiny_model, lp_reference, start_sidecar,
+                                                         tmp_path, fault):
+    got, rec = _run_with_fault(start_sidecar, tiny_model, tmp_path, fault, LP_REQUESTS)
+    assert got == lp_reference
+    assert len(rec) == 1
 
 
 @pytest.mark.parametrize("fault", ["commit_pages:2:kill", "commit_begin:3:kill"])
@@ -109,13 +116,8 @@ def test_death_after_a_middle_prefill_chunk_keeps_its_prompt_logprobs(tiny_model
                                                                       start_sidecar, tmp_path, fault):
     """The long prompt alone: its second chunk's pages are published (or about to be) when the
     executor dies; the successor keeps them and does not compute their prompt log-probs again."""
-    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
-    sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS], env=env)
-    sc.wait_steady()
-    with sc.new_client(timeout=60) as client:
-        assert outcome(wait_all(submit(client, [LP_REQUESTS[LONG]]))) == [lp_reference[LONG]]
-    assert (tmp_path / "fired").exists()
-    rec = sc.status()["recoveries"]
+    got, rec = _run_with_fault(start_sidecar, tiny_model, tmp_path, fault, [LP_REQUESTS[LONG]])
+    assert got == [lp_reference[LONG]]
     assert len(rec) == 1 and rec[0]["tokens_kept"] >= 64     # the published chunks were kept
 
 
@@ -125,12 +127,7 @@ def test_death_inside_a_page_publish_loses_no_request(tiny_model, lp_reference, 
     checksums (the first prefill chunk's pages, or a later step's): the successor keeps the rows
     each page had committed before (those its recorded checksum covers), so no request is lost
     or damaged, and every token and log-prob equals an uninterrupted run's."""
-    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
-    sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS], env=env)
-    sc.wait_steady()
-    with sc.new_client(timeout=60) as client:
-        assert outcome(wait_all(submit(client, LP_REQUESTS))) == lp_reference
-    assert (tmp_path / "fired").exists()
-    rec = sc.status()["recoveries"]
+    got, rec = _run_with_fault(start_sidecar, tiny_model, tmp_path, fault, LP_REQUESTS)
+    assert got == lp_reference
     assert len(rec) == 1 and rec[0]["pages_interrupted"] > 0, rec
     assert rec[0]["requests_lost"] == rec[0]["requests_damaged"] == 0, rec
