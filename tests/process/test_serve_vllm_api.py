@@ -110,9 +110,11 @@ def test_a_paused_stream_gets_sse_keepalive_comments(tiny_model, tmp_path):
     import signal
     import time
 
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--sse-keepalive", "0.3", "--lease-ms", "30000")
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--sse-keepalive", "0.3", "--lease-ms", "30000",
+                 "--max-seq-len", "1024")
     try:
-        body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+        # long enough that the stream is still in flight when the stop lands, however fast it runs
+        body = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         reference = srv.post("/v1/completions", dict(body, stream=False)).json()["choices"][0]["text"]
         active = srv.wait_healthy()["active_pid"]
