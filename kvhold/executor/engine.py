@@ -68,6 +68,7 @@ class Engine:
         self.isolated: dict[int, int] = {}           # slot -> KV position its step must reach alone
         self.tokens_generated = 0
         self._just_took_over = False
+        self.takeover_trace = ""             # host timing marks of the last takeover (NativeTakeover.trace)
         self.first_step_marks: dict[str, int] = {}
         self.commits = protocol(self, NativePages(self.blocks, self.page_table, self.checksum, lease,
                                                   self.device))
@@ -124,7 +125,10 @@ class Engine:
         each that computes up to that position again runs with no other request in it."""
         self._just_took_over = True
         self.first_step_marks = {}
-        report = takeover.take_over(self, self.takeover_strategy(), pending_epochs, detect_ns)
+        strategy = self.takeover_strategy()
+        report = takeover.take_over(self, strategy, pending_epochs, detect_ns)
+        trace = getattr(strategy, "trace", None)
+        self.takeover_trace = trace() if trace is not None else ""
         by_id = {seq.request_id: slot for slot, seq in self.seqs.items()}
         self.isolated = {by_id[rid]: int(end) for rid, end in isolate if rid in by_id}
         return report

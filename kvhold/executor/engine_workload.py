@@ -194,6 +194,8 @@ class EngineWorkload(WorkloadBase):
         log.info("took over: %d resumable, %d damaged, %d lost, %d pages checked (%d bad), "
                  "%d tokens recomputed", report.requests_resumable, report.requests_damaged,
                  report.requests_lost, report.pages_checked, report.pages_bad, report.tokens_recomputed)
+        if getattr(self.engine, "takeover_trace", ""):
+            log.info("takeover host marks (ms from its start): %s", self.engine.takeover_trace)
         return report
 
     def has_work(self) -> bool:

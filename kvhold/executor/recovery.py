@@ -30,6 +30,7 @@ from kvhold.executor.takeover import PageFigures, RequestPlan
 from kvhold.protocol.checksum import to_u64
 from kvhold.protocol.journal import segment_positions
 from kvhold.protocol.layout import AdmitState, ExecState, PageFlag
+from kvhold.protocol.leases import now_ns
 from kvhold.protocol.validation import trusted
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,15 @@ class NativeTakeover:
         self.checked = self.bad = self.interrupted = 0
         self.realigned = self.dropped = 0
         self.tails: dict[int, Tail] = {}         # journal slot -> its tail
+        self.marks: list[tuple[str, int]] = [("start", now_ns())]   # host timing (`trace`)
+
+    def mark(self, label: str) -> None:
+        self.marks.append((label, now_ns()))
+
+    def trace(self) -> str:
+        """Where the takeover's host time went up to its validation: each mark in ms from its start."""
+        t0 = self.marks[0][1]
+        return ", ".join(f"{label} {(t - t0) / 1e6:.2f}" for label, t in self.marks[1:])
 
     def prefetch(self) -> None:
         """Start validation's checksum pass before the plans are built, so that the device hashes
@@ -86,10 +96,12 @@ class NativeTakeover:
         engine.page_table.repair_versions(odd)       # the writer is fenced: versions are stable now
         self.interrupted = len(odd)
         self.flat, self.lens = listing(plans)
+        self.mark("records")
         self.checked, self.bad = _validate(engine, self.records, plans, engine.page_tokens, self.flat, self.lens,
-                                           self.prefetched)
+                                           self.prefetched, self.mark)
         self.prefetched = None
         self.realigned = sum(_realign_unsampled_prompt(engine, plan) for plan in plans)
+        self.mark("verdicts")
 
     def clear(self, plans: list[RequestPlan], pending: set[int]) -> None:
         engine, records = self.engine, self.records
@@ -201,7 +213,7 @@ def listing(plans: list[RequestPlan]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat: np.ndarray,
-              lens: np.ndarray, prefetched=None) -> tuple[int, int]:
+              lens: np.ndarray, prefetched=None, mark=lambda label: None) -> tuple[int, int]:
     """One batched checksum pass over every listed page (`flat`, `lens`: their `listing`); fills
     valid/recorded tokens and first_bad. Array operations over all listed pages at once, no numpy
     call per request."""
@@ -218,10 +230,13 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
         return 0, 0
     counts = np.minimum(records["num_tokens"][idx], page_tokens).astype(np.int64)
     if prefetched is not None and np.array_equal(prefetched[0], idx) and np.array_equal(prefetched[1], counts):
+        mark("sums_prefetched")
         sums = to_u64(prefetched[2])
     else:
+        mark("sums_own")
         dev = engine.device
         sums = to_u64(engine.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
+    mark("sums")
     sub = records[idx]
     owners = np.repeat(np.fromiter((plan.entry.request_id for plan in plans), dtype=np.uint64,
                                    count=len(plans)), lens)

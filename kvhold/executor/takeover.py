@@ -130,14 +130,17 @@ def take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int
 def _take_over(engine, strategy: TakeoverStrategy, pending_epochs, detect_ns: int) -> RecoveryReport:
     t_start = now_ns()
     pending = {int(e) for e in pending_epochs}
+    mark = getattr(strategy, "mark", None) or (lambda label: None)
     prefetch = getattr(strategy, "prefetch", None)
     if prefetch is not None:
         prefetch()                                     # the device hashes while the host goes on
+        mark("prefetched")
     ahead = getattr(engine, "tokens_ahead", None)     # what a standby read while it idled
     plans, finished = live_requests(engine.journal, ahead)
     if ahead is not None:
         ahead.clear()                                  # active from now on: read no more
         engine.tokens_ahead = None
+    mark("plans")
     strategy.validate(plans, pending)
     t_validated = now_ns()
     strategy.clear(plans, pending)
