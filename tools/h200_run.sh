@@ -55,8 +55,6 @@
 #                  benchmark on LOAD (Llama-3-8B, 64 streams, 512-2048-token prompts, hot standby;
 #                  SIDECAR_MAX_TOKENS, default 128, tokens each), SIDECAR_KILLS (default 5; 0 skips
 #                  it) kills; SIDECAR_BENCH_S (330) of the budget is kept for it  -> sidecar_crash_cuda.json
-#   dead-context   how long a SIGKILLed process's queued GPU work holds up another process's kernels
-#                  (DEAD_WORK_MS, default 0,10,30 ms queued; DEAD_TRIALS, default 4) -> dead_context_cuda.json
 #   recovery-tp    a tensor-parallel group (TP, default 2; needs that many GPUs): SIGKILL of a random rank
 #                  (TP_KILLS, default 10), kill -> first resumed token, 64 streams (tools/bench_recovery_tp.py)
 #                                                                             -> recovery_cuda_tp${TP}.json
@@ -91,10 +89,6 @@ for phase in "${@:-tests}"; do
   vmm)
     python3 -m tools.gpu_probe_vmm --size-mb 4096 > "$OUT/vmm_probe_cuda.json" 2> "$OUT/vmm_probe.err"
     echo "probe rc=$?"; cat "$OUT/vmm_probe_cuda.json"
-    ;;
-  dead-context)
-    timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m tools.probe_dead_context --work-ms ${DEAD_WORK_MS:-0,10,30} \
-        --trials ${DEAD_TRIALS:-4} --out "$OUT/dead_context_cuda.json" 2>&1 | tail -40
     ;;
   first-kernels)
     timeout 150 python3 -m tools.probe_first_kernels --out "$OUT/first_kernels_cuda.json" 2>&1 | tail -30

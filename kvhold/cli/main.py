@@ -28,7 +28,7 @@ from pathlib import Path
 from kvhold import __version__
 from kvhold.protocol.logs import setup_logging
 from kvhold.serving.flags import add_router_args, add_serve_args
-from kvhold.sidecar.flags import (add_instance_args, add_log_level_arg, add_registry_args, add_sidecar_args, env,
+from kvhold.sidecar.flags import (add_instance_args, add_log_level_arg, add_registry_args, add_sidecar_args,
                                  sidecar_config_from_args)
 
 

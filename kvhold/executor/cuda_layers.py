@@ -129,7 +129,7 @@ class FusedLayers:
         """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda_gemm's
         kernel (whose rows come out the same at any row count)."""
         shapes = self.projection_shapes() + ((self.model.lm_head.shape[0], self.spec.hidden_size),)
-        return (cuda_gemm.enabled() and self.fused_gemms and not spec.attention_bias
+        return (cuda_gemm.enabled() and self.fused_gemms and not self.spec.attention_bias
                 and self.model.dtype in (torch.bfloat16, torch.float16)
                 and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
 

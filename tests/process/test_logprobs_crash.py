@@ -4,12 +4,10 @@ after a chosen number of committed tokens), or dies between two stages of a comm
 request's tokens, log-probs and prompt log-probs equal an uninterrupted run's."""
 import os
 import signal
-import time
 
 import pytest
 
 from kvhold.client.client import wait_all
-from kvhold.protocol.layout import ExecState
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import SidecarProcess
 from tests.process.helpers import FLAGS, LONG_PROMPT, REQUESTS, submit, wait_until

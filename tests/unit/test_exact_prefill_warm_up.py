@@ -38,3 +38,35 @@ def test_the_kinds_of_chunk_a_hand_picked_list_missed_are_warmed():
         assert _key(LLAMA_8B, m) in warmed, m
     for m in (48, 32, 16):
         assert _key(LLAMA_8B, m) not in {_key(LLAMA_8B, n) for n in (2048, 2047, 40, 17, 5)}
+
+
+def test_the_fused_layers_decide_batch_invariance_and_exact_prefill_without_a_gpu(tiny_model):
+    """The CUDA layers' decisions are plain Python over shapes: they run here, on a bf16 model
+    whose q|k|v and gate|up lie back to back as the sidecar's weights region stores them, so a
+    mistake in them shows without a GPU (a standby on CUDA runs them before its first step)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvhold.executor.cuda_layers import FusedLayers
+    from kvhold.executor.llama import LlamaModel
+    from kvhold.protocol.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(tiny_model)
+    weights = {k: v.to(torch.bfloat16) for k, v in load_file(str(tiny_model / "model.safetensors")).items()}
+    for layer in range(spec.num_layers):
+        for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            keys = [f"model.layers.{layer}.{p}.weight" for p in parts]
+            joined, start = torch.cat([weights[k] for k in keys]), 0
+            for k in keys:
+                rows = weights[k].shape[0]
+                weights[k], start = joined[start:start + rows], start + rows
+    fused = FusedLayers(LlamaModel(spec, weights, torch.bfloat16, torch.device("cpu"), 512))
+    assert fused.fused_gemms
+    hidden, q = spec.hidden_size, spec.num_heads * spec.head_dim
+    assert fused.projection_shapes() == ((q + 2 * spec.num_kv_heads * spec.head_dim, hidden), (hidden, q),
+                                         (2 * spec.intermediate_size, hidden), (hidden, spec.intermediate_size))
+    assert fused.batch_invariant(cuda_gemm.MAX_ROWS) and fused.exact_prefill(cuda_gemm.MAX_ROWS) is None
+    assert not fused.batch_invariant(cuda_gemm.MAX_ROWS + 1)
+    assert "max_batch <= 64" in fused.exact_prefill(cuda_gemm.MAX_ROWS + 1)
+    rows = exact_warm_up_rows(512, fused.projection_shapes())
+    assert rows[0] == 512 and rows == sorted(set(rows), reverse=True)
