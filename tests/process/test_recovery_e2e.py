@@ -2,6 +2,7 @@
 uninterrupted run would, whatever instruction the executor dies at."""
 import os
 import random
+import re
 import signal
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
-from tests.process.helpers import FLAGS, REQUESTS, ids, submit
+from tests.process.helpers import FLAGS, REQUESTS, ids, sidecar_log, submit
 
 def _kill_active(sc, sig=signal.SIGKILL):
     pid = sc.wait_steady(standbys=0)["pid"]
@@ -138,6 +139,13 @@ def test_bit_flips_recompute_exactly_the_damaged_requests(tiny_model, reference,
         assert (r.recomputed_tokens > 0) == damaged, i
         if not damaged:
             assert by_id[r.request_id]["class"] == "resumable"
+    # the takeover's host timing marks, in order: the prefetched checksum pass was the one used
+    marks = re.findall(r"takeover host marks \(ms from its start\): (.*)", sidecar_log(sc))
+    assert marks, "no takeover host marks logged"
+    parts = [part.rsplit(" ", 1) for part in marks[-1].split(", ")]
+    assert [label for label, _ in parts] == ["prefetched", "plans", "records", "sums_prefetched", "sums", "verdicts"]
+    times = [float(t) for _, t in parts]
+    assert times == sorted(times) and times[0] >= 0
 
 
 def test_pool_too_small_preempts_and_resumes(tiny_model, start_sidecar):
