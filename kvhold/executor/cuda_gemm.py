@@ -210,6 +210,15 @@ def rows_per_key(chunk: int, key) -> list[int]:
     return rows
 
 
+def logits_warm_up_rows(vocab: int, hidden: int) -> list[int]:
+    """Row counts in 2..MAX_ROWS at which the logits GEMM ([rows, hidden] @ [vocab, hidden].T)
+    runs on this kernel, one per compiled kernel: a prefill chunk's prompt log-prob rows reach it
+    at any count (kvhold.executor.cuda_runner), a decode step only at its buckets. A warm-up
+    that runs each leaves no compile to a serving step."""
+    return [m for m in rows_per_key(MAX_ROWS, lambda m: exact_launch_key(vocab, hidden, m))
+            if fits(vocab, hidden, m)]
+
+
 def exact_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `exact_linear` takes x @ w.T: as `applies`, at any number of rows."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
@@ -252,7 +261,8 @@ def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: bool =
 @triton_aot.warm_up
 def _aot_shapes(shapes) -> None:
     """A decode step's projections and logits at each bucket's rows, and a prefill chunk's
-    logits (one row), as kvhold.executor.cuda_layers runs them."""
+    logits (one row, and the prompt log-prob rows: `logits_warm_up_rows`), as
+    kvhold.executor.cuda_layers runs them."""
     if shapes.torch_dtype not in (torch.bfloat16, torch.float16):
         return
     meta, dt = triton_aot.meta, shapes.torch_dtype
@@ -265,6 +275,8 @@ def _aot_shapes(shapes) -> None:
             x, w = meta((b, k), dt), meta((n, k), dt)
             if fits(n, k, b) and not (b == 1 and residual):
                 skinny(x, w, residual=h if residual else None, out=h if residual else None)
+    for m in logits_warm_up_rows(shapes.vocab_size, hidden):     # prompt log-prob rows of a prefill chunk
+        skinny(meta((m, hidden), dt), meta((shapes.vocab_size, hidden), dt))
     projections = ((qkv, hidden, False), (hidden, q, True), (2 * inter, hidden, False), (hidden, inter, True))
     if all(fits(n, k, MAX_ROWS) for n, k, _ in projections):      # an exact prefill chunk's projections
         for m in rows_per_key(shapes.prefill_chunk,

@@ -78,6 +78,16 @@ def exact_warm_up_rows(chunk: int, shapes) -> list[int]:
                                                     prefill_launch_key(m)))
 
 
+def warm_up_logits(model, device) -> list[int]:
+    """The logits of a prefill chunk's prompt log-prob rows, once per compiled kernel they can
+    launch (kvhold.executor.cuda_gemm.logits_warm_up_rows); returns the row counts run."""
+    rows = cuda_gemm.logits_warm_up_rows(model.lm_head.shape[0], model.spec.hidden_size)
+    with torch.inference_mode():
+        for m in rows:
+            model.logits(torch.zeros((m, model.spec.hidden_size), dtype=model.dtype, device=device))
+    return rows
+
+
 class CudaRunner:
     def __init__(self, model: LlamaModel, kv: KvCache, max_batch: int, prefill_chunk: int,
                  max_pages_per_seq: int, use_graph: bool = True, slot_hashes: bool = True,
@@ -185,6 +195,9 @@ class CudaRunner:
             for rows in (self.buckets[-1:] if urgent else self.buckets):
                 self._decode_forward(rows)
         lap("decode_warm_up")
+        if not urgent:
+            warm_up_logits(self.model, self.device)
+            lap("logits_warm_up")
         if not urgent and self.exact:
             c = min(self.prefill_chunk, self.max_seq_len)     # each kernel a chunk can launch, once
             for n in exact_warm_up_rows(c, self.model.fused.projection_shapes()):

@@ -129,8 +129,9 @@ def test_a_forked_child_launches_the_prepared_kernel_through_the_driver_exactly_
         "kvhold.executor.cuda_attention._paged_decode_kernel": 1, "kvhold.executor.cuda_checksum._range_hash_kernel": 2,
         "kvhold.executor.cuda_kernels._rmsnorm_kernel": 1, "kvhold.executor.cuda_kernels._rope_store_kernel": 1,
         # an exact prefill chunk of each launch key (kvhold.executor.cuda_runner.exact_warm_up_rows):
-        # the GEMM's row tiles and 16-divisibility, the attention's and its staged rows' alignment
-        "kvhold.executor.cuda_kernels._silu_mul_kernel": 1, "kvhold.executor.cuda_gemm._skinny_kernel": 15,
+        # the GEMM's row tiles and 16-divisibility, the attention's and its staged rows' alignment;
+        # and the logits at each launch key of 2..64 rows (prompt log-prob rows), 5 beyond decode's
+        "kvhold.executor.cuda_kernels._silu_mul_kernel": 1, "kvhold.executor.cuda_gemm._skinny_kernel": 20,
         "kvhold.executor.cuda_attention._rope_decode_kernel": 2, "kvhold.executor.cuda_attention._rope_prefill_kernel": 3,
         "kvhold.executor.cuda_checksum._pages_hash_kernel": 1}
     assert out["torch_cuda_initialised"] is False and out["driver_initialised"] is False

@@ -70,3 +70,35 @@ def test_the_fused_layers_decide_batch_invariance_and_exact_prefill_without_a_gp
     assert "max_batch <= 64" in fused.exact_prefill(cuda_gemm.MAX_ROWS + 1)
     rows = exact_warm_up_rows(512, fused.projection_shapes())
     assert rows[0] == 512 and rows == sorted(set(rows), reverse=True)
+
+
+@pytest.mark.parametrize("vocab,hidden", [(128256, 4096), (512, 128)])
+def test_prompt_logprob_rows_of_any_count_launch_only_logits_kernels_the_warm_up_launched(vocab, hidden):
+    """A prefill chunk's prompt log-prob rows reach the logits GEMM at any count up to 64 (a
+    decode step only at its buckets): the warm-up runs one count per compiled kernel."""
+    rows = cuda_gemm.logits_warm_up_rows(vocab, hidden)
+    warmed = {cuda_gemm.exact_launch_key(vocab, hidden, m) for m in rows}
+    assert len(warmed) == len(rows) and all(2 <= m <= cuda_gemm.MAX_ROWS for m in rows)
+    for m in range(2, cuda_gemm.MAX_ROWS + 1):
+        assert cuda_gemm.exact_launch_key(vocab, hidden, m) in warmed, m
+    # the decode buckets' counts (multiples of 16) leave the others to compile
+    buckets = {cuda_gemm.exact_launch_key(vocab, hidden, m) for m in (16, 32, 64)}
+    assert any(cuda_gemm.exact_launch_key(vocab, hidden, m) not in buckets for m in (17, 20, 40))
+
+
+def test_the_logits_warm_up_runs_the_models_logits_at_each_count(tiny_model):
+    import torch
+    from safetensors.torch import load_file
+
+    from kvhold.executor.cuda_runner import warm_up_logits
+    from kvhold.executor.llama import LlamaModel
+    from kvhold.protocol.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(tiny_model)
+    model = LlamaModel(spec, load_file(str(tiny_model / "model.safetensors")), torch.float32,
+                       torch.device("cpu"), 64)
+    seen = []
+    real = model.logits
+    model.logits = lambda h: seen.append(tuple(h.shape)) or real(h)
+    rows = warm_up_logits(model, torch.device("cpu"))
+    assert rows and seen == [(m, spec.hidden_size) for m in rows]
