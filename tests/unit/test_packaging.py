@@ -136,3 +136,17 @@ def test_every_benchmark_result_is_in_the_index():
     missing = [p.name for p in results.iterdir() if p.name != "README.md" and p.name not in index
                and p.name.split(".")[0] + ".json" not in index]
     assert not missing, f"bench/results files not described in bench/results/README.md: {missing}"
+
+
+def test_no_undefined_names_in_code_this_machine_cannot_run():
+    """pyflakes' undefined-name and syntax checks (through ruff) over the package and tools: the
+    CUDA paths never run in a CPU test suite, and a misspelt name there stops every executor on
+    a GPU at its first use."""
+    ruff = pytest.importorskip("ruff")
+    from ruff.__main__ import find_ruff_bin
+
+    del ruff
+    proc = subprocess.run([find_ruff_bin(), "check", "--no-cache", "--select", "E9,F63,F7,F82",
+                           "--output-format", "concise", "kvhold", "tools", "tests"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
