@@ -103,6 +103,7 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
                                                  "forward_queued_ns", "sampled_ns", "committed_ns",
                                                  "step_received_ns") if k in rec},
         "kv_mode": rec.get("kv_mode", "native"),
+        "host_marks_ms": host_marks(sc.log_path, promote["pid"]),
         "pages_checked": rec["pages_checked"], "pages_bad": rec["pages_bad"],
         "pages_copied": rec["pages_copied"], "pages_quarantined": rec.get("pages_quarantined", 0),
         "tails_dropped": rec.get("tails_dropped", 0), "requests_finished": rec.get("requests_finished", 0),
@@ -114,6 +115,20 @@ def one_kill(sc: SidecarProcess, client, requests, reference, rng, standbys: int
         "requests_failed": sum(1 for r in results if r.finish_reason not in ("length", "stop")),
         "outputs_identical": all(identical), "requests": len(results), "mismatches": mismatches,
     }
+
+
+def host_marks(log_path: Path | None, pid: int) -> dict[str, float] | None:
+    """The last "takeover host marks" line the executor `pid` logged (at INFO: --log-level INFO),
+    as {mark: ms from its takeover's start}, or None."""
+    if log_path is None or not log_path.exists():
+        return None
+    prefix, found = f"pid={pid} ", None
+    for line in log_path.read_text(errors="replace").splitlines():
+        if prefix in line and "takeover host marks (ms from its start): " in line:
+            found = line.split("takeover host marks (ms from its start): ", 1)[1]
+    if found is None:
+        return None
+    return {label: float(ms) for label, ms in (part.rsplit(" ", 1) for part in found.split(", "))}
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -128,6 +143,11 @@ def summarize(samples: list[dict]) -> dict:
     out["requests_failed"] = int(sum(s["requests_failed"] for s in samples))
     for key in ("requests_lost", "requests_damaged", "pages_bad"):
         out[key] = int(sum(s[key] for s in samples))
+    marked = [s["host_marks_ms"] for s in samples if s.get("host_marks_ms")]
+    if marked:     # median of each takeover host mark over the kills that logged it
+        labels = dict.fromkeys(label for m in marked for label in m)
+        out["host_marks_p50_ms"] = {label: float(np.percentile([m[label] for m in marked if label in m], 50))
+                                    for label in labels}
     out["kv_modes"] = sorted({s["kv_mode"] for s in samples})      # what the executors reported
     out["all_outputs_identical"] = all(s["outputs_identical"] for s in samples)
     return out
