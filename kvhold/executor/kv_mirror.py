@@ -50,7 +50,7 @@ from kvhold.protocol.checksum import TorchChecksum, to_u64
 from kvhold.protocol.layout import PageFlag
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
-from kvhold.protocol.validation import trusted
+from kvhold.protocol.validation import torn_prefixes, trusted
 from kvhold.executor.block_layout import BlockLayout, PerLayerBlocks, PooledBlocks, RowCopy  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -375,9 +375,22 @@ class KvMirror:
         idx = np.array(pages, dtype=np.int64)
         sub = records[idx]
         counts = np.minimum(sub["num_tokens"], self.page_tokens).astype(np.int64)
+        sums = self._checksums(idx, counts)
+        sum_ok = sums == sub["checksum"]
+        sane = ((sub["flags"] & PageFlag.BAD) == 0) & (sub["num_tokens"] <= self.page_tokens)
+        torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & sane & (counts > 0))
+        if len(torn):       # a publish cut between its count and its checksum: keep the rows before
+            counts, sum_ok = torn_prefixes(idx, sub["checksum"], counts, sum_ok, torn, self._checksums)
+            cut = torn[sum_ok[torn]]
+            if len(cut):    # the record says what is kept, for `_prefixes` and a later takeover
+                self.page_table.set_counts(idx[cut], counts[cut])
+                records["num_tokens"][idx[cut]] = counts[cut]
+                sub = records[idx]
+        return trusted(sub, self.page_tokens, sum_ok) & sane
+
+    def _checksums(self, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:
         dev = self.pool.device
-        sums = to_u64(self.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
-        return trusted(sub, self.page_tokens, sums == sub["checksum"]) & ((sub["flags"] & PageFlag.BAD) == 0)
+        return to_u64(self.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(counts).to(dev)))
 
     def _prefixes(self, requests, plan, ok, records, full_only: bool) -> dict[int, "RestorePlan"]:
         """Per request: the longest valid prefix of full blocks (plus one partial tail unless
@@ -393,8 +406,8 @@ class KvMirror:
                     first_bad = index
                     break
                 count = int(records["num_tokens"][page])
-                if full_only and count < self.page_tokens:
-                    break
+                if count == 0 or (full_only and count < self.page_tokens):
+                    break              # (0: a first publish cut before its checksum kept no row)
                 pages.append(page)
                 self.held[rid, index] = page
                 self.counts[page], self.checksums[page] = count, records["checksum"][page]

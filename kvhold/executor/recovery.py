@@ -31,7 +31,7 @@ from kvhold.protocol.checksum import to_u64
 from kvhold.protocol.journal import segment_positions
 from kvhold.protocol.layout import AdmitState, ExecState, PageFlag
 from kvhold.protocol.leases import now_ns
-from kvhold.protocol.validation import trusted
+from kvhold.protocol.validation import torn_prefixes, trusted
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +234,7 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
         sums = to_u64(prefetched[2])
     else:
         mark("sums_own")
-        dev = engine.device
-        sums = to_u64(engine.checksum.pages(torch.from_numpy(idx).to(dev), torch.from_numpy(counts).to(dev)))
+        sums = _checksums(engine, idx, counts)
     mark("sums")
     sub = records[idx]
     owners = np.repeat(np.fromiter((plan.entry.request_id for plan in plans), dtype=np.uint64,
@@ -246,7 +245,8 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
     sum_ok = sums == sub["checksum"]
     torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
     if len(torn):
-        counts, sum_ok = torn_prefixes(engine, idx, sub["checksum"], counts, sum_ok, torn)
+        counts, sum_ok = torn_prefixes(idx, sub["checksum"], counts, sum_ok, torn,
+                                       lambda pages, rows: _checksums(engine, pages, rows))
         cut = torn[sum_ok[torn]]
         if len(cut):        # the record says what is kept (its version was repaired: a successor
             engine.page_table.set_counts(idx[cut], counts[cut])       # would read it as corrupt)
@@ -267,28 +267,10 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
     return len(idx), bad
 
 
-def torn_prefixes(engine, idx: np.ndarray, recorded: np.ndarray, counts: np.ndarray, sum_ok: np.ndarray,
-                  torn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The rows committed before a publish that its writer's death interrupted.
-
-    `PageTable.publish` writes a page's new count, then its new checksum: a death between the
-    two leaves an odd version with the new count and the old checksum, which matches the rows
-    committed before (committed rows are never written again). For each such record (`torn`:
-    indices into `idx` of odd versions whose fields are sane and whose checksum does not match
-    their count), the longest shorter prefix whose checksum is the recorded one is trusted: its
-    count replaces the record's, its verdict becomes a match. A record no prefix matches stays
-    untrusted. Returns (counts, sum_ok), copies."""
-    counts, sum_ok = counts.copy(), sum_ok.copy()
-    shorter = counts[torn]
-    which = np.repeat(torn, shorter)             # each torn record, once per shorter prefix
-    k = segment_positions(shorter)               # 0 .. count - 1, ascending
+def _checksums(engine, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Checksums (uint64) of the first `counts` rows of `pages`: one pass on the engine's device."""
     dev = engine.device
-    got = to_u64(engine.checksum.pages(torch.from_numpy(idx[which]).to(dev), torch.from_numpy(k).to(dev)))
-    match = got == recorded[which]
-    for i, n in zip(which[match].tolist(), k[match].tolist()):
-        counts[i] = n                            # ascending per record: the longest match wins
-        sum_ok[i] = True
-    return counts, sum_ok
+    return to_u64(engine.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(counts).to(dev)))
 
 
 def first_per_segment(lens: np.ndarray, hit: np.ndarray) -> np.ndarray:
@@ -389,8 +371,7 @@ def _publish_tails(engine, placed: list[tuple[RequestPlan, Tail]]) -> None:
         return
     pages = np.array([t.page for _, t in placed], dtype=np.int64)
     counts = np.array([t.tokens for _, t in placed], dtype=np.int64)
-    dev = engine.device
-    sums = to_u64(engine.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(counts).to(dev)))
+    sums = _checksums(engine, pages, counts)
     epoch = engine.lease.epoch
     owners = np.array([plan.entry.request_id for plan, _ in placed], dtype=np.uint64)
     logical = np.array([plan.kv_valid // engine.page_tokens for plan, _ in placed], dtype=np.uint32)

@@ -9,7 +9,7 @@ here for host memory, torch on the device in kvhold.executor.recovery):
     INTERRUPTED  odd version: its writer died mid-update. Kept only if the
                  checksum matches (the pair (count, checksum) is then consistent);
                  a takeover keeps the rows of a publish's torn pair (new count, old
-                 checksum) that the old checksum covers (kvhold.executor.recovery)
+                 checksum) that the old checksum covers (`torn_prefixes`)
     CORRUPT      even version but the checksum does not match: bytes changed
                  after they were committed (bit flip, stray write)
     MALFORMED    fields out of range (count above page size)
@@ -21,6 +21,7 @@ import enum
 import numpy as np
 
 from kvhold.protocol.checksum import words_checksum_np
+from kvhold.protocol.journal import segment_positions
 from kvhold.protocol.tables import Tables
 
 
@@ -48,6 +49,30 @@ def trusted(records: np.ndarray, page_tokens: int, checksum_ok: np.ndarray) -> n
     """Which records recovery may keep: valid, or interrupted with a matching checksum."""
     cls = classify(records, page_tokens, checksum_ok)
     return (cls == PageClass.VALID) | ((cls == PageClass.INTERRUPTED) & checksum_ok)
+
+
+def torn_prefixes(idx: np.ndarray, recorded: np.ndarray, counts: np.ndarray, sum_ok: np.ndarray,
+                  torn: np.ndarray, checksum_of) -> tuple[np.ndarray, np.ndarray]:
+    """The rows committed before a publish that its writer's death interrupted.
+
+    `PageTable.publish` writes a page's new count, then its new checksum: a death between the
+    two leaves an odd version with the new count and the old checksum, which matches the rows
+    committed before (committed rows are never written again). For each such record (`torn`:
+    indices into `idx`, the checked pages, of odd versions whose fields are sane and whose
+    checksum does not match their count), the longest shorter prefix whose checksum is the
+    recorded one (`recorded`, per checked page) is trusted: its count replaces the record's,
+    its verdict becomes a match. A record no prefix matches stays untrusted.
+    `checksum_of(pages, counts)` gives the checksums (uint64) of those pages' first rows, in one
+    pass wherever the bytes live. Returns (counts, sum_ok), copies."""
+    counts, sum_ok = counts.copy(), sum_ok.copy()
+    shorter = counts[torn]
+    which = np.repeat(torn, shorter)             # each torn record, once per shorter prefix
+    k = segment_positions(shorter)               # 0 .. count - 1, ascending
+    match = checksum_of(idx[which], k) == recorded[which]
+    for i, n in zip(which[match].tolist(), k[match].tolist()):
+        counts[i] = n                            # ascending per record: the longest match wins
+        sum_ok[i] = True
+    return counts, sum_ok
 
 
 def host_checksums_ok(tables: Tables, kv_words: np.ndarray) -> np.ndarray:

@@ -178,23 +178,30 @@ def test_bit_flip_marks_that_block_and_later_ones(pool):
     assert result[22].first_bad is None and result[22].tokens_restored == 14
 
 
-def test_interrupted_publish_is_kept_only_if_consistent(pool):
+def test_interrupted_publish_keeps_the_rows_committed_before_it(pool):
     engine = FakeEngine(per_layer())
     mirror = KvMirror(pool.tables, pool.kv, engine.layout, pool.lease(0))
     for _ in range(6):                                    # blocks 0 (full) and 1 (2 tokens)
-        mirror.mirror_committed(engine.step([41, 42]))
+        mirror.mirror_committed(engine.step([41, 42, 43]))
     pages = pool.tables.pages
     pages["version"][mirror.page_of(41, 1)] += 1          # killed inside publish, fields intact
     torn = mirror.page_of(42, 1)
-    pages["version"][torn] += 1                           # killed after the count, before the sum
-    pages["num_tokens"][torn] = 3
+    pages["version"][torn] += 1                           # killed after the count, before the sum:
+    pages["num_tokens"][torn] = 3                         # the old sum covers the 2 rows before
+    broken = mirror.page_of(43, 1)
+    pages["version"][broken] += 1                         # odd, and no prefix matches its sum
+    pages["num_tokens"][broken] = 3
+    pages["checksum"][broken] ^= 1
     target = per_layer()
-    blocks = fresh_blocks({41: 2, 42: 2})
+    blocks = fresh_blocks({41: 2, 42: 2, 43: 2})
     result = KvMirror(pool.tables, pool.kv, target, pool.lease(1)).restore(blocks, target)
     assert result[41].tokens_restored == 6 and result[41].first_bad is None
-    assert result[42].tokens_restored == 4 and result[42].first_bad == 1 and result[42].recompute == (1,)
+    assert result[42].tokens_restored == 6 and result[42].first_bad is None
+    assert torch.equal(restored_tokens(target, blocks[42], 6), expected(42, 6))
+    assert pages["num_tokens"][torn] == 2                 # the record says what was kept
+    assert result[43].tokens_restored == 4 and result[43].first_bad == 1 and result[43].recompute == (1,)
     assert (pages["version"] % 2 == 0).all()              # settled once the writer is gone
-    assert pages["owner"][torn] == 0                      # the torn page went back to the pool
+    assert pages["owner"][broken] == 0                    # the untrusted page went back to the pool
 
 
 def decode_args(work: list[Committed]) -> tuple[list[int], list[int], list[int], list[int]]:
