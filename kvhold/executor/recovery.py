@@ -260,7 +260,7 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
             plan.first_bad = f
     bad = int((~ok).sum())
     if bad:
-        engine.page_table.set_flags(idx[~ok], PageFlag.BAD, engine.lease.epoch)
+        engine.page_table.mark_bad(idx[~ok])
         # the copy too, so that the clear releases (or quarantines) a bad page no request keeps
         # even where its record has no owner
         records["flags"][idx[~ok]] |= records.dtype["flags"].type(PageFlag.BAD)

@@ -85,11 +85,13 @@ class PageTable:
         self.pages["num_tokens"][idx] = num_tokens
         self._end(idx, v)
 
-    def set_flags(self, idx, flags: PageFlag, epoch: int) -> None:
+    def mark_bad(self, idx) -> None:
+        """Flag pages a takeover found untrustworthy. Their writer's epoch stays in the record:
+        a fenced writer may still be writing them until its exit is confirmed, and whichever
+        takeover clears them quarantines them under that epoch."""
         idx = np.asarray(idx, dtype=np.int64)
         v = self._begin(idx)
-        self.pages["flags"][idx] = flags
-        self.pages["epoch"][idx] = epoch
+        self.pages["flags"][idx] |= self.pages.dtype["flags"].type(PageFlag.BAD)
         self._end(idx, v)
 
     def _clear(self, idx, flags: PageFlag) -> None:

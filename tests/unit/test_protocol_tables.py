@@ -147,8 +147,11 @@ def test_seqlock_publish_and_snapshot(tables):
     assert pt.counts()["writing"] == 1
     pt.repair_versions([2])
     assert not pt.record(2).writing
-    pt.set_flags([2], PageFlag.QUARANTINED, epoch=3)
+    pt.quarantine([2])
     assert pt.counts()["quarantined"] == 1
+    pt.mark_bad([1])                          # flagged, its writer's epoch kept
+    assert tables.pages["flags"][1] == PageFlag.BAD and tables.pages["epoch"][1] == 3
+    assert tables.pages["version"][1] % 2 == 0
     pt.release([1, 2])
     assert pt.counts()["free"] == SMALL.num_pages
 

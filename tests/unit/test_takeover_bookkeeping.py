@@ -298,6 +298,10 @@ def test_validate_and_clear_equal_a_page_by_page_reference(rig, state):
     # a listed page found bad is flagged BAD; clearing then releases or quarantines every one no
     # request keeps (one listed twice, good for one request and bad for the other, stays kept)
     assert {p for p in range(NUM_PAGES) if pages["flags"][p] & PageFlag.BAD} == bad & kept
+    # and every page held or flagged BAD keeps its writer's epoch in its record, so that a later
+    # takeover (this executor may die too) holds it for that writer, not for this executor
+    assert all(pages["epoch"][p] == epoch for p, epoch in hold.items())
+    assert all(pages["epoch"][p] == before["epoch"][p] for p in bad & kept)
 
 
 def test_committed_pages_read_adopted_values_until_set_or_removed():
