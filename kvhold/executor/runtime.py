@@ -45,6 +45,7 @@ from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables
 from kvhold.executor import faults
 from kvhold.executor.channel import Channel
+from kvhold.executor.compile_watch import CompileWatch
 from kvhold.executor.workload import Workload
 from kvhold.protocol.logs import set_log_context
 
@@ -125,6 +126,7 @@ class ExecutorRuntime:
         self.config = config
         self.paths = config.paths
         self.active = False
+        self.compile_watch: CompileWatch | None = None     # once active on a GPU
         self.sidecar_pidfd = -1
         self.sidecar_pid = 0
         self.stop_reason = ""
@@ -354,6 +356,9 @@ class ExecutorRuntime:
         ctx.lease.check()
         self.active = True
         set_log_context(role="active")
+        if "triton" in sys.modules and self.compile_watch is None:   # a GPU executor's kernels
+            watch = CompileWatch(ctx.lease)
+            self.compile_watch = watch if watch.install() else None
         report = workload.promote(msg)
         if not workload.cold_first_step:
             ctx.lease.mark_warm()

@@ -142,6 +142,15 @@ class Lease:
         self.check()
         self._leases["flags"][self.slot] |= LeaseFlag.WARM
 
+    def mark_cold(self) -> None:
+        """Tell the sidecar a step may take a first step's time again (a kernel compiles in it:
+        kvhold.executor.compile_watch); `mark_warm` ends it."""
+        self.check()
+        self._leases["flags"][self.slot] = int(self._leases["flags"][self.slot]) & ~int(LeaseFlag.WARM)
+
+    def is_warm(self) -> bool:
+        return bool(int(self._leases["flags"][self.slot]) & LeaseFlag.WARM)
+
     def open_step(self, step: int) -> None:
         """Publish the number of the step about to run (0: the step is over). The journal names
         the requests in it (Journal.mark_step), so the sidecar knows who was in a step that
