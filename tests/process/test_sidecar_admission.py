@@ -86,7 +86,9 @@ def test_a_maximum_size_prompt_is_tokenized_off_the_loop(tiny_model, start_sidec
     # 10-12 ms of its own work (CPU wait excluded), so one such turn is tolerated and none may reach 25 ms.
     assert window["stalled"] <= 1 and all(t["ms"] - t["cpu_wait_ms"] < 25 for t in window["slow"]), window["slow"]
     assert worst_ping < 0.25 and len(pinger.rtts) > 20
-    assert len(during) > 10           # the stream went on (its pace is the executor's: CPUs are shared)
+    # the stream went on: tokens kept arriving in separate deliveries, not one burst once the loop
+    # was free (how many is the executor's pace, on CPUs it shares with the tokenizer and this test)
+    assert len(during) >= 4 and sum(g > 0.002 for g in gaps) >= 1, (len(during), gaps)
     assert len(stream.result().token_ids) == 490
     client.close()
 
