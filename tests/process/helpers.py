@@ -30,6 +30,20 @@ def ids(results):
     return [r.token_ids for r in results]
 
 
+def run_with_fault(start_sidecar, flags, tmp_path: Path, fault: str, requests=REQUESTS, outcome=ids):
+    """`requests` on a sidecar started with `flags` whose executor dies once at `fault` (a
+    kvhold.executor.faults spec): (`outcome` of their results, the sidecar's recoveries)."""
+    from kvhold.client.client import wait_all
+
+    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(list(flags), env=env)
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        got = outcome(wait_all(submit(client, requests)))
+    assert (tmp_path / "fired").exists()
+    return got, sc.status()["recoveries"]
+
+
 def wait_until(cond, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):
     """Poll `cond()` until it returns something truthy (returned), at most `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -13,6 +13,7 @@ from kvhold.client.client import wait_all
 from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import submit_requests
+from tests.process.helpers import run_with_fault
 
 FLAGS = ["--kv-pages", "128", "--max-seq-len", "256", "--max-batch-tokens", "64", "--max-batch", "16",
          "--log-level", "INFO"]
@@ -306,12 +307,7 @@ def test_death_inside_a_mirror_publish_keeps_the_rows_committed_before(tiny_mode
     """The executor dies inside a mirror publish, its pages' new counts written and not yet their
     checksums: the successor keeps the rows each page had committed before (those its recorded
     checksum covers), as native mode does, so no request is damaged or lost."""
-    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
-    sc = start_sidecar(["--model", str(tiny_model), *FOREIGN], env=env)
-    sc.wait_steady()
-    with sc.new_client(timeout=60) as client:
-        assert ids(wait_all(submit(client))) == reference
-    assert (tmp_path / "fired").exists()
-    rec = sc.status()["recoveries"]
+    got, rec = run_with_fault(start_sidecar, ["--model", str(tiny_model), *FOREIGN], tmp_path, fault, REQUESTS)
+    assert got == reference
     assert len(rec) == 1 and rec[0]["kv_mode"] == "foreign", rec
     assert rec[0]["requests_lost"] == rec[0]["requests_damaged"] == 0 and rec[0]["pages_bad"] == 0, rec

@@ -10,7 +10,7 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, LONG_PROMPT, REQUESTS, submit, wait_until
+from tests.process.helpers import FLAGS, LONG_PROMPT, REQUESTS, run_with_fault, submit, wait_until
 
 LP_FLAGS = [*FLAGS, "--max-logprobs", "4"]
 LP_REQUESTS = [dict(r, logprobs=4 if i % 2 else 1, **({"prompt_logprobs": 3} if i != 1 else {}))
@@ -92,13 +92,7 @@ def test_sigkill_mid_prefill_and_mid_stream_keeps_every_logprob(tiny_model, lp_r
 
 def _run_with_fault(start_sidecar, tiny_model, tmp_path, fault, requests):
     """The requests' outcome on a sidecar whose executor dies once at `fault`, and its recoveries."""
-    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
-    sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS], env=env)
-    sc.wait_steady()
-    with sc.new_client(timeout=60) as client:
-        got = outcome(wait_all(submit(client, requests)))
-    assert (tmp_path / "fired").exists()
-    return got, sc.status()["recoveries"]
+    return run_with_fault(start_sidecar, ["--model", str(tiny_model), *LP_FLAGS], tmp_path, fault, requests, outcome)
 
 
 @pytest.mark.parametrize("fault", ["commit_pages:3:kill", "commit_begin:9:kill", "commit_journal:12:kill"])

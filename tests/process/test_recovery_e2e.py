@@ -12,7 +12,7 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
-from tests.process.helpers import FLAGS, REQUESTS, ids, sidecar_log, submit
+from tests.process.helpers import FLAGS, REQUESTS, ids, run_with_fault, sidecar_log, submit
 
 def _kill_active(sc, sig=signal.SIGKILL):
     pid = sc.wait_steady(standbys=0)["pid"]
@@ -62,13 +62,8 @@ def test_kills_at_random_moments(tiny_model, reference, start_sidecar):
                                    "commit_journal:8:kill", "commit_finish:20:kill",
                                    "commit_journal:4:segv"])
 def test_death_between_commit_stages(tiny_model, reference, start_sidecar, tmp_path, fault):
-    env = {"KVHOLD_FAULT": fault, "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
-    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env=env)
-    sc.wait_steady()
-    with sc.new_client(timeout=60) as client:
-        assert ids(wait_all(submit(client))) == reference
-    assert (tmp_path / "fired").exists()
-    rec = sc.status()["recoveries"]
+    got, rec = run_with_fault(start_sidecar, ["--model", str(tiny_model), *FLAGS], tmp_path, fault)
+    assert got == reference
     assert len(rec) == 1 and rec[0]["requests_lost"] == 0
 
 
