@@ -1,7 +1,7 @@
 """The sidecar frontend's per-step streaming cost: `on_step` for N committed streams, on the CPU.
 
 After each decode step an executor sends `StepDone` with the journal slots it committed, and
-the sidecar's frontend (kvhold.sidecar.frontend) reads each request's progress and new tokens
+the sidecar's frontend (kvhold.frontend.frontend) reads each request's progress and new tokens
 from the journal, detokenizes them, builds their log-prob fields and sends one message per
 stream to its client. This tool builds that state in one process as the frontend's tests do: a
 real tables segment in shared memory, a real `Frontend` with the demo model's tokenizer, N
@@ -47,9 +47,9 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import FinishReason, KvGeometry, TableGeometry
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.tables import Tables
-from kvhold.sidecar.client_side import ClientSide
+from kvhold.frontend.client_side import ClientSide
 from kvhold.sidecar.durable_journal import DurableJournal
-from kvhold.sidecar.frontend import Frontend
+from kvhold.frontend.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.testing.make_model import ensure_demo_model
 
@@ -58,7 +58,7 @@ EPOCH = 1
 
 
 class BenchSidecar(ClientSide):
-    """The sidecar around the frontend, its client side the real one (kvhold.sidecar.client_side:
+    """The sidecar around the frontend, its client side the real one (kvhold.frontend.client_side:
     the ipc ROUTER, the peers' ownership check before each send, the wire codec); no executor,
     and its loop is the tool's."""
 
@@ -95,7 +95,7 @@ class Client:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes):
         self.identity = identity
-        self.key = b""                  # as the sidecar knows it (kvhold.sidecar.client_peers)
+        self.key = b""                  # as the sidecar knows it (kvhold.frontend.client_peers)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.setsockopt(zmq.RCVHWM, 0)

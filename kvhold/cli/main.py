@@ -40,7 +40,11 @@ def cmd_sidecar(args) -> int:
     setup_logging(args.log_level, role="sidecar")
     try:
         config = sidecar_config_from_args(args)
-        return run_sidecar(config, external_frontend=args.external_frontend, spare=args.spare)
+        if args.external_frontend:
+            return run_sidecar(config, spare=args.spare)
+        from kvhold.frontend.inline import InlineSidecar
+
+        return run_sidecar(config, spare=args.spare, sidecar_class=InlineSidecar)
     except (ValueError, InstanceBusy, PermissionError, ShmCapacityError) as exc:
         print(f"kvhold sidecar: {exc}", file=sys.stderr)
         return 2

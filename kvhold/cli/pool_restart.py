@@ -8,7 +8,7 @@ its clients to wait, stops its executors, writes every in-flight request with it
 committed tokens to the durable journal, releases all memory and re-executes itself
 (same pid, same flags; kvhold.sidecar.pool_restart). The new image builds a pool of the next
 generation, reloads the weights, re-admits the journaled requests and resumes their
-streams (kvhold.sidecar.restore). This command waits for that and prints the figures.
+streams (kvhold.frontend.restore). This command waits for that and prints the figures.
 
 --continue (default): restart at once. --wait-for-operator: the new image waits,
 holding no device memory, until you press Enter here (on a terminal) or run

@@ -2,10 +2,10 @@
 
 It runs beside a memory owner started with `kvhold sidecar --external-frontend` for the same
 instance and flags, and owns what the owner does not: the client sockets (ipc, and TCP with
---client-tcp) and the clients' identities (kvhold.sidecar.client_peers), admission and the
-tokenizer (kvhold.sidecar.frontend, admission), detokenization and the token streams, the
+--client-tcp) and the clients' identities (kvhold.frontend.client_peers), admission and the
+tokenizer (kvhold.frontend.frontend, admission), detokenization and the token streams, the
 durable journal's records (kvhold.sidecar.durable_journal), the streams of restored requests
-and the results nobody claimed yet (kvhold.sidecar.restore). It maps the tables by name: it
+and the results nobody claimed yet (kvhold.frontend.restore). It maps the tables by name: it
 writes the journal's admission half, reads the committed tokens and releases finished
 slots, as the in-process frontend does. Everything else goes over the link to the owner
 (kvhold.protocol.frontend_link): wake-ups for the executor, the owner's nudges after a
@@ -50,13 +50,13 @@ from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables
-from kvhold.sidecar.client_side import ClientSide
+from kvhold.frontend.client_side import ClientSide
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
-from kvhold.sidecar.frontend import Frontend
+from kvhold.frontend.frontend import Frontend
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec
-from kvhold.sidecar.restore import Restore
+from kvhold.frontend.restore import Restore
 from kvhold.sidecar.stats_log import StatsLog
 from kvhold.sidecar.timeline import RecoveryTimeline
 

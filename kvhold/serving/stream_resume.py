@@ -2,7 +2,7 @@
 
 Under `kvhold serve` the HTTP server is a process of its own (kvhold.serving.serve): when it
 dies, its clients' connections break but the sidecar keeps their requests, held for their
-owner (kvhold.sidecar.restore). A restarted HTTP server presents the same ZeroMQ routing id
+owner (kvhold.frontend.restore). A restarted HTTP server presents the same ZeroMQ routing id
 from the same uid, so the sidecar knows it as the same owner, and a client takes its stream
 up again:
 

@@ -291,7 +291,7 @@ class RegistryConfig:
 @dataclass(frozen=True, slots=True)
 class JournalConfig:
     """The durable request journal (kvhold.sidecar.durable_journal), and how long a request
-    whose client is not connected is held for it (kvhold.sidecar.restore)."""
+    whose client is not connected is held for it (kvhold.frontend.restore)."""
 
     dir: Path | None = None           # None: a persistent per-instance default
     unclaimed_cancel_s: float = 30.0  # a stream held this long with no owner connected is cancelled; 0: never

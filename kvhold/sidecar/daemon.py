@@ -9,7 +9,7 @@ broken invariant of the sidecar itself ends it, loudly. SIGTERM/SIGINT stop
 executors, write the requests still in flight to the durable journal
 (kvhold.sidecar.durable_journal: the next start brings them back) and unlink every
 shm object, socket and file the sidecar created. A pool restart
-(kvhold.sidecar.pool_restart, kvhold.sidecar.restore) does the same, then re-execs in place.
+(kvhold.sidecar.pool_restart, kvhold.sidecar.readmit) does the same, then re-execs in place.
 
 `Sidecar` wires the components together; each gets only what it uses. Every
 resource registers its cleanup on an ExitStack as it is made, so `close()` (and a
@@ -40,25 +40,26 @@ import zmq
 from kvhold.protocol import fdpass, messages as m, wire
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.journal import Journal
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.memory import check_shm_capacity
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.procfs import pid_alive
+from kvhold.protocol.router_socket import bind_router, decode, drain, reply, unlink as _unlink
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar import adoption, hand_back
-from kvhold.sidecar.client_side import ClientSide, bind_router, decode, drain, reply, unlink as _unlink
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
-from kvhold.sidecar.frontend_link import FrontendLink, JournalOnly
+from kvhold.sidecar.frontend_link import FrontendLink
 from kvhold.sidecar.health_responder import HealthResponder
 from kvhold.sidecar.instance_lock import InstanceLock, wait_for_holder_death
 from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
 from kvhold.sidecar.regions import PoolMemory, create_regions, expected_infos
 from kvhold.sidecar.request_deaths import RequestDeaths
-from kvhold.sidecar.restore import Restore
+from kvhold.sidecar.readmit import Readmission
 from kvhold.sidecar.stats_log import StatsLog
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
 from kvhold.sidecar.timeline import RecoveryTimeline
@@ -69,14 +70,20 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0002
 # what a memory owner with an external frontend never imports (kvhold.frontend.process has them)
 CLIENT_FACING_MODULES = ("tokenizers", "fastapi", "uvicorn", "starlette", "kvhold.serving.http_api",
-                         "kvhold.sidecar.frontend", "kvhold.sidecar.admission", "kvhold.frontend")
+                         "kvhold.frontend.frontend", "kvhold.frontend.admission", "kvhold.frontend")
 SHM_PARTS = ("tables", "kv", "weights")
 
 
-class Sidecar(ClientSide):
-    def __init__(self, config: SidecarConfig, external_frontend: bool = False):
+class Sidecar:
+    """The memory owner. Without `external_frontend` its client side (the client sockets and
+    their peers) is mixed in by kvhold.frontend.inline, so that this module and the owner's
+    parts import no client-facing code."""
+    tcp = None
+
+    def __init__(self, config: SidecarConfig, external_frontend: bool = True):
         """`external_frontend`: serve no client; a frontend process (`kvhold frontend`,
-        kvhold.frontend.process) does, over the link (kvhold.sidecar.frontend_link)."""
+        kvhold.frontend.process) does, over the link (kvhold.sidecar.frontend_link).
+        Otherwise a subclass (kvhold.frontend.inline) brings the client side."""
         self.config = config
         self.external_frontend = external_frontend
         self.frontend = None
@@ -104,11 +111,6 @@ class Sidecar(ClientSide):
         if cfg.pool.model is not None and self.spec is None:
             self.spec = ModelSpec.from_dir(cfg.pool.model)
             self.manifest = build_manifest(cfg.pool.model, self.spec)
-        if not self.external_frontend:
-            from kvhold.sidecar.frontend import tokenizer_top_id
-
-            if cfg.pool.model is not None:
-                tokenizer_top_id(str(cfg.pool.model))      # loads the tokenizer and reads its vocabulary
 
     def wait_as_spare(self) -> None:
         """Prepare, then wait until this instance's running sidecar dies, holding nothing but a
@@ -177,8 +179,10 @@ class Sidecar(ClientSide):
         parts["components"] = now_ns()
         # the previous pool's journaled requests (or an adopted pool's streams), before any executor;
         # with an external frontend, a pool adopted keeps its requests for the frontend as they are
-        if not (self.external_frontend and found is not None):
+        if not self.external_frontend:
             self.restore.restore(adopting=found is not None)
+        elif found is None:
+            self.restore.restore()
         parts["restored"] = now_ns()
         if found is not None:
             self.supervisor.adopt(found.live, found.dead)
@@ -196,7 +200,7 @@ class Sidecar(ClientSide):
                              "parts_ms": {k: round((v - self.started_ns) / 1e6, 2) for k, v in parts.items()}}
             log.warning("re-adopted the pool of sidecar pid %d: %d live executors, %d in-flight "
                         "requests", found.previous_pid, len(found.live),
-                        len(self.journal_only.journal.live_slots()) if self.external_frontend
+                        len(self.restore.journal.live_slots()) if self.external_frontend
                         else self.restore.report.get("requests_adopted", 0))
         stack.callback(self._stop_executors)
         self.health = self._make_health()
@@ -225,35 +229,15 @@ class Sidecar(ClientSide):
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
                                      self.send_executor, launch, self.timeline.event, zygote, self.deaths)
         self.stats_log = StatsLog(cfg.logs.stats_interval_s)
-        if self.external_frontend:
-            self._make_owner_components(fingerprint)
-            return
-        from kvhold.sidecar.frontend import Frontend
+        self._make_request_components(fingerprint)
 
-        self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
-                                 runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
-                                 fingerprint=fingerprint, timeline=self.timeline, host=self,
-                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
-        self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,
-                                        generation=self.tables.generation, send_client=self.send_client)
-        self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
-                               vocab_size=self.spec.vocab_size if self.spec else 0,
-                               generation=self.tables.generation, started_ns=self.started_ns,
-                               send_client=self.send_client,
-                               unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
-        self.frontend.restored = self.restore
-        self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
-        self.frontend.add_handler(m.Resume, self.restore.on_resume)
-
-    def _make_owner_components(self, fingerprint: str) -> None:
-        """The memory owner's half with an external frontend: a restore into the shm journal
-        alone (JournalOnly) for a fresh pool, and the link the frontend process speaks over."""
-        cfg = self.config
-        self.journal_only = JournalOnly(self.tables)
-        self.restore = Restore(self.journal_only, self.durable, fingerprint=fingerprint,
-                               vocab_size=self.spec.vocab_size if self.spec else 0,
-                               generation=self.tables.generation, started_ns=self.started_ns,
-                               send_client=lambda *a: False, unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
+    def _make_request_components(self, fingerprint: str) -> None:
+        """The memory owner's half with an external frontend: the re-admission into the shm journal
+        for a fresh pool (kvhold.sidecar.readmit; the frontend process adopts the streams), and the
+        link the frontend process speaks over."""
+        self.restore = Readmission(Journal(self.tables), self.durable, fingerprint=fingerprint,
+                                   vocab_size=self.spec.vocab_size if self.spec else 0,
+                                   generation=self.tables.generation, started_ns=self.started_ns)
         self.pool_restart = PoolRestart(None, self.durable, self.paths, generation=self.tables.generation,
                                         send_client=lambda *a: False)
 
@@ -290,7 +274,7 @@ class Sidecar(ClientSide):
             active = self.supervisor.active
             return active is not None and active.ready
 
-        in_flight = ((lambda: len(self.journal_only.journal.live_slots())) if self.external_frontend
+        in_flight = ((lambda: len(self.restore.journal.live_slots())) if self.external_frontend
                      else (lambda: len(self.frontend.streams)))
         src = SnapshotSource(paths=self.paths, model=self.config.pool.model, tables=self.tables,
                              weights=self.weights, tcp=self.tcp,
@@ -604,11 +588,13 @@ class Sidecar(ClientSide):
             log.exception("could not journal the in-flight requests")
 
 
-def run_sidecar(config: SidecarConfig, external_frontend: bool = False, spare: bool = False) -> int:
-    """`spare`: wait for the running sidecar's death first (`Sidecar.wait_as_spare`)."""
+def run_sidecar(config: SidecarConfig, spare: bool = False, sidecar_class: type[Sidecar] | None = None) -> int:
+    """`spare`: wait for the running sidecar's death first (`Sidecar.wait_as_spare`);
+    `sidecar_class`: the memory owner alone (`--external-frontend`) by default, the frontend in
+    process with kvhold.frontend.inline.InlineSidecar."""
     if not wait_while_held(config.paths):   # `kvhold pool-restart --wait-for-operator`
         return 0
-    sidecar = Sidecar(config, external_frontend=external_frontend)
+    sidecar = (sidecar_class or Sidecar)(config)
     try:
         if spare:
             sidecar.wait_as_spare()

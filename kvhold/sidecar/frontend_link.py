@@ -17,11 +17,6 @@ rule, and through `FrontendLink`:
 * at a stop, once the executors are stopped, has the frontend write the in-flight requests
   to the durable journal and waits (at most JOURNAL_WAIT_S) for it to say it has.
 The channel carries no client message: the sidecar decodes nothing a client sent.
-
-`JournalOnly` is what `kvhold.sidecar.restore.Restore` needs of a frontend for the
-sidecar's half of a restore into a fresh pool: the journaled requests re-admitted into the
-shm journal before any executor exists; their streams are the frontend process's (it
-adopts them from the shm journal when it starts).
 """
 from __future__ import annotations
 
@@ -163,20 +158,3 @@ class FrontendLink:
                 "last_hello_ms_ago": (now_ns() - self.last_hello_ns) / 1e6 if self.last_hello_ns else None,
                 "failed_pending": len(self.failed)}
 
-
-class JournalOnly:
-    """A frontend with no streams and no tokenizer, for the sidecar's half of a restore."""
-
-    tokenizer = None
-
-    def __init__(self, tables):
-        self.tables = tables
-        self.journal = Journal(tables)
-        self.streams: dict[int, int] = {}       # request id -> slot, for Restore's duplicate check
-        self.records: dict[int, dict] = {}
-
-    def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:
-        self.streams[request_id] = slot
-
-    def fail_request(self, request_id: int, slot: int, message: str) -> None:
-        raise RuntimeError("the sidecar does not adopt streams with an external frontend")

@@ -20,7 +20,7 @@ over HTTP: retry), and on its next loop turn:
    (Steps 2-3 run in Sidecar.close(), which a SIGTERM runs too: a plain stop also
    journals its in-flight requests, and the next start brings them back.)
 If the re-exec itself fails the process exits with EXIT_POOL_RESTART (76), which a
-unit restarts (`RestartForceExitStatus=76`). The new image (kvhold.sidecar.restore) reloads
+unit restarts (`RestartForceExitStatus=76`). The new image (kvhold.sidecar.readmit) reloads
 the weights into a pool of the next generation and re-admits the journaled requests.
 `PoolRestart` gets the frontend (admissions, streams), the durable journal, the
 instance's paths (the hold file), the pool generation and a `send_client` callable.

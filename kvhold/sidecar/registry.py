@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from etcd3gw import exceptions as etcd_errors
 
@@ -35,8 +35,11 @@ from kvhold.protocol.page_table import PageTable
 from kvhold.routing.registry_client import (EtcdGateway, RegistryUnavailable, SidecarEntry, node_name,
                                  service_prefix)
 
-if TYPE_CHECKING:
-    from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
+
+class TcpStatus(Protocol):
+    """The client TCP endpoint as the registry reads it (kvhold.frontend.tcp_endpoint)."""
+
+    def status(self) -> dict: ...
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
@@ -185,7 +188,7 @@ class SnapshotSource:
     model: Path | None                    # the checkpoint directory
     tables: Tables
     weights: WeightsKeeper
-    tcp: TcpClientEndpoint | None
+    tcp: TcpStatus | None
     admissions_closed: Callable[[], bool]
     active_ready: Callable[[], bool]      # an active executor is attached and ready
     in_flight: Callable[[], int]

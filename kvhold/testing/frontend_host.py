@@ -1,4 +1,4 @@
-"""The sidecar around a `kvhold.sidecar.frontend.Frontend`, for driving one in process.
+"""The sidecar around a `kvhold.frontend.frontend.Frontend`, for driving one in process.
 
 A frontend talks to its host for four things: replies to clients (`send_client`), a nudge
 to the executor (`wake_executor`), the status it reports, and callbacks to run on the

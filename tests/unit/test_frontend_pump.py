@@ -13,7 +13,7 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, FinishReason, KvGeometry, TableGeometry
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import DurableJournal
-from kvhold.sidecar.frontend import Frontend
+from kvhold.frontend.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.testing.frontend_host import FrontendHost
 

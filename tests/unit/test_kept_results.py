@@ -1,10 +1,10 @@
-"""Results kept for pickup on disk (kvhold.sidecar.kept_results): a round trip through the file,
+"""Results kept for pickup on disk (kvhold.frontend.kept_results): a round trip through the file,
 what a damaged or half-written file becomes, and Restore loading them at its start."""
 import numpy as np
 
 from kvhold.protocol import messages as m
-from kvhold.sidecar.kept_results import KeptResults
-from kvhold.sidecar.restore import Unclaimed
+from kvhold.frontend.kept_results import KeptResults
+from kvhold.frontend.restore import Unclaimed
 
 
 def _kept(rid=7):
@@ -34,7 +34,7 @@ def test_damaged_and_half_written_files_are_dropped(tmp_path):
 
 def test_restore_loads_what_a_previous_process_kept(tmp_path):
     from kvhold.sidecar.durable_journal import DurableJournal
-    from kvhold.sidecar.restore import Restore
+    from kvhold.frontend.restore import Restore
 
     durable = DurableJournal(tmp_path / "journal")
     KeptResults(durable.dir / "results").save(7, _kept())

@@ -71,6 +71,38 @@ def test_no_import_cycle_between_the_packages_parts():
     assert not graph.get("protocol"), "the shared protocol imports no other part"
 
 
+CLIENT_FACING = ("kvhold.frontend", "kvhold.serving", "kvhold.client", "tokenizers", "fastapi", "uvicorn",
+                 "starlette", "jinja2", "transformers")
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module a file imports, kvhold's and others', at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_the_memory_owner_holds_no_client_code():
+    """kvhold.sidecar is the memory owner: no module of it imports client-facing code (the
+    frontend, the HTTP API, the SDK, a tokenizer or chat templates), anywhere in its code; the
+    client side lives in kvhold.frontend, which may import the owner's parts, never the reverse."""
+    offenders = sorted(f"{py.relative_to(ROOT)}: {mod}" for py in (PACKAGE / "sidecar").rglob("*.py")
+                       for mod in _all_imports(py)
+                       if any(mod == bad or mod.startswith(bad + ".") for bad in CLIENT_FACING))
+    assert not offenders
+    code = ("import pkgutil, importlib, sys, kvhold.sidecar\n"
+            "for mod in pkgutil.iter_modules(kvhold.sidecar.__path__, 'kvhold.sidecar.'):\n"
+            "    importlib.import_module(mod.name)\n"
+            f"bad = {CLIENT_FACING!r}\n"
+            "print(sorted(n for n in sys.modules if n.startswith(bad)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
 def test_product_code_never_imports_tools():
     offenders = [str(py.relative_to(ROOT)) for py in PACKAGE.rglob("*.py")
                  if re.search(r"^\s*(from|import) tools\b", py.read_text(), re.M)]

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from kvhold.sidecar.detokenizer import IncrementalDetokenizer  # noqa: E402
+from kvhold.frontend.detokenizer import IncrementalDetokenizer  # noqa: E402
 from kvhold.testing.make_model import (PRESETS, RESERVED, covering_tokenizer, make_config,  # noqa: E402
                                        tokenizer_for, train_tokenizer)
 

@@ -17,8 +17,8 @@ from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.sampling import LIMITS, TOKEN_ID_MAX, RequestInput, SamplingParams
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import DurableJournal, encode_record
-from kvhold.sidecar.frontend import Frontend
-from kvhold.sidecar.restore import Restore
+from kvhold.frontend.frontend import Frontend
+from kvhold.frontend.restore import Restore
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.testing.frontend_host import FrontendHost
 

@@ -4,8 +4,8 @@ counted in the status while only the newest are listed."""
 from types import SimpleNamespace
 
 from kvhold.protocol import messages as m
-from kvhold.sidecar import restore as rs
-from kvhold.sidecar.restore import Restore
+from kvhold.frontend import restore as rs
+from kvhold.frontend.restore import Restore
 
 
 def keeper(monkeypatch, now):

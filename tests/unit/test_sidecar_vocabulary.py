@@ -14,7 +14,7 @@ from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import DurableJournal
-from kvhold.sidecar.frontend import Frontend
+from kvhold.frontend.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.testing.frontend_host import FrontendHost
 

@@ -9,7 +9,7 @@ import pytest
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState, FinishReason, KvGeometry, TableGeometry
 from kvhold.protocol.tables import Tables
-from kvhold.sidecar import logprob_stream
+from kvhold.frontend import logprob_stream
 
 GEOMETRY = TableGeometry(kv=KvGeometry(1, 1, 8, "float32", 4), num_pages=16, num_slots=32,
                          max_seq_len=64, num_leases=2, max_logprobs=4)

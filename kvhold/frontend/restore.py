@@ -1,20 +1,15 @@
-"""Pool restart, the new sidecar's half: re-admit journaled requests and resume their streams.
+"""Restored and held streams: what a frontend gives back to clients that come back.
 
-At start-up, before any executor exists, every record of the durable journal
-(kvhold.sidecar.durable_journal) is re-admitted into the fresh shm journal with its
-committed tokens as a prefix (kvhold.protocol.journal.restore_progress). The first active
-executor's takeover finds these requests taken with no KV pages and recomputes
-their KV by prefill over prompt + committed tokens; the next token is then sampled
-at the same position with the same seed, and draws depend only on (seed, position)
-(kvhold.executor.sampler), so the continuation equals an uninterrupted run.
-
-Streams: the new sidecar cannot know how far each client got, and a ROUTER drops
-what it sends to a client that has not reconnected yet. So a restored stream sends
-nothing until its owner speaks: the SDK, as soon as its socket has connected to the new
-sidecar (or after a silence), sends `Resume(request_ids, next_indices)`, and the sidecar re-sends from each index (tokens it has, then the
-rest as they are committed). The client skips nothing and receives nothing twice.
+A pool restart re-admits the durable journal's requests (the owner's half,
+kvhold.sidecar.readmit); a restarted frontend, or a sidecar that re-adopted a dead one's pool,
+adopts the requests of the shm journal. Either way the new process cannot know how far each
+client got, and a ROUTER drops what it sends to a client that has not reconnected yet. So a
+restored stream sends nothing until its owner speaks: the SDK, as soon as its socket has
+connected to the new sidecar (or after a silence), sends `Resume(request_ids, next_indices)`,
+and the frontend re-sends from each index (tokens it has, then the rest as they are
+committed). The client skips nothing and receives nothing twice.
 Only the client key recorded at admission (transport, authenticated principal and
-routing id: kvhold.sidecar.client_peers) may resume. A live stream whose owner is not
+routing id: kvhold.frontend.client_peers) may resume. A live stream whose owner is not
 connected as itself when a message is due is held the same way until its owner resumes.
 * A stream held for its owner (restored, or live with its owner not connected as itself)
   for longer than `unclaimed_cancel_s` (`--unclaimed-cancel-s`, default
@@ -27,11 +22,8 @@ connected as itself when a message is due is held the same way until its owner r
   results, the oldest dropped first), counted and listed (the newest UNCLAIMED_LISTED) in
   the status (`pool_restart.unclaimed`, `unclaimed_total`) and logged, then dropped with a
   log line.
-* A record that cannot be restored (damaged, a field of the wrong type or out of range,
-  model changed, no longer fits, or any error while re-admitting it) is reported failed:
-  in the status (`pool_restart.failed`, with the reason), in the log, kept under failed/
-  on disk, and as a `NotFound` error naming the reason to a client that resumes it. Nothing is dropped silently, and no record can stop a start: the others
-  are restored and the sidecar comes up.
+* A record that could not be restored (kvhold.sidecar.readmit) is named, with the reason, as a
+  `NotFound` error to a client that resumes it.
 `Restore` gets the frontend (whose journal and streams it fills), the durable
 journal, the new pool's weights fingerprint, vocabulary size and generation, when
 the sidecar started, and a `send_client` callable.
@@ -47,10 +39,10 @@ from typing import Callable
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
-from kvhold.sidecar import logprob_stream
-from kvhold.sidecar.detokenizer import IncrementalDetokenizer
-from kvhold.sidecar.durable_journal import FailedRecord
-from kvhold.sidecar.kept_results import KeptResults
+from kvhold.frontend import logprob_stream
+from kvhold.frontend.detokenizer import IncrementalDetokenizer
+from kvhold.frontend.kept_results import KeptResults
+from kvhold.sidecar.readmit import Readmission
 
 log = logging.getLogger(__name__)
 UNCLAIMED_CANCEL_S = 30.0   # a stream held this long for an owner who is not connected is cancelled
@@ -67,7 +59,7 @@ class Unclaimed:
     texts: list[str]
     done: m.Done
     finished_ns: int
-    logprobs: dict          # their log-probs, if asked for (kvhold.sidecar.logprob_stream)
+    logprobs: dict          # their log-probs, if asked for (kvhold.frontend.logprob_stream)
 
 
 class Restore:
@@ -78,15 +70,13 @@ class Restore:
             raise ValueError(f"unclaimed_cancel_s must be >= 0 seconds (0: never), got {unclaimed_cancel_s}")
         self.frontend = frontend
         self.durable = durable
-        self.fingerprint = fingerprint
-        self.vocab_size = vocab_size
         self.generation = generation
-        self.started_ns = started_ns
         self.send_client = send_client
-        self.failed: dict[int, FailedRecord] = {}
+        # the owner's half, into the journal the frontend writes admissions to
+        self.readmission = Readmission(getattr(frontend, "journal", None), durable, fingerprint=fingerprint,
+                                       vocab_size=vocab_size, generation=generation, started_ns=started_ns)
+        self.failed = self.readmission.failed          # request id -> FailedRecord
         self.unclaimed: dict[int, Unclaimed] = {}
-        self.report: dict = {}
-        self.adopting = False
         self.cancel_after_ns = int(unclaimed_cancel_s * 1e9)
         self._away: dict[int, int] = {}          # held stream -> since when (ns) it is held
         self.cancelled: dict[int, str] = {}      # cancelled for want of a client -> why (the newest)
@@ -98,87 +88,39 @@ class Restore:
         self.kept = KeptResults(Path(directory) / "results") if directory is not None else None
 
     # ------------------------------------------------------------------ start-up
+    @property
+    def report(self) -> dict:
+        return self.readmission.report
+
+    # ------------------------------------------------------------------ start-up
     def restore(self, adopting: bool = False, readmit: bool = True) -> None:
         """`adopting`: the shm journal is a dead sidecar's, adopted with its executors
         (kvhold.sidecar.adoption): the requests in it keep running and get their streams back
         (`_adopt_streams`); only records not in it (ended but not yet removed, or on disk but
-        not yet admitted) are re-admitted. `readmit` False (a frontend process starting over a
-        running pool, kvhold.frontend.process): those are not re-admitted either, since
-        executors already run; each is reported failed with the reason."""
-        t0 = now_ns()
+        not yet admitted) are re-admitted (kvhold.sidecar.readmit). `readmit` False (a frontend
+        process starting over a running pool, kvhold.frontend.process): those are not re-admitted
+        either, since executors already run; each is reported failed with the reason."""
         self._load_kept()
-        records, failed = self.durable.load()
-        self.failed.update((f.request_id, f) for f in failed)
-        self.adopting = adopting
+        records = self.readmission.load()
         adopted = 0
         if adopting:
             records, adopted = self._adopt_streams(records)
-        restored = 0
-        for body in records:
-            try:
-                reason = self._admit(body) if readmit else (
-                    "it was not in the pool's journal when the frontend started (its admission was "
-                    "never acknowledged, or it had ended)")
-            except Exception as exc:  # noqa: BLE001 - one request must never stop a start
-                log.exception("restoring journaled request %#x failed", body["request_id"])
-                reason = f"restoring it failed: {type(exc).__name__}: {exc}"
-            if reason is None:
-                restored += 1
-            else:
-                path = self.durable.path_for(body["request_id"])
-                self.failed[body["request_id"]] = self.durable.fail(path, body["request_id"], reason)
-        self.durable.restored()
-        if not records and not failed and not adopted:
-            return
-        self.report = {"sidecar_started_ns": self.started_ns, "start_ns": t0, "restored_ns": now_ns(),
-                       "requests_restored": restored, "requests_adopted": adopted,
-                       "requests_failed": len(self.failed), "first_token_ns": 0,
-                       "previous_drain": self.durable.read_json("last-drain.json")}
-        log.warning("pool generation %d: restored %d journaled requests (%d failed) from %s",
-                    self.generation, restored, len(self.failed), self.durable.dir)
+        self.readmission.readmit(records, adopting=adopting, readmit=readmit, admitted=self._stream_for,
+                                 adopted=adopted, known=lambda rid: rid in self.frontend.streams)
 
-    def _admit(self, body: dict) -> str | None:
-        """Re-admit one record; the reason it cannot be, or None."""
+    def _stream_for(self, body: dict, slot: int) -> None:
+        """A silent stream for a re-admitted request, its committed tokens' text ready."""
         fe = self.frontend
-        fingerprint = self.fingerprint
-        if body.get("fingerprint", "") != fingerprint:
-            return (f"the model changed across the restart (weights fingerprint "
-                    f"{str(body.get('fingerprint'))[:12]} -> {fingerprint[:12]})")
-        prompt, generated = body["prompt_ids"], body["generated"]
-        vocab = self.vocab_size
-        if any(t >= vocab for t in prompt + generated + body["stop_ids"]):
-            return f"a token id is outside the vocabulary (size {vocab})"
-        need = len(prompt) + max(body["max_tokens"], len(generated))
-        if need > fe.tables.geometry.max_seq_len:
-            return f"needs {need} tokens, the context is now {fe.tables.geometry.max_seq_len}"
-        rid = int(body["request_id"])
-        # ids of this pool's generation are new requests' ids, but for an adopted pool's own
-        if rid >> 40 > self.generation or (rid >> 40 == self.generation and not self.adopting):
-            return (f"its request id is of pool generation {rid >> 40}, not of one before this "
-                    f"pool's generation {self.generation}")
-        if rid in fe.streams:
-            return f"request {rid:#x} is already restored"
-        slot = fe.journal.free_slot()
-        if slot is None:
-            return f"no free request slot (--max-requests {fe.tables.geometry.num_slots})"
-        fe.journal.admit(slot, rid, prompt, max_tokens=body["max_tokens"], seed=body["seed"],
-                         temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
-                         stop_ids=body["stop_ids"], ignore_eos=bool(body.get("ignore_eos")),
-                         logprobs=body.get("logprobs"), prompt_logprobs=body.get("prompt_logprobs"))
+        rid, prompt, generated = int(body["request_id"]), body["prompt_ids"], body["generated"]
         try:
-            fe.journal.restore_progress(slot, rid, generated)
-            if body.get("cancelled"):
-                fe.journal.cancel(slot)
             detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
             texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
             fe.restore_stream(rid, slot, bytes.fromhex(body["client"]), len(prompt), detok,
                               texts, dict(body, generated=[]))
-        except Exception:                 # not restored: its slot and stream go
+        except Exception:                 # not restored: its stream goes (the readmission its slot)
             fe.streams.pop(rid, None)
             fe.records.pop(rid, None)
-            fe.journal.release(slot)
             raise
-        return None
 
     def _adopt_streams(self, records: list[dict]) -> tuple[list[dict], int]:
         """Streams for the requests of the adopted shm journal, silent until their clients
@@ -211,7 +153,7 @@ class Restore:
         return [by_id[rid] for rid in sorted(by_id)], adopted
 
     def _load_kept(self) -> None:
-        """The results a previous process kept for pickup (kvhold.sidecar.kept_results)."""
+        """The results a previous process kept for pickup (kvhold.frontend.kept_results)."""
         if self.kept is None:
             return
         now = now_ns()
@@ -240,7 +182,7 @@ class Restore:
 
     def park(self, st, ids: list[int], done: m.Done, logprobs: dict | None = None) -> None:
         """A restored or held request ended before its client came back: keep the result for
-        pickup (`logprobs`: its tokens' log-probs, kvhold.sidecar.logprob_stream.fields)."""
+        pickup (`logprobs`: its tokens' log-probs, kvhold.frontend.logprob_stream.fields)."""
         self._away.pop(st.request_id, None)
         if st.request_id in self.cancelled:       # cancelled for want of a client: nothing to keep
             log.info("request %#x, cancelled with no client attached, ended (%d tokens)",

@@ -16,7 +16,7 @@ import zmq
 from kvhold.protocol import wire
 from kvhold.protocol.curve import load_secret_keypair
 from kvhold.sidecar.config import ClientTcpConfig
-from kvhold.sidecar.zap_gate import ZapGate
+from kvhold.frontend.zap_gate import ZapGate
 
 log = logging.getLogger(__name__)
 ZAP_DOMAIN = b"kvhold"

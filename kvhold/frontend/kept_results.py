@@ -1,7 +1,7 @@
 """Results kept for pickup, on disk beside the durable journal: they outlive the frontend.
 
 A request whose stream is held for its client (its HTTP server died, its SDK client is away)
-and that ends meanwhile has its result kept for a later `Resume` (kvhold.sidecar.restore,
+and that ends meanwhile has its result kept for a later `Resume` (kvhold.frontend.restore,
 `Unclaimed`). Its durable record goes as it ends and its journal slot is released, so the
 result itself is the only copy: kept in the frontend's memory alone, a SIGKILL of the
 frontend (or of a sidecar that runs it in process) lost it, and the client that came back got

@@ -1,6 +1,6 @@
 """What an admission waits for off the sidecar's event loop: tokenization and durability.
 
-The loop never waits on client input or on the disk (kvhold.sidecar.frontend):
+The loop never waits on client input or on the disk (kvhold.frontend.frontend):
 * **Tokenization.** A text prompt is checked against `--max-prompt-bytes` (its length in
   characters on the loop, a lower bound of its UTF-8 size; the exact size in the worker),
   then tokenized by `PromptTokenizer` on worker threads. It calls the Hugging Face

@@ -3,7 +3,7 @@
 Admission validates a request completely (sampling options, token ids, context
 length) and writes it to the journal before acknowledging it, so an accepted
 request survives any executor death. Nothing of it blocks the event loop
-(kvhold.sidecar.admission): a text prompt is bounded by `--max-prompt-bytes` and
+(kvhold.frontend.admission): a text prompt is bounded by `--max-prompt-bytes` and
 tokenized on worker threads; the durable record is written by the journal's group
 commit, and the request enters the shared-memory journal (runnable) and is
 acknowledged only once its batch is on disk, a time slice of them per loop turn.
@@ -39,9 +39,9 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import RequestInput, SamplingParams, check_token_ids
-from kvhold.sidecar import logprob_stream
-from kvhold.sidecar.admission import Pending, PromptTokenizer
-from kvhold.sidecar.detokenizer import IncrementalDetokenizer
+from kvhold.frontend import logprob_stream
+from kvhold.frontend.admission import Pending, PromptTokenizer
+from kvhold.frontend.detokenizer import IncrementalDetokenizer
 from kvhold.sidecar.durable_journal import GroupCommit
 from kvhold.sidecar.timeline import RecoveryTimeline
 
@@ -95,7 +95,7 @@ class FrontendHost(Protocol):
 
 
 class RestoredStreams(Protocol):
-    """The streams a pool restart brought back (kvhold.sidecar.restore.Restore)."""
+    """The streams a pool restart brought back (kvhold.frontend.restore.Restore)."""
 
     def on_first_token(self) -> None: ...
     def park(self, st: Stream, ids: list[int], done: m.Done, logprobs: dict | None = None) -> None: ...
@@ -186,7 +186,7 @@ class Frontend:
             future = self.prompts.submit(req.prompt, lambda f: self.host.post(
                 lambda: self._tokenized(f, msg, req)))
             self._tokenizing.setdefault(future, (identity, msg.tag))
-            return None     # answered once tokenized (kvhold.sidecar.admission)
+            return None     # answered once tokenized (kvhold.frontend.admission)
         return self._admit(identity, msg, req, req.prompt_ids)
 
     def _tokenized(self, future: Future, msg: m.Generate, req: RequestInput) -> None:
@@ -355,7 +355,7 @@ class Frontend:
                 "fingerprint": self.fingerprint}
 
     def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:
-        """A request restored by a pool restart (kvhold.sidecar.restore): silent until resumed."""
+        """A request restored by a pool restart (kvhold.frontend.restore): silent until resumed."""
         prefix = int(record.get("prefix", 0))
         self.streams[request_id] = Stream(
             request_id=request_id, slot=slot, identity=identity, prompt_len=prompt_len, detok=detok,
@@ -365,7 +365,7 @@ class Frontend:
 
     def _send(self, st: Stream, msg) -> None:
         # a restored stream's client may not be connected yet; a stream whose owner is not
-        # connected as itself (kvhold.sidecar.client_peers), or is connected anew (a restarted
+        # connected as itself (kvhold.frontend.client_peers), or is connected anew (a restarted
         # process that does not know the stream), waits for it to resume, like one
         if st.awaiting_resume:
             return

@@ -5,81 +5,23 @@ A host class mixes `ClientSide` in; it must have `config` (a SidecarConfig: the 
 section and --max-prompt-bytes), `tables`, `loop` (kvhold.sidecar.event_loop.EventLoop),
 `zctx` and `frontend`. `_open_client_sockets` binds the ipc client socket (and TCP with
 --client-tcp) and registers them; `_on_client_events` handles a poll's events; `send_client`
-and `client_connection` are the FrontendHost's (kvhold.sidecar.frontend).
+and `client_connection` are the FrontendHost's (kvhold.frontend.frontend).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import zmq
 
 from kvhold.protocol import messages as m, wire
 from kvhold.protocol.errors import ErrorCode
-from kvhold.protocol.leases import now_ns
-from kvhold.sidecar.client_peers import CURVE, NOBODY, PEERCRED, ClientPeers, split_client_key
-from kvhold.sidecar.tcp_endpoint import TcpClientEndpoint
+from kvhold.protocol.router_socket import bind_router, decode, drain, reply
+from kvhold.frontend.client_peers import CURVE, NOBODY, PEERCRED, ClientPeers, split_client_key
+from kvhold.frontend.tcp_endpoint import TcpClientEndpoint
 
 log = logging.getLogger(__name__)
-DRAIN_SLICE_NS = 1_000_000    # a socket's messages handled per loop turn: at most about this long
 FRAME_SLACK = 64 << 10        # a Generate's fields besides its prompt text
-_MORE, _NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)   # plain ints: no enum arithmetic per send
-
-
-def bind_router(zctx: zmq.Context, endpoint: str, path, stack: contextlib.ExitStack) -> zmq.Socket:
-    sock = zctx.socket(zmq.ROUTER)
-    stack.callback(unlink, path)     # after the close: the socket file goes last
-    stack.callback(sock.close, 0)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    sock.bind(endpoint)
-    os.chmod(path, 0o600)
-    return sock
-
-
-def unlink(path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def drain(sock: zmq.Socket, handler, budget: int = 256, copy: bool = True) -> None:
-    """Handle up to `budget` (identity, body) messages, for at most about DRAIN_SLICE_NS."""
-    deadline = now_ns() + DRAIN_SLICE_NS     # the rest waits a turn: death signals go first
-    for _ in range(budget):
-        if now_ns() > deadline:
-            return
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
-            return
-        if len(frames) != 2:
-            log.warning("dropped a %d-frame message (expected identity + body)", len(frames))
-            continue
-        handler(frames[0] if copy else frames[0].bytes, frames[1])
-
-
-def reply(sock: zmq.Socket, identity: bytes, msg) -> None:
-    try:   # send_multipart's two sends, without its per-call checks
-        data = wire.encode(msg)
-        sock.send(identity, _MORE)
-        sock.send(data, _NOBLOCK)
-    except zmq.ZMQError as exc:
-        log.warning("dropped %s reply: %s", msg.TYPE, exc)
-
-
-def decode(sock: zmq.Socket, identity: bytes, frame: bytes, allowed, what: str,
-           max_array_len: int | None = None):
-    """The message, or None after an error reply: a bad frame never reaches a handler."""
-    try:
-        return wire.decode(frame, allowed, max_array_len=max_array_len)
-    except wire.WireError as exc:
-        log.warning("bad %s message: %s (%s)", what, exc, exc.code.name)
-        reply(sock, identity, m.Error(code=exc.code, message=str(exc), tag=wire.peek_tag(frame)))
-        return None
 
 
 class ClientSide:
@@ -91,7 +33,7 @@ class ClientSide:
             self.tcp = TcpClientEndpoint(self.config.client_tcp)
             stack.callback(self.tcp.close)
         # A client is known to the frontend by transport + authenticated principal + routing id
-        # (kvhold.sidecar.client_peers): presenting another's routing id makes nobody its owner.
+        # (kvhold.frontend.client_peers): presenting another's routing id makes nobody its owner.
         self._client_sockets = {b"u": self.client}
         self.peers = ClientPeers()
         stack.callback(self.peers.close)
