@@ -154,6 +154,11 @@ class Tables:
         return int(self.header["generation"])
 
     @property
+    def state(self) -> PoolState:
+        """The pool's state (PoolState: whether it is ready to serve)."""
+        return PoolState(int(self.header["state"]))
+
+    @property
     def sidecar_pid(self) -> int:
         """The pid of the sidecar that created the segment."""
         return int(self.header["sidecar_pid"])

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import posix_ipc
 
 from kvhold.protocol.layout import PoolState, Role, WeightsState
+from kvhold.protocol.leases import LeaseTable
 from kvhold.protocol.memory import HOST_ALIGN, SHM_DIR, round_up
 from kvhold.protocol.tables import Tables, TableFormatError
 
@@ -135,11 +136,12 @@ def find(paths, geometry, *, backend: str, generation: int, fingerprint: str, to
         log.warning("the tables of a previous sidecar cannot be read (%s): not adopting them", exc)
         return None
     holders, live, dead, starting = [], [], [], []
+    leases = LeaseTable(tables)
     for slot in range(tables.geometry.num_leases):
-        role = Role(int(tables.leases["role"][slot]))
+        role = leases.role(slot)
         if role == Role.FREE:
             continue
-        h = LeaseHolder(slot, int(tables.leases["pid"][slot]), role, int(tables.leases["epoch"][slot]))
+        h = LeaseHolder(slot, leases.pid(slot), role, leases.epoch(slot))
         holders.append(h)
         state = _holder_state(tables, slot)
         if state == "live" and role in (Role.ACTIVE, Role.STANDBY):
@@ -194,8 +196,8 @@ def _refusal(tables: Tables, geometry, backend: str, generation: int, fingerprin
         return "no executor of it is alive"
     if tables.geometry != geometry:
         return "its table geometry differs from this start's"
-    if int(tables.header["state"]) != PoolState.READY:
-        return f"its pool state is {PoolState(int(tables.header['state'])).name}"
+    if tables.state != PoolState.READY:
+        return f"its pool state is {tables.state.name}"
     if tables.generation != generation:
         return f"its generation {tables.generation} is not the journal's {generation}"
     if fingerprint:
