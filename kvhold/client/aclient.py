@@ -16,28 +16,27 @@ keepalives included, proves it alive; a caller that waits while the sidecar has 
 silent for `timeout` seconds gets `SidecarUnavailable`, never a hang. Pool restarts work
 as in the sync SDK: the announced pause is waited through, then `Resume` re-attaches; a
 restarted sidecar's streams are re-attached as soon as the socket has connected to it (a
-monitor task watches the socket's events), with the silence timer as the fallback.
+monitor task watches the socket's events), with the silence timer as the fallback. What
+the messages mean is kvhold.client.core's, shared with the sync Client; this module does the
+asyncio sockets and waits.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
-from kvhold.protocol import messages as m, wire
-from kvhold.client.client import (RECONNECT_EVENTS, RESUME_AFTER_S, GenerationResult, ReconnectWatch, TokenEvent,
-                                  TokenLogprob, hear_keepalive, result_of, resume_all, resume_message, shut_sockets,
-                                  dealer_socket, take_tokens)
-from kvhold.protocol.curve import apply_client_curve
-from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable, error_from_code
+from kvhold.client.client import open_sockets, send_or_fail, send_quietly, shut_sockets
+from kvhold.client.core import (ClientCore, GenerationResult, Received, ReconnectWatch, StreamState, StreamView,
+                                TokenEvent, TokenLogprob)
+from kvhold.protocol import messages as m
+from kvhold.protocol.errors import NotFound, ProtocolError, SidecarUnavailable
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.sampling import RequestInput
 
@@ -45,48 +44,15 @@ log = logging.getLogger(__name__)
 __all__ = ["AsyncClient", "AsyncStream", "TokenEvent", "TokenLogprob", "GenerationResult"]
 
 
-@dataclass(slots=True)
-class _StreamState:
-    request_id: int
-    prompt_tokens: int
-    token_ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)         # TokenLogprob per token, when asked for
-    prompt_logprobs: list | None = None                  # TokenLogprob per prompt token, when asked for
-    pending: collections.deque = field(default_factory=collections.deque)
-    done: m.Done | None = None
-    error: Exception | None = None
-    heard: float = field(default_factory=time.monotonic)   # last tokens or keepalive for it
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def finished(self) -> bool:
-        return self.done is not None or self.error is not None
+def _changed(st: StreamState) -> asyncio.Event:
+    """The event set when stream `st` has news (see AsyncClient._woke)."""
+    if st.waiter is None:
+        st.waiter = asyncio.Event()
+    return st.waiter
 
 
-class AsyncStream:
+class AsyncStream(StreamView):
     """Async iterator over one request's tokens; `await result()` waits for the end."""
-
-    def __init__(self, client: "AsyncClient", state: _StreamState):
-        self._client = client
-        self._state = state
-
-    @property
-    def request_id(self) -> int:
-        return self._state.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._state.prompt_tokens
-
-    @property
-    def finished(self) -> bool:
-        return self._state.finished
-
-    @property
-    def prompt_logprobs(self):
-        """The prompt's TokenLogprob list (asked for with prompt_logprobs=k), once the first
-        tokens have arrived; None before, or when not asked for."""
-        return self._state.prompt_logprobs
 
     def __aiter__(self):
         return self
@@ -98,14 +64,13 @@ class AsyncStream:
                 raise st.error
             if st.done is not None:
                 raise StopAsyncIteration
-            st.changed.clear()
-            await self._client._wait(st.changed.wait())
+            await self._client._wait_news(st)
         return st.pending.popleft()
 
     async def result(self) -> GenerationResult:
         async for _ in self:
             pass
-        return result_of(self._state, self._state.done)
+        return self._state.result()
 
     async def cancel(self) -> None:
         """Stop the request; the stream then ends with finish_reason 'cancelled'."""
@@ -123,33 +88,20 @@ class AsyncClient:
         """`endpoint`, the CURVE arguments and `resume_on_reconnect` as for
         kvhold.client.client.Client: over tcp://, give the server's public key and this client's
         .key_secret file to speak CurveZMQ."""
-        if (curve_server_key is None) != (curve_secret_key_file is None):
-            raise ValueError("CURVE needs both curve_server_key and curve_secret_key_file")
         self.endpoint = endpoint
         self.timeout = timeout
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._sock = dealer_socket(self._ctx, identity)
-        if curve_server_key is not None:
-            try:
-                apply_client_curve(self._sock, curve_server_key, curve_secret_key_file)
-            except BaseException:
-                self._sock.close(0)
-                if self._own_ctx:
-                    self._ctx.term()
-                raise
-        self._monitor = self._sock.get_monitor_socket(RECONNECT_EVENTS) if resume_on_reconnect else None
-        self._reconnect = ReconnectWatch()
+        self._sock, self._monitor = open_sockets(self._ctx, endpoint, identity, curve_server_key,
+                                                 curve_secret_key_file, self._own_ctx)
         # never closed and collected in a cycle: closed in order (kvhold.client.client.shut_sockets)
         self._shut = weakref.finalize(self, shut_sockets, self._sock, self._monitor, self._ctx, self._own_ctx)
-        self._sock.connect(endpoint)
-        self._tags = itertools.count(1)
-        self._replies: dict[int, asyncio.Future] = {}
-        self._streams: dict[int, _StreamState] = {}
+        self._resume_on_reconnect = resume_on_reconnect
+        self._reconnect = ReconnectWatch()
+        self._core = ClientCore(endpoint, timeout, time.monotonic())
+        self._answers: dict[int, asyncio.Future] = {}    # tag -> set once its reply is in the core
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
-        self._last_rx = self._last_resume = time.monotonic()
-        self._pause_until = 0.0    # a pool restart announced a pause until then (monotonic)
         self._closed = False
 
     @classmethod
@@ -163,11 +115,16 @@ class AsyncClient:
         """`prefix_generated` continues a request moved from another sidecar (see kvhold.routing.arouter):
         the stream then yields only the tokens after it, indexed from 0."""
         # every field's type and range, before anything is sent (the sidecar checks again)
-        req = RequestInput.check(prompt, prompt_ids, prefix_generated, params)
-        _, state = await self._request(lambda tag: m.Generate(
-            tag=tag, params=req.sampling.to_dict(), prompt=req.prompt, prompt_ids=req.prompt_ids,
-            prefix_generated=req.prefix or None))
-        return AsyncStream(self, state)
+        return await self.submit(RequestInput.check(prompt, prompt_ids, prefix_generated, params))
+
+    async def submit(self, request: RequestInput, *,
+                     on_silence: Callable[[], Awaitable[None]] | None = None) -> AsyncStream:
+        """Send one Generate for a checked request (kvhold.protocol.sampling.RequestInput) and
+        return its stream once the sidecar accepted it. `on_silence` is awaited each time the
+        sidecar has stayed silent for `timeout` meanwhile: it raises to give up, or returns to
+        wait again for the same Generate; without it, SidecarUnavailable."""
+        self._ensure_receiver()
+        return AsyncStream(self, await self._ask(*self._core.generate(request), on_silence))
 
     async def attach(self, request_id: int) -> AsyncStream:
         """Take up the stream of a request this client's key owns but this client has no stream
@@ -176,23 +133,17 @@ class AsyncClient:
         as they are committed, and the end; a request that ended while no owner was connected
         is served from its kept result. `NotFound` if the sidecar has no such request of this
         key's (unknown, another's, cancelled, or ended and delivered)."""
-        if request_id in self._streams:
-            raise ValueError(f"request {request_id:#x} already has a stream on this client")
-        self._ensure_receiver()
-        st = _StreamState(request_id, 0)
-        self._streams[request_id] = st
         asked = time.monotonic()
+        st, resume = self._core.attach(request_id, asked)
         try:
-            self._sock.send(wire.encode(m.Resume(request_ids=[request_id], next_indices=[0])), zmq.NOBLOCK)
+            self._ensure_receiver()
+            send_or_fail(self._sock, resume, self.endpoint)
             # answered by its tokens, its end, an error, or a keepalive naming it (nothing sent yet)
-            while not (st.pending or st.finished or st.heard > asked):
-                st.changed.clear()
-                await self._wait(st.changed.wait())
-        except zmq.Again:
-            raise SidecarUnavailable(f"cannot queue a message to {self.endpoint}") from None
+            while not self._core.attach_answered(st, asked):
+                await self._wait_news(st)
         finally:
-            if not (st.pending or st.finished or st.heard > asked) and self._streams.get(request_id) is st:
-                del self._streams[request_id]
+            if not self._core.attach_answered(st, asked):
+                self._core.drop(st)
         if st.error is not None and not st.pending:
             raise st.error
         return AsyncStream(self, st)
@@ -206,6 +157,25 @@ class AsyncClient:
     async def ping(self) -> int:
         """Round trip; returns the pool generation."""
         return (await self._request(lambda tag: m.Ping(tag=tag))).generation
+
+    async def pool_restart(self, hold: bool = False, client_grace_s: float = 300.0) -> m.PoolRestartReply:
+        """Ask the sidecar to restart its pool (see kvhold.cli.pool_restart); returns once it drains."""
+        return await self._request(lambda tag: m.PoolRestart(tag=tag, hold=hold, client_grace_s=client_grace_s))
+
+    async def admissions(self, reopen: bool = False) -> m.AdmissionsReply:
+        """Whether the sidecar admits new requests, and who closed them; `reopen` lifts a
+        health action's closure first (local socket only; see `kvhold admissions`)."""
+        return await self._request(lambda tag: m.Admissions(tag=tag, reopen=reopen))
+
+    @property
+    def last_heard(self) -> float:
+        """When (time.monotonic()) the last message from the sidecar came."""
+        return self._core.last_rx
+
+    def disconnects(self) -> int:
+        """How many times the connection to the sidecar has dropped (the socket monitor's
+        events, as the monitor task has read them)."""
+        return self._reconnect.drops
 
     async def close(self) -> None:
         self._closed = True
@@ -227,18 +197,30 @@ class AsyncClient:
     # ------------------------------------------------------------------ plumbing
     async def _request(self, make):
         self._ensure_receiver()
-        tag = next(self._tags)
-        fut = asyncio.get_running_loop().create_future()
-        self._replies[tag] = fut
+        return await self._ask(*self._core.request(make))
+
+    async def _ask(self, tag: int, msg, on_silence=None):
+        """Send request `msg` and wait for its reply (see `submit` for `on_silence`)."""
+        answer = self._answers[tag] = asyncio.get_running_loop().create_future()
         try:
-            self._sock.send(wire.encode(make(tag)), zmq.NOBLOCK)
-        except zmq.Again:
-            self._replies.pop(tag, None)
-            raise SidecarUnavailable(f"cannot queue a message to {self.endpoint}") from None
-        try:
-            return await self._wait(asyncio.shield(fut))
+            send_or_fail(self._sock, msg, self.endpoint)
+            while True:
+                try:
+                    await self._wait(asyncio.shield(answer))
+                    return self._core.reply(tag)
+                except SidecarUnavailable:
+                    if on_silence is None:
+                        raise
+                    await on_silence()
         finally:
-            self._replies.pop(tag, None)
+            self._answers.pop(tag, None)
+            self._core.forget(tag)
+
+    async def _wait_news(self, st: StreamState) -> None:
+        """Wait until stream `st` has news (or SidecarUnavailable, as `_wait`)."""
+        changed = _changed(st)
+        changed.clear()
+        await self._wait(changed.wait())
 
     async def _wait(self, awaitable):
         """Await `awaitable` while the sidecar stays alive: any frame from it resets the clock."""
@@ -247,14 +229,11 @@ class AsyncClient:
         try:
             while True:
                 now = time.monotonic()
-                remaining = max(max(self._last_rx, started) + self.timeout, self._pause_until) - now
-                if remaining <= 0:
-                    raise SidecarUnavailable(f"no message from the sidecar at {self.endpoint} "
-                                             f"for {self.timeout:.1f} s")
-                done, _ = await asyncio.wait({task}, timeout=min(remaining, RESUME_AFTER_S))
+                wait_s = self._core.wait_s(started, now)
+                send_quietly(self._sock, self._core.resume_due(now))
+                done, _ = await asyncio.wait({task}, timeout=wait_s)
                 if done:
                     return task.result()
-                self._maybe_resume()
         finally:
             if not task.done():
                 task.cancel()
@@ -264,105 +243,31 @@ class AsyncClient:
             raise SidecarUnavailable("the client is closed")
         if self._receiver is None or self._receiver.done():
             self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
-        if self._monitor is not None and (self._watcher is None or self._watcher.done()):
+        if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_reconnects())
 
     async def _watch_reconnects(self) -> None:
         """Re-attach every open stream as soon as the socket has connected again."""
         while True:
             frames = await self._monitor.recv_multipart()
-            if self._reconnect.seen(frames):
-                self._last_resume = time.monotonic()
-                self._queue(resume_all(self._streams))
+            if self._reconnect.seen(frames) and self._resume_on_reconnect:
+                send_quietly(self._sock, self._core.reconnected(time.monotonic()))
 
     async def _receive_loop(self) -> None:
         while True:
             frame = await self._sock.recv()
-            self._last_rx = time.monotonic()
             try:
-                msg = wire.decode(frame)
-            except wire.WireError as exc:
-                self._fail_all(ProtocolError(f"undecodable message from the sidecar: {exc}"))
-                continue
-            handler = self._HANDLERS.get(type(msg))
-            if handler is not None:
-                handler(self, msg)
+                got = self._core.receive(frame, time.monotonic())
+            except ProtocolError as exc:
+                got = self._core.fail_all(exc)
+            self._woke(got)
 
-    def _maybe_resume(self) -> None:
-        """After a silence, re-attach open streams (a restarted sidecar re-sends from there)."""
-        now = time.monotonic()
-        if now - self._last_resume < RESUME_AFTER_S:
-            return
-        self._last_resume = now
-        self._queue(resume_message(self._streams, now))
-
-    def _queue(self, msg) -> None:
-        if msg is None:
-            return
-        try:
-            self._sock.send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # queue full while the sidecar is away: the next silence retries
-
-    def _on_restarting(self, msg: m.Restarting) -> None:
-        self._pause_until = max(self._pause_until, time.monotonic() + msg.resume_within_s)
-
-    def _on_keepalive(self, msg: m.Keepalive) -> None:
-        hear_keepalive(self._streams, msg)
-        for rid in msg.request_ids:           # wakes an `attach` waiting for the sidecar's word
-            st = self._streams.get(rid)
-            if st is not None:
-                st.changed.set()
-        self._pause_until = 0.0    # a sidecar serves our streams (again): normal timeout
-
-    def _fail_all(self, exc: Exception) -> None:
-        for fut in self._replies.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        for st in self._streams.values():
-            st.error = exc
-            st.changed.set()
-        self._streams.clear()
-
-    def _on_accepted(self, msg: m.Accepted) -> None:
-        # Registered here, not in generate(): tokens, and the Done of a short request, may
-        # follow before generate() resumes. generate() gets the state with the reply, since
-        # a Done handled by then has already taken it out of _streams.
-        state = _StreamState(msg.request_id, msg.prompt_tokens)
-        self._streams[msg.request_id] = state
-        fut = self._replies.get(msg.tag)
-        if fut is not None and not fut.done():
-            fut.set_result((msg, state))
-
-    def _on_tokens(self, msg: m.Tokens) -> None:
-        st = self._streams.get(msg.request_id)
-        if st is None:
-            return
-        if not take_tokens(st, msg):
-            self._streams.pop(msg.request_id)
-        st.changed.set()
-
-    def _on_done(self, msg: m.Done) -> None:
-        st = self._streams.pop(msg.request_id, None)
-        if st is not None:
-            st.done = msg
-            st.changed.set()
-
-    def _on_error(self, msg: m.Error) -> None:
-        exc = error_from_code(msg.code, msg.message)
-        fut = self._replies.get(msg.tag) if msg.tag else None
-        if fut is not None and not fut.done():
-            fut.set_exception(exc)
-        elif msg.request_id in self._streams:
-            st = self._streams.pop(msg.request_id)
-            st.error = exc
-            st.changed.set()
-
-    def _on_reply(self, msg) -> None:
-        fut = self._replies.get(msg.tag)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
-
-    _HANDLERS = {m.Tokens: _on_tokens, m.Done: _on_done, m.Error: _on_error, m.Accepted: _on_accepted,
-                 m.Cancelled: _on_reply, m.StatusReply: _on_reply, m.Pong: _on_reply,
-                 m.Keepalive: _on_keepalive, m.Restarting: _on_restarting}
+    def _woke(self, got: Received) -> None:
+        """Wake whoever waits on what a message changed."""
+        for tag in got.replies:
+            answer = self._answers.get(tag)
+            if answer is not None and not answer.done():
+                answer.set_result(None)
+        for st in got.streams:
+            if st.waiter is not None:
+                st.waiter.set()

@@ -22,44 +22,17 @@ import itertools
 import logging
 import time
 
-import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
-from kvhold.protocol import messages as m, wire
 from kvhold.client.aclient import AsyncClient, AsyncStream
 from kvhold.client.client import TokenEvent
-from kvhold.protocol.errors import KvholdError, Overloaded, ShuttingDown, SidecarUnavailable
+from kvhold.protocol.errors import KvholdError, SidecarUnavailable
+from kvhold.protocol.sampling import RequestInput
 from kvhold.routing.registry_client import RegistryView, SidecarEntry
-from kvhold.routing.routing import Conn, RoutedResult, RouterCore, StreamLog, routed_params
+from kvhold.routing.routing import REFUSALS, Conn, RoutedResult, RouterCore, StreamLog
 
 __all__ = ["AsyncRoutedClient", "AsyncRoutedStream", "RoutedResult"]
 log = logging.getLogger(__name__)
-
-
-class _TrackedAsyncClient(AsyncClient):
-    """An AsyncClient that can tell whether its connection dropped (a socket monitor)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, resume_on_reconnect=False, **kwargs)   # this monitor is the router's
-        self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-
-    @property
-    def last_heard(self) -> float:
-        return self._last_rx
-
-    async def disconnected(self) -> bool:
-        try:
-            while True:
-                frames = await self.monitor.recv_multipart(zmq.NOBLOCK)
-                if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
-                    return True
-        except zmq.Again:
-            return False
-
-    async def close(self) -> None:
-        self.monitor.close(0)
-        await super().close()
 
 
 class AsyncRoutedClient(RouterCore):
@@ -76,9 +49,14 @@ class AsyncRoutedClient(RouterCore):
 
     async def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                        **params) -> "AsyncRoutedStream":
+        # checked before any sidecar sees it
+        return await self.submit(RequestInput.check(prompt, prompt_ids, None, params))
+
+    async def submit(self, request: RequestInput) -> "AsyncRoutedStream":
+        """Route a checked request (kvhold.protocol.sampling.RequestInput; a seed is chosen here
+        when it has none)."""
         self._watch()
-        stream = AsyncRoutedStream(self, next(self._ids), prompt, prompt_ids,
-                                   routed_params(prompt, prompt_ids, params))
+        stream = AsyncRoutedStream(self, next(self._ids), request)
         await stream._place(reason="")
         return stream
 
@@ -133,54 +111,38 @@ class AsyncRoutedClient(RouterCore):
             endpoint, curve = self.address(entry)
             if curve:     # skipped by _place, like a sidecar that refuses
                 raise SidecarUnavailable(f"{entry.key} speaks CurveZMQ: not in the asyncio SDK yet")
-            conn = self.add(entry, _TrackedAsyncClient(endpoint, timeout=self.poll_s, context=self._ctx))
+            # streams move elsewhere when the connection drops: no resume on a reconnect
+            conn = self.add(entry, AsyncClient(endpoint, timeout=self.poll_s, context=self._ctx,
+                                               resume_on_reconnect=False))
         return conn
 
     async def check(self, conn: Conn) -> str:
         """Why `conn`'s sidecar is lost, or "" while it may still be alive."""
         if conn.lost:
             return conn.lost
-        disconnected = await conn.client.disconnected()
-        if conn.lost:                 # another coroutine decided meanwhile
-            return conn.lost
-        reason = self.loss_reason(conn, disconnected)
+        reason = self.loss_reason(conn, conn.client.disconnects() > 0)
         if reason:
             self.moved[conn.entry.key] += conn.streams
             await conn.client.close()
         return reason
 
-    async def submit(self, conn: Conn, prompt, prompt_ids, params: dict, prefix: list[int]) -> AsyncStream:
+    async def send(self, conn: Conn, request: RequestInput) -> AsyncStream:
         """Generate on `conn` (one Generate, however long the wait); SidecarUnavailable when it
         is lost meanwhile or gives no reply within submit_timeout_s."""
-        client = conn.client
-        client._ensure_receiver()
-        tag = next(client._tags)
-        fut = asyncio.get_running_loop().create_future()
-        client._replies[tag] = fut
-        try:
-            client._sock.send(wire.encode(m.Generate(tag=tag, params=params, prompt=prompt, prompt_ids=prompt_ids,
-                                                     prefix_generated=list(prefix) or None)), zmq.NOBLOCK)
-            deadline = time.monotonic() + self.submit_timeout_s
-            while True:
-                try:
-                    _, state = await client._wait(asyncio.shield(fut))     # (Accepted, its stream)
-                    break
-                except SidecarUnavailable:
-                    reason = await self.check(conn)
-                    if reason or time.monotonic() > deadline:
-                        raise SidecarUnavailable(f"{conn.entry.key}: {reason or 'no reply'}") from None
-        except zmq.Again:
-            raise SidecarUnavailable(f"cannot queue a message to {conn.entry.key}") from None
-        finally:
-            client._replies.pop(tag, None)
-        return AsyncStream(client, state)
+        deadline = time.monotonic() + self.submit_timeout_s
+
+        async def on_silence() -> None:
+            reason = await self.check(conn)
+            if reason or time.monotonic() > deadline:
+                raise SidecarUnavailable(f"{conn.entry.key}: {reason or 'no reply'}")
+        return await conn.client.submit(request, on_silence=on_silence)
 
 
 class AsyncRoutedStream(StreamLog):
     """Async iterator over one request's tokens, whichever sidecars produce them."""
 
-    def __init__(self, router: AsyncRoutedClient, request_id: int, prompt, prompt_ids, params: dict):
-        super().__init__(prompt, prompt_ids, params)
+    def __init__(self, router: AsyncRoutedClient, request_id: int, request: RequestInput):
+        super().__init__(request)
         self.router = router
         self.request_id = request_id          # this router's, not a sidecar's
         self.pending: collections.deque = collections.deque()
@@ -219,8 +181,7 @@ class AsyncRoutedStream(StreamLog):
 
     async def step(self) -> None:
         """Wait (about poll_s at most while the sidecar is silent) for a token, the end or a move."""
-        st = self._inner._state
-        if self.conn.lost and not st.pending and not st.finished:
+        if self.stranded(self._inner):
             return await self._place(self.conn.lost)   # lost while another stream was waiting
         try:
             event = await self._inner.__anext__()
@@ -237,10 +198,8 @@ class AsyncRoutedStream(StreamLog):
         """Start (or continue, after `reason`) on the best sidecar; retry until move_timeout_s."""
         r = self.router
         old, lost_at = self.conn, time.monotonic()
-        if old is not None:
-            old.streams -= 1
-            if self.all_sent:
-                return self.finish(None, "length")
+        if self.leave():
+            return
         skip: set[str] = set()
         while True:
             entry = r.pick(exclude=skip, fingerprint=self.fingerprint)
@@ -253,16 +212,11 @@ class AsyncRoutedStream(StreamLog):
                     continue
                 self.reserve(r, conn)
                 try:
-                    self._inner = await r.submit(conn, self.prompt, self.prompt_ids, self.params, self.token_ids)
+                    self._inner = await r.send(conn, self.continuation())
                     break
-                except (ShuttingDown, Overloaded, SidecarUnavailable) as exc:
-                    self.reserve(r, conn, taken=False)
-                    log.info("sidecar %s did not take the request: %s", entry.key, exc)
-                    skip.add(entry.key)
+                except REFUSALS as exc:
+                    self.refused(r, conn, exc, skip)
                     continue
-            error = r.move_deadline_passed(lost_at, reason)
-            if error:
-                raise SidecarUnavailable(error)
-            skip.clear()
+            self.round_over(r, lost_at, reason, skip)
             await r.wait_change(0.05)
         self.placed(old, conn, reason, lost_at, self._inner.prompt_tokens)

@@ -25,50 +25,15 @@ import logging
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from kvhold.protocol import messages as m
-from kvhold.client.client import Client, Stream, TokenEvent, _StreamState
-from kvhold.protocol.errors import Overloaded, ShuttingDown, SidecarUnavailable
+from kvhold.client.client import Client, Stream, TokenEvent
+from kvhold.protocol.errors import SidecarUnavailable
+from kvhold.protocol.sampling import RequestInput
 from kvhold.routing.registry_client import RegistryView, SidecarEntry
-from kvhold.routing.routing import Conn, RoutedResult, RouterCore, StreamLog, routed_params
+from kvhold.routing.routing import REFUSALS, Conn, RoutedResult, RouterCore, StreamLog
 
 __all__ = ["RoutedClient", "RoutedStream", "RoutedResult", "wait_all"]
 log = logging.getLogger(__name__)
-
-
-class _TrackedClient(Client):
-    """A Client that remembers when it last heard from its sidecar, and stops waiting the
-    moment its connection drops (the socket monitor wakes the same poll)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, resume_on_reconnect=False, **kwargs)   # this monitor is the router's
-        self.last_heard = time.monotonic()
-        self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self.monitor, zmq.POLLIN)
-
-    def _receive_one(self) -> None:
-        if self._sock not in dict(self._poller.poll(int(self.timeout * 1000))):
-            raise SidecarUnavailable(f"no message from the sidecar at {self.endpoint}")
-        self._dispatch(self._sock.recv())
-
-    def _dispatch(self, frame: bytes) -> None:
-        self.last_heard = time.monotonic()
-        super()._dispatch(frame)
-
-    def disconnected(self) -> bool:
-        try:
-            while True:
-                if recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED:
-                    return True
-        except zmq.Again:
-            return False
-
-    def close(self) -> None:
-        self.monitor.close(0)
-        super().close()
 
 
 class RoutedClient(RouterCore):
@@ -88,7 +53,13 @@ class RoutedClient(RouterCore):
 
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                  **params) -> "RoutedStream":
-        stream = RoutedStream(self, prompt, prompt_ids, routed_params(prompt, prompt_ids, params))
+        # checked before any sidecar sees it
+        return self.submit(RequestInput.check(prompt, prompt_ids, None, params))
+
+    def submit(self, request: RequestInput) -> "RoutedStream":
+        """Route a checked request (kvhold.protocol.sampling.RequestInput; a seed is chosen here
+        when it has none)."""
+        stream = RoutedStream(self, request)
         stream._place(reason="")
         return stream
 
@@ -113,43 +84,36 @@ class RoutedClient(RouterCore):
             stale.client.close()
         if conn is None:
             endpoint, curve = self.address(entry)
-            conn = self.add(entry, _TrackedClient(endpoint, timeout=self.poll_s, context=self._ctx, **curve))
+            # streams move elsewhere when the connection drops: no resume on a reconnect
+            conn = self.add(entry, Client(endpoint, timeout=self.poll_s, context=self._ctx,
+                                          resume_on_reconnect=False, **curve))
         return conn
 
     def check(self, conn: Conn) -> str:
         """Why `conn`'s sidecar is lost, or "" while it may still be alive (see module doc)."""
         if conn.lost:
             return conn.lost
-        reason = self.loss_reason(conn, conn.client.disconnected())
+        reason = self.loss_reason(conn, conn.client.disconnects() > 0)
         if reason:
             conn.client.close()
         return reason
 
-    def submit(self, conn: Conn, prompt, prompt_ids, params: dict, prefix: list[int]) -> Stream:
+    def send(self, conn: Conn, request: RequestInput) -> Stream:
         """Generate on `conn`; raises SidecarUnavailable when it is lost meanwhile or silent."""
-        client = conn.client
-        tag = next(client._tags)
-        client._send(m.Generate(tag=tag, params=params, prompt=prompt, prompt_ids=prompt_ids,
-                                prefix_generated=list(prefix) or None))
         deadline = time.monotonic() + self.submit_timeout_s
-        while True:
-            try:
-                reply = client._wait_reply(tag)
-                break
-            except SidecarUnavailable:
-                reason = self.check(conn)
-                if reason or time.monotonic() > deadline:
-                    raise SidecarUnavailable(f"{conn.entry.key}: {reason or 'no reply'}") from None
-        state = _StreamState(request_id=reply.request_id, prompt_tokens=reply.prompt_tokens)
-        client._streams[reply.request_id] = state
-        return Stream(client, state)
+
+        def on_silence() -> None:
+            reason = self.check(conn)
+            if reason or time.monotonic() > deadline:
+                raise SidecarUnavailable(f"{conn.entry.key}: {reason or 'no reply'}")
+        return conn.client.submit(request, on_silence=on_silence)
 
 
 class RoutedStream(StreamLog):
     """One request's tokens, whichever sidecars produce them; `result()` waits for the end."""
 
-    def __init__(self, router: RoutedClient, prompt, prompt_ids, params: dict):
-        super().__init__(prompt, prompt_ids, params)
+    def __init__(self, router: RoutedClient, request: RequestInput):
+        super().__init__(request)
         self.router = router
         self.pending: collections.deque = collections.deque()
         self._inner: Stream | None = None
@@ -176,8 +140,7 @@ class RoutedStream(StreamLog):
     def step(self) -> None:
         """Wait (at most about poll_s when the sidecar is silent) for progress: a token, the end,
         or a move to another sidecar."""
-        st = self._inner._state
-        if self.conn.lost and not st.pending and st.done is None and st.error is None:
+        if self.stranded(self._inner):
             return self._place(self.conn.lost)     # lost while another stream was waiting
         try:
             event = next(self._inner)
@@ -194,10 +157,8 @@ class RoutedStream(StreamLog):
         """Start (or continue, after `reason`) on the best sidecar; retry until move_timeout_s."""
         r = self.router
         old, lost_at = self.conn, time.monotonic()
-        if old is not None:
-            old.streams -= 1
-            if self.all_sent:
-                return self.finish(None, "length")
+        if self.leave():
+            return
         skip: set[str] = set()
         while True:
             entry = r.pick(exclude=skip, fingerprint=self.fingerprint)
@@ -205,19 +166,14 @@ class RoutedStream(StreamLog):
                 conn = r.connection(entry)
                 self.reserve(r, conn)
                 try:
-                    self._inner = r.submit(conn, self.prompt, self.prompt_ids, self.params, self.token_ids)
+                    self._inner = r.send(conn, self.continuation())
                     break
-                except (ShuttingDown, Overloaded, SidecarUnavailable) as exc:
-                    self.reserve(r, conn, taken=False)
-                    log.info("sidecar %s did not take the request: %s", entry.key, exc)
-                    skip.add(entry.key)
+                except REFUSALS as exc:
+                    self.refused(r, conn, exc, skip)
                     continue
-            error = r.move_deadline_passed(lost_at, reason)
-            if error:
-                raise SidecarUnavailable(error)
-            skip.clear()
+            self.round_over(r, lost_at, reason, skip)
             time.sleep(0.05)
-        self.placed(old, conn, reason, lost_at, self._inner._state.prompt_tokens)
+        self.placed(old, conn, reason, lost_at, self._inner.prompt_tokens)
 
 
 def wait_all(streams: list[RoutedStream], on_event=None) -> list[RoutedResult]:

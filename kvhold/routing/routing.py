@@ -12,13 +12,15 @@ import collections
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvhold.client.client import GenerationResult, TokenEvent
+from kvhold.protocol.errors import Overloaded, ShuttingDown, SidecarUnavailable
 from kvhold.routing.registry_client import RegistryView, SidecarEntry, node_name, pick_sidecar
 from kvhold.protocol.sampling import RequestInput
 
 log = logging.getLogger(__name__)
+REFUSALS = (ShuttingDown, Overloaded, SidecarUnavailable)   # a sidecar that did not take a request
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,19 +32,16 @@ class RoutedResult(GenerationResult):
 @dataclass(slots=True)
 class Conn:
     entry: SidecarEntry
-    client: object               # a Client (sync) or an AsyncClient, with `last_heard`
+    client: object               # a Client (sync) or an AsyncClient
     streams: int = 0
     lost: str = ""
 
 
-def routed_params(prompt, prompt_ids, params: dict) -> dict:
-    """Checked sampling params with a seed: a move must continue the same random stream. The
-    prompt is checked too (kvhold.protocol.sampling.RequestInput), before any sidecar sees it."""
-    params = dict(params)
-    if params.get("seed") is None:
-        params["seed"] = secrets.randbits(63)
-    RequestInput.check(prompt, prompt_ids, None, params)
-    return params
+def routed_request(request: RequestInput) -> RequestInput:
+    """`request` with a seed: a move must continue the same random stream."""
+    if request.sampling.seed is not None:
+        return request
+    return replace(request, sampling=replace(request.sampling, seed=secrets.randbits(63)))
 
 
 class RouterCore:
@@ -121,8 +120,8 @@ class RouterCore:
 class StreamLog:
     """One routed request's tokens across sidecars, its moves, and its result."""
 
-    def __init__(self, prompt, prompt_ids, params: dict):
-        self.prompt, self.prompt_ids, self.params = prompt, prompt_ids, params
+    def __init__(self, request: RequestInput):
+        self.request = routed_request(request)
         self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.moves: list[dict] = []
@@ -137,7 +136,16 @@ class StreamLog:
     @property
     def all_sent(self) -> bool:
         """Every token was streamed: only the end was lost, there is nothing to move."""
-        return len(self.token_ids) >= self.params.get("max_tokens", 16)
+        return len(self.token_ids) >= self.request.sampling.max_tokens
+
+    def continuation(self) -> RequestInput:
+        """The request to submit on the next sidecar: the prompt plus the tokens streamed so far."""
+        return replace(self.request, prefix=list(self.token_ids))
+
+    def stranded(self, inner) -> bool:
+        """The sidecar's stream `inner` has nothing left to give: its sidecar was lost (found by
+        another stream's wait) and it holds no token nor end not yet taken."""
+        return bool(self.conn.lost) and not inner.buffered and not inner.finished
 
     def record(self, token_id: int, text: str, logprob=None, inner=None) -> TokenEvent:
         """`logprob`: the token's (with logprobs=k); `inner`: the sidecar's stream it came from,
@@ -145,11 +153,38 @@ class StreamLog:
         if self.moves and "first_token_s" not in self.moves[-1]:
             self.moves[-1]["first_token_s"] = time.monotonic() - self.moves[-1]["lost_at"]
         if self.prompt_logprobs is None and inner is not None:
-            self.prompt_logprobs = getattr(inner._state, "prompt_logprobs", None)
+            self.prompt_logprobs = inner.prompt_logprobs
         event = TokenEvent(index=len(self.token_ids), token_id=token_id, text=text, logprob=logprob)
         self.token_ids.append(token_id)
         self.texts.append(text)
         return event
+
+    def leave(self) -> bool:
+        """Before a (re)placement: let go of the sidecar the stream was on; True when the
+        stream is over instead (every token was streamed: finished, 'length')."""
+        if self.conn is None:
+            return False
+        self.conn.streams -= 1
+        if self.all_sent:
+            self.finish(None, "length")
+            return True
+        return False
+
+    def refused(self, router: RouterCore, conn: Conn, exc: Exception, skip: set[str]) -> None:
+        """`conn`'s sidecar did not take the request (one of REFUSALS): the placement is taken
+        back and the others are tried."""
+        self.reserve(router, conn, taken=False)
+        log.info("sidecar %s did not take the request: %s", conn.entry.key, exc)
+        skip.add(conn.entry.key)
+
+    @staticmethod
+    def round_over(router: RouterCore, lost_at: float, reason: str, skip: set[str]) -> None:
+        """No sidecar took the request this round: SidecarUnavailable once it has waited
+        move_timeout_s, else every sidecar may be tried again."""
+        error = router.move_deadline_passed(lost_at, reason)
+        if error:
+            raise SidecarUnavailable(error)
+        skip.clear()
 
     @staticmethod
     def reserve(router: RouterCore, conn: Conn, taken: bool = True) -> None:

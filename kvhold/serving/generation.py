@@ -1,6 +1,6 @@
 """One OpenAI request's generation: text deltas from a kvhold stream, stop strings, SSE.
 
-`Generation` turns an `AsyncStream` into text deltas. Stop strings are matched here,
+`Generation` turns a stream (kvhold.serving.backend.TokenStream) into text deltas. Stop strings are matched here,
 on the detokenized text: text that could be the start of a stop string is held back
 until it is known not to be, and when one matches the output ends before it and the
 request is cancelled in the sidecar. A consumer that goes away (an HTTP client that
@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 
-from kvhold.client.aclient import AsyncStream
+from kvhold.serving.backend import TokenStream
 from kvhold.serving.openai_schema import ApiError, api_error_for
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -47,7 +47,7 @@ class Generation:
     `logprob_format`: entries -> the endpoint's logprobs object (kvhold.serving.logprobs), when
     the request asked for log-probs."""
 
-    def __init__(self, stream: AsyncStream, stops: list[str], echo: str | None = None,
+    def __init__(self, stream: TokenStream, stops: list[str], echo: str | None = None,
                  logprob_format=None):
         self.stream = stream
         self.matcher = StopMatcher(stops)
@@ -88,7 +88,7 @@ class Generation:
 
     def _echo(self):
         """The echoed prompt, with its log-probs (they come with the first tokens)."""
-        self.logprobs.extend(getattr(self.stream, "prompt_logprobs", None) or [])
+        self.logprobs.extend(self.stream.prompt_logprobs or [])
         echo, self.echo = self.echo, None
         return echo
 
@@ -97,7 +97,7 @@ class Generation:
         async for event in self.stream:
             if self.echo is not None:
                 yield self._echo()
-            if getattr(event, "logprob", None) is not None:
+            if event.logprob is not None:
                 self.logprobs.append(event.logprob)
             now = time.monotonic()
             if self.first_token_at is None:

@@ -13,7 +13,8 @@ request bodies (the pydantic models of kvhold.serving.openai_schema).
 
 The app is backed by one local sidecar (`SidecarBackend`, `kvhold serve`) or by the
 sidecars of a registry (`kvhold.serving.router_http.RouterBackend`, `kvhold router`): a backend
-gives `generate`, `health` and `render_metrics`, and its `metrics` count HTTP requests.
+is what kvhold.serving.backend.Backend declares (`submit` a checked request, `health`,
+`render_metrics`, `attach` where it resumes streams), and its `metrics` count HTTP requests.
 
 /health (one sidecar) is 200 only when a request can be served now: the weights are sealed
 and an active executor is ready with a live heartbeat lease. During a failover, or while
@@ -40,7 +41,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhold.client.aclient import AsyncClient
 from kvhold.protocol.errors import KvholdError, NotFound
+from kvhold.protocol.sampling import RequestInput
 from kvhold.protocol.wire import WireError
+from kvhold.serving.backend import Backend, TokenStream
 from kvhold.serving.chat_template import ChatTemplate, TemplateError
 from kvhold.serving.generation import (EventIds, Generation, ResponseShape, multi_sse_body, sse_body,
                                        summed_usage)
@@ -186,7 +189,9 @@ MAX_REQUEST_ID = 256        # an X-Request-Id longer than this is not echoed
 
 
 class SidecarBackend:
-    """One local sidecar: its async client, the status polls that feed /metrics, /health."""
+    """One local sidecar: its async client, the status polls that feed /metrics, /health (a
+    kvhold.serving.backend.Backend)."""
+    resumes_streams = True
 
     def __init__(self, settings: AppSettings):
         self.settings = settings
@@ -204,10 +209,10 @@ class SidecarBackend:
         self._poller.cancel()
         await self.client.close()
 
-    async def generate(self, **request):
-        return await self.client.generate(**request)
+    async def submit(self, request: RequestInput) -> TokenStream:
+        return await self.client.submit(request)
 
-    async def attach(self, request_id: int):
+    async def attach(self, request_id: int) -> TokenStream:
         return await self.client.attach(request_id)
 
     async def poll_forever(self) -> None:
@@ -250,13 +255,13 @@ class SidecarBackend:
 class _Service:
     """What the routes share: the backend, tokenizer, template, metrics, gate."""
 
-    def __init__(self, settings: AppSettings, backend):
+    def __init__(self, settings: AppSettings, backend: Backend):
         self.settings, self.backend, self.metrics = settings, backend, backend.metrics
         self.gate = Gate()
         self.template = ChatTemplate.for_checkpoint(settings.model_dir)
         self.tokenizer = _load_tokenizer(settings.model_dir)
         self.created = int(time.time())
-        resumable = settings.stream_dir is not None and hasattr(backend, "attach")
+        resumable = settings.stream_dir is not None and backend.resumes_streams
         self.records = stream_resume.StreamRecords(settings.stream_dir) if resumable else None
 
     def check_model(self, model: str | None) -> None:
@@ -315,7 +320,7 @@ class _Service:
             raise ApiError(503, "the server is shutting down", type="service_unavailable",
                            code="shutting_down")
         t0 = time.monotonic()
-        stream = await self.backend.generate(**prompt, **req.sampling(max_tokens))
+        stream = await self.backend.submit(_request(prompt, req.sampling(max_tokens)))
         gen = self._generation(req, kind, prompt, stream)
         self.gate.active.add(gen)
         shape = ResponseShape(kind, stream.request_id, self.settings.served_model_name)
@@ -386,7 +391,7 @@ class _Service:
         try:
             for p, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
                 for j in range(req.n):
-                    stream = await self.backend.generate(**prompt, **req.sampling(limit, choice=j))
+                    stream = await self.backend.submit(_request(prompt, req.sampling(limit, choice=j)))
                     gens.append(self._generation(req, kind, prompt, stream))
                     prompts_of.append(p)
         except BaseException:
@@ -462,6 +467,12 @@ class _Service:
                                     EventIds(rid, after), bool(record.get("continuous_usage")))
 
 
+def _request(prompt: dict, sampling: dict) -> RequestInput:
+    """One choice's request ({'prompt': text} or {'prompt_ids': [...]}), checked before a
+    backend sees it."""
+    return RequestInput.check(prompt.get("prompt"), prompt.get("prompt_ids"), None, sampling)
+
+
 def _load_tokenizer(model_dir: Path | None):
     path = Path(model_dir) / "tokenizer.json" if model_dir else None
     if path is None or not path.is_file():
@@ -470,7 +481,7 @@ def _load_tokenizer(model_dir: Path | None):
     return Tokenizer.from_file(str(path))
 
 
-def create_app(settings: AppSettings, backend=None) -> FastAPI:
+def create_app(settings: AppSettings, backend: Backend | None = None) -> FastAPI:
     """The app over `backend` (default: the one sidecar at settings.endpoint)."""
     backend = backend or SidecarBackend(settings)
     svc = _Service(settings, backend)

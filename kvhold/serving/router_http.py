@@ -17,7 +17,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvhold.routing.arouter import AsyncRoutedClient
+from kvhold.protocol.sampling import RequestInput
+from kvhold.routing.arouter import AsyncRoutedClient, AsyncRoutedStream
 from kvhold.routing.registry_client import HEALTH, EtcdGateway, RegistryView, validate_service
 from kvhold.serving.http_guards import HttpGuards
 from kvhold.serving.metrics import RECOVERY_BUCKETS, RequestMetrics
@@ -105,7 +106,9 @@ class RouterMetrics:
 
 
 class RouterBackend:
-    """http_api's backend over a registry view: generate routes, health counts serving sidecars."""
+    """http_api's backend (kvhold.serving.backend.Backend) over a registry view: submit routes,
+    health counts serving sidecars. Its streams are not resumed after an HTTP server restart."""
+    resumes_streams = False
 
     def __init__(self, view: RegistryView, model_name: str = ""):
         self.view = view
@@ -119,8 +122,11 @@ class RouterBackend:
     async def close(self) -> None:
         await self.client.close()
 
-    async def generate(self, **request):
-        return await self.client.generate(**request)
+    async def submit(self, request: RequestInput) -> AsyncRoutedStream:
+        return await self.client.submit(request)
+
+    async def attach(self, request_id: int):
+        raise NotImplementedError("kvhold router does not take streams up again")
 
     async def health(self) -> tuple[bool, dict]:
         serving, entries = self.client.serving(), self.view.entries()

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-import kvhold.client.aclient as aclient_module
 import kvhold.client.client as client_module
+import kvhold.client.core as core_module
 from kvhold.client.aclient import AsyncClient
 from kvhold.client.client import wait_all
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
@@ -35,8 +35,7 @@ async def _async_streams(instance, root, started: threading.Event, reference, ou
 
 @pytest.mark.slow
 def test_streams_resume_on_reconnect_without_the_silence_timer(tiny_model, runtime_root, tmp_path, monkeypatch):
-    monkeypatch.setattr(client_module, "RESUME_AFTER_S", 3600.0)    # the fallback never fires
-    monkeypatch.setattr(aclient_module, "RESUME_AFTER_S", 3600.0)
+    monkeypatch.setattr(core_module, "RESUME_AFTER_S", 3600.0)    # the fallback never fires (both SDKs)
     flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(tmp_path / "journal")]
     first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
     second = None

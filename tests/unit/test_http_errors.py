@@ -18,7 +18,8 @@ from kvhold.serving.openai_schema import MAX_BODY_BYTES
 
 
 class _FailingBackend:
-    """A backend whose generate raises what it is told to (the fault under test)."""
+    """A backend whose submit raises what it is told to (the fault under test)."""
+    resumes_streams = False
 
     def __init__(self):
         self.metrics = SidecarMetrics()
@@ -30,7 +31,7 @@ class _FailingBackend:
     async def close(self):
         pass
 
-    async def generate(self, **request):
+    async def submit(self, request):
         raise self.error
 
     async def health(self):

@@ -75,6 +75,8 @@ class FakeStream:
 
 
 class FakeBackend:
+    resumes_streams = True
+
     def __init__(self, attach_error=None):
         self.metrics = SidecarMetrics()
         self.attach_error = attach_error
@@ -86,7 +88,7 @@ class FakeBackend:
     async def close(self):
         pass
 
-    async def generate(self, **request):
+    async def submit(self, request):
         self.next_id += 1
         return FakeStream(self.next_id, TEXTS)
 
@@ -189,17 +191,11 @@ def test_bad_resumes_are_4xx_with_a_clear_message(tmp_path):
 
 def test_a_backend_that_cannot_resume_says_so(tmp_path):
     backend = FakeBackend()
-    del FakeBackend.attach        # a backend without `attach` (kvhold router's)
-    try:
-        app = _app(tmp_path, backend)
-        r = _run(app, [_resume("abc", "abc-1"), _post({"prompt": "hi", "max_tokens": 3, "stream": True})])
-    finally:
-        FakeBackend.attach = _attach
+    backend.resumes_streams = False       # a backend that does not resume (kvhold router's)
+    app = _app(tmp_path, backend)
+    r = _run(app, [_resume("abc", "abc-1"), _post({"prompt": "hi", "max_tokens": 3, "stream": True})])
     assert r[0].status_code == 501 and r[0].json()["error"]["code"] == "resume_unsupported"
     assert all(i is None for i, _ in _events(r[1].text))       # no ids: nothing could resume them
-
-
-_attach = FakeBackend.attach
 
 
 def test_the_resume_route_is_in_the_openapi_schema(tmp_path):
