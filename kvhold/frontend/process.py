@@ -505,7 +505,8 @@ class FrontendProcess(ClientSide):
             self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
                                 running=len(fe.streams) - waiting, waiting=waiting,
                                 pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
-                                recoveries=self.recoveries_total)
+                                recoveries=self.shared.timeline.num_recovered if self.shared is not None
+                                else self.recoveries_total)
 
     def close(self) -> None:
         self._stack.close()
