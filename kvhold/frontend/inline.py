@@ -1,21 +1,30 @@
 """The sidecar with its frontend in process (`kvhold sidecar` without --external-frontend): the
-memory owner (kvhold.sidecar.daemon.Sidecar) with the client side mixed in: the client sockets
-and their peers (kvhold.frontend.client_side), admission and streams (kvhold.frontend.frontend),
-restored streams (kvhold.frontend.restore) and the pool restart's client half."""
+memory owner (kvhold.sidecar.daemon.Sidecar) and the same frontend a frontend process runs
+(kvhold.frontend.process.FrontendProcess), over an in-process link (vLLM's in-process client
+pattern): the owner's end is kvhold.sidecar.frontend_link.InprocFrontendLink, the frontend's an
+`InprocPort`; the typed link messages pass by direct calls, never encoded. One process, one
+poll loop, one thread: the frontend's client sockets are on the owner's loop, and each loop
+turn runs the owner's work, then the frontend's. The owner has one code path for both modes.
+
+The frontend shares the owner's tables, durable journal, recovery timeline and checkpoint
+description (`OwnerShared`); it re-admits the durable journal's requests itself, before any
+executor runs (with a re-adopted pool, those not in its journal), and the tokenizer is loaded
+in `prepare` (ahead, in a spare)."""
 from __future__ import annotations
 
-from kvhold.frontend.client_side import ClientSide
-from kvhold.frontend.frontend import Frontend, tokenizer_top_id
-from kvhold.frontend.restore import Restore
-from kvhold.protocol import messages as m
+from kvhold.frontend.frontend import tokenizer_top_id
+from kvhold.frontend.process import FrontendProcess, InprocPort, OwnerShared
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.daemon import Sidecar
-from kvhold.sidecar.pool_restart import PoolRestart
+from kvhold.sidecar.frontend_link import FrontendEnd, InprocFrontendLink
 
 
-class InlineSidecar(ClientSide, Sidecar):
+class InlineSidecar(Sidecar):
+    link_class = InprocFrontendLink
+
     def __init__(self, config: SidecarConfig):
-        super().__init__(config, external_frontend=False)
+        super().__init__(config)
+        self.frontend_process: FrontendProcess | None = None
 
     def prepare(self) -> None:
         """The owner's preparation, and the tokenizer (a spare does this ahead)."""
@@ -23,19 +32,10 @@ class InlineSidecar(ClientSide, Sidecar):
         if self.config.pool.model is not None:
             tokenizer_top_id(str(self.config.pool.model))      # loads the tokenizer and reads its vocabulary
 
-    def _make_request_components(self, fingerprint: str) -> None:
-        cfg = self.config
-        self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
-                                 runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
-                                 fingerprint=fingerprint, timeline=self.timeline, host=self,
-                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
-        self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,
-                                        generation=self.tables.generation, send_client=self.send_client)
-        self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
-                               vocab_size=self.spec.vocab_size if self.spec else 0,
-                               generation=self.tables.generation, started_ns=self.started_ns,
-                               send_client=self.send_client,
-                               unclaimed_cancel_s=cfg.journal.unclaimed_cancel_s)
-        self.frontend.restored = self.restore
-        self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
-        self.frontend.add_handler(m.Resume, self.restore.on_resume)
+    def _make_link(self) -> FrontendEnd:
+        link = InprocFrontendLink(self.tables, wake=self.wake_executor, status=self.status)
+        shared = OwnerShared(loop=self.loop, tables=self.tables, durable=self.durable, timeline=self.timeline,
+                             spec=self.spec, started_ns=self.started_ns,
+                             fingerprint=self.manifest.fingerprint if self.manifest is not None else "")
+        self.frontend_process = link.peer = FrontendProcess(self.config, owner=InprocPort(link), shared=shared)
+        return link

@@ -31,15 +31,29 @@ closes admissions, tells its clients (`Restarting`) and asks the owner, which st
 executors; the frontend then journals every in-flight request with its drain record (and
 the hold file), the owner re-executes into the next generation and re-admits them into the
 new tables, and the re-executed frontend adopts their streams for their clients to resume.
+
+The same class is the frontend of `kvhold sidecar` without --external-frontend
+(kvhold.frontend.inline): there it runs in the owner's process, on the owner's loop and
+thread, and its `OwnerPort` is a direct call into the owner's in-process link end
+(kvhold.sidecar.frontend_link.InprocFrontendLink), which calls `deliver` with the owner's
+messages: the same typed messages, never encoded, handled at once (a step's `Committed`
+streams its tokens within the owner's handling of the step). It then shares the owner's
+tables, durable journal, recovery timeline and checkpoint description, needs no hello
+after the first, re-admits the durable journal's requests itself (those not in a
+re-adopted pool's journal too: `Restore.restore(adopting, readmit=True)`), and ends with
+the owner: it refuses what is not acknowledged before it journals what is in flight.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import fcntl
 import itertools
 import logging
 import os
 import sys
+from typing import Protocol
 
 import zmq
 
@@ -63,14 +77,99 @@ from kvhold.sidecar.timeline import RecoveryTimeline
 log = logging.getLogger(__name__)
 QUERY_TIMEOUT_NS = 2_000_000_000     # an owner that does not answer a status query in this: left out
 OWNER_WAIT_LOG_S = 10.0
+NO_HELLO_NS = 1 << 62
+
+
+class OwnerPort(Protocol):
+    """How the frontend speaks to its memory owner: `send` a frontend -> owner message; `recv`
+    the next owner -> frontend one (None: none now), `poll` for one. An owner in this process
+    calls `FrontendProcess.deliver` instead, and its port has no socket."""
+    sock: zmq.Socket | None
+    heartbeat: bool            # say hello every HELLO_INTERVAL_S (the owner's sign of a live frontend)
+
+    def send(self, msg) -> None: ...
+    def recv(self): ...
+    def poll(self, timeout_ms: int) -> bool: ...
+
+
+class DealerPort:
+    """The link to an owner process: a DEALER on its ROUTER (kvhold.protocol.frontend_link)."""
+    heartbeat = True
+
+    def __init__(self, zctx: zmq.Context, paths, stack: contextlib.ExitStack):
+        self.sock = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+        stack.callback(self.sock.close, 0)
+        self.sock.connect(fl.link_endpoint(paths))
+
+    def send(self, msg) -> None:
+        try:
+            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass              # no sidecar connected: the next hello finds it
+
+    def recv(self):
+        try:
+            return wire.decode(self.sock.recv(zmq.NOBLOCK), fl.TO_FRONTEND)
+        except zmq.Again:
+            return None
+        except wire.WireError as exc:
+            log.warning("bad message from the sidecar: %s", exc)
+            return None
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sock.poll(timeout_ms))
+
+
+class InprocPort:
+    """The link to the owner in this process: a message is its link end's `handle` call
+    (kvhold.sidecar.frontend_link.InprocFrontendLink); its answers come to `deliver`."""
+    sock = None
+    heartbeat = False          # the frontend lives and dies with its owner
+
+    def __init__(self, owner_end):
+        self.owner_end = owner_end
+
+    def send(self, msg) -> None:
+        self.owner_end.handle(self.owner_end.IDENTITY, msg)
+
+    def recv(self):
+        return None
+
+    def poll(self, timeout_ms: int) -> bool:
+        return False
+
+
+@dataclasses.dataclass
+class OwnerShared:
+    """What a frontend in the owner's process takes from the owner rather than making its own:
+    its loop (one poll loop, one thread), the tables it made, the durable journal, the recovery
+    timeline (the first resumed token's mark), the checkpoint's description and fingerprint
+    (read ahead by a spare) and when it started."""
+    loop: EventLoop
+    tables: Tables
+    durable: DurableJournal
+    timeline: RecoveryTimeline
+    spec: ModelSpec | None
+    fingerprint: str
+    started_ns: int
 
 
 class FrontendProcess(ClientSide):
-    def __init__(self, config: SidecarConfig):
+    def __init__(self, config: SidecarConfig, owner: OwnerPort | None = None, shared: OwnerShared | None = None):
+        """`owner` and `shared`: the frontend of an owner in this process (kvhold.frontend.inline);
+        by default the frontend process, with a DEALER to the owner's link."""
         self.config = config
         self.paths = config.paths
-        self.started_ns = now_ns()
+        self.owner = owner
+        self.shared = shared
+        self.started_ns = shared.started_ns if shared is not None else now_ns()
         self._stack = contextlib.ExitStack()
+        self._inbox: collections.deque = collections.deque()   # owner messages before it serves
+        self._serving = False
+        self._pending_finished = False
         self.owner_pid = 0
         self.owner_closed: dict[str, str] = {}
         self._tags = itertools.count(1)
@@ -87,33 +186,57 @@ class FrontendProcess(ClientSide):
         return self
 
     def _start(self, stack: contextlib.ExitStack) -> None:
-        cfg = self.config
         self._lock(stack)
         self.loop = EventLoop()
         stack.callback(self.loop.close)
         self.zctx = zmq.Context()
         stack.callback(self.zctx.term)
-        self.link = self.zctx.socket(zmq.DEALER)
-        self.link.setsockopt(zmq.LINGER, 0)
-        self.link.setsockopt(zmq.RECONNECT_IVL, 50)
-        self.link.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
-        stack.callback(self.link.close, 0)
-        self.link.connect(fl.link_endpoint(self.paths))
+        self.owner = DealerPort(self.zctx, self.paths, stack)
         hello = self._wait_for_owner()
-        self.tables = Tables.attach_name(hello.tables)
-        stack.callback(self.tables.close)
+        # the pool's requests, with the records of their admission: streams until their clients resume
+        self._serve_pool(stack, hello, adopting=True, readmit=False)
+        self._open_client_sockets(stack)
+        self.loop.register(self.owner.sock)
+        log.info("frontend for sidecar %r (pid %d, generation %d) serving on %s: %d streams adopted",
+                 self.paths.instance, self.owner_pid, self.generation, self.paths.client_endpoint,
+                 len(self.frontend.streams))
+
+    def start_in_process(self, stack: contextlib.ExitStack, adopting: bool) -> None:
+        """In the owner's process, on its `stack`, before any executor runs: the streams of the
+        requests in the pool's journal (`adopting`: a dead sidecar's, re-adopted) and the durable
+        journal's requests re-admitted into it."""
+        self.loop = self.shared.loop
+        self._serve_pool(stack, self._wait_for_owner(), adopting=adopting, readmit=True)
+
+    def open_in_process(self, stack: contextlib.ExitStack, zctx: zmq.Context) -> None:
+        """The client sockets, on the owner's ZeroMQ context and poller."""
+        self.zctx = zctx
+        self._open_client_sockets(stack)
+
+    def _serve_pool(self, stack: contextlib.ExitStack, hello: fl.OwnerHello, *, adopting: bool,
+                    readmit: bool) -> None:
+        cfg, shared = self.config, self.shared
+        if shared is not None:
+            self.tables = shared.tables
+        else:
+            self.tables = Tables.attach_name(hello.tables)
+            stack.callback(self.tables.close)
         self.generation = self.tables.generation
         if self.generation != hello.generation:
             raise RuntimeError(f"the tables {hello.tables} are of generation {self.generation}, "
                                f"the sidecar's pool of {hello.generation}")
-        self.spec = ModelSpec.from_dir(cfg.pool.model) if cfg.pool.model is not None else None
-        fingerprint = build_manifest(cfg.pool.model, self.spec).fingerprint if self.spec else ""
-        self.durable = DurableJournal(cfg.journal_path)
+        if shared is not None:
+            self.spec, fingerprint, self.durable = shared.spec, shared.fingerprint, shared.durable
+        else:
+            self.spec = ModelSpec.from_dir(cfg.pool.model) if cfg.pool.model is not None else None
+            fingerprint = build_manifest(cfg.pool.model, self.spec).fingerprint if self.spec else ""
+            self.durable = DurableJournal(cfg.journal_path)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
-                                 fingerprint=fingerprint, timeline=RecoveryTimeline(), host=self,
-                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
-        stack.callback(self.frontend.finish_pending)
+                                 fingerprint=fingerprint,
+                                 timeline=shared.timeline if shared is not None else RecoveryTimeline(),
+                                 host=self, max_prompt_bytes=cfg.pool.max_prompt_bytes)
+        stack.callback(self._finish_pending)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,
                                generation=self.generation, started_ns=self.started_ns,
@@ -125,17 +248,16 @@ class FrontendProcess(ClientSide):
         self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths, generation=self.generation,
                                         send_client=self.send_client)
         self.frontend.add_handler(m.PoolRestart, self.pool_restart.on_request)
-        # the pool's requests, with the records of their admission: streams until their clients resume
-        self.restore.restore(adopting=True, readmit=False)
-        self._on_owner_hello(hello)
+        self.restore.restore(adopting=adopting, readmit=readmit)
         self.stats_log = StatsLog(cfg.logs.stats_interval_s)
         self.recoveries_total = 0       # takeovers since this frontend started (the owner counts them)
-        self._owner_recoveries: int | None = None    # the owner's count at its last Committed
-        self._open_client_sockets(stack)
-        self.loop.register(self.link)
-        log.info("frontend for sidecar %r (pid %d, generation %d) serving on %s: %d streams adopted",
-                 self.paths.instance, self.owner_pid, self.generation, self.paths.client_endpoint,
-                 len(self.frontend.streams))
+        # the owner's count at its last Committed (an owner in this process started with this frontend)
+        self._owner_recoveries: int | None = 0 if shared is not None else None
+        self._on_owner_hello(hello)
+        self._serving = True
+        for msg in list(self._inbox):   # what the owner said meanwhile
+            self._on_owner_message(msg)
+        self._inbox.clear()
 
     def _lock(self, stack: contextlib.ExitStack) -> None:
         """One frontend per instance: a second start is refused while the first holds the lock."""
@@ -152,7 +274,7 @@ class FrontendProcess(ClientSide):
         waited = 0.0
         while not self.loop.stop_requested:
             self._send_owner(fl.Hello(pid=os.getpid()))
-            if self.link.poll(int(fl.HELLO_INTERVAL_S * 1000)):
+            if self._inbox or self.owner.poll(int(fl.HELLO_INTERVAL_S * 1000)):
                 msg = self._recv_owner()
                 if isinstance(msg, fl.OwnerHello):
                     return msg
@@ -165,28 +287,32 @@ class FrontendProcess(ClientSide):
 
     # ------------------------------------------------------------------ the link
     def _send_owner(self, msg) -> None:
-        try:
-            self.link.send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass              # no sidecar connected: the next hello finds it
+        self.owner.send(msg)
 
     def _recv_owner(self):
-        try:
-            return wire.decode(self.link.recv(zmq.NOBLOCK), fl.TO_FRONTEND)
-        except zmq.Again:
-            return None
-        except wire.WireError as exc:
-            log.warning("bad message from the sidecar: %s", exc)
-            return None
+        return self._inbox.popleft() if self._inbox else self.owner.recv()
 
     def _on_link(self) -> None:
         for _ in range(256):
             msg = self._recv_owner()
             if msg is None:
                 return
+            self._on_owner_message(msg)
+
+    def deliver(self, msg) -> None:
+        """An owner message by a direct call (the owner in this process): handled now, or, while
+        this frontend is not serving yet, once it is."""
+        if self._serving:
             handler = self._link_handlers.get(type(msg))
             if handler is not None:
                 handler(self, msg)
+        else:
+            self._inbox.append(msg)
+
+    def _on_owner_message(self, msg) -> None:
+        handler = self._link_handlers.get(type(msg))
+        if handler is not None:
+            handler(self, msg)
 
     def _on_owner_hello(self, msg: fl.OwnerHello) -> None:
         if msg.generation != self.generation:
@@ -222,7 +348,10 @@ class FrontendProcess(ClientSide):
         self.frontend.fail_request(msg.request_id, msg.slot, msg.message)
 
     def _on_executors_stopped(self, msg: fl.ExecutorsStopped) -> None:
-        """The sidecar stops: its executors are stopped, the shm journal is still."""
+        """The sidecar stops: its executors are stopped, the shm journal is still. A frontend in
+        its process stops with it: what is not acknowledged yet is refused first."""
+        if self.shared is not None:
+            self._finish_pending()
         self.frontend.close_admissions("stop", "the sidecar is stopping")
         if self.pool_restart.draining:      # its drain's record and hold file, as the sidecar's own
             self.pool_restart.finish_drain()
@@ -301,7 +430,8 @@ class FrontendProcess(ClientSide):
                                               message="the sidecar did not answer"))
 
     def _merged_status(self, owner: dict | None) -> dict:
-        """The owner's status with the frontend's part (requests, admissions, streams, clients)."""
+        """The owner's status with the frontend's part (requests, admissions, streams, clients);
+        `frontend` names this process when it is not the owner's."""
         fe = self.frontend.status()
         fe.pop("recoveries")          # the owner's timeline has them
         pool_restart = self.restore.status()
@@ -311,14 +441,31 @@ class FrontendProcess(ClientSide):
             pool_restart["restore"] = {**{k: v for k, v in owner_restore.items() if k != "previous_drain"},
                                        **{k: mine[k] for k in ("requests_adopted", "first_token_ns") if k in mine}}
             pool_restart["previous_drain"] = pool_restart["previous_drain"] or owner_restore.get("previous_drain")
-        return {**(owner or {"instance": self.paths.instance, "pid": self.owner_pid or None,
-                             "generation": self.generation, "uptime_s": (now_ns() - self.started_ns) / 1e9,
-                             "executors": [], "events": [], "recoveries": [], "memory_owner": None}),
-                **fe, "client_tcp": self.tcp.status() if self.tcp else None,
-                "client_peers": self.peers.status(), "pool_restart": pool_restart,
-                "frontend": {"pid": os.getpid(), "uptime_s": (now_ns() - self.started_ns) / 1e9,
-                             "owner_pid": self.owner_pid, "owner_answered": owner is not None,
-                             "generation": self.generation, "loop": self.loop.stats()}}
+        merged = {**(owner or {"instance": self.paths.instance, "pid": self.owner_pid or None,
+                               "generation": self.generation, "uptime_s": (now_ns() - self.started_ns) / 1e9,
+                               "executors": [], "events": [], "recoveries": [], "memory_owner": None}),
+                  **fe, "client_tcp": self.tcp.status() if self.tcp else None,
+                  "client_peers": self.peers.status(), "pool_restart": pool_restart}
+        if self.shared is None:
+            merged["frontend"] = {"pid": os.getpid(), "uptime_s": (now_ns() - self.started_ns) / 1e9,
+                                  "owner_pid": self.owner_pid, "owner_answered": owner is not None,
+                                  "generation": self.generation, "loop": self.loop.stats()}
+        return merged
+
+    # ------------------------------------------------------------------ its owner's view (in process)
+    def admissions_closed(self) -> bool:
+        return bool(self.frontend.closed)
+
+    def in_flight(self) -> int:
+        return len(self.frontend.streams)
+
+    def requests_adopted(self) -> int:
+        return self.restore.report.get("requests_adopted", 0)
+
+    def _finish_pending(self) -> None:
+        if not self._pending_finished:
+            self._pending_finished = True
+            self.frontend.finish_pending()
 
     # ------------------------------------------------------------------ loop
     def serve_forever(self) -> int:
@@ -328,13 +475,23 @@ class FrontendProcess(ClientSide):
 
     def run_once(self) -> None:
         now = now_ns()
-        deadline = min(self.frontend.next_deadline_ns(), self._next_hello_ns)
-        events = self.loop.poll(min(max(0, -(-(deadline - now) // 1_000_000)), 1000))
-        if self.link in events:
+        events = self.loop.poll(min(max(0, -(-(self.next_deadline_ns() - now) // 1_000_000)), 1000))
+        self.on_events(events)
+        self.after_events(now_ns())
+        self.loop.turn_ended()
+
+    def next_deadline_ns(self) -> int:
+        return min(self.frontend.next_deadline_ns(), self._next_hello_ns if self.owner.heartbeat else NO_HELLO_NS)
+
+    def on_events(self, events) -> None:
+        """A poll's events: the owner's messages, the clients'."""
+        if self.owner.sock is not None and self.owner.sock in events:
             self._on_link()
         self._on_client_events(events)
-        now = now_ns()
-        if now >= self._next_hello_ns:       # the owner's liveness is its answer; this is ours
+
+    def after_events(self, now: int) -> None:
+        """The rest of a loop turn (in the owner's process: after the owner's part of it)."""
+        if self.owner.heartbeat and now >= self._next_hello_ns:   # the owner's liveness is its answer; this is ours
             self._send_owner(fl.Hello(pid=os.getpid(), generation=self.generation))
             self._next_hello_ns = now + int(fl.HELLO_INTERVAL_S * 1e9)
         self.frontend.tick(now)
@@ -348,8 +505,8 @@ class FrontendProcess(ClientSide):
             self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
                                 running=len(fe.streams) - waiting, waiting=waiting,
                                 pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
-                                recoveries=self.recoveries_total)
-        self.loop.turn_ended()
+                                recoveries=self.shared.timeline.num_recovered if self.shared is not None
+                                else self.recoveries_total)
 
     def close(self) -> None:
         self._stack.close()

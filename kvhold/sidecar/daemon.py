@@ -1,8 +1,9 @@
 """The sidecar process: owns memory and tables, supervises executors, serves clients.
 
 One thread, one poll loop (kvhold.sidecar.event_loop) over: the executor control
-socket (ZeroMQ ROUTER), the client socket (ROUTER), the descriptor socket
-(SOCK_SEQPACKET listener), every executor's pidfd, and a signal wake-up pipe.
+socket (ZeroMQ ROUTER), its frontend's sockets (kvhold.sidecar.frontend_link: the link to a
+frontend process, or, with the frontend in this process, the client sockets), the descriptor
+socket (SOCK_SEQPACKET listener), every executor's pidfd, and a signal wake-up pipe.
 Deadlines (heartbeat leases, keepalives, re-spawn backoff) set the poll timeout.
 No handler blocks: a bad message gets an error reply and the loop goes on; only a
 broken invariant of the sidecar itself ends it, loudly. SIGTERM/SIGINT stop
@@ -11,7 +12,10 @@ executors, write the requests still in flight to the durable journal
 shm object, socket and file the sidecar created. A pool restart
 (kvhold.sidecar.pool_restart, kvhold.sidecar.readmit) does the same, then re-execs in place.
 
-`Sidecar` wires the components together; each gets only what it uses. Every
+`Sidecar` wires the components together; each gets only what it uses. It speaks to its
+frontend only through its link end (`FrontendEnd`): `FrontendLink` to a frontend process
+(`--external-frontend`), or `InprocFrontendLink` to the same frontend in this process
+(kvhold.frontend.inline composes the two). Every
 resource registers its cleanup on an ExitStack as it is made, so `close()` (and a
 start that fails half-way) undoes them in reverse order: the registry entry is
 revoked, the health monitor stopped, the executors stopped and the in-flight
@@ -53,14 +57,13 @@ from kvhold.sidecar import adoption, hand_back
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
-from kvhold.sidecar.frontend_link import FrontendLink
+from kvhold.sidecar.frontend_link import FrontendEnd, FrontendLink
 from kvhold.sidecar.health_responder import HealthResponder
 from kvhold.sidecar.instance_lock import InstanceLock, wait_for_holder_death
-from kvhold.sidecar.pool_restart import PoolRestart, journal_in_flight, reexec, wait_while_held
+from kvhold.sidecar.pool_restart import PoolRestart, reexec, wait_while_held
 from kvhold.sidecar.regions import PoolMemory, create_regions, expected_infos
 from kvhold.sidecar.request_deaths import RequestDeaths
 from kvhold.sidecar.readmit import Readmission
-from kvhold.sidecar.stats_log import StatsLog
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.sidecar.weights_keeper import WeightsKeeper
@@ -75,23 +78,19 @@ SHM_PARTS = ("tables", "kv", "weights")
 
 
 class Sidecar:
-    """The memory owner. Without `external_frontend` its client side (the client sockets and
-    their peers) is mixed in by kvhold.frontend.inline, so that this module and the owner's
-    parts import no client-facing code."""
-    tcp = None
+    """The memory owner. It serves no client: its frontend does, over its link end
+    (`self.link`, kvhold.sidecar.frontend_link). Here the link is to a frontend process
+    (`kvhold frontend`, kvhold.frontend.process); kvhold.frontend.inline.InlineSidecar runs the
+    same frontend in this process over an in-process link, so that this module and the
+    owner's parts import no client-facing code."""
+    link_class: type = FrontendLink      # what `_make_link` makes (its KIND, BINDS_CLIENT_SOCKET)
 
-    def __init__(self, config: SidecarConfig, external_frontend: bool = True):
-        """`external_frontend`: serve no client; a frontend process (`kvhold frontend`,
-        kvhold.frontend.process) does, over the link (kvhold.sidecar.frontend_link).
-        Otherwise a subclass (kvhold.frontend.inline) brings the client side."""
+    def __init__(self, config: SidecarConfig):
         self.config = config
-        self.external_frontend = external_frontend
-        self.frontend = None
-        self.link: FrontendLink | None = None
+        self.link: FrontendEnd | None = None
         self.paths = config.paths
         self.spec: ModelSpec | None = None
         self.manifest = None
-        self.tcp = None
         self.registrar = None             # kvhold.sidecar.registry.Registrar with --registry
         self.pool_restart: PoolRestart | None = None
         self.timeline = RecoveryTimeline()
@@ -162,11 +161,12 @@ class Sidecar:
         parts = {"lock": now_ns()}                  # a re-adoption's timed parts (status: adoption.parts_ms)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
         parts["found"] = now_ns()
-        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=self.external_frontend)
+        keep_client_socket = not self.link_class.BINDS_CLIENT_SOCKET     # a frontend process's
+        self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=keep_client_socket)
         if found is not None:
             found = self._take_back_regions(stack, found, geometry)
             if found is None:           # no executor handed its descriptors back: a fresh pool
-                self.lock.remove_stale(SHM_PARTS, keep_client_socket=self.external_frontend)
+                self.lock.remove_stale(SHM_PARTS, keep_client_socket=keep_client_socket)
         parts["regions_back"] = now_ns()
         generation = self._next_generation() if found is None else found.tables.generation
         self.token, self.token_path = self._load_token(stack, reuse=found is not None)
@@ -177,12 +177,10 @@ class Sidecar:
         stack.callback(self.loop.close)
         self._make_components()
         parts["components"] = now_ns()
-        # the previous pool's journaled requests (or an adopted pool's streams), before any executor;
-        # with an external frontend, a pool adopted keeps its requests for the frontend as they are
-        if not self.external_frontend:
-            self.restore.restore(adopting=found is not None)
-        elif found is None:
-            self.restore.restore()
+        # the previous pool's journaled requests (or an adopted pool's streams), before any executor
+        self.link = self._make_link()
+        self.link.tables_name = self.paths.shm_name("tables")
+        self.link.start(stack, adopting=found is not None)
         parts["restored"] = now_ns()
         if found is not None:
             self.supervisor.adopt(found.live, found.dead)
@@ -199,9 +197,7 @@ class Sidecar:
                              # ms from the start (a spare: from taking the lock) to the end of each part
                              "parts_ms": {k: round((v - self.started_ns) / 1e6, 2) for k, v in parts.items()}}
             log.warning("re-adopted the pool of sidecar pid %d: %d live executors, %d in-flight "
-                        "requests", found.previous_pid, len(found.live),
-                        len(self.restore.journal.live_slots()) if self.external_frontend
-                        else self.restore.report.get("requests_adopted", 0))
+                        "requests", found.previous_pid, len(found.live), self.link.requests_adopted())
         stack.callback(self._stop_executors)
         self.health = self._make_health()
         stack.callback(self.health.stop)
@@ -215,7 +211,7 @@ class Sidecar:
             stack.callback(self.registrar.stop)   # first at a stop: routers stop sending here at once
 
     def _make_components(self) -> None:
-        cfg, fingerprint = self.config, self.manifest.fingerprint if self.manifest is not None else ""
+        cfg = self.config
         zygote = None
         if cfg.executors.zygote:
             spare = cfg.executors.zygote_spare
@@ -224,42 +220,31 @@ class Sidecar:
                                   spare=spare == "on" or (spare == "auto" and cfg.pool.device.startswith("cuda")))
         launch = ExecutorLaunch(paths=self.paths, token=self.token, token_path=self.token_path,
                                 settings=self.executor_settings)
-        self.deaths = RequestDeaths(self.tables, lambda *failed: self._failer.fail_request(*failed),
+        self.deaths = RequestDeaths(self.tables, lambda *failed: self.link.fail_request(*failed),
                                     store=self.durable.dir / "request_deaths.json")
         self.supervisor = Supervisor(cfg.executors, self.tables, self.weights, self.loop, self.memory,
                                      self.send_executor, launch, self.timeline.event, zygote, self.deaths)
-        self.stats_log = StatsLog(cfg.logs.stats_interval_s)
-        self._make_request_components(fingerprint)
-
-    def _make_request_components(self, fingerprint: str) -> None:
-        """The memory owner's half with an external frontend: the re-admission into the shm journal
-        for a fresh pool (kvhold.sidecar.readmit; the frontend process adopts the streams), and the
-        link the frontend process speaks over."""
-        self.restore = Readmission(Journal(self.tables), self.durable, fingerprint=fingerprint,
-                                   vocab_size=self.spec.vocab_size if self.spec else 0,
-                                   generation=self.tables.generation, started_ns=self.started_ns)
+        # the drain of a pool restart is the frontend's; this one says whether to re-execute
         self.pool_restart = PoolRestart(None, self.durable, self.paths, generation=self.tables.generation,
                                         send_client=lambda *a: False)
 
-    @property
-    def _failer(self):
-        """Who ends a request the request-death rule fails: the frontend, in or out of process."""
-        return self.link if self.external_frontend else self.frontend
-
-    @property
-    def _admissions(self):
-        return self.link if self.external_frontend else self.frontend
+    def _make_link(self) -> FrontendEnd:
+        """The link to a frontend process, which adopts the streams of the requests that the
+        owner re-admits into a fresh pool (kvhold.sidecar.readmit)."""
+        fingerprint = self.manifest.fingerprint if self.manifest is not None else ""
+        readmission = Readmission(Journal(self.tables), self.durable, fingerprint=fingerprint,
+                                  vocab_size=self.spec.vocab_size if self.spec else 0,
+                                  generation=self.tables.generation, started_ns=self.started_ns)
+        return FrontendLink(self.tables, wake=self.wake_executor, status=self.status,
+                            readmission=readmission, paths=self.paths)
 
     def _make_health(self) -> HealthResponder:
-        gate = self._admissions
+        link = self.link
         health = HealthResponder(self.config.health, self.config.pool.device, self.loop.post,
-                                 self.supervisor.restart_active, gate.close_admissions,
-                                 gate.open_admissions, lambda: gate.closed,
+                                 self.supervisor.restart_active, link.close_admissions,
+                                 link.open_admissions, lambda: link.closed,
                                  recent_context_fault=self.supervisor.recent_context_fault)
-        if self.external_frontend:
-            self.link._admissions = lambda reopen: self._query_admissions(health, reopen)
-        else:
-            self.frontend.add_handler(m.Admissions, health.on_admissions)
+        link.on_admissions_query = lambda reopen: self._query_admissions(health, reopen)
         return health.start()
 
     @staticmethod
@@ -274,12 +259,10 @@ class Sidecar:
             active = self.supervisor.active
             return active is not None and active.ready
 
-        in_flight = ((lambda: len(self.restore.journal.live_slots())) if self.external_frontend
-                     else (lambda: len(self.frontend.streams)))
         src = SnapshotSource(paths=self.paths, model=self.config.pool.model, tables=self.tables,
-                             weights=self.weights, tcp=self.tcp,
-                             admissions_closed=lambda: bool(self._admissions.closed),
-                             active_ready=active_ready, in_flight=in_flight)
+                             weights=self.weights, tcp=self.link.client_tcp,
+                             admissions_closed=self.link.admissions_closed,
+                             active_ready=active_ready, in_flight=self.link.in_flight)
         return start_registrar(self.config.registry, self.config.pool.device, src)
 
     def _region_sizes(self, geometry) -> dict[str, int]:
@@ -374,16 +357,7 @@ class Sidecar:
         if self.fd_listener is None:            # not opened already to take regions back
             self._listen_fds(stack)
         self.loop.register(self.control)
-        if self.external_frontend:
-            from kvhold.protocol import frontend_link as fl
-
-            sock = bind_router(self.zctx, fl.link_endpoint(self.paths), fl.link_socket(self.paths), stack)
-            self.link = FrontendLink(sock, self.tables, wake=self.wake_executor, status=self.status,
-                                     admissions=lambda reopen: dict(self.link.closed))
-            self.link.tables_name = self.paths.shm_name("tables")
-            self.loop.register(sock)
-        else:
-            self._open_client_sockets(stack)
+        self.link.open(stack, self.zctx, self.loop)
         self.loop.watch_fd(self.fd_listener.fileno(), self._accept_fd_request)
 
     def _listen_fds(self, stack: contextlib.ExitStack) -> None:
@@ -395,8 +369,8 @@ class Sidecar:
     def _write_state_file(self, stack: contextlib.ExitStack) -> None:
         state = {"pid": os.getpid(), "generation": self.tables.generation,
                  "client_endpoint": self.paths.client_endpoint,
-                 "frontend": "external" if self.external_frontend else "inline",
-                 "client_tcp": self.tcp.status() if self.tcp else None,
+                 "frontend": self.link.KIND,
+                 "client_tcp": self.link.client_tcp.status() if self.link.client_tcp else None,
                  "tables": self.paths.shm_name("tables"),
                  "model": str(self.config.pool.model) if self.config.pool.model else None}
         stack.callback(_unlink, self.paths.state_file)
@@ -459,12 +433,11 @@ class Sidecar:
 
     def _on_step(self, h, msg: m.StepDone) -> None:
         self.supervisor.step_done(h)
-        if self.link is None:
-            self.frontend.on_step(h, msg)
-            return
         received_ns = now_ns()
-        self.timeline.step_done(h.epoch, msg.marks, received_ns)
+        # the frontend streams the tokens (in this process: within this call), then the timeline
+        # marks a recovery's first resumed token
         self.link.committed(msg.slots, self.timeline.num_recovered)
+        self.timeline.step_done(h.epoch, msg.marks, received_ns)
 
     def _on_recovered(self, h, msg) -> None:
         self.timeline.recovered(h.pid, h.epoch, msg.report)
@@ -476,56 +449,31 @@ class Sidecar:
         # full collections, which can land between a fence and the first resumed token, then
         # scan only what was made since
         gc.freeze()
-        while not self.loop.stop_requested and not self.pool_restart.draining:
-            if self.link is not None and self.link.pool_restart is not None:
-                break                              # close() stops executors, the frontend journals
+        while not self.loop.stop_requested and self.link.pool_restart is None:
             self.run_once()
-            if self.pool_restart.due:
-                self.pool_restart.start_drain()   # close() then stops executors and journals
-        log.info("stopping on request")
+        log.info("stopping on request")      # close() stops executors, the frontend journals
 
     def run_once(self) -> None:
         now = now_ns()
-        deadline = self.supervisor.next_deadline_ns()
-        if self.frontend is not None:
-            deadline = min(deadline, self.frontend.next_deadline_ns())
+        deadline = min(self.supervisor.next_deadline_ns(), self.link.next_deadline_ns())
         timeout_ms = max(0, -(-(deadline - now) // 1_000_000))
         events = self.loop.poll(min(timeout_ms, 1000))
         if self.control in events:
             drain(self.control, self._on_control)
-        if self.link is not None:
-            if self.link.sock in events:
-                drain(self.link.sock, self.link.on_message)
-        else:
-            self._on_client_events(events)
+        self.link.on_events(events)
         now = now_ns()
         self.supervisor.check_heartbeats(now)
         self.supervisor.rearm(now)
-        if self.frontend is not None:
-            self.frontend.tick(now)
-        if self.frontend is not None and self.stats_log.due(now):   # the frontend process logs it otherwise
-            self._log_stats(now)
+        self.link.tick(now)             # the frontend's turn, in this process (its stats line too)
         self.loop.turn_ended()
 
-    def _log_stats(self, now: int) -> None:
-        fe, counts = self.frontend, PageTable(self.tables).counts()
-        waiting = fe.num_waiting()
-        self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
-                            running=len(fe.streams) - waiting, waiting=waiting,
-                            pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
-                            recoveries=fe.timeline.num_recovered)     # page 0, the null page, counts as free
-
     def status(self) -> dict:
-        pages = PageTable(self.tables)
-        if self.external_frontend:      # the frontend process adds its part (requests, streams, clients)
-            return {**self._owner_status(pages), "recoveries": self.timeline.records(),
-                    "memory_owner": {"pid": os.getpid(), "frontend": self.link.status(),
-                                     "client_facing_modules": sorted(
-                                         n for n in CLIENT_FACING_MODULES if n in sys.modules),
-                                     "restore": self.restore.report or None}}
-        return {**self._owner_status(pages), "client_tcp": self.tcp.status() if self.tcp else None,
-                "client_peers": self.peers.status(), "pool_restart": self.restore.status(),
-                **self.frontend.status()}
+        """The owner's status; its frontend adds its part (requests, streams, clients)."""
+        return {**self._owner_status(PageTable(self.tables)), "recoveries": self.timeline.records(),
+                "memory_owner": {"pid": os.getpid(), "frontend": self.link.status(),
+                                 "client_facing_modules": sorted(
+                                     n for n in CLIENT_FACING_MODULES if n in sys.modules),
+                                 "restore": self.link.restore_report or None}}
 
     def _owner_status(self, pages) -> dict:
         return {"instance": self.paths.instance, "pid": os.getpid(),
@@ -565,33 +513,22 @@ class Sidecar:
         self._journal_on_stop()
 
     def _journal_on_stop(self) -> None:
-        """A stop (SIGTERM) keeps in-flight requests too: the next start brings them back."""
-        if self.link is not None:       # the frontend process holds their records
-            n = self.link.journal_on_stop()
-            if n:
-                log.warning("%d in-flight requests journaled by the frontend for the next start", n)
-            if self.link.pool_restart is not None:     # re-exec (the frontend wrote the hold file)
-                self.pool_restart.drained = n is not None
-                if n is None:
-                    log.error("pool restart: the frontend did not journal the in-flight requests; "
-                              "stopping instead")
-            return
-        try:
-            self.frontend.finish_pending()       # unacknowledged admissions: refused, records dropped
-            if self.pool_restart.draining:
-                self.pool_restart.finish_drain()
-                return
-            n = journal_in_flight(self.frontend, self.durable)
-            if n:
-                log.warning("%d in-flight requests journaled to %s for the next start", n, self.durable.dir)
-        except Exception:
-            log.exception("could not journal the in-flight requests")
+        """A stop (SIGTERM) keeps in-flight requests too: the next start brings them back. The
+        frontend holds their records; it journals them (a pool restart's with its drain record)."""
+        n = self.link.journal_on_stop()
+        if n and not self.link.BINDS_CLIENT_SOCKET:     # (a frontend in this process logs it itself)
+            log.warning("%d in-flight requests journaled by the frontend for the next start", n)
+        if self.link.pool_restart is not None:     # re-exec (the frontend wrote the hold file)
+            self.pool_restart.drained = n is not None
+            if n is None:
+                log.error("pool restart: the frontend did not journal the in-flight requests; "
+                          "stopping instead")
 
 
 def run_sidecar(config: SidecarConfig, spare: bool = False, sidecar_class: type[Sidecar] | None = None) -> int:
     """`spare`: wait for the running sidecar's death first (`Sidecar.wait_as_spare`);
     `sidecar_class`: the memory owner alone (`--external-frontend`) by default, the frontend in
-    process with kvhold.frontend.inline.InlineSidecar."""
+    process over an in-process link with kvhold.frontend.inline.InlineSidecar."""
     if not wait_while_held(config.paths):   # `kvhold pool-restart --wait-for-operator`
         return 0
     sidecar = (sidecar_class or Sidecar)(config)
