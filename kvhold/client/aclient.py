@@ -165,7 +165,7 @@ class AsyncClient:
         # every field's type and range, before anything is sent (the sidecar checks again)
         req = RequestInput.check(prompt, prompt_ids, prefix_generated, params)
         _, state = await self._request(lambda tag: m.Generate(
-            tag=tag, params=req.sampling.to_dict(), prompt=req.prompt, prompt_ids=req.prompt_ids,
+            tag=tag, params=req.sampling, prompt=req.prompt, prompt_ids=req.prompt_ids,
             prefix_generated=req.prefix or None))
         return AsyncStream(self, state)
 

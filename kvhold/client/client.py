@@ -293,7 +293,7 @@ class Client:
         # every field's type and range, before anything is sent (the sidecar checks again)
         req = RequestInput.check(prompt, prompt_ids, prefix_generated, params)
         tag = next(self._tags)
-        self._send(m.Generate(tag=tag, params=req.sampling.to_dict(), prompt=req.prompt,
+        self._send(m.Generate(tag=tag, params=req.sampling, prompt=req.prompt,
                               prompt_ids=req.prompt_ids, prefix_generated=req.prefix or None))
         reply = self._wait_reply(tag)
         state = _StreamState(request_id=reply.request_id, prompt_tokens=reply.prompt_tokens)

@@ -30,6 +30,7 @@ from kvhold.protocol import messages as m, wire
 from kvhold.client.aclient import AsyncClient, AsyncStream
 from kvhold.client.client import TokenEvent
 from kvhold.protocol.errors import KvholdError, Overloaded, ShuttingDown, SidecarUnavailable
+from kvhold.protocol.sampling import SamplingParams
 from kvhold.routing.registry_client import RegistryView, SidecarEntry
 from kvhold.routing.routing import Conn, RoutedResult, RouterCore, StreamLog, routed_params
 
@@ -149,7 +150,7 @@ class AsyncRoutedClient(RouterCore):
             await conn.client.close()
         return reason
 
-    async def submit(self, conn: Conn, prompt, prompt_ids, params: dict, prefix: list[int]) -> AsyncStream:
+    async def submit(self, conn: Conn, prompt, prompt_ids, params: SamplingParams, prefix: list[int]) -> AsyncStream:
         """Generate on `conn` (one Generate, however long the wait); SidecarUnavailable when it
         is lost meanwhile or gives no reply within submit_timeout_s."""
         client = conn.client
@@ -179,7 +180,7 @@ class AsyncRoutedClient(RouterCore):
 class AsyncRoutedStream(StreamLog):
     """Async iterator over one request's tokens, whichever sidecars produce them."""
 
-    def __init__(self, router: AsyncRoutedClient, request_id: int, prompt, prompt_ids, params: dict):
+    def __init__(self, router: AsyncRoutedClient, request_id: int, prompt, prompt_ids, params: SamplingParams):
         super().__init__(prompt, prompt_ids, params)
         self.router = router
         self.request_id = request_id          # this router's, not a sidecar's

@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvhold.protocol import messages as m
 from kvhold.client.client import Client, Stream, TokenEvent, _StreamState
 from kvhold.protocol.errors import Overloaded, ShuttingDown, SidecarUnavailable
+from kvhold.protocol.sampling import SamplingParams
 from kvhold.routing.registry_client import RegistryView, SidecarEntry
 from kvhold.routing.routing import Conn, RoutedResult, RouterCore, StreamLog, routed_params
 
@@ -125,7 +126,7 @@ class RoutedClient(RouterCore):
             conn.client.close()
         return reason
 
-    def submit(self, conn: Conn, prompt, prompt_ids, params: dict, prefix: list[int]) -> Stream:
+    def submit(self, conn: Conn, prompt, prompt_ids, params: SamplingParams, prefix: list[int]) -> Stream:
         """Generate on `conn`; raises SidecarUnavailable when it is lost meanwhile or silent."""
         client = conn.client
         tag = next(client._tags)
@@ -148,7 +149,7 @@ class RoutedClient(RouterCore):
 class RoutedStream(StreamLog):
     """One request's tokens, whichever sidecars produce them; `result()` waits for the end."""
 
-    def __init__(self, router: RoutedClient, prompt, prompt_ids, params: dict):
+    def __init__(self, router: RoutedClient, prompt, prompt_ids, params: SamplingParams):
         super().__init__(prompt, prompt_ids, params)
         self.router = router
         self.pending: collections.deque = collections.deque()

@@ -9,6 +9,7 @@ client and waiting are left to the two routers.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import secrets
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from kvhold.client.client import GenerationResult, TokenEvent
 from kvhold.routing.registry_client import RegistryView, SidecarEntry, node_name, pick_sidecar
-from kvhold.protocol.sampling import RequestInput
+from kvhold.protocol.sampling import RequestInput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,11 @@ class Conn:
     lost: str = ""
 
 
-def routed_params(prompt, prompt_ids, params: dict) -> dict:
+def routed_params(prompt, prompt_ids, params: dict) -> SamplingParams:
     """Checked sampling params with a seed: a move must continue the same random stream. The
     prompt is checked too (kvhold.protocol.sampling.RequestInput), before any sidecar sees it."""
-    params = dict(params)
-    if params.get("seed") is None:
-        params["seed"] = secrets.randbits(63)
-    RequestInput.check(prompt, prompt_ids, None, params)
-    return params
+    sampling = RequestInput.check(prompt, prompt_ids, None, params).sampling
+    return sampling if sampling.seed is not None else dataclasses.replace(sampling, seed=secrets.randbits(63))
 
 
 class RouterCore:
@@ -121,7 +119,7 @@ class RouterCore:
 class StreamLog:
     """One routed request's tokens across sidecars, its moves, and its result."""
 
-    def __init__(self, prompt, prompt_ids, params: dict):
+    def __init__(self, prompt, prompt_ids, params: SamplingParams):
         self.prompt, self.prompt_ids, self.params = prompt, prompt_ids, params
         self.token_ids: list[int] = []
         self.texts: list[str] = []
@@ -137,7 +135,7 @@ class StreamLog:
     @property
     def all_sent(self) -> bool:
         """Every token was streamed: only the end was lost, there is nothing to move."""
-        return len(self.token_ids) >= self.params.get("max_tokens", 16)
+        return len(self.token_ids) >= self.params.max_tokens
 
     def record(self, token_id: int, text: str, logprob=None, inner=None) -> TokenEvent:
         """`logprob`: the token's (with logprobs=k); `inner`: the sidecar's stream it came from,

@@ -10,8 +10,9 @@ max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the 
 layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
 are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
 one is a 400 naming it; formatted by kvhold.serving.logprobs), and the vLLM-style extensions
-top_k, stop_token_ids, ignore_eos. Numeric bounds are the
-protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts and its journal holds).
+top_k, stop_token_ids, ignore_eos. Numeric bounds are the protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts
+and its journal holds). A body's sampling fields go to the SDK by their SamplingParams names
+(`SAMPLING_FIELDS`), which checks them into the request's one record.
 
 Before a body reaches its model it must be at most MAX_BODY_BYTES (else 413), parse as JSON
 (nesting at most MAX_JSON_DEPTH deep) and hold only valid Unicode strings (no lone
@@ -127,6 +128,9 @@ NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, 
                       "prompt_logprobs": None}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 MAX_CHOICES = 64            # prompts times n in one request
+# the body's fields that are SamplingParams fields of the same name, passed on as given (unless
+# None); max_tokens and the log-probs are the endpoint's own (`sampling`, `logprob_params`)
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "stop_token_ids", "ignore_eos")
 
 
 class _Sampling(BaseModel):
@@ -212,14 +216,11 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for AsyncClient.generate (kvhold.protocol.sampling.SamplingParams);
         choice j of n > 1 samples with seed + j (its own draws, reproducible across a recovery)."""
-        out: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "seed", "top_k"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
+        out: dict[str, Any] = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                               if getattr(self, name) is not None}
+        out["max_tokens"] = max_tokens
         if choice and self.seed is not None:
             out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
         out.update(self.logprob_params())
         return out
 

@@ -143,9 +143,10 @@ def kv_layout(options: dict | None, override: str | None = None) -> str:
 
 def sampling_kwargs(entry, num_generated: int) -> dict:
     """`SamplingParams` keywords for a journal entry resumed after `num_generated` tokens."""
-    return {"max_tokens": entry.max_tokens - num_generated, "temperature": entry.temperature,
-            "top_p": entry.top_p, "top_k": entry.top_k or None, "seed": entry.seed,
-            "stop_token_ids": list(entry.stop_ids) or None, "ignore_eos": entry.ignore_eos}
+    p = entry.sampling
+    return {"max_tokens": p.max_tokens - num_generated, "temperature": p.temperature,
+            "top_p": p.top_p, "top_k": p.top_k or None, "seed": p.seed,
+            "stop_token_ids": list(p.stop_token_ids) or None, "ignore_eos": p.ignore_eos}
 
 
 def build_llm(kwargs: dict, weights):                    # pragma: no cover - needs TensorRT-LLM

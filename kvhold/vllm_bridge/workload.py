@@ -80,10 +80,11 @@ def sampling_params(entry, num_generated: int):
     remaining max_tokens unless aborted."""
     from vllm import SamplingParams
 
-    keyed = extra_args(entry.seed, num_generated) if entry.temperature > 0 else None
-    return SamplingParams(max_tokens=max(1, entry.max_tokens - num_generated), temperature=entry.temperature,
-                          top_p=entry.top_p, top_k=entry.top_k if entry.top_k > 0 else 0,
-                          seed=entry.seed if entry.temperature > 0 else None, ignore_eos=True,
+    p = entry.sampling
+    keyed = extra_args(p.seed, num_generated) if p.temperature > 0 else None
+    return SamplingParams(max_tokens=max(1, p.max_tokens - num_generated), temperature=p.temperature,
+                          top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+                          seed=p.seed if p.temperature > 0 else None, ignore_eos=True,
                           detokenize=False, skip_special_tokens=False, extra_args=keyed)
 
 
