@@ -104,6 +104,8 @@ class SamplingParams:
                 LIMITS[name].check(name, getattr(self, name))
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidParams("stop_token_ids must be a list of integers")
+        if isinstance(self.stop_token_ids, list):      # the record holds a tuple (it is hashable)
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise InvalidParams(f"at most {MAX_STOP_IDS} stop_token_ids")
         check_token_ids(self.stop_token_ids, "stop_token_ids", label="stop token id", error=InvalidParams)
