@@ -96,6 +96,7 @@ def admit(tables: Tables, requests: list[dict], slots: list[int] | None = None) 
         rid = (1 << 40) | int(tables.header["request_counter"])
         journal.admit(slot, rid, r["prompt_ids"], SamplingParams(
             max_tokens=r["max_tokens"], seed=r.get("seed", 0), temperature=r.get("temperature", 0.0),
-            top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0), ignore_eos=True))
+            top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0), min_tokens=r.get("min_tokens", 0),
+            stop_token_ids=tuple(r.get("stop_token_ids", ())), ignore_eos=r.get("ignore_eos", True)))
         ids.append(rid)
     return ids

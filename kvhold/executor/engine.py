@@ -98,6 +98,7 @@ class Engine:
             self.add(seq)
 
     def add(self, seq: Sequence) -> None:
+        seq.eos = self.eos                    # what min_tokens keeps from ending it early
         self.seqs[seq.slot] = seq
         self.scheduler.add(seq)
 
@@ -312,7 +313,8 @@ class Engine:
 def finish_reason(req, token: int, eos, max_seq_len: int) -> FinishReason | None:
     """kvhold's rule for ending a request after its latest token `token` (`req`: a Sequence or
     a journal entry, counted with that token): a stop id, EOS unless ignore_eos, max_tokens,
-    then the context length. Every engine kvhold drives ends requests by it."""
+    then the context length. Every engine kvhold drives ends requests by it. A request's
+    min_tokens needs no rule here: its sampler never picks a stop id or EOS before then."""
     p = req.sampling
     if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
         return FinishReason.STOP

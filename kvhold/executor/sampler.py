@@ -8,7 +8,11 @@ picks exactly the token an uninterrupted run would have picked. The choice is an
 inverse-CDF lookup over tokens sorted by (probability desc, id asc) with a stable
 sort, so ties break the same way everywhere.
 
-Each row reads its parameters from its sequence's `sampling` (kvhold.protocol.sampling).
+Each row reads its parameters from its sequence's `sampling` (kvhold.protocol.sampling). A
+request with `min_tokens` cannot end before that many generated tokens: until then the
+tokens that would end it (`Sequence.masked_ids`: its stop ids, and EOS unless ignore_eos)
+get a logit of -inf, for greedy and sampled rows alike. The mask depends only on the
+request and the position, so a recomputation after a takeover picks the same tokens.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
         logits = logits.to(torch.float64)
     else:
         logits = logits.float()
+    logits = _mask(logits, seqs)
     tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
     rows = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
     if rows and (logits.device.type == "cpu" or pad_rows <= 0):
@@ -56,6 +61,20 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
             picked = _sample_rows(hot, [seqs[i] for i in group] + [_PAD] * (pad_rows - len(group)))
             tokens[group] = picked[:len(group)]
     return tokens.tolist()
+
+
+def _mask(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """`logits` with each row's `masked_ids()` at -inf (a copy when any is: the caller's
+    logits, a CUDA graph's buffer or the log-probs' raw distribution, stay as they are)."""
+    masked = [(i, ids) for i, s in enumerate(seqs) if (ids := s.masked_ids())]
+    if not masked:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    rows = [i for i, ids in masked for t in ids if t < vocab]
+    cols = [t for _, ids in masked for t in ids if t < vocab]
+    logits[rows, cols] = float("-inf")
+    return logits
 
 
 class _Pad:

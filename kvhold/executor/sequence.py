@@ -24,6 +24,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     lp_done: int = 0                    # positions whose log-probs are final (the journal's)
+    eos: frozenset[int] = frozenset()   # the model's EOS ids (the engine sets them)
 
     @classmethod
     def from_journal(cls, entry: JournalEntry, tokens: list[int]) -> "Sequence":
@@ -45,3 +46,12 @@ class Sequence:
     def logprobs_at(self, position: int) -> int | None:
         """Top log-probs the request asks for at token `position` (None: no log-probs there)."""
         return self.sampling.prompt_logprobs if position < self.prompt_len else self.sampling.logprobs
+
+    def masked_ids(self) -> tuple[int, ...]:
+        """Token ids the sampler may not pick next: before `min_tokens` generated tokens, the
+        stop ids and (unless ignore_eos) EOS, which would end the request (vLLM's min_tokens);
+        none after."""
+        p = self.sampling
+        if self.num_generated >= p.min_tokens:
+            return ()
+        return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)))

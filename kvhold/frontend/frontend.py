@@ -104,11 +104,13 @@ class RestoredStreams(Protocol):
 
 class Frontend:
     def __init__(self, tables, spec, model_dir, *, runs_model: bool, durable, fingerprint: str,
-                 timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20):
+                 timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20,
+                 unsupported: tuple[str, ...] = ()):
         self.tables = tables
         self.journal = Journal(tables)
         self.spec = spec
         self.runs_model = runs_model        # the engine workload: executors serve requests
+        self.unsupported = unsupported      # sampling fields its engine cannot honour (refused)
         self.durable = durable              # kvhold.sidecar.durable_journal.DurableJournal
         self.fingerprint = fingerprint
         self.timeline = timeline
@@ -321,6 +323,9 @@ class Frontend:
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of {limit} (--max-logprobs)"
                                     if limit else f"{name}: this server computes no log-probs "
                                     "(--max-logprobs 0, or a workload other than the engine)")
+        name = params.first_set(self.unsupported)
+        if name is not None:
+            raise InvalidParams(f"{name} is not supported by this sidecar's engine")
         vocab = self.spec.vocab_size
         for t in params.stop_token_ids:
             if t >= vocab:

@@ -8,6 +8,7 @@ from kvhold.frontend.client_side import ClientSide
 from kvhold.frontend.frontend import Frontend, tokenizer_top_id
 from kvhold.frontend.restore import Restore
 from kvhold.protocol import messages as m
+from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.daemon import Sidecar
 from kvhold.sidecar.pool_restart import PoolRestart
@@ -28,7 +29,8 @@ class InlineSidecar(ClientSide, Sidecar):
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
                                  fingerprint=fingerprint, timeline=self.timeline, host=self,
-                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
+                                 max_prompt_bytes=cfg.pool.max_prompt_bytes,
+                                 unsupported=UNSUPPORTED_SAMPLING.get(cfg.executors.workload, ()))
         self.pool_restart = PoolRestart(self.frontend, self.durable, self.paths,
                                         generation=self.tables.generation, send_client=self.send_client)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,

@@ -49,6 +49,7 @@ from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.protocol.tables import Tables
 from kvhold.frontend.client_side import ClientSide
 from kvhold.sidecar.config import SidecarConfig
@@ -112,7 +113,8 @@ class FrontendProcess(ClientSide):
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
                                  runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
                                  fingerprint=fingerprint, timeline=RecoveryTimeline(), host=self,
-                                 max_prompt_bytes=cfg.pool.max_prompt_bytes)
+                                 max_prompt_bytes=cfg.pool.max_prompt_bytes,
+                                 unsupported=UNSUPPORTED_SAMPLING.get(cfg.executors.workload, ()))
         stack.callback(self.frontend.finish_pending)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,

@@ -383,6 +383,7 @@ def _write_sampling(r: np.ndarray, slot: int, p: SamplingParams) -> None:
     stops = p.stop_token_ids
     r["seed"][slot] = p.seed
     r["max_tokens"][slot] = p.max_tokens
+    r["min_tokens"][slot] = p.min_tokens
     r["top_k"][slot] = p.top_k
     r["temperature"][slot] = p.temperature
     r["top_p"][slot] = p.top_p
@@ -398,7 +399,7 @@ def _read_sampling(r: dict) -> SamplingParams:
     """The SamplingParams of one record's fields as plain Python values."""
     n_stop = min(r["num_stop"], MAX_STOP_IDS)
     return SamplingParams.from_record(
-        max_tokens=r["max_tokens"], seed=r["seed"],
+        max_tokens=r["max_tokens"], min_tokens=r["min_tokens"], seed=r["seed"],
         temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=r["top_k"],
         stop_token_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
         ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),

@@ -65,6 +65,8 @@ class Limit:
 LIMITS: dict[str, Limit] = {
     # the context of any table geometry bounds a request's length (journal field u4)
     "max_tokens": Limit(1, MAX_SEQ_LEN),
+    # generated tokens before a stop id or EOS may end the request; at most max_tokens
+    "min_tokens": Limit(0, MAX_SEQ_LEN),
     # stored as float32: the bounds keep the journaled value finite (and top_p above 0)
     "temperature": Limit(0, float(_F32.max), integer=False),
     "top_p": Limit(0, 1, integer=False, lo_open=True),
@@ -82,6 +84,7 @@ _NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)"}
 @nested
 class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0           # before this many generated tokens, stop ids and EOS are masked
     temperature: float = 1.0      # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
@@ -92,8 +95,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
-        for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k"):
             LIMITS[name].check(name, getattr(self, name), _NOTES.get(name, ""))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidParams(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if np.float32(self.top_p) == 0:     # what the journal stores must still be above 0
             raise InvalidParams(f"top_p must be {LIMITS['top_p'].describe()} and not 0 as a float32, "
                                 f"got {show(self.top_p)}")
@@ -146,6 +151,12 @@ class SamplingParams:
         for name in cls.__dataclass_fields__:
             getattr(cls, name).__set__(p, fields[name])     # the slot itself (the class is frozen)
         return p
+
+    def first_set(self, names) -> str | None:
+        """The first of the fields `names` not at its default (an engine that cannot honour
+        them refuses the request, kvhold.protocol.settings.UNSUPPORTED_SAMPLING), or None."""
+        fields = type(self).__dataclass_fields__
+        return next((n for n in names if getattr(self, n) != fields[n].default), None)
 
     def as_journaled(self, seed: int) -> "SamplingParams":
         """These params as the journal holds them: with `seed` (the client's, or the one the

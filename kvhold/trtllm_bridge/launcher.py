@@ -174,7 +174,11 @@ def build_llm(kwargs: dict, weights):                    # pragma: no cover - ne
 
 class TrtllmWorkload(BridgeWorkload):
     """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring).
-    `live` maps a journal slot to its `RequestOutput`."""
+    min_tokens is refused (finished with ERROR, logged): the sidecar, which spawns no executor
+    here, cannot know to refuse it at admission, and the bridge does not rely on TensorRT-LLM
+    masking exactly the stops kvhold ends a request on. `live` maps a journal slot to its `RequestOutput`."""
+
+    unsupported = ("min_tokens",)
 
     def __init__(self, ctx, options: dict | None = None, head_major: bool = True):
         super().__init__(ctx)

@@ -47,6 +47,7 @@ from kvhold.protocol.layout import FinishReason, PageFlag
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
+from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.vllm_bridge import connector, loader
 from kvhold.vllm_bridge.sampling import KeyedSampling, extra_args
 
@@ -77,7 +78,8 @@ def engine_kwargs(settings, geometry) -> dict:
 def sampling_params(entry, num_generated: int):
     """vLLM SamplingParams for a journal entry with `num_generated` tokens already journaled.
     Stops are kvhold's (the workload finishes requests): vLLM ignores EOS and runs to the
-    remaining max_tokens unless aborted."""
+    remaining max_tokens unless aborted. min_tokens is refused (`VllmWorkload.unsupported`):
+    kvhold's stops are not vLLM's, so vLLM's own min_tokens would mask nothing here."""
     from vllm import SamplingParams
 
     p = entry.sampling
@@ -89,6 +91,8 @@ def sampling_params(entry, num_generated: int):
 
 
 class VllmWorkload(BridgeWorkload):
+    unsupported = UNSUPPORTED_SAMPLING["vllm"]
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.live: dict[int, _Live] = {}            # journal slot -> its vLLM request

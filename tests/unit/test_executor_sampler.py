@@ -19,6 +19,9 @@ class S:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
 
+    def masked_ids(self) -> tuple[int, ...]:
+        return ()
+
 
 def test_uniform_depends_only_on_seed_and_position():
     assert uniform(1, 5) == uniform(1, 5)
