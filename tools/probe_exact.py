@@ -164,11 +164,12 @@ def plan(seq_specs):
     """A step's schedule from (tokens, num_computed, tokens_this_step, pages) per sequence."""
     from kvhold.executor.scheduler import Scheduled
     from kvhold.executor.sequence import Sequence
+    from kvhold.protocol.sampling import SamplingParams
 
     out = []
     for slot, (tokens, computed, n, pages) in enumerate(seq_specs):
-        seq = Sequence(slot=slot, request_id=slot + 1, prompt_len=len(tokens), tokens=tokens, max_tokens=9,
-                       seed=0, temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True)
+        seq = Sequence(slot=slot, request_id=slot + 1, prompt_len=len(tokens), tokens=tokens,
+                       sampling=SamplingParams(max_tokens=9, seed=0, temperature=0.0, ignore_eos=True))
         seq.num_computed, seq.pages = computed, pages
         out.append(Scheduled(seq, n))
     return out

@@ -29,6 +29,7 @@ def main(argv=None) -> int:
 
     from kvhold.executor.sampler import sample
     from kvhold.executor.sequence import Sequence
+    from kvhold.protocol.sampling import SamplingParams
 
     out = {"command": " ".join(["python -m tools.probe_executor_start", *(argv or sys.argv[1:])]),
            "import_ms": round((time.monotonic() - t_import) * 1e3, 1), "ops": []}
@@ -63,8 +64,8 @@ def main(argv=None) -> int:
     order = torch.argsort(logits, dim=-1)
     timed("gather", lambda: order.gather(1, torch.zeros(args.rows, 1, dtype=torch.long, device=dev)))
     timed("tolist", lambda: torch.argmax(logits, dim=-1).tolist())
-    seqs = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=i, temperature=0.8,
-                     top_p=0.9, top_k=40, stop_ids=frozenset(), ignore_eos=True) for i in range(args.rows)]
+    seqs = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], sampling=SamplingParams(
+                max_tokens=1, seed=i, temperature=0.8, top_p=0.9, top_k=40, ignore_eos=True)) for i in range(args.rows)]
     timed("sample_sampled_rows", lambda: sample(logits, seqs, pad_rows=args.rows))
     out["first_calls_ms"] = round(sum(o["ms"] for o in out["ops"] if o["call"] == "first"), 1)
     out["second_calls_ms"] = round(sum(o["ms"] for o in out["ops"] if o["call"] == "second"), 1)

@@ -177,7 +177,7 @@ class ClientCore:
     def generate(self, request: RequestInput) -> tuple[int, m.Generate]:
         """The Generate of a checked request; its reply is the new stream's StreamState."""
         return self.request(lambda tag: m.Generate(
-            tag=tag, params=request.sampling.to_dict(), prompt=request.prompt, prompt_ids=request.prompt_ids,
+            tag=tag, params=request.sampling, prompt=request.prompt, prompt_ids=request.prompt_ids,
             prefix_generated=list(request.prefix) or None))
 
     def answered(self, tag: int) -> bool:

@@ -265,10 +265,11 @@ class CudaRunner:
         on the null page."""
         from kvhold.executor.scheduler import Scheduled
         from kvhold.executor.sequence import Sequence
+        from kvhold.protocol.sampling import SamplingParams
 
         n, pt = n or self.prefill_chunk, self.kv.page_tokens
-        seq = Sequence(slot=-1, request_id=0, prompt_len=context, tokens=[0] * context, max_tokens=1, seed=0,
-                       temperature=0.0, top_p=1.0, top_k=0, stop_ids=frozenset(), ignore_eos=True,
+        seq = Sequence(slot=-1, request_id=0, prompt_len=context, tokens=[0] * context,
+                       sampling=SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True),
                        num_computed=context - n, pages=[NULL_PAGE] * -(-context // pt))
         return Scheduled(seq, n)
 
@@ -405,14 +406,15 @@ class CudaRunner:
             self.sample_logits = logits          # for the log-probs (kvhold.executor.engine)
             return (sample(logits, sampling, self.max_batch) if sampling else []), {}
         logits, out = self._decode(plan)
-        if any(seq.logprobs is not None for seq in sampling):   # the log-probs read them (a copy:
+        if any(seq.sampling.logprobs is not None for seq in sampling):   # the log-probs read them (a copy:
             self.sample_logits = logits[[i for i, p in enumerate(plan) if p.samples]]   # graph buffers)
         faults.point("decode_queued", lambda: self._fault_target(plan))
         if after_forward is not None:
             after_forward(plan)          # queued behind the forward; the read-back waits for it too
         host = out.cpu()
         greedy, hashes = host[0].tolist(), host[1]
-        hot = [i for i, p in enumerate(plan) if p.samples and p.seq.temperature > 0]
+        # rows that sample with a temperature, or whose min_tokens masks tokens, on their logits
+        hot = [i for i, p in enumerate(plan) if p.samples and (p.seq.sampling.temperature > 0 or p.seq.masked_ids())]
         if hot:
             for i, token in zip(hot, sample(logits[hot], [plan[i].seq for i in hot], self.max_batch)):
                 greedy[i] = token

@@ -34,6 +34,7 @@ from kvhold.protocol.layout import AdmitState, FinishReason
 from kvhold.protocol.leases import Lease, now_ns
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.recovery_report import RecoveryReport
+from kvhold.protocol.sampling import SamplingParams
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Engine:
             self.add(seq)
 
     def add(self, seq: Sequence) -> None:
+        seq.eos = self.eos                    # what min_tokens keeps from ending it early
         self.seqs[seq.slot] = seq
         self.scheduler.add(seq)
 
@@ -192,7 +194,7 @@ class Engine:
         rows = []
         for i, p in enumerate(plan):
             s = p.seq
-            if s.logprobs is None and s.prompt_logprobs is None:
+            if s.sampling.logprobs is None and s.sampling.prompt_logprobs is None:
                 continue
             start, end = max(s.num_computed, s.lp_done - 1), min(s.num_computed + p.n, s.num_tokens - 1)
             rows += [(i, pos) for pos in range(start, end) if s.logprobs_at(pos + 1) is not None]
@@ -216,11 +218,11 @@ class Engine:
                 s.lp_done = max(s.lp_done, q + 1)
             known = (np.array([s.slot for s in seqs], dtype=np.int64), np.array(positions, dtype=np.int64),
                      lp, ids, top, np.array([s.lp_done for s in seqs], dtype=np.uint32))
-        want = [i for i, s in enumerate(sampling) if s.logprobs is not None]
+        want = [i for i, s in enumerate(sampling) if s.sampling.logprobs is not None]
         sampled = None
         if want:
             seqs = [sampling[i] for i in want]
-            k = max(s.logprobs for s in seqs)
+            k = max(s.sampling.logprobs for s in seqs)
             lp, ids, top = token_logprobs(self.runner.sample_logits[want], [tokens[i] for i in want], k)
             positions = [s.num_tokens for s in seqs]              # where each sampled token goes
             for s, q in zip(seqs, positions):
@@ -289,9 +291,9 @@ class Engine:
         vocab = self.model.lm_head.shape[0]
         rows = self.max_batch if self.device.type == "cuda" else 2
         logits = torch.randn(rows, vocab, device=self.device)
-        probe = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=i,
-                          temperature=0.8 if i % 2 else 0.0, top_p=0.9, top_k=40, stop_ids=frozenset(),
-                          ignore_eos=True) for i in range(rows)]
+        probe = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], sampling=SamplingParams(
+                     max_tokens=1, seed=i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, top_k=40,
+                     ignore_eos=True)) for i in range(rows)]
         sample(logits, probe, pad_rows=rows if self.device.type == "cuda" else 0)
         sample(logits[:2], probe[:2])
 
@@ -311,10 +313,12 @@ class Engine:
 def finish_reason(req, token: int, eos, max_seq_len: int) -> FinishReason | None:
     """kvhold's rule for ending a request after its latest token `token` (`req`: a Sequence or
     a journal entry, counted with that token): a stop id, EOS unless ignore_eos, max_tokens,
-    then the context length. Every engine kvhold drives ends requests by it."""
-    if token in req.stop_ids or (token in eos and not req.ignore_eos):
+    then the context length. Every engine kvhold drives ends requests by it. A request's
+    min_tokens needs no rule here: its sampler never picks a stop id or EOS before then."""
+    p = req.sampling
+    if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
         return FinishReason.STOP
-    if req.num_generated >= req.max_tokens:
+    if req.num_generated >= p.max_tokens:
         return FinishReason.LENGTH
     if req.num_tokens >= max_seq_len:
         return FinishReason.CONTEXT

@@ -4,8 +4,10 @@ A bridged engine owns its KV pool and its scheduler; kvhold drives it from the j
 protects its KV with a mirror (kvhold.executor.kv_mirror), which the engine's KV connector
 feeds. Every bridge does the same around its engine, and `BridgeWorkload` does it once:
 * admission: each journal request no executor has taken is taken under this executor's
-  epoch; one the client cancelled while queued is finished at once, every other one is
-  submitted to the engine (`_submit`, the bridge's own);
+  epoch; one the client cancelled while queued is finished at once, one that sets a sampling
+  field the engine cannot honour (`unsupported`; the sidecar refuses those at admission when
+  it knows the workload, kvhold.protocol.settings.UNSUPPORTED_SAMPLING) is finished with
+  ERROR and logged, every other one is submitted to the engine (`_submit`, the bridge's own);
 * a submission's output is cumulative over that submission, which began after `offsets[slot]`
   tokens were already journaled (they are part of its prompt): `_new_tokens` is what it adds;
 * tokens are journaled one at a time (`_append_token`), the journal's page list names the
@@ -75,6 +77,7 @@ class BridgeWorkload(EngineWorkload):
     submission with `_track`."""
 
     cold_first_step = True
+    unsupported: tuple[str, ...] = ()       # SamplingParams fields the engine cannot honour
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -101,6 +104,9 @@ class BridgeWorkload(EngineWorkload):
             self.journal.take(e.slot, e.request_id, self.ctx.epoch)
             if e.admit_state == AdmitState.CANCELLED:
                 self.journal.finish(e.slot, FinishReason.CANCELLED)
+            elif (name := e.sampling.first_set(self.unsupported)) is not None:
+                log.error("request %#x refused: this engine does not support %s", e.request_id, name)
+                self.journal.finish(e.slot, FinishReason.ERROR)
             else:
                 self._submit(self.journal.entry(e.slot))
 

@@ -7,10 +7,18 @@ which executor runs the step. Given the same logits, a resumed request therefore
 picks exactly the token an uninterrupted run would have picked. The choice is an
 inverse-CDF lookup over tokens sorted by (probability desc, id asc) with a stable
 sort, so ties break the same way everywhere.
+
+Each row reads its parameters from its sequence's `sampling` (kvhold.protocol.sampling). A
+request with `min_tokens` cannot end before that many generated tokens: until then the
+tokens that would end it (`Sequence.masked_ids`: its stop ids, and EOS unless ignore_eos)
+get a logit of -inf, for greedy and sampled rows alike. The mask depends only on the
+request and the position, so a recomputation after a takeover picks the same tokens.
 """
 from __future__ import annotations
 
 import torch
+
+from kvhold.protocol.sampling import SamplingParams
 
 _M64 = (1 << 64) - 1
 
@@ -39,8 +47,9 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
         logits = logits.to(torch.float64)
     else:
         logits = logits.float()
+    logits = _mask(logits, seqs)
     tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
-    rows = [i for i, s in enumerate(seqs) if s.temperature > 0]
+    rows = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
     if rows and (logits.device.type == "cpu" or pad_rows <= 0):
         tokens[rows] = _sample_rows(logits[rows], [seqs[i] for i in rows])
     elif rows:                  # groups of exactly pad_rows rows, the last one padded
@@ -54,20 +63,38 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
     return tokens.tolist()
 
 
+def _mask(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """`logits` with each row's `masked_ids()` at -inf (a copy when any is: the caller's
+    logits, a CUDA graph's buffer or the log-probs' raw distribution, stay as they are)."""
+    masked = [(i, ids) for i, s in enumerate(seqs) if (ids := s.masked_ids())]
+    if not masked:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    rows = [i for i, ids in masked for t in ids if t < vocab]
+    cols = [t for _, ids in masked for t in ids if t < vocab]
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
 class _Pad:
-    """A padding row's sampling parameters (its token is discarded)."""
-    temperature, top_k, top_p, seed, num_generated = 1.0, 0, 1.0, 0, 0
+    """A padding row (its token is discarded)."""
+    sampling = SamplingParams(temperature=1.0, seed=0)
+    num_generated = 0
 
 
 _PAD = _Pad()
 
 
 def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """One token per row, drawn with its sequence's `sampling` at its `num_generated`."""
     dev, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([s.temperature for s in seqs], dtype=logits.dtype, device=dev)
-    top_k = torch.tensor([s.top_k for s in seqs], device=dev)
-    top_p = torch.tensor([s.top_p for s in seqs], dtype=logits.dtype, device=dev)
-    u = torch.tensor([uniform(s.seed, s.num_generated) for s in seqs], dtype=logits.dtype, device=dev)
+    params = [s.sampling for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+    u = torch.tensor([uniform(p.seed, s.num_generated) for p, s in zip(params, seqs)], dtype=logits.dtype,
+                     device=dev)
 
     scaled = logits / temps[:, None]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)

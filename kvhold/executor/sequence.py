@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvhold.protocol.journal import JournalEntry
+from kvhold.protocol.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -18,27 +19,17 @@ class Sequence:
     request_id: int
     prompt_len: int
     tokens: list[int]                 # prompt + generated, mirrors the journal row
-    max_tokens: int
-    seed: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop_ids: frozenset[int]
-    ignore_eos: bool
+    sampling: SamplingParams          # as journaled (kvhold.protocol.sampling)
     num_computed: int = 0             # tokens whose KV is in the pool and committed
     pages: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    logprobs: int | None = None         # top log-probs per generated token (None: no log-probs)
-    prompt_logprobs: int | None = None  # and per prompt token
     lp_done: int = 0                    # positions whose log-probs are final (the journal's)
+    eos: frozenset[int] = frozenset()   # the model's EOS ids (the engine sets them)
 
     @classmethod
     def from_journal(cls, entry: JournalEntry, tokens: list[int]) -> "Sequence":
         return cls(slot=entry.slot, request_id=entry.request_id, prompt_len=entry.prompt_len,
-                   tokens=tokens, max_tokens=entry.max_tokens, seed=entry.seed,
-                   temperature=entry.temperature, top_p=entry.top_p, top_k=entry.top_k,
-                   stop_ids=frozenset(entry.stop_ids), ignore_eos=entry.ignore_eos,
-                   logprobs=entry.logprobs, prompt_logprobs=entry.prompt_logprobs, lp_done=entry.lp_done)
+                   tokens=tokens, sampling=entry.sampling, lp_done=entry.lp_done)
 
     @property
     def num_tokens(self) -> int:
@@ -54,4 +45,13 @@ class Sequence:
 
     def logprobs_at(self, position: int) -> int | None:
         """Top log-probs the request asks for at token `position` (None: no log-probs there)."""
-        return self.prompt_logprobs if position < self.prompt_len else self.logprobs
+        return self.sampling.prompt_logprobs if position < self.prompt_len else self.sampling.logprobs
+
+    def masked_ids(self) -> tuple[int, ...]:
+        """Token ids the sampler may not pick next: before `min_tokens` generated tokens, the
+        stop ids and (unless ignore_eos) EOS, which would end the request (vLLM's min_tokens);
+        none after."""
+        p = self.sampling
+        if self.num_generated >= p.min_tokens:
+            return ()
+        return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)))

@@ -136,6 +136,7 @@ def warm_spare(device: str, kernel_shapes) -> dict[str, float]:
     from kvhold.executor import triton_aot
     from kvhold.executor.sampler import sample
     from kvhold.executor.sequence import Sequence
+    from kvhold.protocol.sampling import SamplingParams
 
     t = [time.monotonic()]
 
@@ -156,9 +157,9 @@ def warm_spare(device: str, kernel_shapes) -> dict[str, float]:
         rows, vocab = kernel_shapes.max_batch, kernel_shapes.vocab_size
         logits = torch.randn(rows, vocab, device=dev)
         for temperature in (0.0, 0.8):
-            seqs = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], max_tokens=1, seed=i,
-                             temperature=temperature, top_p=0.9, top_k=40, stop_ids=frozenset(),
-                             ignore_eos=True) for i in range(rows)]
+            seqs = [Sequence(slot=-1, request_id=0, prompt_len=1, tokens=[0], sampling=SamplingParams(
+                        max_tokens=1, seed=i, temperature=temperature, top_p=0.9, top_k=40, ignore_eos=True))
+                    for i in range(rows)]
             sample(logits, seqs, pad_rows=rows)
             sample(logits[:2], seqs[:2])
         del logits

@@ -85,7 +85,6 @@ class Pending:
     request_id: int
     prompt_ids: list[int]
     prefix: list[int]
-    params: SamplingParams
-    seed: int
+    params: SamplingParams        # as journaled: its seed resolved (SamplingParams.as_journaled)
     body: dict
     durable: bool = False         # its batch is on disk: it is admitted at the next loop turn

@@ -104,11 +104,13 @@ class RestoredStreams(Protocol):
 
 class Frontend:
     def __init__(self, tables, spec, model_dir, *, runs_model: bool, durable, fingerprint: str,
-                 timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20):
+                 timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20,
+                 unsupported: tuple[str, ...] = ()):
         self.tables = tables
         self.journal = Journal(tables)
         self.spec = spec
         self.runs_model = runs_model        # the engine workload: executors serve requests
+        self.unsupported = unsupported      # sampling fields its engine cannot honour (refused)
         self.durable = durable              # kvhold.sidecar.durable_journal.DurableJournal
         self.fingerprint = fingerprint
         self.timeline = timeline
@@ -222,11 +224,10 @@ class Frontend:
             return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
                            message=f"all {self.tables.geometry.num_slots} request slots are in use")
         request_id = self.journal.new_request_id()
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        body = self._record(request_id, identity, prompt_ids, prefix, params, seed)
+        params = params.as_journaled(params.seed if params.seed is not None else secrets.randbits(63))
+        body = self._record(request_id, identity, prompt_ids, prefix, params)
         self.pending[request_id] = Pending(identity=identity, tag=msg.tag, request_id=request_id,
-                                           prompt_ids=prompt_ids, prefix=prefix, params=params,
-                                           seed=seed, body=body)
+                                           prompt_ids=prompt_ids, prefix=prefix, params=params, body=body)
         self.commit.submit(body)
         return None
 
@@ -271,13 +272,8 @@ class Frontend:
                 self.host.send_client(p.identity, refusal or m.Error(
                     code=ErrorCode.OVERLOADED, tag=p.tag, message="no request slot is free"))
                 continue
-            params = p.params
             try:
-                self.journal.admit(slot, p.request_id, p.prompt_ids, max_tokens=params.max_tokens,
-                                   seed=p.seed, temperature=params.temperature, top_p=params.top_p,
-                                   top_k=params.top_k, stop_ids=params.stop_token_ids,
-                                   ignore_eos=params.ignore_eos, prefix_ids=p.prefix,
-                                   logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+                self.journal.admit(slot, p.request_id, p.prompt_ids, p.params, prefix_ids=p.prefix)
             except Exception as exc:   # a bug on one request must not stop the service
                 log.exception("internal error admitting request %#x", p.request_id)
                 self.durable.remove(p.request_id)
@@ -327,6 +323,9 @@ class Frontend:
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of {limit} (--max-logprobs)"
                                     if limit else f"{name}: this server computes no log-probs "
                                     "(--max-logprobs 0, or a workload other than the engine)")
+        name = params.first_set(self.unsupported)
+        if name is not None:
+            raise InvalidParams(f"{name} is not supported by this sidecar's engine")
         vocab = self.spec.vocab_size
         for t in params.stop_token_ids:
             if t >= vocab:
@@ -341,17 +340,12 @@ class Frontend:
                                           last_send_ns=now_ns(), sent=len(prefix), prefix=len(prefix),
                                           conn=self.connection_of(identity), opened_ns=now_ns())
 
-    def _record(self, request_id, identity, prompt_ids, prefix, params, seed) -> dict:
-        """The request's durable journal record (kvhold.sidecar.durable_journal), as admitted."""
-        f32 = lambda x: float(np.float32(x))  # what the shm journal stores and the engine samples with
+    def _record(self, request_id, identity, prompt_ids, prefix, params: SamplingParams) -> dict:
+        """The request's durable journal record (kvhold.sidecar.durable_journal), as admitted:
+        `params` as journaled (what the shm journal stores and the engine samples with)."""
         return {"request_id": request_id, "generation": int(self.tables.generation),
                 "client": identity.hex(), "prompt_ids": list(prompt_ids), "prefix": len(prefix),
-                "generated": list(prefix), "max_tokens": params.max_tokens, "seed": seed,
-                "temperature": f32(params.temperature), "top_p": f32(params.top_p),
-                "top_k": params.top_k, "stop_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "admitted_unix_ns": time.time_ns(),
-                **{k: getattr(params, k) for k in ("logprobs", "prompt_logprobs")
-                   if getattr(params, k) is not None},
+                "generated": list(prefix), "sampling": params.to_dict(), "admitted_unix_ns": time.time_ns(),
                 "fingerprint": self.fingerprint}
 
     def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:

@@ -63,6 +63,7 @@ from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
+from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.protocol.tables import Tables
 from kvhold.frontend.client_side import ClientSide
 from kvhold.sidecar.config import SidecarConfig
@@ -235,7 +236,8 @@ class FrontendProcess(ClientSide):
                                  runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
                                  fingerprint=fingerprint,
                                  timeline=shared.timeline if shared is not None else RecoveryTimeline(),
-                                 host=self, max_prompt_bytes=cfg.pool.max_prompt_bytes)
+                                 host=self, max_prompt_bytes=cfg.pool.max_prompt_bytes,
+                                 unsupported=UNSUPPORTED_SAMPLING.get(cfg.executors.workload, ()))
         stack.callback(self._finish_pending)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,

@@ -28,31 +28,28 @@ from kvhold.protocol.tables import Tables
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """A consistent read of one slot, as recovery and the scheduler need it."""
+    """A consistent read of one slot, as recovery and the scheduler need it. `sampling`: the
+    request's params as admitted (seed resolved, temperature and top_p as float32)."""
 
     slot: int
     request_id: int
     admit_state: AdmitState
     prompt_len: int
-    max_tokens: int
-    seed: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop_ids: tuple[int, ...]
-    ignore_eos: bool
+    sampling: SamplingParams
     taken: bool
     exec_state: ExecState
     num_generated: int
     num_pages: int
     num_prefix: int = 0      # generated tokens brought by a resumed request (see admit)
-    logprobs: int | None = None          # top log-probs asked for per generated token (None: no log-probs)
-    prompt_logprobs: int | None = None   # and per prompt token
     lp_done: int = 0                     # positions whose log-probs are final (execution half)
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.num_generated
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
 
 
 class Journal:
@@ -77,20 +74,21 @@ class Journal:
         self.tables.header["request_counter"] += 1
         return (self.tables.generation << 40) | int(self.tables.header["request_counter"])
 
-    def admit(self, slot: int, request_id: int, prompt_ids, *, max_tokens: int, seed: int,
-              temperature: float, top_p: float, top_k: int, stop_ids=(), ignore_eos=False,
-              owner_tag: int = 0, prefix_ids=(), logprobs: int | None = None,
-              prompt_logprobs: int | None = None) -> None:
-        """`prefix_ids`: tokens already generated elsewhere (a request moved from another
-        sidecar). They are stored after the prompt and count as generated from the start, so
-        sampling positions and the max_tokens budget continue where the first run stopped.
-        Every value is checked against its field's range (kvhold.protocol.sampling) before any
-        field is written: InvalidParams (a ValueError) leaves the slot free."""
-        SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
-                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    def admit(self, slot: int, request_id: int, prompt_ids, sampling: SamplingParams, *,
+              owner_tag: int = 0, prefix_ids=()) -> None:
+        """`sampling`: the request's params, with its seed (the one the sidecar picked when the
+        client gave none). `prefix_ids`: tokens already generated elsewhere (a request moved
+        from another sidecar). They are stored after the prompt and count as generated from
+        the start, so sampling positions and the max_tokens budget continue where the first run
+        stopped. Every value is checked against its field's range (kvhold.protocol.sampling)
+        before any field is written: InvalidParams (a ValueError) leaves the slot free."""
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if sampling.seed is None:
+            raise InvalidParams("a journaled request needs its seed")
         limit = self.tables.geometry.max_logprobs if self.tables.logprobs is not None else -1
-        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sampling, name)
             if k is not None and k > limit:
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of "
                                     f"{max(limit, 0)} (--max-logprobs)" if limit >= 0 else
@@ -98,7 +96,7 @@ class Journal:
         prompt, prefix = _token_row(prompt_ids, "prompt_ids"), _token_row(prefix_ids, "prefix_ids")
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
-        if len(prompt) + len(prefix) >= self.max_seq_len or len(prefix) >= max_tokens:
+        if len(prompt) + len(prefix) >= self.max_seq_len or len(prefix) >= sampling.max_tokens:
             raise ValueError(f"{len(prefix)} resumed tokens leave nothing to generate")
         r = self.req
         if r["admit_state"][slot] != AdmitState.FREE:
@@ -108,19 +106,9 @@ class Journal:
         r["num_prefix"][slot] = len(prefix)
         r["request_id"][slot] = request_id
         r["owner_tag"][slot] = owner_tag
-        r["seed"][slot] = seed
         r["admitted_ns"][slot] = now_ns()
         r["prompt_len"][slot] = len(prompt)
-        r["max_tokens"][slot] = max_tokens
-        r["top_k"][slot] = top_k
-        r["temperature"][slot] = temperature
-        r["top_p"][slot] = top_p
-        r["num_stop"][slot] = len(stop_ids)
-        r["stop_ids"][slot] = 0
-        r["stop_ids"][slot, :len(stop_ids)] = stop_ids
-        r["flags"][slot] = RequestFlag.IGNORE_EOS if ignore_eos else RequestFlag.NONE
-        r["logprobs"][slot] = 0 if logprobs is None else logprobs + 1
-        r["prompt_logprobs"][slot] = 0 if prompt_logprobs is None else prompt_logprobs + 1
+        _write_sampling(r, slot, sampling)
         r["admit_state"][slot] = AdmitState.ADMITTED          # publication
 
     def cancel(self, slot: int) -> None:
@@ -390,20 +378,43 @@ class StreamReads:
         return self.lp_done[k] if self.exec_request_id[k] == request_id else 0
 
 
+def _write_sampling(r: np.ndarray, slot: int, p: SamplingParams) -> None:
+    """The record's sampling fields of `slot` := `p` (checked already)."""
+    stops = p.stop_token_ids
+    r["seed"][slot] = p.seed
+    r["max_tokens"][slot] = p.max_tokens
+    r["min_tokens"][slot] = p.min_tokens
+    r["top_k"][slot] = p.top_k
+    r["temperature"][slot] = p.temperature
+    r["top_p"][slot] = p.top_p
+    r["num_stop"][slot] = len(stops)
+    r["stop_ids"][slot] = 0
+    r["stop_ids"][slot, :len(stops)] = stops
+    r["flags"][slot] = RequestFlag.IGNORE_EOS if p.ignore_eos else RequestFlag.NONE
+    r["logprobs"][slot] = 0 if p.logprobs is None else p.logprobs + 1
+    r["prompt_logprobs"][slot] = 0 if p.prompt_logprobs is None else p.prompt_logprobs + 1
+
+
+def _read_sampling(r: dict) -> SamplingParams:
+    """The SamplingParams of one record's fields as plain Python values."""
+    n_stop = min(r["num_stop"], MAX_STOP_IDS)
+    return SamplingParams.from_record(
+        max_tokens=r["max_tokens"], min_tokens=r["min_tokens"], seed=r["seed"],
+        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=r["top_k"],
+        stop_token_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
+        ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),
+        logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]))
+
+
 def _entry(slot: int, r: dict) -> JournalEntry:
     """A JournalEntry from one record's fields as plain Python values."""
     taken = r["exec_request_id"] == r["request_id"] and r["request_id"] != 0
-    n_stop = min(r["num_stop"], MAX_STOP_IDS)
     return JournalEntry(
         slot=slot, request_id=r["request_id"], admit_state=AdmitState(r["admit_state"]),
-        prompt_len=r["prompt_len"], max_tokens=r["max_tokens"], seed=r["seed"],
-        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=r["top_k"],
-        stop_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
-        ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),
+        prompt_len=r["prompt_len"], sampling=_read_sampling(r),
         taken=taken, exec_state=ExecState(r["exec_state"]) if taken else ExecState.NONE,
         num_generated=r["num_generated"] if taken else 0,
         num_pages=r["num_pages"] if taken else 0, num_prefix=r["num_prefix"],
-        logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
         lp_done=r["lp_done"] if taken else 0)
 
 

@@ -116,7 +116,10 @@ REQUEST_DTYPE = np.dtype([
     ("scheduled_ns", "<u8"),
     # token positions [0, lp_done) whose log-probs are final in the logprob area (position 0 has
     # none): written after those log-probs, before the KV pages or the count they go with
-    ("lp_done", "<u4"), ("_pad32", "<u4"),
+    ("lp_done", "<u4"),
+    # admission half (sidecar-written), where the record had padding: generated tokens before a
+    # stop id or EOS may end the request; 0, what tables of earlier builds hold there, is none
+    ("min_tokens", "<u4"),
     ("_pad", "<u8", (7,)),
 ])
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvhold.protocol.recovery_report import RecoveryReport
+from kvhold.protocol.sampling import SamplingParams
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.wire import message
 
@@ -147,9 +148,10 @@ class Shutdown:
 class Generate:
     """`prefix_generated`: tokens an earlier run of this request already produced (it is being
     moved from a sidecar that died). Generation continues after them with the same seed and
-    absolute positions; the stream, `Accepted` and `Done` count only the new tokens."""
+    absolute positions; the stream, `Accepted` and `Done` count only the new tokens.
+    `params`: the request's sampling fields (kvhold.protocol.sampling), a map on the wire."""
     tag: int
-    params: dict
+    params: SamplingParams
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     prefix_generated: list[int] | None = None

@@ -13,9 +13,18 @@ Unknown options are errors, not silently ignored. `seed` makes the output reprod
 random draw for a request at generated position i depends only on (seed, i); when a client
 gives none the sidecar picks one and records it in the journal so a resumed request
 continues exactly as it would have.
+
+`SamplingParams` is also the request's one record of these fields on their whole way: it
+travels in the `Generate` message as a nested wire value (a map of its fields, decoded by
+`from_dict`, so a bad value gets INVALID_PARAMS), is what `Journal.admit` writes into the
+shared-memory record and what a `JournalEntry` reads back, what the executor's `Sequence`
+samples with, and the durable journal's record holds it as one map. A new field is declared
+here (with its range in `LIMITS`), stored by the journal's record, and used by the sampler;
+the layers between pass the record on whole.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -24,6 +33,7 @@ import numpy as np
 
 from kvhold.protocol.errors import InvalidParams, InvalidTokenId
 from kvhold.protocol.layout import MAX_LOGPROBS, MAX_SEQ_LEN, MAX_STOP_IDS, REQUEST_DTYPE
+from kvhold.protocol.wire import nested
 
 DEFAULT_MAX_TOKENS = 16
 TOKEN_ID_MAX = int(np.iinfo(np.int32).max)      # journal token rows and stop ids are int32
@@ -55,6 +65,8 @@ class Limit:
 LIMITS: dict[str, Limit] = {
     # the context of any table geometry bounds a request's length (journal field u4)
     "max_tokens": Limit(1, MAX_SEQ_LEN),
+    # generated tokens before a stop id or EOS may end the request; at most max_tokens
+    "min_tokens": Limit(0, MAX_SEQ_LEN),
     # stored as float32: the bounds keep the journaled value finite (and top_p above 0)
     "temperature": Limit(0, float(_F32.max), integer=False),
     "top_p": Limit(0, 1, integer=False, lo_open=True),
@@ -69,9 +81,10 @@ LIMITS: dict[str, Limit] = {
 _NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)"}
 
 
-@dataclass(frozen=True, slots=True)
+@nested
 class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0           # before this many generated tokens, stop ids and EOS are masked
     temperature: float = 1.0      # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
@@ -82,8 +95,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
-        for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k"):
             LIMITS[name].check(name, getattr(self, name), _NOTES.get(name, ""))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidParams(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if np.float32(self.top_p) == 0:     # what the journal stores must still be above 0
             raise InvalidParams(f"top_p must be {LIMITS['top_p'].describe()} and not 0 as a float32, "
                                 f"got {show(self.top_p)}")
@@ -94,6 +109,8 @@ class SamplingParams:
                 LIMITS[name].check(name, getattr(self, name))
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidParams("stop_token_ids must be a list of integers")
+        if isinstance(self.stop_token_ids, list):      # the record holds a tuple (it is hashable)
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise InvalidParams(f"at most {MAX_STOP_IDS} stop_token_ids")
         check_token_ids(self.stop_token_ids, "stop_token_ids", label="stop token id", error=InvalidParams)
@@ -102,6 +119,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
+        """The params a map of their fields gives (a client's, a decoded message's, a durable
+        record's); InvalidParams naming the first field that does not fit."""
         if not isinstance(d, dict):
             raise InvalidParams("sampling params must be a map")
         known = set(cls.__dataclass_fields__)
@@ -116,10 +135,35 @@ class SamplingParams:
             d["stop_token_ids"] = tuple(d["stop_token_ids"])
         return cls(**d)
 
+    from_wire_map = from_dict     # how the wire decodes one (kvhold.protocol.wire.nested)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
+
+    @classmethod
+    def from_record(cls, **fields) -> "SamplingParams":
+        """Params read back from the shared-memory journal's record (every field given), which
+        holds only values `Journal.admit` checked: built without checking them again, since
+        executors read records on their hot paths."""
+        p = object.__new__(cls)
+        for name in cls.__dataclass_fields__:
+            getattr(cls, name).__set__(p, fields[name])     # the slot itself (the class is frozen)
+        return p
+
+    def first_set(self, names) -> str | None:
+        """The first of the fields `names` not at its default (an engine that cannot honour
+        them refuses the request, kvhold.protocol.settings.UNSUPPORTED_SAMPLING), or None."""
+        fields = type(self).__dataclass_fields__
+        return next((n for n in names if getattr(self, n) != fields[n].default), None)
+
+    def as_journaled(self, seed: int) -> "SamplingParams":
+        """These params as the journal holds them: with `seed` (the client's, or the one the
+        sidecar picked) and temperature and top_p rounded to float32 (REQUEST_DTYPE), so that
+        the durable record, the shared-memory record and the sampler hold the same values."""
+        return dataclasses.replace(self, seed=seed, temperature=float(np.float32(self.temperature)),
+                                   top_p=float(np.float32(self.top_p)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +177,12 @@ class RequestInput:
     prefix: list[int]
 
     @classmethod
-    def check(cls, prompt=None, prompt_ids=None, prefix_generated=None, params: dict | None = None,
-              vocab_size: int | None = None) -> "RequestInput":
+    def check(cls, prompt=None, prompt_ids=None, prefix_generated=None,
+              params: SamplingParams | dict | None = None, vocab_size: int | None = None) -> "RequestInput":
+        """`params`: the SamplingParams, or a map of their fields (checked here)."""
         if (prompt is None) == (prompt_ids is None):
             raise InvalidParams("give exactly one of prompt (text) or prompt_ids")
-        sampling = SamplingParams.from_dict(params or {})
+        sampling = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params or {})
         if prompt is not None:
             check_text(prompt, "prompt")
             if not prompt:

@@ -25,6 +25,9 @@ from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
 from kvhold.protocol.wire import from_map, nested, to_map
 
 WORKLOADS = ("engine", "idle", "churn", "vllm")   # vllm: kvhold.vllm_bridge
+# sampling fields (kvhold.protocol.sampling.SamplingParams) a workload's engine cannot honour:
+# a request that sets one is refused at admission (INVALID_PARAMS), and by the bridge itself
+UNSUPPORTED_SAMPLING = {"vllm": ("min_tokens",)}
 KV_MODES = ("native", "foreign")
 
 

@@ -8,7 +8,9 @@ type, and the schema (every required field present, no unknown field, each value
 of the declared type). Every failure raises `WireError` carrying the error code
 the peer is sent back; nothing else escapes for any input bytes.
 A field may hold a `nested` dataclass: it travels as a map of its fields and is
-checked like a message body (required fields, no unknown field, declared types).
+checked like a message body (required fields, no unknown field, declared types), or, for
+a type that checks itself (`from_wire_map`, e.g. kvhold.protocol.sampling.SamplingParams),
+by its own check, whose typed error (a KvholdError) keeps its code.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.errors import ErrorCode, KvholdError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
@@ -90,6 +92,14 @@ def _checker(tp) -> Callable[[Any], Any]:
                 raise TypeError(f"expected {tp.__name__}, got {type(v).__name__}")
             return v
         return check_scalar
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        each = _checker(args[0])
+
+        def check_tuple(v):
+            if not isinstance(v, (list, tuple)):
+                raise TypeError(f"expected list, got {type(v).__name__}")
+            return tuple(each(x) for x in v)
+        return check_tuple
     if origin is list:
         item = _checker(args[0]) if args else (lambda v: v)
 
@@ -123,7 +133,9 @@ def message(type_name: str):
 
 
 def nested(cls):
-    """Register a frozen dataclass as a value that message fields (or other nested types) may hold."""
+    """Register a frozen dataclass as a value that message fields (or other nested types) may hold.
+    A class with a `from_wire_map(data)` classmethod builds itself from its map, checking every
+    field its own way; any other is checked field by field against its declared types."""
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
     hints = typing.get_type_hints(cls)
     _NESTED[cls] = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
@@ -139,7 +151,11 @@ def to_map(obj) -> dict:
 
 def from_map(cls, data):
     """The nested value of type `cls` that `data` (a map of its fields) describes, checked as a
-    message body is; TypeError or ValueError naming the field when it does not fit."""
+    message body is; TypeError or ValueError naming the field when it does not fit (or the
+    class's own error, from its `from_wire_map`)."""
+    own = getattr(cls, "from_wire_map", None)
+    if own is not None:
+        return own(data)
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise TypeError(f"expected a {cls.__name__} map")
     return cls(**_check_fields(cls, _NESTED[cls], data))
@@ -218,6 +234,8 @@ def _build(type_name: str, body: dict):
     cls = _REGISTRY[type_name]
     try:
         return cls(**_check_fields(cls, _CHECKERS[type_name], body))
+    except KvholdError as exc:       # a nested value's own check: its code (e.g. INVALID_PARAMS)
+        raise WireError(exc.code, f"{type_name}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise WireError(ErrorCode.BAD_FIELD, f"{type_name}: {exc}") from None
 

@@ -3,15 +3,17 @@
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
 ignored: `best_of` above 1, non-zero penalties, `logit_bias`, `suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
-value (`repetition_penalty`, `min_p`, `min_tokens`, `length_penalty`, beam search, guided
+value (`repetition_penalty`, `min_p`, `length_penalty`, beam search, guided
 decoding, `include_stop_str_in_output`, `prompt_logprobs`: echo with logprobs gives them) and
 unknown `stream_options`. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
 layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
 are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
 one is a 400 naming it; formatted by kvhold.serving.logprobs), and the vLLM-style extensions
-top_k, stop_token_ids, ignore_eos. Numeric bounds are the
-protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts and its journal holds).
+top_k, stop_token_ids, ignore_eos, min_tokens (at most the request's max_tokens, else a 400).
+Numeric bounds are the protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts
+and its journal holds). A body's sampling fields go to the SDK by their SamplingParams names
+(`SAMPLING_FIELDS`), which checks them into the request's one record.
 
 Before a body reaches its model it must be at most MAX_BODY_BYTES (else 413), parse as JSON
 (nesting at most MAX_JSON_DEPTH deep) and hold only valid Unicode strings (no lone
@@ -121,12 +123,15 @@ def _check_json(data) -> None:
             stack.append((item, path + (key,), depth + 1))
 
 
-NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "length_penalty": 1.0,
+NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "length_penalty": 1.0,
                       "use_beam_search": False, "include_stop_str_in_output": False, "guided_json": None,
                       "guided_regex": None, "guided_choice": None, "guided_grammar": None,
                       "prompt_logprobs": None}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 MAX_CHOICES = 64            # prompts times n in one request
+# the body's fields that are SamplingParams fields of the same name, passed on as given (unless
+# None); max_tokens and the log-probs are the endpoint's own (`sampling`, `logprob_params`)
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "stop_token_ids", "ignore_eos", "min_tokens")
 
 
 class _Sampling(BaseModel):
@@ -149,10 +154,10 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(None, ge=LIMITS["top_k"].lo, le=LIMITS["top_k"].hi)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=LIMITS["min_tokens"].lo, le=LIMITS["min_tokens"].hi)
     # vLLM-style extensions kvhold does not implement: refused unless at their neutral value
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-    min_tokens: int = 0
     length_penalty: float = 1.0
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
@@ -212,14 +217,14 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int, choice: int = 0) -> dict:
         """Keyword arguments for AsyncClient.generate (kvhold.protocol.sampling.SamplingParams);
         choice j of n > 1 samples with seed + j (its own draws, reproducible across a recovery)."""
-        out: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "seed", "top_k"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
+        if self.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                              param="min_tokens", code="invalid_value")
+        out: dict[str, Any] = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                               if getattr(self, name) is not None}
+        out["max_tokens"] = max_tokens
         if choice and self.seed is not None:
             out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
         out.update(self.logprob_params())
         return out
 

@@ -5,9 +5,12 @@ sidecar, a pool restart and a reboot. It lives in the journal directory (`--jour
 default `STATE/journal/<instance>`, STATE being $KVHOLD_STATE_DIR, systemd's
 $STATE_DIRECTORY, /var/lib/kvhold for root, or `${XDG_STATE_HOME:-~/.local/state}/kvhold`:
 never /run or /tmp, which a reboot empties). A record holds a request's prompt ids,
-sampling params (the seed the sidecar picked included), the owning client's key (transport
-byte + ZeroMQ routing id), the model fingerprint, and, once drained, the tokens committed
-so far. A record is versioned JSON on one line, `{"format", "version", "crc32", "body"}`,
+sampling params as one map (`sampling`: kvhold.protocol.sampling.SamplingParams as
+journaled, the seed the sidecar picked included), the owning client's key (transport byte +
+ZeroMQ routing id), the model fingerprint, and, once drained, the tokens committed so far.
+Records of earlier builds hold the params as fields of the body (`max_tokens`, `seed`,
+`temperature`, `top_p`, `top_k`, `stop_ids`, `ignore_eos`, `logprobs`, `prompt_logprobs`):
+`record_sampling` reads either form, so a pool restart across an upgrade restores them. A record is versioned JSON on one line, `{"format", "version", "crc32", "body"}`,
 with a CRC32 of the canonical JSON of `body`. Two kinds of file hold records:
 * **admission segments**, `seg-<seq hex>.jsonl`: the records of one *group commit*, one per
   line. Admissions are made durable in batches by `GroupCommit`, a thread of its own: it
@@ -112,21 +115,14 @@ def _check_body(body: dict) -> None:
     """Every field of a record has its type and range: the request's own fields by the same
     definitions as a new request's admission (kvhold.protocol.sampling), so that a record read
     back can always be admitted again. InvalidParams/ValueError with the reason otherwise."""
-    for key in ("request_id", "generation", "seed", "max_tokens", "top_k"):
+    for key in ("request_id", "generation"):
         if isinstance(body.get(key), bool) or not isinstance(body.get(key), int):
             raise ValueError(f"field {key!r} missing or not an integer")
     if not 0 < body["request_id"] < 2**64:
         raise ValueError(f"request_id {show(body['request_id'])} is not in [1, 2**64)")
     if not 0 <= body["generation"] < 2**64:
         raise ValueError(f"generation {show(body['generation'])} is not in [0, 2**64)")
-    for key in ("temperature", "top_p"):
-        if key not in body:
-            raise ValueError(f"field {key!r} missing")
-    sampling = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
-                              top_p=body["top_p"], top_k=body["top_k"], seed=body["seed"],
-                              stop_token_ids=_list(body, "stop_ids"),
-                              ignore_eos=body.get("ignore_eos", False),
-                              logprobs=body.get("logprobs"), prompt_logprobs=body.get("prompt_logprobs"))
+    sampling = record_sampling(body)
     prompt = check_token_ids(_list(body, "prompt_ids"), "prompt_ids")
     generated = check_token_ids(_list(body, "generated"), "generated", label="generated token id")
     if not prompt:
@@ -149,6 +145,27 @@ def _check_body(body: dict) -> None:
     for key in ("cancelled",):
         if not isinstance(body.get(key, False), bool):
             raise ValueError(f"field {key!r} is not true or false")
+
+
+def record_sampling(body: dict) -> SamplingParams:
+    """A record's sampling params, with their seed: its `sampling` map, or the fields of the
+    body in a record of an earlier build (module docstring). InvalidParams/ValueError naming
+    the field that does not fit."""
+    if "sampling" in body:
+        sampling = SamplingParams.from_dict(body["sampling"])
+        if sampling.seed is None:
+            raise ValueError("field 'sampling.seed' missing")
+        return sampling
+    for key in ("seed", "max_tokens", "top_k"):
+        if isinstance(body.get(key), bool) or not isinstance(body.get(key), int):
+            raise ValueError(f"field {key!r} missing or not an integer")
+    for key in ("temperature", "top_p"):
+        if key not in body:
+            raise ValueError(f"field {key!r} missing")
+    return SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                          top_p=body["top_p"], top_k=body["top_k"], seed=body["seed"],
+                          stop_token_ids=_list(body, "stop_ids"), ignore_eos=body.get("ignore_eos", False),
+                          logprobs=body.get("logprobs"), prompt_logprobs=body.get("prompt_logprobs"))
 
 
 def _list(body: dict, key: str) -> list:

@@ -22,7 +22,7 @@ from typing import Callable
 
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.leases import now_ns
-from kvhold.sidecar.durable_journal import FailedRecord
+from kvhold.sidecar.durable_journal import FailedRecord, record_sampling
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,11 @@ class Readmission:
             return (f"the model changed across the restart (weights fingerprint "
                     f"{str(body.get('fingerprint'))[:12]} -> {fingerprint[:12]})")
         prompt, generated = body["prompt_ids"], body["generated"]
+        sampling = record_sampling(body)
         vocab = self.vocab_size
-        if any(t >= vocab for t in prompt + generated + body["stop_ids"]):
+        if any(t >= vocab for t in prompt + generated + list(sampling.stop_token_ids)):
             return f"a token id is outside the vocabulary (size {vocab})"
-        need = len(prompt) + max(body["max_tokens"], len(generated))
+        need = len(prompt) + max(sampling.max_tokens, len(generated))
         if need > geometry.max_seq_len:
             return f"needs {need} tokens, the context is now {geometry.max_seq_len}"
         rid = int(body["request_id"])
@@ -113,10 +114,7 @@ class Readmission:
         slot = journal.free_slot()
         if slot is None:
             return f"no free request slot (--max-requests {geometry.num_slots})"
-        journal.admit(slot, rid, prompt, max_tokens=body["max_tokens"], seed=body["seed"],
-                      temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
-                      stop_ids=body["stop_ids"], ignore_eos=bool(body.get("ignore_eos")),
-                      logprobs=body.get("logprobs"), prompt_logprobs=body.get("prompt_logprobs"))
+        journal.admit(slot, rid, prompt, sampling)
         try:
             journal.restore_progress(slot, rid, generated)
             if body.get("cancelled"):

@@ -143,9 +143,10 @@ def kv_layout(options: dict | None, override: str | None = None) -> str:
 
 def sampling_kwargs(entry, num_generated: int) -> dict:
     """`SamplingParams` keywords for a journal entry resumed after `num_generated` tokens."""
-    return {"max_tokens": entry.max_tokens - num_generated, "temperature": entry.temperature,
-            "top_p": entry.top_p, "top_k": entry.top_k or None, "seed": entry.seed,
-            "stop_token_ids": list(entry.stop_ids) or None, "ignore_eos": entry.ignore_eos}
+    p = entry.sampling
+    return {"max_tokens": p.max_tokens - num_generated, "temperature": p.temperature,
+            "top_p": p.top_p, "top_k": p.top_k or None, "seed": p.seed,
+            "stop_token_ids": list(p.stop_token_ids) or None, "ignore_eos": p.ignore_eos}
 
 
 def build_llm(kwargs: dict, weights):                    # pragma: no cover - needs TensorRT-LLM
@@ -173,7 +174,11 @@ def build_llm(kwargs: dict, weights):                    # pragma: no cover - ne
 
 class TrtllmWorkload(BridgeWorkload):
     """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring).
-    `live` maps a journal slot to its `RequestOutput`."""
+    min_tokens is refused (finished with ERROR, logged): the sidecar, which spawns no executor
+    here, cannot know to refuse it at admission, and the bridge does not rely on TensorRT-LLM
+    masking exactly the stops kvhold ends a request on. `live` maps a journal slot to its `RequestOutput`."""
+
+    unsupported = ("min_tokens",)
 
     def __init__(self, ctx, options: dict | None = None, head_major: bool = True):
         super().__init__(ctx)

@@ -22,16 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from kvhold.executor.sampler import _sample_rows
+from kvhold.protocol.sampling import SamplingParams
 
 SEED_KEY, GENERATED_KEY = "kvhold_seed", "kvhold_generated"
 
 
 @dataclass
 class _Row:
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
+    sampling: SamplingParams     # what kvhold.executor.sampler reads: temperature, top-k, top-p, seed
     offset: int
     output: list[int]            # vLLM's live list of this submission's generated tokens
 
@@ -67,8 +65,9 @@ if LogitsProcessor is not None:
             extra = params.extra_args or {}
             if SEED_KEY not in extra or params.temperature <= 0:
                 return None
-            return _Row(params.temperature, max(0, params.top_k), params.top_p, int(extra[SEED_KEY]),
-                        int(extra.get(GENERATED_KEY, 0)), output_ids)
+            sampling = SamplingParams(temperature=params.temperature, top_k=max(0, params.top_k),
+                                      top_p=params.top_p, seed=int(extra[SEED_KEY]))
+            return _Row(sampling, int(extra.get(GENERATED_KEY, 0)), output_ids)
 
         def update_state(self, batch_update: "BatchUpdate | None") -> None:
             process_dict_updates(self.rows, batch_update, self._row)

@@ -47,6 +47,7 @@ from kvhold.protocol.layout import FinishReason, PageFlag
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
+from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.vllm_bridge import connector, loader
 from kvhold.vllm_bridge.sampling import KeyedSampling, extra_args
 
@@ -77,17 +78,21 @@ def engine_kwargs(settings, geometry) -> dict:
 def sampling_params(entry, num_generated: int):
     """vLLM SamplingParams for a journal entry with `num_generated` tokens already journaled.
     Stops are kvhold's (the workload finishes requests): vLLM ignores EOS and runs to the
-    remaining max_tokens unless aborted."""
+    remaining max_tokens unless aborted. min_tokens is refused (`VllmWorkload.unsupported`):
+    kvhold's stops are not vLLM's, so vLLM's own min_tokens would mask nothing here."""
     from vllm import SamplingParams
 
-    keyed = extra_args(entry.seed, num_generated) if entry.temperature > 0 else None
-    return SamplingParams(max_tokens=max(1, entry.max_tokens - num_generated), temperature=entry.temperature,
-                          top_p=entry.top_p, top_k=entry.top_k if entry.top_k > 0 else 0,
-                          seed=entry.seed if entry.temperature > 0 else None, ignore_eos=True,
+    p = entry.sampling
+    keyed = extra_args(p.seed, num_generated) if p.temperature > 0 else None
+    return SamplingParams(max_tokens=max(1, p.max_tokens - num_generated), temperature=p.temperature,
+                          top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+                          seed=p.seed if p.temperature > 0 else None, ignore_eos=True,
                           detokenize=False, skip_special_tokens=False, extra_args=keyed)
 
 
 class VllmWorkload(BridgeWorkload):
+    unsupported = UNSUPPORTED_SAMPLING["vllm"]
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.live: dict[int, _Live] = {}            # journal slot -> its vLLM request

@@ -1,4 +1,5 @@
 """GPU tests: run on a CUDA machine (the H200 via the device tool), skipped elsewhere."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -259,7 +260,7 @@ def test_decode_step_reads_back_greedy_tokens_and_slot_hashes_equal_to_the_gener
     runner.run(_plan([(a, 0, 32, [1, 2]), (b, 0, 20, [5, 6])]))
     runner.run(_plan([(a, 32, 5, [1, 2, 3])]))
     plan = _plan([(a + [7], 37, 1, [1, 2, 3]), (b + [9], 20, 1, [5, 6])])
-    plan[1].seq.temperature = 0.7                  # one row through the sampler
+    plan[1].seq.sampling = dataclasses.replace(plan[1].seq.sampling, temperature=0.7)   # one row through the sampler
     tokens, hashes = runner.run_and_sample(plan, [p.seq for p in plan])
     want = sample(runner.run(plan), [p.seq for p in plan])
     assert tokens == want

@@ -22,10 +22,12 @@ KINDS = [(0.8, 1.0, 0), (1.0, 0.9, 0), (0.7, 1.0, 40)]     # as tools.bench_reco
 
 def _seqs(n: int, position: int):
     from kvhold.executor.sequence import Sequence
+    from kvhold.protocol.sampling import SamplingParams
 
-    return [Sequence(slot=i, request_id=i + 1, prompt_len=1, tokens=[0] * (1 + position), max_tokens=1 << 20,
-                     seed=i, temperature=KINDS[i % 3][0], top_p=KINDS[i % 3][1], top_k=KINDS[i % 3][2],
-                     stop_ids=frozenset(), ignore_eos=True) for i in range(n)]
+    return [Sequence(slot=i, request_id=i + 1, prompt_len=1, tokens=[0] * (1 + position),
+                     sampling=SamplingParams(max_tokens=1 << 20, seed=i, temperature=KINDS[i % 3][0],
+                                             top_p=KINDS[i % 3][1], top_k=KINDS[i % 3][2], ignore_eos=True))
+            for i in range(n)]
 
 
 @pytest.mark.parametrize("scale", [3.0, 6.0])

@@ -46,6 +46,7 @@ from kvhold.trtllm_bridge import launcher
 from kvhold.trtllm_bridge.launcher import llm_kwargs, sampling_kwargs
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, MirrorExecutor, MirrorPlanner
 from kvhold.trtllm_bridge.trtllm_weights import rebind_views
+from kvhold.protocol.sampling import SamplingParams
 
 KV = KvGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_tokens=4)
 GEOM = TableGeometry(kv=KV, num_pages=64, num_slots=4, max_seq_len=64, num_leases=2)
@@ -183,8 +184,8 @@ def test_llm_arguments_pin_what_the_bridge_owns():
     assert kw["max_seq_len"] == 64 and kw["cuda_graph_config"] is None
     with pytest.raises(ValueError, match="checkpoint_loader"):
         llm_kwargs(settings, GEOM, {"checkpoint_loader": "x"})
-    entry = SimpleNamespace(max_tokens=40, temperature=0.0, top_p=1.0, top_k=0, seed=5,
-                            stop_ids=(), ignore_eos=False)
+    entry = SimpleNamespace(sampling=SamplingParams(max_tokens=40, temperature=0.0, top_p=1.0, top_k=0, seed=5,
+                                                    stop_token_ids=(), ignore_eos=False))
     assert sampling_kwargs(entry, 12)["max_tokens"] == 28 and sampling_kwargs(entry, 0)["top_k"] is None
 
 
@@ -499,7 +500,7 @@ def test_promote_reports_what_the_connector_loaded(pool):
         for _ in range(6):
             e1.step()
         generated = e1.requests[1001].tokens[len(PROMPT):]
-        journal.admit(0, rid, PROMPT, max_tokens=max_new, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+        journal.admit(0, rid, PROMPT, SamplingParams(max_tokens=max_new, seed=0, temperature=0.0, top_p=1.0, top_k=0))
         journal.take(0, rid, int(tables.leases["epoch"][0]))
         for i, token in enumerate(generated):
             journal.commit_tokens(np.array([0]), np.array([len(PROMPT) + i]), np.array([token], dtype=np.int32),
@@ -558,14 +559,14 @@ def test_a_late_output_of_an_aborted_submission_is_not_journaled_for_the_slots_n
     step = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length")], finished=True)
     old, new = _Output([step]), _Output([])
     rid = journal.new_request_id()
-    journal.admit(0, rid, PROMPT, max_tokens=8, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    journal.admit(0, rid, PROMPT, SamplingParams(max_tokens=8, seed=0, temperature=0.0, top_p=1.0, top_k=0))
     journal.take(0, rid, 1)
     w._track(journal.entry(0), old)
     journal.cancel(0)
     assert w.step() == [0] and old.aborted and journal.entry(0).exec_state == ExecState.FINISHED
     journal.release(0)
     rid2 = journal.new_request_id()
-    journal.admit(0, rid2, PROMPT, max_tokens=8, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    journal.admit(0, rid2, PROMPT, SamplingParams(max_tokens=8, seed=0, temperature=0.0, top_p=1.0, top_k=0))
     journal.take(0, rid2, 1)
     w._track(journal.entry(0), new)
     w._drain(0, old)                                  # the old submission's last output arrives now

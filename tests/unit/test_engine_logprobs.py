@@ -20,6 +20,7 @@ from kvhold.protocol.layout import ExecState, KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease, LeaseTable
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.tables import Tables
+from kvhold.protocol.sampling import SamplingParams
 from safetensors.torch import load_file
 
 PAGE_TOKENS = 16
@@ -59,7 +60,7 @@ def admit(tables, slot, prompt, **kw):
     rid = j.new_request_id()
     params = dict(max_tokens=6, seed=7, temperature=0.0, top_p=1.0, top_k=0, ignore_eos=True)
     params.update(kw)
-    j.admit(slot, rid, prompt, **params)
+    j.admit(slot, rid, prompt, SamplingParams(**params))
     return rid
 
 
@@ -150,8 +151,8 @@ def test_a_pool_restart_recomputes_the_restored_tokens_logprobs(model):
 
     tables2, kv2 = pool(model)
     j2 = Journal(tables2)
-    j2.admit(0, rid, PROMPT, max_tokens=8, seed=7, temperature=0.0, top_p=1.0, top_k=0, ignore_eos=True,
-             logprobs=2)
+    j2.admit(0, rid, PROMPT, SamplingParams(max_tokens=8, seed=7, temperature=0.0, top_p=1.0, top_k=0, ignore_eos=True,
+                                            logprobs=2))
     j2.restore_progress(0, rid, generated[:5])
     assert j2.lp_done(0, rid) == len(PROMPT)
     e2 = engine(model, tables2, kv2)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from kvhold.executor.sampler import sample, uniform
+from kvhold.protocol.sampling import SamplingParams
 
 
 @dataclass
@@ -13,6 +14,13 @@ class S:
     top_k: int = 0
     seed: int = 0
     num_generated: int = 0
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    def masked_ids(self) -> tuple[int, ...]:
+        return ()
 
 
 def test_uniform_depends_only_on_seed_and_position():

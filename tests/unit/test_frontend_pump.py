@@ -16,6 +16,7 @@ from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.frontend.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.testing.frontend_host import FrontendHost
+from kvhold.protocol.sampling import SamplingParams
 
 GEOMETRY = TableGeometry(kv=KvGeometry(1, 1, 8, "float32", 4), num_pages=16, num_slots=8,
                          max_seq_len=64, num_leases=2, max_logprobs=2)
@@ -42,8 +43,8 @@ def open_streams(fe, n, logprobs=None):
     out = []
     for i in range(n):
         slot, rid = j.free_slot(), j.new_request_id()
-        j.admit(slot, rid, [1, 2, 3], max_tokens=20, seed=1, temperature=0.0, top_p=1.0, top_k=0,
-                logprobs=logprobs)
+        j.admit(slot, rid, [1, 2, 3], SamplingParams(max_tokens=20, seed=1, temperature=0.0, top_p=1.0, top_k=0,
+                                                     logprobs=logprobs))
         fe._open_stream(rid, slot, b"u%d" % (i % 2), [1, 2, 3], ())
         j.take(slot, rid, epoch=1)
         out.append((slot, rid))

@@ -10,6 +10,7 @@ from kvhold.executor.journal_tokens import JournalTokens
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.tables import Tables
+from kvhold.protocol.sampling import SamplingParams
 
 SLOTS, MAX_SEQ = 4, 64
 
@@ -34,7 +35,7 @@ class Journalled:
         rid = self.journal.new_request_id()
         prompt = list(range(self.next_token, self.next_token + prompt_len))
         self.next_token += prompt_len
-        self.journal.admit(slot, rid, prompt, max_tokens=40, seed=1, temperature=0.0, top_p=1.0, top_k=0)
+        self.journal.admit(slot, rid, prompt, SamplingParams(max_tokens=40, seed=1, temperature=0.0, top_p=1.0, top_k=0))
         if take:
             self.journal.take(slot, rid, epoch=1)
 

@@ -11,6 +11,7 @@ from kvhold.protocol.layout import (HEADER_BYTES, LAYOUT_VERSION, KvGeometry, Pa
                                    header_crc)
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.tables import Tables, TableFormatError
+from kvhold.protocol.sampling import SamplingParams
 
 SMALL = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4,
                       max_seq_len=32, num_leases=4)
@@ -173,7 +174,7 @@ def test_named_readers_of_the_header_pages_and_journal(tables):
     assert len(pt.unowned_pages()) == SMALL.num_pages - 2
     journal = Journal(tables)
     for slot, request_id in ((0, 11), (1, 12)):
-        journal.admit(slot, request_id, [1, 2, 3], max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+        journal.admit(slot, request_id, [1, 2, 3], SamplingParams(max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0))
     journal.take(0, 11, epoch=3)
     journal.cancel(1)
     assert journal.untaken_slots().tolist() == [1]
@@ -187,7 +188,7 @@ def test_queue_and_prefill_times_from_the_journal_marks(tables):
     from kvhold.protocol.journal import Journal
 
     j = Journal(tables)
-    j.admit(1, 99, [3, 4, 5], max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    j.admit(1, 99, [3, 4, 5], SamplingParams(max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0))
     j.take(1, 99, epoch=1)
     assert j.timings_s(1) == (None, None)                     # not in a step yet
     r = tables.requests

@@ -9,11 +9,12 @@ from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode, InvalidParams, error_from_code
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, decode, encode, registered_types
+from kvhold.protocol.sampling import SamplingParams
 
 
 def test_round_trip_every_message():
-    samples = [m.Attach(token="t", pid=1), m.Generate(tag=1, params={"max_tokens": 3}, prompt="hi"),
-               m.Generate(tag=2, params={}, prompt_ids=[1, 2]), m.Tokens(request_id=5, start=0, ids=[1],
+    samples = [m.Attach(token="t", pid=1), m.Generate(tag=1, params=SamplingParams(max_tokens=3), prompt="hi"),
+               m.Generate(tag=2, params=SamplingParams(), prompt_ids=[1, 2]), m.Tokens(request_id=5, start=0, ids=[1],
                texts=["a"]), m.Promote(epoch=3, pending_epochs=[1, 2]), m.Wake(), m.Keepalive()]
     for msg in samples:
         assert decode(encode(msg)) == msg

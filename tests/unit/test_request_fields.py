@@ -90,14 +90,13 @@ def test_whatever_the_check_accepts_the_journal_holds_exactly(tables, max_tokens
         return
     journal = Journal(tables)
     slot = journal.free_slot()
-    journal.admit(slot, (2 << 40) | 1, [1, 2], max_tokens=p.max_tokens, seed=p.seed, temperature=p.temperature,
-                  top_p=p.top_p, top_k=p.top_k, stop_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
+    journal.admit(slot, (2 << 40) | 1, [1, 2], p)
     e = journal.entry(slot)
     journal.release(slot)
-    assert (e.max_tokens, e.top_k, e.seed, e.stop_ids, e.ignore_eos) == (
+    assert (e.max_tokens, e.sampling.top_k, e.sampling.seed, e.sampling.stop_token_ids, e.sampling.ignore_eos) == (
         p.max_tokens, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos)
-    assert e.temperature == float(np.float32(p.temperature)) and np.isfinite(e.temperature)
-    assert 0 < e.top_p == float(np.float32(p.top_p)) <= 1
+    assert e.sampling.temperature == float(np.float32(p.temperature)) and np.isfinite(e.sampling.temperature)
+    assert 0 < e.sampling.top_p == float(np.float32(p.top_p)) <= 1
 
 
 def test_the_http_bounds_are_the_protocol_bounds():
@@ -177,7 +176,7 @@ def test_any_record_is_restored_or_failed_and_the_others_come_back(tables, tmp_p
     for rid in restored:
         body = bodies.get(rid) or valid_record(rid)
         e = journal.entry(fe.streams[rid].slot)
-        assert (e.request_id, e.max_tokens, e.top_k, e.seed) == (rid, body["max_tokens"], body["top_k"], body["seed"])
+        assert (e.request_id, e.max_tokens, e.sampling.top_k, e.sampling.seed) == (rid, body["max_tokens"], body["top_k"], body["seed"])
         assert e.num_generated == len(body["generated"])
 
 

@@ -14,6 +14,7 @@ from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease, LeaseTable
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar.request_deaths import MAX_DEATHS, RequestDeaths
+from kvhold.protocol.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -36,8 +37,8 @@ class World:
 
     def admit(self, name: str, prompt_len: int = 8) -> None:
         slot, rid = self.journal.free_slot(), self.journal.new_request_id()
-        self.journal.admit(slot, rid, list(range(1, prompt_len + 1)), max_tokens=8, seed=1, temperature=0.0,
-                           top_p=1.0, top_k=0)
+        self.journal.admit(slot, rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8, seed=1, temperature=0.0,
+                                                                                     top_p=1.0, top_k=0))
         self.ids[name] = rid
 
     def executor(self) -> Lease:

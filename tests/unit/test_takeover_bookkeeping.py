@@ -36,6 +36,7 @@ from kvhold.protocol.leases import Lease, LeaseTable
 from kvhold.protocol.checksum import TorchChecksum
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.tables import Tables
+from kvhold.protocol.sampling import SamplingParams
 
 PT = 4                   # tokens per page
 NUM_PAGES = 48
@@ -179,8 +180,8 @@ def _write_state(tables, kv, engine_checksum, state, dead_epoch, reaped_epoch):
         pages["epoch"][page] = dead_epoch if writer == "dead" else reaped_epoch
     for slot, (prompt, gen, listed) in enumerate(reqs):
         rid = (1 << 40) | (slot + 1)
-        journal.admit(slot, rid, list(range(3, 3 + prompt)), max_tokens=50, seed=slot, temperature=0.0,
-                      top_p=1.0, top_k=0, ignore_eos=True)
+        journal.admit(slot, rid, list(range(3, 3 + prompt)), SamplingParams(max_tokens=50, seed=slot, temperature=0.0,
+                                                                            top_p=1.0, top_k=0, ignore_eos=True))
         journal.take(slot, rid, dead_epoch)
         tables.tokens[slot, prompt:prompt + gen] = 5
         tables.requests["num_generated"][slot] = gen
