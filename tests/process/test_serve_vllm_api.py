@@ -55,7 +55,7 @@ def test_continuous_usage_stats_on_every_chunk(server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-@pytest.mark.parametrize("option", [{"repetition_penalty": 5}, {"min_p": 0.9}, {"min_tokens": 3},
+@pytest.mark.parametrize("option", [{"repetition_penalty": 5}, {"min_p": 0.9},
                                     {"use_beam_search": True}, {"guided_regex": "a+"},
                                     {"stream": True, "stream_options": {"bogus": 1}},
                                     {"stream_options": {"include_usage": True}}])
