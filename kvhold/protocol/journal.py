@@ -140,6 +140,10 @@ class Journal:
         rows = self.req[slots].tolist()            # a copy, as tuples of plain Python values
         return [_entry(slot, dict(zip(_REQUEST_FIELDS, row))) for slot, row in zip(slots.tolist(), rows)]
 
+    def is_free(self, slot: int) -> bool:
+        """The slot holds no request (released, or never admitted)."""
+        return int(self.req["admit_state"][slot]) == AdmitState.FREE
+
     def live_slots(self) -> np.ndarray:
         """Slots admitted (or cancelled) but not yet released."""
         return (self.req["admit_state"] != AdmitState.FREE).nonzero()[0]

@@ -150,6 +150,11 @@ class PageTable:
                 break
         return snap
 
+    def quarantined_epochs(self) -> set[int]:
+        """The writer epochs the quarantined pages are held for."""
+        quarantined = (self.pages["flags"] & PageFlag.QUARANTINED) != 0
+        return {int(e) for e in self.pages["epoch"][quarantined]}
+
     def counts(self) -> dict[str, int]:
         snap = self.snapshot()
         writing = (snap["version"] & 1).astype(bool)

@@ -38,7 +38,6 @@ import zmq
 
 from kvhold.protocol import frontend_link as fl, wire
 from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import AdmitState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.router_socket import bind_router, drain
 
@@ -155,8 +154,7 @@ class LinkEnd:
     def _prune_failed(self) -> None:
         """Forget failed requests whose slot the frontend has released."""
         for rid, (slot, _) in list(self.failed.items()):
-            if self.journal.request_id_at(slot) != rid or \
-                    int(self.tables.requests["admit_state"][slot]) == AdmitState.FREE:
+            if self.journal.request_id_at(slot) != rid or self.journal.is_free(slot):
                 del self.failed[rid]
 
     def close_admissions(self, by: str, reason: str) -> None:

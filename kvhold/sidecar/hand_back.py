@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from kvhold.protocol import fdpass
 from kvhold.protocol.hand_back import HandBack, HandBackFormatError
+from kvhold.protocol.leases import LeaseTable
 from kvhold.protocol.memory import SHM_DIR, RegionInfo
 from kvhold.protocol.procfs import pid_alive
 
@@ -124,9 +125,9 @@ class Receiver:
         if holder is None:
             raise _Refused(f"pid {peer_pid} holds no live lease of the adopted pool")
         self._given_up.add(peer_pid)          # one attempt per holder: refused, it attaches without
-        leases = self.found.tables.leases
+        leases = LeaseTable(self.found.tables)
         if ((hb.slot, hb.epoch) != (holder.slot, holder.epoch)
-                or int(leases["epoch"][hb.slot]) != hb.epoch or int(leases["pid"][hb.slot]) != peer_pid):
+                or leases.epoch(hb.slot) != hb.epoch or leases.pid(hb.slot) != peer_pid):
             raise _Refused(f"lease {hb.slot} epoch {hb.epoch} is not pid {peer_pid}'s "
                            f"(lease {holder.slot} epoch {holder.epoch})")
         if len(fds) != len(hb.regions):

@@ -53,11 +53,12 @@ from typing import Callable, Protocol
 from kvhold.protocol import fdpass, messages as m
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.hand_back import is_hand_back
-from kvhold.protocol.layout import PageFlag, Role
+from kvhold.protocol.layout import Role
 from kvhold.protocol.leases import LeaseTable, now_ns
 from kvhold.protocol.procfs import exit_code, stat_fields
 from kvhold.protocol.liveness import DeathWatcher
 from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.recovery_report import FENCE_REASONS
 from kvhold.protocol.tables import Tables
 from kvhold.protocol.tensor_parallel import follower_pids
@@ -321,10 +322,8 @@ class Supervisor:
             self.send(h, m.Promote(epoch=h.epoch, pending_epochs=sorted(self.pending_epochs)))
             # pages it quarantined for fenced writers the dead sidecar never reported gone: every
             # process of this pool but the live leases' has exited (kvhold.sidecar.adoption)
-            pages = self.tables.pages
-            quarantined = (pages["flags"] & PageFlag.QUARANTINED) != 0
             live = {x.epoch for x in self.handles.values()} | self.pending_epochs
-            gone = sorted({int(e) for e in pages["epoch"][quarantined]} - live)
+            gone = sorted(PageTable(self.tables).quarantined_epochs() - live)
             if gone:
                 self.send(h, m.Reaped(epochs=gone))
         elif role == Role.STANDBY and self.active_slot is None and self.want_active:
