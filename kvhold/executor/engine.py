@@ -285,7 +285,7 @@ class Engine:
     def warm_up_sampler(self) -> None:
         """Load the sampling kernels before the first real step (a takeover must not pay it), at
         the shapes a step samples at: on a GPU, sampled rows go in groups of the runner's batch
-        (kvhold.executor.cuda_runner), whose reductions may take other kernels than one row's."""
+        (kvhold.executor.cuda.runner), whose reductions may take other kernels than one row's."""
         vocab = self.model.lm_head.shape[0]
         rows = self.max_batch if self.device.type == "cuda" else 2
         logits = torch.randn(rows, vocab, device=self.device)
