@@ -163,7 +163,7 @@ class ForeignEngine(Engine):
         self.mirror = mirror
         self.target = mirror.layout             # the private pool, as the mirror reads it
         self.blocks = PrivateBlocks(private_kv.num_pages, self.journal, self.page_tokens, self._drop)
-        self.scheduler.blocks = self.blocks
+        self.scheduler.blocks = self.commits.blocks = self.blocks
         self.commits.pages = MirrorPages(mirror, self.journal, self.page_tokens)
 
     def _drop(self, seq: Sequence) -> None:
