@@ -137,7 +137,14 @@ class Engine:
 
     def takeover_strategy(self) -> takeover.TakeoverStrategy:
         """The takeover steps for where this engine's KV lives: kvhold's shared pages."""
-        return NativeTakeover(self)
+        return NativeTakeover(self.takeover_context())
+
+    def takeover_context(self) -> takeover.TakeoverContext:
+        """What a takeover strategy works on (tables, pool, page bookkeeping)."""
+        return takeover.TakeoverContext(
+            journal=self.journal, page_table=self.page_table, lease=self.lease, kv=self.kv,
+            checksum=self.checksum, device=self.device, page_tokens=self.page_tokens,
+            prefill_chunk=self.scheduler.prefill_chunk, blocks=self.blocks, quarantined=self.quarantined)
 
     def release_quarantined(self, epochs) -> int:
         """The writers of these epochs have exited: their quarantined pages are free again."""
