@@ -8,7 +8,7 @@ with commit off (the engine only keeps tokens in memory), run until all decode, 
 time windows of N decode steps on each in turn (--rounds each; the median window is
 the step time, and the commit's cost is the on windows' total over the off windows'). Decode runs padded to --max-batch rows (64, as a server sized for 64
 streams runs; 0 pads only to B). `--layers` picks the layer implementations: `fused`
-(kvhold.executor.cuda_layers with kvhold.executor.cuda_gemm's projections, what executors run),
+(kvhold.executor.cuda.layers with kvhold.executor.cuda.gemm's projections, what executors run),
 `fused-cublas` (the same with cuBLAS projections) and `eager` (the unfused composition). Also measures the
 device's copy bandwidth and reports each step time against the memory-bandwidth
 floor: weight bytes / copy bandwidth. Writes JSON under bench/results/.

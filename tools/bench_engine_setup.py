@@ -67,8 +67,8 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
     model = LlamaModel(spec, weights, TORCH_DTYPES[dtype], dev, max_seq_len)
     runner = checksum = None
     if dev.type == "cuda":
-        from kvhold.executor.cuda_checksum import TritonChecksum
-        from kvhold.executor.cuda_runner import CudaRunner
+        from kvhold.executor.cuda.checksum import TritonChecksum
+        from kvhold.executor.cuda.runner import CudaRunner
 
         runner = CudaRunner(model, kv, max_batch, prefill_chunk, geometry.max_pages_per_seq, use_graph,
                             slot_hashes=commit, exact=exact_prefill)

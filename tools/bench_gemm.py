@@ -7,7 +7,7 @@ each row count, one CUDA graph multiplies the rows by 32 distinct weight matrice
 the 32 layers of a step do (so the weights stream from HBM, not from L2), and is
 replayed: time per GEMM, and the bandwidth it reaches against the device's copy
 bandwidth. Implementations: cuBLAS through F.linear / addmm_ (torch's default BLAS
-library and cuBLASLt), and kvhold.executor.cuda_gemm's kernel at its chosen tile sizes, or
+library and cuBLASLt), and kvhold.executor.cuda.gemm's kernel at its chosen tile sizes, or
 with --sweep over a grid of tile sizes, warps and pipeline stages (how those were
 chosen). Each kernel's output is checked against cuBLAS. Writes JSON under
 bench/results/.
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemm needs a CUDA device", file=sys.stderr)
         return 2
-    from kvhold.executor import cuda_gemm
+    from kvhold.executor.cuda import gemm as cuda_gemm
 
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)

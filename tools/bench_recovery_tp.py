@@ -3,7 +3,7 @@
     python -m tools.bench_recovery_tp --tensor-parallel-size 2 --kills 10
 
 Runs a group of N rank processes (torch.distributed, gloo on CPU) over owner-kept state
-(kvhold.executor.tensor_parallel.group): per-rank weight shards and KV regions, per-rank
+(kvhold.testing.tensor_parallel_group): per-rank weight shards and KV regions, per-rank
 token tables, one lease with a group epoch. First an uninterrupted run at TP=1 and at TP=N
 (the references), then one run in which a random rank of the active group is SIGKILLed
 --kills times, each at a random committed-token count once a hot-standby group is ready.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvhold.executor.tensor_parallel.group import GroupOwner
+from kvhold.testing.tensor_parallel_group import GroupOwner
 from kvhold.protocol.tensor_parallel import tensor_parallel_refusal
 
 

@@ -8,7 +8,7 @@ Times, with CUDA events (median of --repeat runs after a warm-up), the checksum 
 tokens x 8 KV heads x 128 dims, bf16: 2 MiB a page), picked at random from a pool of
 `--pool-pages`:
 
-* `served`: the kernel kvhold validates with (kvhold.executor.cuda_checksum.TritonChecksum:
+* `served`: the kernel kvhold validates with (kvhold.executor.cuda.checksum.TritonChecksum:
   one splitmix64 mix per 64-bit word, kvhold.protocol.checksum);
 * `read`: the same pages only read and summed, no hashing: the bandwidth floor of the pass;
 * the served kernel's tiling swept (its block of 64-bit words, splits per page, warps),
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhold.executor.cuda_checksum import TritonChecksum, _pages_hash_kernel
+from kvhold.executor.cuda.checksum import TritonChecksum, _pages_hash_kernel
 from kvhold.protocol.checksum import C1, C2, SEED, mix_np, to_u64
 
 

@@ -4,7 +4,7 @@
     python -m tools.probe_exact --prefill --model DIR [--prompts 512,2048,8192] [--chunks 512,2048]
                                 --out bench/results/exact_prefill_cuda.json
 
---gemm: kvhold.executor.cuda_gemm's kernel over [M, K] @ [N, K].T at Llama-3-8B's shapes
+--gemm: kvhold.executor.cuda.gemm's kernel over [M, K] @ [N, K].T at Llama-3-8B's shapes
 (q|k|v, o, gate|up, down), M = 2048. Reference: each block of 64 rows as a decode step
 computes it (the decode's tiles). Every other configuration (BLOCK_M 16..256, BLOCK_N,
 BLOCK_K, warps, stages, the grouped program order) is compared to it bit for bit
@@ -53,7 +53,7 @@ def _time(fn, reps: int = 10) -> float:
 
 
 def gemm(args) -> dict:
-    from kvhold.executor import cuda_gemm
+    from kvhold.executor.cuda import gemm as cuda_gemm
 
     t0 = time.monotonic()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -205,7 +205,7 @@ def synthetic_model(layers: int):
 
 
 def prefill(args, save) -> dict:
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel
     from kvhold.protocol.layout import KvGeometry
@@ -232,7 +232,7 @@ def prefill(args, save) -> dict:
     rng = random.Random(0)
     tokens = [rng.randrange(3, spec.vocab_size) for _ in range(longest)]
     t0 = time.monotonic()
-    from kvhold.executor import cuda_attention
+    from kvhold.executor.cuda import attention as cuda_attention
 
     for mode in args.modes.split(","):
         exact = mode != "fast"

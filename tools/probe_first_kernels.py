@@ -1,5 +1,5 @@
 """Probe: where a zygote-forked executor's first GPU work spends its time, with and
-without the Triton kernels compiled ahead of time in the zygote (kvhold.executor.triton_aot).
+without the Triton kernels compiled ahead of time in the zygote (kvhold.executor.cuda.triton_aot).
 
     python -m tools.probe_first_kernels [--out bench/results/first_kernels_cuda.json]
                                         [--triton-cache DIR]
@@ -42,7 +42,7 @@ PAGES, LAYERS, TABLE_WIDTH = 64, 2, 8
 
 
 def probe_shapes():
-    from kvhold.executor.kernel_shapes import KernelShapes
+    from kvhold.executor.cuda.kernel_shapes import KernelShapes
 
     return KernelShapes(dtype="bfloat16", num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS,
                         head_dim=HEAD_DIM, hidden_size=HIDDEN, intermediate_size=INTER, vocab_size=128256,
@@ -65,8 +65,8 @@ def triton_ops(dev) -> dict:
     writes are returned, from a zeroed pool), so AOT and JIT calls can be compared."""
     import torch
 
-    from kvhold.executor.cuda_attention import paged_decode_attention
-    from kvhold.executor.cuda_checksum import TritonChecksum
+    from kvhold.executor.cuda.attention import paged_decode_attention
+    from kvhold.executor.cuda.checksum import TritonChecksum
 
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -83,7 +83,7 @@ def triton_ops(dev) -> dict:
     ops = {"triton_attention": lambda: paged_decode_attention(q, pool, 1, table, ctx, HEAD_DIM ** -0.5),
            "triton_checksum": lambda: checksum.pages(ids, counts)}
     try:            # the decoder layer's fused kernels, where this checkout has them
-        from kvhold.executor import cuda_kernels as ck
+        from kvhold.executor.cuda import kernels as ck
     except ImportError:
         return ops
     x, w, gate_up = rand(B, HIDDEN), rand(HIDDEN), rand(B, 2 * INTER)
@@ -108,7 +108,7 @@ def child_probe(r: dict, check_aot: bool) -> None:
     import torch
     import torch.nn.functional as F
 
-    from kvhold.executor import triton_aot
+    from kvhold.executor.cuda import triton_aot
 
     dev = torch.device("cuda:0")
     _timed(r, "context", lambda: torch.empty(1, device=dev))
@@ -138,8 +138,8 @@ def aot_checks(ops: dict, out: dict) -> dict:
     """AOT results against JIT ones, cubins compared, and a CUDA graph of AOT launches."""
     import torch
 
-    from kvhold.executor import triton_aot
-    from kvhold.executor.cuda_attention import _paged_decode_kernel
+    from kvhold.executor.cuda import triton_aot
+    from kvhold.executor.cuda.attention import _paged_decode_kernel
 
     c: dict = {}
     with triton_aot.jit_only():
@@ -175,7 +175,7 @@ def _same_cubins() -> dict:
     JIT produced for the same cache key? (Reads the JIT's per-device cache: probe only.)"""
     import torch
 
-    from kvhold.executor import triton_aot
+    from kvhold.executor.cuda import triton_aot
 
     result = {}
     for kernel in triton_aot._KERNELS:
@@ -190,7 +190,7 @@ def _same_cubins() -> dict:
 
 
 def cuda_initialised_here() -> bool | None:
-    from kvhold.executor.triton_aot import cuda_driver_initialised
+    from kvhold.executor.cuda.triton_aot import cuda_driver_initialised
 
     return cuda_driver_initialised()
 
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     result.update(torch=torch.__version__, triton=triton.__version__)
     result["jit_cold_cache"] = fork_and_probe()
     result["jit_warm_cache"] = fork_and_probe()
-    from kvhold.executor import triton_aot
+    from kvhold.executor.cuda import triton_aot
 
     t0 = time.monotonic()
     result["aot_prepare"] = triton_aot.prepare(probe_shapes())

@@ -3,7 +3,7 @@
     python -m tools.probe_prefill_tiles --out bench/results/prefill_tiles_cuda.json
     python -m tools.probe_prefill_tiles --rows 512,2048 --budget-s 60 --out /tmp/tiles.json
 
-An exact prefill chunk runs its projections on kvhold.executor.cuda_gemm's kernel in big
+An exact prefill chunk runs its projections on kvhold.executor.cuda.gemm's kernel in big
 tiles (`prefill_tiles`). The tile only says which program computes which elements, so any
 tile gives a row the decode's bits; but how many programs a tile makes depends on the rows:
 at 512 rows a 128 x 256 tile of o_proj or down_proj (N = 4,096) makes 64 programs for 132
@@ -35,7 +35,7 @@ CANDIDATES = [(256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), 
 
 
 def probe(rows_list: list[int], budget_s: float, reps: int) -> dict:
-    from kvhold.executor import cuda_gemm
+    from kvhold.executor.cuda import gemm as cuda_gemm
 
     t0 = time.monotonic()
     gen = torch.Generator(device="cuda").manual_seed(0)

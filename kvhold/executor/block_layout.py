@@ -111,7 +111,7 @@ class RowCopy:
     `wait()` returns once the last one has landed in kvhold's pool.
 
     On CUDA the indices go through a pinned staging buffer (a non-blocking transfer, the buffer
-    reused once the previous transfer has left it, as kvhold.executor.cuda_runner stages a step's
+    reused once the previous transfer has left it, as kvhold.executor.cuda.runner stages a step's
     inputs) and an event marks the end of the copy. On the CPU everything is synchronous and the
     indices are the caller's arrays, not copied."""
 

@@ -26,8 +26,9 @@ the finished requests. Done between two steps it leaves the GPU idle for that lo
 of a Llama-3-8B step at batch 64). So a decode step's commit is split:
 
 * at once, after the read-back: the engine's own state advances (counts and checksums it
-  keeps per page, each sequence's tokens, finished sequences leave the scheduler) and
-  what is to be published is computed, into a PendingCommit;
+  keeps per page, each sequence's tokens; commit returns the finished sequences, which the
+  engine takes out of its scheduler) and what is to be published is computed, into a
+  PendingCommit;
 * the next step schedules and queues its forward, then publishes the PendingCommit in
   the original order (pages, journal, finished), while the device computes.
 
@@ -47,7 +48,9 @@ runner hashed every decode row's slot) pipelines; any other step commits at once
 
 The engine calls the protocol at named points of its step, in this order: before_cancel,
 before_schedule, before_preempt (the scheduler's hook), before_run, after_forward (the
-runner's hook), after_run, commit; flush on a graceful stop.
+runner's hook), after_run, commit; flush on a graceful stop. The protocol never calls the
+engine: it is handed what it publishes to and frees (lease, journal, pages stage, the engine's
+page bookkeeping and sequences), and `commit` returns the sequences the step finished.
 """
 from __future__ import annotations
 
@@ -178,15 +181,21 @@ class NativePages(PagesStage):
 
 class CommitProtocol:
     """Owns the commit's stage order, immediate and pipelined (see module docstring), and the
-    commit left pending. `engine` advances its own state (Engine.advance) and forgets
-    released sequences (Engine.forget); `pages` is the pages stage."""
+    commit left pending. `pages` is the pages stage; `blocks` the engine's page bookkeeping
+    (BlockManager or the like: `free(seq)`) and `seqs` its sequences by journal slot, from
+    which a released sequence is dropped; `eos` and `max_seq_len` end requests
+    (finish_reason)."""
     pipelined = True            # a decode step's commit is published under the next forward
 
-    def __init__(self, engine, pages: PagesStage):
-        self.engine = engine
+    def __init__(self, lease, journal, pages: PagesStage, blocks, seqs: dict[int, Sequence],
+                 eos: frozenset[int], max_seq_len: int):
         self.pages = pages
-        self.lease = engine.lease
-        self.journal = engine.journal
+        self.lease = lease
+        self.journal = journal
+        self.blocks = blocks
+        self.seqs = seqs
+        self.eos = eos
+        self.max_seq_len = max_seq_len
         self.pending: PendingCommit | None = None
         self._published: list[int] = []         # slots published, not yet reported by the step
 
@@ -224,12 +233,14 @@ class CommitProtocol:
         self.publish_pending()
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
-               may_defer: bool = False, logprobs=None) -> None:
+               may_defer: bool = False, logprobs=None) -> list[tuple[Sequence, FinishReason]]:
         """Commit a step: its pages at once and then the rest, or (`may_defer`: a decode-only step
         that need not be committed at once, whose pages the stage can defer) all of it left
         pending, published under the next step. `logprobs`: (of known tokens, of sampled tokens),
         each Journal.write_logprobs' arguments or None (Engine._logprobs); a step with log-probs
-        of known tokens is not deferred."""
+        of known tokens is not deferred. The step's sequences advance (advance); returns those
+        that finished, for the engine to take out of its scheduler (they are released by the
+        publication: at once, or with the pending commit)."""
         known, sampled = logprobs if logprobs is not None else (None, None)
         update = self.pages.defer(plan, slot_hashes) if may_defer and self.pipelined and known is None else None
         if known is not None:
@@ -240,11 +251,12 @@ class CommitProtocol:
             self.pages.publish(plan, slot_hashes)
         pages, counts, checksums = update if update is not None else (None, None, None)
         slots, positions, generated = _journal_rows(sampling)      # before the sequences advance
-        finished = self.engine.advance(plan, sampling, tokens)
+        finished = advance(plan, sampling, tokens, self.eos, self.max_seq_len)
         self.pending = PendingCommit(pages, counts, checksums, slots, positions,
                                      np.array(tokens, dtype=np.int32), generated, finished, sampled)
         if update is None:
             self.publish_pending()
+        return finished
 
     def flush(self) -> list[int]:
         """Publish a pending commit now (a graceful stop); returns the slots that progressed."""
@@ -281,7 +293,12 @@ class CommitProtocol:
         """Stage 3 for a sequence that left the scheduler: marked finished, then its pages freed."""
         self.lease.check()
         self.journal.finish(seq.slot, reason)
-        self.engine.forget(seq)
+        self.forget(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        """A released sequence: its pages freed, the engine done with it."""
+        self.blocks.free(seq)
+        del self.seqs[seq.slot]
 
 
 class NoCommit(CommitProtocol):
@@ -289,9 +306,41 @@ class NoCommit(CommitProtocol):
     and finished sequences free their pages, but no step publishes pages or journal tokens."""
 
     def commit(self, plan, sampling: list[Sequence], tokens: list[int], slot_hashes: dict[int, int],
-               may_defer: bool = False, logprobs=None) -> None:
-        for seq, _ in self.engine.advance(plan, sampling, tokens):
-            self.engine.forget(seq)
+               may_defer: bool = False, logprobs=None) -> list[tuple[Sequence, FinishReason]]:
+        finished = advance(plan, sampling, tokens, self.eos, self.max_seq_len)
+        for seq, _ in finished:
+            self.forget(seq)
+        return finished
+
+
+def advance(plan, sampling: list[Sequence], tokens: list[int], eos,
+            max_seq_len: int) -> list[tuple[Sequence, FinishReason]]:
+    """The step's sequences after it (computed counts, sampled tokens); returns those the step
+    finished (finish_reason), with why."""
+    for p in plan:
+        p.seq.num_computed += p.n
+    finished = []
+    for seq, token in zip(sampling, tokens):
+        seq.tokens.append(token)
+        reason = finish_reason(seq, token, eos, max_seq_len)
+        if reason is not None:
+            finished.append((seq, reason))
+    return finished
+
+
+def finish_reason(req, token: int, eos, max_seq_len: int) -> FinishReason | None:
+    """kvhold's rule for ending a request after its latest token `token` (`req`: a Sequence or
+    a journal entry, counted with that token): a stop id, EOS unless ignore_eos, max_tokens,
+    then the context length. Every engine kvhold drives ends requests by it. A request's
+    min_tokens needs no rule here: its sampler never picks a stop id or EOS before then."""
+    p = req.sampling
+    if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+        return FinishReason.STOP
+    if req.num_generated >= p.max_tokens:
+        return FinishReason.LENGTH
+    if req.num_tokens >= max_seq_len:
+        return FinishReason.CONTEXT
+    return None
 
 
 def _journal_rows(sampling: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

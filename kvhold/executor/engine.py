@@ -5,7 +5,8 @@ then commit. The commit's stage order (pages, journal, finished; immediate or pi
 under the next step's forward) lives in kvhold.executor.commit: the engine asks its
 CommitProtocol (`self.commits`) at named points of the step and knows nothing of the
 order. The engine owns its own state: sequences, the scheduler, the counts and checksums
-it keeps per page (BlockManager), and `advance`, which moves a step's results into them.
+it keeps per page (BlockManager); the protocol's commit advances the step's sequences and
+returns those that finished, which the engine takes out of its scheduler.
 The device work of a step is complete before its commit (tensors are read back to the
 host to compute the checksums). A token reaches a client only through the journal.
 """
@@ -18,7 +19,7 @@ import torch
 
 from kvhold.executor import faults, takeover
 from kvhold.executor.block_manager import BlockManager
-from kvhold.executor.commit import CommitProtocol, NativePages
+from kvhold.executor.commit import CommitProtocol, NativePages, finish_reason
 from kvhold.executor.journal_tokens import JournalTokens
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
@@ -71,8 +72,9 @@ class Engine:
         self._just_took_over = False
         self.takeover_trace = ""             # host timing marks of the last takeover (NativeTakeover.trace)
         self.first_step_marks: dict[str, int] = {}
-        self.commits = protocol(self, NativePages(self.blocks, self.page_table, self.checksum, lease,
-                                                  self.device))
+        self.commits = protocol(lease, self.journal,
+                                NativePages(self.blocks, self.page_table, self.checksum, lease, self.device),
+                                self.blocks, self.seqs, self.eos, self.max_seq_len)
         self.scheduler.on_preempt = self.commits.before_preempt   # before the scheduler takes pages back
 
     # ------------------------------------------------------------------ admission
@@ -137,7 +139,14 @@ class Engine:
 
     def takeover_strategy(self) -> takeover.TakeoverStrategy:
         """The takeover steps for where this engine's KV lives: kvhold's shared pages."""
-        return NativeTakeover(self)
+        return NativeTakeover(self.takeover_context())
+
+    def takeover_context(self) -> takeover.TakeoverContext:
+        """What a takeover strategy works on (tables, pool, page bookkeeping)."""
+        return takeover.TakeoverContext(
+            journal=self.journal, page_table=self.page_table, lease=self.lease, kv=self.kv,
+            checksum=self.checksum, device=self.device, page_tokens=self.page_tokens,
+            prefill_chunk=self.scheduler.prefill_chunk, blocks=self.blocks, quarantined=self.quarantined)
 
     def release_quarantined(self, epochs) -> int:
         """The writers of these epochs have exited: their quarantined pages are free again."""
@@ -177,8 +186,11 @@ class Engine:
         logprobs = self._logprobs(plan, sampling, tokens, lp_rows)
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
-        self.commits.commit(plan, sampling, tokens, slot_hashes,   # a takeover's first step: at once
-                            may_defer=decode_only and not first and not lp_rows, logprobs=logprobs)
+        finished = self.commits.commit(plan, sampling, tokens, slot_hashes,   # a takeover's first step: at once
+                                       may_defer=decode_only and not first and not lp_rows, logprobs=logprobs)
+        for seq, _ in finished:
+            self.scheduler.remove(seq)
+        self.tokens_generated += len(sampling)
         self.lease.open_step(0)
         if first:   # where the first step after a takeover spends its time (recovery figures)
             self.first_step_marks = {"step_start_ns": t0, "forward_queued_ns": t1, "sampled_ns": t2,
@@ -265,29 +277,13 @@ class Engine:
         """Publish a pending commit now (a graceful stop); returns the slots that progressed."""
         return self.commits.flush()
 
-    def advance(self, plan: list[Scheduled], sampling: list[Sequence],
-                tokens: list[int]) -> list[tuple[Sequence, FinishReason]]:
-        """The engine's own state after the step (counts, tokens; finished sequences leave the
-        scheduler); returns the finished sequences, to be released by the commit."""
-        for p in plan:
-            p.seq.num_computed += p.n
-        finished = []
-        for seq, token in zip(sampling, tokens):
-            seq.tokens.append(token)
-            reason = self.finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.remove(seq)
-                finished.append((seq, reason))
-        self.tokens_generated += len(sampling)
-        return finished
-
     def _beat(self) -> None:
         self.lease.beat(self.num_steps)
 
     def warm_up_sampler(self) -> None:
         """Load the sampling kernels before the first real step (a takeover must not pay it), at
         the shapes a step samples at: on a GPU, sampled rows go in groups of the runner's batch
-        (kvhold.executor.cuda_runner), whose reductions may take other kernels than one row's."""
+        (kvhold.executor.cuda.runner), whose reductions may take other kernels than one row's."""
         vocab = self.model.lm_head.shape[0]
         rows = self.max_batch if self.device.type == "cuda" else 2
         logits = torch.randn(rows, vocab, device=self.device)
@@ -303,23 +299,3 @@ class Engine:
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
         self.commits.release(seq, reason)
-
-    def forget(self, seq: Sequence) -> None:
-        """A released sequence: its pages freed, the engine done with it."""
-        self.blocks.free(seq)
-        del self.seqs[seq.slot]
-
-
-def finish_reason(req, token: int, eos, max_seq_len: int) -> FinishReason | None:
-    """kvhold's rule for ending a request after its latest token `token` (`req`: a Sequence or
-    a journal entry, counted with that token): a stop id, EOS unless ignore_eos, max_tokens,
-    then the context length. Every engine kvhold drives ends requests by it. A request's
-    min_tokens needs no rule here: its sampler never picks a stop id or EOS before then."""
-    p = req.sampling
-    if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-        return FinishReason.STOP
-    if req.num_generated >= p.max_tokens:
-        return FinishReason.LENGTH
-    if req.num_tokens >= max_seq_len:
-        return FinishReason.CONTEXT
-    return None

@@ -94,8 +94,8 @@ class EngineWorkload(WorkloadBase):
         max_batch, max_tokens, chunk = s.max_batch, s.max_batch_tokens, s.prefill_chunk
         runner = checksum = None
         if device.type == "cuda":
-            from kvhold.executor.cuda_checksum import TritonChecksum
-            from kvhold.executor.cuda_runner import CudaRunner
+            from kvhold.executor.cuda.checksum import TritonChecksum
+            from kvhold.executor.cuda.runner import CudaRunner
 
             chunk = cuda_prefill_chunk(chunk, max_tokens, max_batch, s.exact_prefill)
             runner = CudaRunner(model, kv, max_batch, chunk, geometry.max_pages_per_seq,

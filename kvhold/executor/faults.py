@@ -6,7 +6,7 @@ publishing KV page checksums and committing tokens on its third commit. Actions
 are real: `kill` (SIGKILL), `segv` (SIGSEGV, default handler), `stop` (SIGSTOP),
 `spin` (busy loop forever), `exit` (exit code 3), and `cuda_illegal`: a kernel in
 the executor's own CUDA context overwrites the start of some KV pages (the ones the
-point names, see kvhold.executor.cuda_faults) and then stores to an illegal address,
+point names, see kvhold.executor.cuda.faults) and then stores to an illegal address,
 the classic engine crash (Xid 13/31/43). The fault is asynchronous, as a real one is:
 the step goes on until its next synchronisation raises, and the context is lost.
 `cuda_illegal` fires only where a point passes its target (the CUDA decode step,
@@ -120,7 +120,7 @@ def _fire(name: str, action: str, target) -> None:
     elif action == "cuda_illegal":
         if target is None:
             raise RuntimeError(f"fault point {name!r} has no CUDA target for cuda_illegal")
-        from kvhold.executor.cuda_faults import scribble_then_fault
+        from kvhold.executor.cuda.faults import scribble_then_fault
         scribble_then_fault(*target())
 
 

@@ -37,7 +37,7 @@ from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.kv_mirror import Committed, DecodeBatch, KvMirror, PooledBlocks, Restored
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
 from kvhold.executor.sequence import Sequence
-from kvhold.executor.takeover import PageFigures, RequestPlan
+from kvhold.executor.takeover import PageFigures, RequestPlan, TakeoverContext
 from kvhold.protocol.layout import PageFlag
 
 log = logging.getLogger(__name__)
@@ -161,9 +161,8 @@ class ForeignEngine(Engine):
         super().__init__(model, private_kv, tables, lease, max_batch, max_batch_tokens,
                          runner=runner, checksum=checksum, prefill_chunk=prefill_chunk)
         self.mirror = mirror
-        self.target = mirror.layout             # the private pool, as the mirror reads it
         self.blocks = PrivateBlocks(private_kv.num_pages, self.journal, self.page_tokens, self._drop)
-        self.scheduler.blocks = self.blocks
+        self.scheduler.blocks = self.commits.blocks = self.blocks
         self.commits.pages = MirrorPages(mirror, self.journal, self.page_tokens)
 
     def _drop(self, seq: Sequence) -> None:
@@ -173,7 +172,7 @@ class ForeignEngine(Engine):
 
     # ------------------------------------------------------------------ takeover
     def takeover_strategy(self) -> ForeignTakeover:
-        return ForeignTakeover(self)
+        return ForeignTakeover(self.takeover_context(), self.mirror)
 
     def release_quarantined(self, epochs) -> int:
         return self.mirror.release_quarantined(epochs)
@@ -216,23 +215,25 @@ def foreign_engine_like(engine: Engine, shared_kv: KvCache) -> ForeignEngine:
 
 class ForeignTakeover:
     """TakeoverStrategy of a ForeignEngine: restore each request's intact KV from kvhold's
-    mirrored pages into fresh private blocks (module docstring)."""
+    mirrored pages into fresh private blocks (module docstring). `ctx`: the engine's
+    TakeoverContext (its blocks are the private pool's); `mirror`: its KV mirror."""
     kv_mode = "foreign"
 
-    def __init__(self, engine: ForeignEngine):
-        self.engine = engine
+    def __init__(self, ctx: TakeoverContext, mirror: KvMirror):
+        self.ctx = ctx
+        self.mirror = mirror
         self.blocks: dict[int, list[int]] = {}        # request id -> private blocks, logical order
         self.restored: dict[int, Restored] = {}
 
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
         """Give every request the private blocks its KV needs, then `KvMirror.restore`."""
-        engine = self.engine
-        recorded = _recorded_tokens(engine)
-        allocator = engine.blocks.allocator
+        ctx = self.ctx
+        recorded = _recorded_tokens(ctx.page_table)
+        allocator = ctx.blocks.allocator
         for plan in plans:     # the last journal token is the next input: its KV is recomputed
-            need = math.ceil(max(0, plan.entry.num_tokens - 1) / engine.page_tokens)
+            need = math.ceil(max(0, plan.entry.num_tokens - 1) / ctx.page_tokens)
             self.blocks[plan.entry.request_id] = allocator.allocate(min(need, allocator.num_free))
-        self.restored = engine.mirror.restore(self.blocks, engine.target, pending)
+        self.restored = self.mirror.restore(self.blocks, self.mirror.layout, pending)
         for plan in plans:
             r = self.restored[plan.entry.request_id]
             plan.valid_tokens, plan.first_bad = r.tokens_restored, r.first_bad
@@ -251,22 +252,22 @@ class ForeignTakeover:
         """Keep the restored blocks, free the others; the kvhold pages are the mirror's."""
         rid = plan.entry.request_id
         own, kept = self.blocks[rid], self.restored[rid].blocks_restored
-        self.engine.blocks.allocator.free(own[kept:])
+        self.ctx.blocks.allocator.free(own[kept:])
         plan.seq.pages = own[:kept]
         pages = []
-        while (page := self.engine.mirror.page_of(rid, len(pages))) is not None:
+        while (page := self.mirror.page_of(rid, len(pages))) is not None:
             pages.append(page)
         return pages
 
     def figures(self) -> PageFigures:
-        stats = self.engine.mirror.last_restore
+        stats = self.mirror.last_restore
         return PageFigures(checked=stats["pages_checked"], bad=stats["pages_bad"],
                            quarantined=stats["pages_quarantined"], interrupted=0, copied=0)
 
 
-def _recorded_tokens(engine: ForeignEngine) -> dict[int, int]:
+def _recorded_tokens(page_table) -> dict[int, int]:
     """KV tokens the dead executor had mirrored, per request (for the recomputation figure)."""
-    records = engine.page_table.snapshot()
+    records = page_table.snapshot()
     live = (records["owner"] != 0) & ((records["flags"] & PageFlag.QUARANTINED) == 0)
     out: dict[int, int] = {}
     for owner, count in zip(records["owner"][live].tolist(), records["num_tokens"][live].tolist()):

@@ -63,7 +63,7 @@ def device_checksum(pool: torch.Tensor):
     """The checksum over `pool` computed on its device: the fused Triton pass on CUDA (what the
     native engine uses), torch elsewhere. Both give the same bits (kvhold.protocol.checksum)."""
     if pool.device.type == "cuda":
-        from kvhold.executor.cuda_checksum import TritonChecksum
+        from kvhold.executor.cuda.checksum import TritonChecksum
 
         return TritonChecksum(pool)
     return TorchChecksum(pool)

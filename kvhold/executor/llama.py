@@ -14,7 +14,7 @@ axis. Each layer first writes the step's keys/values into the pool, then every
 sequence attends over its pages read back from the pool. Conventions follow
 Hugging Face `transformers` (rotate-half RoPE, RMSNorm in float32 for half
 types) so that its checkpoints give its outputs. On CUDA the layers run through
-kvhold.executor.cuda_layers (fused projections and elementwise kernels, same model).
+kvhold.executor.cuda.layers (fused projections and elementwise kernels, same model).
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class LlamaModel:
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         self.fused = None
         if device.type == "cuda":
-            from kvhold.executor.cuda_layers import FusedLayers, fused_enabled
+            from kvhold.executor.cuda.layers import FusedLayers, fused_enabled
 
             self.fused = FusedLayers(self) if fused_enabled() else None
 

@@ -3,7 +3,7 @@
 The page table in shared memory is the truth; this free list is a private cache
 of it, rebuilt from the table whenever an executor takes over (`from_table`).
 Allocation pops from a stack, freeing pushes: O(1) per page. Page 0 is the null
-page: never allocated, it absorbs the writes of padding rows (kvhold.executor.cuda_runner).
+page: never allocated, it absorbs the writes of padding rows (kvhold.executor.cuda.runner).
 """
 from __future__ import annotations
 

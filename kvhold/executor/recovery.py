@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
-from kvhold.executor.takeover import PageFigures, RequestPlan
+from kvhold.executor.takeover import PageFigures, RequestPlan, TakeoverContext
 from kvhold.protocol.checksum import to_u64
 from kvhold.protocol.journal import segment_positions
 from kvhold.protocol.layout import AdmitState, ExecState, PageFlag
@@ -46,11 +46,12 @@ class Tail:
 
 
 class NativeTakeover:
-    """TakeoverStrategy over kvhold's shared pages (module docstring)."""
+    """TakeoverStrategy over kvhold's shared pages (module docstring), on the promoted engine's
+    TakeoverContext."""
     kv_mode = None
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, ctx: TakeoverContext):
+        self.ctx = ctx
         self.records = self.checksums = None
         self.flat = self.lens = None             # every plan's page list (`listing`)
         self.prefetched = None                   # (pages, counts, their checksums on the device)
@@ -73,47 +74,47 @@ class NativeTakeover:
         read from the journal's arrays. `_validate` takes its result only if it asks for exactly
         these pages and counts, in this order, and computes its own otherwise (a garbage page
         number, a count that changed)."""
-        engine = self.engine
-        journal, r = engine.journal, engine.journal.req
+        ctx = self.ctx
+        journal, r = ctx.journal, ctx.journal.req
         live = ((r["admit_state"] != AdmitState.FREE) & (r["request_id"] != 0)
                 & (r["exec_request_id"] == r["request_id"]) & (r["exec_state"] != ExecState.FINISHED))
         slots = live.nonzero()[0]
         lens = r["num_pages"][slots].astype(np.int64)
         lens = np.minimum(lens, journal.page_lists.shape[1])
         flat = journal.page_lists[np.repeat(slots, lens), segment_positions(lens)].astype(np.int64)
-        if not len(flat) or flat.min() < 0 or flat.max() >= len(engine.page_table.pages):
+        if not len(flat) or flat.min() < 0 or flat.max() >= len(ctx.page_table.pages):
             return
-        counts = np.minimum(engine.page_table.pages["num_tokens"][flat], engine.page_tokens).astype(np.int64)
-        dev = engine.device
-        sums = engine.checksum.pages(torch.from_numpy(flat).to(dev), torch.from_numpy(counts).to(dev))
+        counts = np.minimum(ctx.page_table.pages["num_tokens"][flat], ctx.page_tokens).astype(np.int64)
+        dev = ctx.device
+        sums = ctx.checksum.pages(torch.from_numpy(flat).to(dev), torch.from_numpy(counts).to(dev))
         self.prefetched = (flat, counts, sums)
 
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
-        engine = self.engine
-        self.records = engine.page_table.records()
+        ctx = self.ctx
+        self.records = ctx.page_table.records()
         self.checksums = self.records["checksum"]
         odd = ((self.records["version"] & 1) == 1).nonzero()[0]
-        engine.page_table.repair_versions(odd)       # the writer is fenced: versions are stable now
+        ctx.page_table.repair_versions(odd)       # the writer is fenced: versions are stable now
         self.interrupted = len(odd)
         self.flat, self.lens = listing(plans)
         self.mark("records")
-        self.checked, self.bad = _validate(engine, self.records, plans, engine.page_tokens, self.flat, self.lens,
+        self.checked, self.bad = _validate(ctx, self.records, plans, ctx.page_tokens, self.flat, self.lens,
                                            self.prefetched, self.mark)
         self.prefetched = None
-        self.realigned = sum(_realign_unsampled_prompt(engine, plan) for plan in plans)
+        self.realigned = sum(_realign_unsampled_prompt(ctx, plan) for plan in plans)
         self.mark("verdicts")
 
     def clear(self, plans: list[RequestPlan], pending: set[int]) -> None:
-        engine, records = self.engine, self.records
-        ends = np.fromiter((-(-plan.kv_valid // engine.page_tokens) for plan in plans), dtype=np.int64,
+        ctx, records = self.ctx, self.records
+        ends = np.fromiter((-(-plan.kv_valid // ctx.page_tokens) for plan in plans), dtype=np.int64,
                            count=len(plans))
         # the journal lists only the pages kept before any page is released or quarantined: an
         # executor that dies in its takeover leaves lists whose pages still hold their KV
-        engine.journal.truncate_page_lists(_slots(plans), ends)
+        ctx.journal.truncate_page_lists(_slots(plans), ends)
         kept = kept_mask(len(records), self.flat, self.lens, ends)
-        hold, epochs = _clear_unkept(engine, records, kept, pending)
-        engine.quarantined.update(zip(hold.tolist(), epochs.tolist()))
-        engine.blocks.allocator = PageAllocator.from_sorted(free_pages(kept, hold))
+        hold, epochs = _clear_unkept(ctx, records, kept, pending)
+        ctx.quarantined.update(zip(hold.tolist(), epochs.tolist()))
+        ctx.blocks.allocator = PageAllocator.from_sorted(free_pages(kept, hold))
 
     def place_tails(self, plans: list[RequestPlan], pending: set[int]) -> None:
         """Where each partially filled last page continues (`_place_tail`). The copies are made
@@ -121,7 +122,7 @@ class NativeTakeover:
         tail given up, no longer lists it), and only then are the sources quarantined in one
         call: at every instant the journal lists pages whose records hold their KV, should this
         executor die too."""
-        engine, placed, hold, dropped = self.engine, [], [], []
+        ctx, placed, hold, dropped = self.ctx, [], [], []
         for plan in plans:
             held = len(hold)
             tail = self._place_tail(plan, pending, hold)
@@ -130,20 +131,20 @@ class NativeTakeover:
             if tail is not None:
                 placed.append((plan, tail))
                 self.tails[plan.entry.slot] = tail
-        _publish_tails(engine, placed)
+        _publish_tails(ctx, placed)
         copied = [(plan, tail) for plan, tail in placed if tail.copied]
         if copied:
-            engine.journal.replace_pages(_slots(plan for plan, _ in copied),
-                                         np.fromiter((plan.kv_valid // engine.page_tokens for plan, _ in copied),
-                                                     dtype=np.int64, count=len(copied)),
-                                         np.fromiter((tail.page for _, tail in copied), dtype=np.int64,
-                                                     count=len(copied)))
+            ctx.journal.replace_pages(_slots(plan for plan, _ in copied),
+                                      np.fromiter((plan.kv_valid // ctx.page_tokens for plan, _ in copied),
+                                                  dtype=np.int64, count=len(copied)),
+                                      np.fromiter((tail.page for _, tail in copied), dtype=np.int64,
+                                                  count=len(copied)))
         if dropped:
-            engine.journal.truncate_page_lists(
-                _slots(dropped), np.fromiter((-(-plan.kv_valid // engine.page_tokens) for plan in dropped),
+            ctx.journal.truncate_page_lists(
+                _slots(dropped), np.fromiter((-(-plan.kv_valid // ctx.page_tokens) for plan in dropped),
                                              dtype=np.int64, count=len(dropped)))
         if hold:
-            engine.page_table.quarantine(hold)
+            ctx.page_table.quarantine(hold)
 
     def _place_tail(self, plan: RequestPlan, pending: set[int], hold: list[int]) -> Tail | None:
         """Where a partially filled last page continues, or None.
@@ -156,8 +157,8 @@ class NativeTakeover:
         instead would cost the standby and leave half-repaired tables to the next executor.
         A page to quarantine is appended to `hold` (place_tails quarantines them, once the journal
         no longer lists them)."""
-        engine, records = self.engine, self.records
-        full, rest = divmod(plan.kv_valid, engine.page_tokens)
+        ctx, records = self.ctx, self.records
+        full, rest = divmod(plan.kv_valid, ctx.page_tokens)
         if not rest:
             return None
         src = plan.pages[full]
@@ -165,18 +166,18 @@ class NativeTakeover:
         if writer not in pending:
             return Tail(src, rest, copied=False)
         hold.append(src)
-        engine.quarantined[src] = writer
-        if not engine.blocks.allocator.can_allocate(1):
-            plan.valid_tokens = full * engine.page_tokens
+        ctx.quarantined[src] = writer
+        if not ctx.blocks.allocator.can_allocate(1):
+            plan.valid_tokens = full * ctx.page_tokens
             self.dropped += 1
             return None
-        dst = engine.blocks.allocator.allocate(1)[0]
-        engine.kv.copy_tokens(src, dst, rest)
+        dst = ctx.blocks.allocator.allocate(1)[0]
+        ctx.kv.copy_tokens(src, dst, rest)
         return Tail(dst, rest, copied=True)
 
     def attach(self, plans: list[RequestPlan]) -> list[list[int]]:
         """Each sequence adopts its full kept pages and its tail; they are the pages to list."""
-        page_tokens, blocks = self.engine.page_tokens, self.engine.blocks
+        page_tokens, blocks = self.ctx.page_tokens, self.ctx.blocks
         full = np.fromiter((plan.kv_valid // page_tokens for plan in plans), dtype=np.int64, count=len(plans))
         kept = self.flat[segment_positions(self.lens) < np.repeat(full, self.lens)]
         pages = kept.tolist()
@@ -194,7 +195,7 @@ class NativeTakeover:
         return out
 
     def figures(self) -> PageFigures:
-        return PageFigures(checked=self.checked, bad=self.bad, quarantined=len(self.engine.quarantined),
+        return PageFigures(checked=self.checked, bad=self.bad, quarantined=len(self.ctx.quarantined),
                            interrupted=self.interrupted,
                            copied=sum(1 for t in self.tails.values() if t.copied),
                            tails_dropped=self.dropped, prompts_realigned=self.realigned)
@@ -212,7 +213,7 @@ def listing(plans: list[RequestPlan]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lens
 
 
-def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat: np.ndarray,
+def _validate(ctx: TakeoverContext, records, plans: list[RequestPlan], page_tokens: int, flat: np.ndarray,
               lens: np.ndarray, prefetched=None, mark=lambda label: None) -> tuple[int, int]:
     """One batched checksum pass over every listed page (`flat`, `lens`: their `listing`); fills
     valid/recorded tokens and first_bad. Array operations over all listed pages at once, no numpy
@@ -234,7 +235,7 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
         sums = to_u64(prefetched[2])
     else:
         mark("sums_own")
-        sums = _checksums(engine, idx, counts)
+        sums = _checksums(ctx, idx, counts)
     mark("sums")
     sub = records[idx]
     owners = np.repeat(np.fromiter((plan.entry.request_id for plan in plans), dtype=np.uint64,
@@ -246,10 +247,10 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
     torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
     if len(torn):
         counts, sum_ok = torn_prefixes(idx, sub["checksum"], counts, sum_ok, torn,
-                                       lambda pages, rows: _checksums(engine, pages, rows))
+                                       lambda pages, rows: _checksums(ctx, pages, rows))
         cut = torn[sum_ok[torn]]
         if len(cut):        # the record says what is kept (its version was repaired: a successor
-            engine.page_table.set_counts(idx[cut], counts[cut])       # would read it as corrupt)
+            ctx.page_table.set_counts(idx[cut], counts[cut])       # would read it as corrupt)
             records["num_tokens"][idx[cut]] = counts[cut]
     ok = trusted(sub, page_tokens, sum_ok) & fields_ok
     valid, recorded, first_bad = valid_prefixes(lens, ok, fields_ok, counts, page_tokens)
@@ -260,17 +261,17 @@ def _validate(engine, records, plans: list[RequestPlan], page_tokens: int, flat:
             plan.first_bad = f
     bad = int((~ok).sum())
     if bad:
-        engine.page_table.mark_bad(idx[~ok])
+        ctx.page_table.mark_bad(idx[~ok])
         # the copy too, so that the clear releases (or quarantines) a bad page no request keeps
         # even where its record has no owner
         records["flags"][idx[~ok]] |= records.dtype["flags"].type(PageFlag.BAD)
     return len(idx), bad
 
 
-def _checksums(engine, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def _checksums(ctx: TakeoverContext, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Checksums (uint64) of the first `counts` rows of `pages`: one pass on the engine's device."""
-    dev = engine.device
-    return to_u64(engine.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(counts).to(dev)))
+    dev = ctx.device
+    return to_u64(ctx.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(counts).to(dev)))
 
 
 def first_per_segment(lens: np.ndarray, hit: np.ndarray) -> np.ndarray:
@@ -313,7 +314,7 @@ def valid_prefixes(lens: np.ndarray, ok: np.ndarray, belongs: np.ndarray, counts
     return valid.astype(np.int64), recorded, first_bad
 
 
-def _realign_unsampled_prompt(engine, plan: RequestPlan) -> bool:
+def _realign_unsampled_prompt(ctx: TakeoverContext, plan: RequestPlan) -> bool:
     """A death after the KV pages of a prompt's last chunk were published but before its first
     token was: the pages cover the whole prompt, and `kv_valid` (never the last journal token)
     would leave the prompt's last position alone to recompute, as a one-token row. A runner
@@ -327,7 +328,7 @@ def _realign_unsampled_prompt(engine, plan: RequestPlan) -> bool:
         return False                            # a token was sampled: the last one is a decode row
     if plan.valid_tokens < e.num_tokens:
         return False                            # the last chunk is not all there: recomputed anyway
-    chunk = engine.scheduler.prefill_chunk
+    chunk = ctx.prefill_chunk
     plan.valid_tokens = (e.num_tokens - 1) // chunk * chunk
     return True
 
@@ -349,7 +350,7 @@ def free_pages(kept: np.ndarray, quarantined) -> np.ndarray:
     return np.flatnonzero(free)
 
 
-def _clear_unkept(engine, records, kept: np.ndarray, pending: set[int]) -> tuple[np.ndarray, np.ndarray]:
+def _clear_unkept(ctx: TakeoverContext, records, kept: np.ndarray, pending: set[int]) -> tuple[np.ndarray, np.ndarray]:
     """Release or quarantine every page no live request keeps (`kept`: a mask over the pages).
     Returns (the quarantined pages, ascending, their writers' epochs)."""
     used = ((records["owner"] != 0) | ((records["flags"] & (PageFlag.QUARANTINED | PageFlag.BAD)) != 0))
@@ -358,24 +359,24 @@ def _clear_unkept(engine, records, kept: np.ndarray, pending: set[int]) -> tuple
     held = np.isin(epochs, np.fromiter(pending, dtype=epochs.dtype, count=len(pending)))
     hold, free = candidates[held], candidates[~held]
     if len(hold):
-        engine.page_table.quarantine(hold)
+        ctx.page_table.quarantine(hold)
     if len(free):
-        engine.page_table.release(free)
+        ctx.page_table.release(free)
         records["owner"][free] = 0
     return hold, epochs[held]
 
 
-def _publish_tails(engine, placed: list[tuple[RequestPlan, Tail]]) -> None:
+def _publish_tails(ctx: TakeoverContext, placed: list[tuple[RequestPlan, Tail]]) -> None:
     """Checksum every tail in one device pass, then publish them under the new epoch."""
     if not placed:
         return
     pages = np.array([t.page for _, t in placed], dtype=np.int64)
     counts = np.array([t.tokens for _, t in placed], dtype=np.int64)
-    sums = _checksums(engine, pages, counts)
-    epoch = engine.lease.epoch
+    sums = _checksums(ctx, pages, counts)
+    epoch = ctx.lease.epoch
     owners = np.array([plan.entry.request_id for plan, _ in placed], dtype=np.uint64)
-    logical = np.array([plan.kv_valid // engine.page_tokens for plan, _ in placed], dtype=np.uint32)
-    engine.page_table.assign(pages, owners, logical, epoch)
-    engine.page_table.publish(pages, counts.astype(np.uint32), sums, epoch)
+    logical = np.array([plan.kv_valid // ctx.page_tokens for plan, _ in placed], dtype=np.uint32)
+    ctx.page_table.assign(pages, owners, logical, epoch)
+    ctx.page_table.publish(pages, counts.astype(np.uint32), sums, epoch)
     for (_, tail), checksum in zip(placed, sums.tolist()):
         tail.checksum = int(checksum)

@@ -45,7 +45,7 @@ from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables
 from kvhold.executor import faults
 from kvhold.executor.channel import Channel
-from kvhold.executor.compile_watch import CompileWatch
+from kvhold.executor.cuda.compile_watch import CompileWatch
 from kvhold.executor.workload import Workload
 from kvhold.protocol.logs import set_log_context
 

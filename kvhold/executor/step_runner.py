@@ -66,7 +66,7 @@ class CpuRunner:
     def run_and_sample(self, plan, sampling, beat=None, after_forward=None,
                        logprob_rows=()) -> tuple[list[int], dict[int, int]]:
         """Run the step and pick its tokens; returns (tokens of `sampling`, and for a decode-only
-        step {page: hash of the one slot each row wrote there}), as kvhold.executor.cuda_runner does."""
+        step {page: hash of the one slot each row wrote there}), as kvhold.executor.cuda.runner does."""
         logits = self.run(plan, beat, logprob_rows)
         logits, self.extra_logits = logits[:len(sampling)], logits[len(sampling):]
         self.sample_logits = logits

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -53,7 +53,32 @@ from kvhold.protocol.layout import ExecState, FinishReason
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.recovery_report import REQUEST_CLASSES, RecoveryReport, RequestRecovery
 
+if TYPE_CHECKING:
+    import torch
+
+    from kvhold.executor.block_manager import BlockManager
+    from kvhold.executor.kv_cache import KvCache
+    from kvhold.protocol.journal import Journal
+    from kvhold.protocol.leases import Lease
+    from kvhold.protocol.page_table import PageTable
+
 MAX_REPORTED_REQUESTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TakeoverContext:
+    """What a takeover strategy works on: the promoted engine's tables, pool and page
+    bookkeeping (Engine.takeover_context), none of its steps."""
+    journal: Journal
+    page_table: PageTable
+    lease: Lease                 # the promoted executor's: its epoch publishes the repaired pages
+    kv: KvCache                  # the pool the engine computes in (foreign mode: its private one)
+    checksum: object             # the engine's page checksum (TorchChecksum, TritonChecksum)
+    device: torch.device
+    page_tokens: int
+    prefill_chunk: int
+    blocks: BlockManager         # the engine's page bookkeeping; the takeover rebuilds its allocator
+    quarantined: dict[int, int]  # the engine's: page -> epoch of a writer not yet reaped
 
 
 @dataclass(slots=True)
@@ -95,7 +120,8 @@ class PageFigures:
 
 
 class TakeoverStrategy(Protocol):
-    """The steps of a takeover that depend on where the engine's KV lives."""
+    """The steps of a takeover that depend on where the engine's KV lives; a strategy is built
+    on a TakeoverContext (and, in foreign mode, the KV mirror), never on the engine."""
     kv_mode: str | None          # None: native
 
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:

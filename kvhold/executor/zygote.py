@@ -7,7 +7,7 @@ forks: a child starts with everything imported and creates its own CUDA context
 after the fork. CUDA does not survive a fork once initialised, so the zygote
 never initialises it (it checks, and refuses to serve if something did). Given the
 executors' kernel shapes, it also compiles their Triton kernels for the GPU ahead of
-time (kvhold.executor.triton_aot), so a child's first launches skip the JIT.
+time (kvhold.executor.cuda.triton_aot), so a child's first launches skip the JIT.
 
 Protocol: the sidecar (our parent) connects to a SOCK_SEQPACKET socket in its
 owner-only runtime directory and sends {"argv": [...], "env": {...}}; the zygote
@@ -84,19 +84,19 @@ def threads() -> list[str]:
 
 def preload(device: str, kernel_shapes=None) -> float:
     """Import what an executor needs before it attaches and, given the shapes its kernels
-    will run at (kvhold.executor.kernel_shapes), compile its Triton kernels ahead of time
-    (kvhold.executor.triton_aot); returns the time it took (ms)."""
+    will run at (kvhold.executor.cuda.kernel_shapes), compile its Triton kernels ahead of time
+    (kvhold.executor.cuda.triton_aot); returns the time it took (ms)."""
     t0 = time.monotonic()
     import torch  # noqa: F401
 
     import kvhold.executor.engine_workload  # noqa: F401
     import kvhold.executor.recovery  # noqa: F401
     if device.startswith("cuda"):
-        import kvhold.executor.cuda_attention  # noqa: F401
-        import kvhold.executor.cuda_checksum  # noqa: F401
-        import kvhold.executor.cuda_layers  # noqa: F401
-        import kvhold.executor.cuda_runner  # noqa: F401
-        from kvhold.executor import triton_aot
+        import kvhold.executor.cuda.attention  # noqa: F401
+        import kvhold.executor.cuda.checksum  # noqa: F401
+        import kvhold.executor.cuda.layers  # noqa: F401
+        import kvhold.executor.cuda.runner  # noqa: F401
+        from kvhold.executor.cuda import triton_aot
         if kernel_shapes is not None and os.environ.get("KVHOLD_TRITON_AOT", "1") != "0":
             arch = gpu_arch_in_a_child()
             if arch is None:
@@ -110,10 +110,10 @@ def preload(device: str, kernel_shapes=None) -> float:
 
 
 def gpu_arch_in_a_child(timeout_s: float = 60.0) -> int | None:
-    """The GPU's architecture (kvhold.executor.triton_aot.gpu_arch), asked in a short-lived child
+    """The GPU's architecture (kvhold.executor.cuda.triton_aot.gpu_arch), asked in a short-lived child
     process: NVML, which it reads, starts a thread in the process that initialises it, and
     nvmlShutdown does not end that thread. The zygote must stay a single thread."""
-    code = "from kvhold.executor.triton_aot import gpu_arch; print(gpu_arch())"
+    code = "from kvhold.executor.cuda.triton_aot import gpu_arch; print(gpu_arch())"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=timeout_s, check=True, stdin=subprocess.DEVNULL)
@@ -133,7 +133,7 @@ def warm_spare(device: str, kernel_shapes) -> dict[str, float]:
         return phases
     import torch
 
-    from kvhold.executor import triton_aot
+    from kvhold.executor.cuda import triton_aot
     from kvhold.executor.sampler import sample
     from kvhold.executor.sequence import Sequence
     from kvhold.protocol.sampling import SamplingParams
@@ -443,7 +443,7 @@ def _kernel_shapes(text: str):
     """Bad or missing shapes cost the ahead-of-time kernels, never the zygote."""
     if not text:
         return None
-    from kvhold.executor.kernel_shapes import KernelShapes
+    from kvhold.executor.cuda.kernel_shapes import KernelShapes
     try:
         return KernelShapes.from_json(text)
     except Exception as exc:
@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="preload the CUDA kernels' modules for cuda:N")
     parser.add_argument("--kernel-shapes", default="",
                         help="JSON: the executors' settings and the table geometry (a KernelShapesRequest, "
-                             "see kvhold.executor.kernel_shapes); their Triton kernels are then compiled here")
+                             "see kvhold.executor.cuda.kernel_shapes); their Triton kernels are then compiled here")
     parser.add_argument("--spare", action="store_true",
                         help="keep one child forked ahead, warmed up (CUDA context, kernels, sampler), "
                              "and hand it the next request")

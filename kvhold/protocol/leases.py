@@ -144,7 +144,7 @@ class Lease:
 
     def mark_cold(self) -> None:
         """Tell the sidecar a step may take a first step's time again (a kernel compiles in it:
-        kvhold.executor.compile_watch); `mark_warm` ends it."""
+        kvhold.executor.cuda.compile_watch); `mark_warm` ends it."""
         self.check()
         self._leases["flags"][self.slot] = int(self._leases["flags"][self.slot]) & ~int(LeaseFlag.WARM)
 

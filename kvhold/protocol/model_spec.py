@@ -23,7 +23,7 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-# the fused CUDA layers (kvhold.executor.cuda_layers) implement these; the CPU engine all of them
+# the fused CUDA layers (kvhold.executor.cuda.layers) implement these; the CPU engine all of them
 CUDA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}

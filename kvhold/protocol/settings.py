@@ -11,7 +11,7 @@ Missing fields take their defaults. `to_wire`/`from_wire` give the same map for 
 (the zygote's command line), with the same checks.
 
 `KernelShapesRequest` is the zygote's form of the same settings: the settings plus
-the pool's table geometry, as JSON on its command line (kvhold.executor.kernel_shapes).
+the pool's table geometry, as JSON on its command line (kvhold.executor.cuda.kernel_shapes).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class ExecutorSettings:
     cpu_threads: int | None = None    # torch threads on CPU; None: half the cores
     kv_mode: str = "native"           # foreign: the engine keeps a private pool, mirrored
     cuda_graph: bool = True           # capture the decode step in a CUDA graph (CUDA only)
-    exact_prefill: bool = True        # CUDA prefill rows on the decode kernels (kvhold.executor.cuda_runner)
+    exact_prefill: bool = True        # CUDA prefill rows on the decode kernels (kvhold.executor.cuda.runner)
     sidecar_wait_ms: int = 30_000     # a sidecar that dies: wait this long for one to re-adopt (0: exit)
     tensor_parallel_size: int = 1     # ranks of the executor group (kvhold.executor.tensor_parallel.ranks)
 

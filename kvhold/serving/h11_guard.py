@@ -1,5 +1,6 @@
 """`GuardedH11Protocol`: uvicorn's h11 protocol with a header deadline (kvhold.serving.http_guards,
-which imports it only where uvicorn serves, so that the command's flags import no HTTP stack)."""
+which imports it only where uvicorn serves, so that the command's flags import no HTTP stack, and
+sets its deadline: `HttpGuards.uvicorn_options`). Imports nothing else of kvhold."""
 from __future__ import annotations
 
 import asyncio
@@ -8,13 +9,13 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvhold.serving.http_guards import _TIMEOUT_408, HEADER_TIMEOUT_S
-
 log = logging.getLogger(__name__)
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
 
 class GuardedH11Protocol(H11Protocol):
-    header_timeout_s: float = HEADER_TIMEOUT_S
+    header_timeout_s: float           # the subclass HttpGuards.uvicorn_options builds sets it
 
     def connection_made(self, transport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None

@@ -69,10 +69,6 @@ def add_guard_args(p: argparse.ArgumentParser) -> None:
                         "start; then 408 and the connection is closed (default %(default)s)")
 
 
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
-
-
 class _BodyTimeout(Exception):
     pass
 

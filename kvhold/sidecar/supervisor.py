@@ -32,7 +32,8 @@ The supervisor holds no sidecar: it gets its config section, the tables, the
 weights keeper, the event loop (fd watches, posting from threads), the region
 exporter, a `send` callable to executors, what a spawned executor is launched
 with (`ExecutorLaunch`) and a sink for its lifecycle events (spawn, attach, ready,
-promote, fence, bye, exit: kvhold.sidecar.timeline keeps them).
+promote, fence, bye, exit: kvhold.sidecar.timeline keeps them). The ranks of
+tensor-parallel groups are watched by its `RankWatch` (kvhold.sidecar.rank_watch).
 """
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.recovery_report import FENCE_REASONS
 from kvhold.protocol.tables import Tables
-from kvhold.protocol.tensor_parallel import follower_pids
 from kvhold.sidecar.config import ExecutorsConfig
 from kvhold.sidecar.hand_back import late_reply
+from kvhold.sidecar.rank_watch import RankWatch
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
@@ -152,6 +153,7 @@ class Supervisor:
         self.zygote: ZygoteKeeper | None = zygote
         self.context_faults: list[tuple[int, int]] = []   # (ns, pid) of executors whose CUDA context faulted
         self.deaths = deaths
+        self.ranks = RankWatch(loop, self.handles, self.fence, launch)   # tensor-parallel groups' ranks
 
     # ------------------------------------------------------------------ events
     def _event(self, kind: str, h: ExecutorHandle | None = None, **extra) -> dict:
@@ -288,7 +290,7 @@ class Supervisor:
             self._watch_liveness(h)
             if holder.role == Role.ACTIVE:
                 self.active_slot = h.slot
-            self.loop.post(lambda h=h: self._watch_readopted_ranks(h))   # once the loop runs
+            self.loop.post(lambda h=h: self.ranks.watch_readopted(h))   # once the loop runs
             self._event("readopt", h, role=holder.role.name)
             log.warning("re-adopted executor pid %d (lease %d, %s, epoch %d)", h.pid, h.slot,
                         holder.role.name, h.epoch)
@@ -392,7 +394,7 @@ class Supervisor:
         h.info["private_mib"] = msg.private_mib
         h.info["warm_phases_ms"] = msg.phases
         h.info["spawn_to_ready_ms"] = round((now_ns() - h.spawned_ns) / 1e6, 1)
-        if msg.ranks and not self._watch_ranks(h, msg.ranks):
+        if msg.ranks and not self.ranks.watch(h, msg.ranks):
             return
         if self.leases.role(h.slot) == Role.STARTING:
             self.leases.set_role(h.slot, Role.STANDBY)
@@ -403,68 +405,6 @@ class Supervisor:
             fenced_epoch, detect_ns = self._unserved_failover
             self._unserved_failover = (0, 0)
             self.promote(h, fenced_epoch=fenced_epoch, detect_ns=detect_ns)
-
-    def _watch_ranks(self, h: ExecutorHandle, pids) -> bool:
-        """A tensor-parallel group (kvhold.executor.tensor_parallel.ranks): the executor is rank 0,
-        `pids` its children ranks 1..N-1. The death of any of them fences and kills the group."""
-        for pid in pids:
-            fields = stat_fields(pid)
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                fd = -1
-            if fd < 0 or not fields or int(fields[1]) != h.pid:   # gone already, or not its child
-                if fd >= 0:
-                    os.close(fd)
-                self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} is not running")
-                return False
-            h.rank_pidfds[pid] = fd
-            self.loop.watch_fd(fd, lambda h=h, pid=pid, epoch=h.epoch: self._rank_died(h, pid, epoch))
-        h.info["ranks"] = [h.pid, *h.rank_pidfds]
-        return True
-
-    def _watch_readopted_ranks(self, h: ExecutorHandle) -> None:
-        """A re-adopted executor sends no `Ready`: a group's ranks 1..N-1 are found as its children
-        running the follower program (/proc) and watched as `_watch_ranks` does, so a rank's
-        death fences and kills the group as under the sidecar that spawned it. A group short of
-        a rank is fenced and killed at once (its leader is exiting, or will wait in a collective)."""
-        if self.handles.get(h.slot) is not h or h.fenced:
-            return
-        pids = follower_pids(h.pid)
-        size = self.launch.settings.tensor_parallel_size
-        if not pids and size <= 1:
-            return
-        if not self._watch_ranks(h, pids):
-            return
-        if size > 1 and len(pids) != size - 1:
-            self.fence(h, "died", now_ns(), kill=True,
-                       detail=f"{len(pids) + 1} of its group's {size} ranks are running")
-            return
-        log.info("watching ranks %s of re-adopted executor pid %d's group", pids, h.pid)
-
-    def _rank_died(self, h: ExecutorHandle, pid: int, epoch: int) -> None:
-        self.loop.unwatch_fd(h.rank_pidfds[pid])
-        if self.handles.get(h.slot) is h and h.epoch == epoch and not h.fenced:
-            fields = stat_fields(pid)          # its zombie's exit status (rank 0 leaves it unreaped)
-            try:
-                code = exit_code(int(fields[-1])) if fields and fields[0] == "Z" else None
-            except ValueError:
-                code = None
-            self.fence(h, "died", now_ns(), kill=True, detail=f"rank pid {pid} of its group died",
-                       exit_hint=code)
-
-    def _kill_ranks(self, h: ExecutorHandle) -> None:
-        for fd in h.rank_pidfds.values():
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def _close_ranks(self, h: ExecutorHandle) -> None:
-        for fd in h.rank_pidfds.values():
-            self.loop.unwatch_fd(fd)
-            os.close(fd)
-        h.rank_pidfds.clear()
 
     def takeover_done(self) -> None:
         """The promoted executor reported its takeover (validated and resumed, before its first
@@ -546,9 +486,9 @@ class Supervisor:
                 signal.pidfd_send_signal(h.pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self._kill_ranks(h)            # every rank of a group, one stopped or in a collective too
+            self.ranks.kill(h)            # every rank of a group, one stopped or in a collective too
         elif reason in ("died", "exited"):
-            self._kill_ranks(h)            # rank 0 is gone: its ranks die with it (PDEATHSIG) or now
+            self.ranks.kill(h)            # rank 0 is gone: its ranks die with it (PDEATHSIG) or now
         if not h.stopping and not self._stopping:
             self._failures.append(detect_ns)
         log.warning("fenced executor pid %d (lease %d, was %s, epoch %d): %s%s",
@@ -604,7 +544,7 @@ class Supervisor:
         self.pending_epochs.discard(h.epoch)
         self.leases.release(h.slot, exit_code)
         os.close(h.pidfd)
-        self._close_ranks(h)
+        self.ranks.close(h)
         del self.handles[h.slot]
         self._event("exit", h, exit_code=exit_code)
         log.info("executor pid %d exited with code %d", h.pid, exit_code)

@@ -67,7 +67,7 @@ class ZygoteKeeper:
         log.info("started zygote pid %d", self.popen.pid)
 
     def _kernel_shapes(self) -> str:
-        """What executors will run their kernels at (kvhold.executor.kernel_shapes.from_settings), so
+        """What executors will run their kernels at (kvhold.executor.cuda.kernel_shapes.from_settings), so
         the zygote can compile them before forking: their settings plus the table geometry."""
         try:
             return KernelShapesRequest(self.settings, self.geometry).to_json()

@@ -38,7 +38,7 @@ def test_sidecar_keeps_memory_alive_without_a_context():
 def test_triton_checksum_is_bit_identical_to_the_cpu_definition(dtype):
     """One mix per 64-bit word (kvhold.protocol.checksum): the compiled kernels, torch on the GPU
     and on the CPU, and the numpy reference agree on pages, ranges and slots."""
-    from kvhold.executor.cuda_checksum import TritonChecksum
+    from kvhold.executor.cuda.checksum import TritonChecksum
     from kvhold.protocol.checksum import TorchChecksum, page_checksum_np, page_words_np, to_u64, words_checksum_np
 
     g = torch.Generator().manual_seed(0)
@@ -73,7 +73,7 @@ def test_triton_checksum_is_bit_identical_to_the_cpu_definition(dtype):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_paged_decode_attention_matches_a_dense_reference(dtype, atol):
-    from kvhold.executor.cuda_attention import paged_decode_attention
+    from kvhold.executor.cuda.attention import paged_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     pages, layers, pt, kvh, d, heads = 40, 2, 16, 4, 64, 16
@@ -98,8 +98,8 @@ def test_paged_decode_attention_matches_a_dense_reference(dtype, atol):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_rope_in_the_attention_kernel_stores_and_attends_as_the_two_kernels_do(dtype, atol):
-    from kvhold.executor.cuda_attention import paged_decode_attention, rope_decode_attention
-    from kvhold.executor.cuda_kernels import rope_and_store
+    from kvhold.executor.cuda.attention import paged_decode_attention, rope_decode_attention
+    from kvhold.executor.cuda.kernels import rope_and_store
 
     g = torch.Generator(device="cuda").manual_seed(2)
     pages, layers, pt, kvh, d, heads, batch = 40, 2, 16, 4, 64, 16, 4
@@ -142,7 +142,7 @@ def tiny_on_gpu(tiny_model):
 
 
 def test_cuda_runner_matches_the_cpu_reference_and_graphs_match_eager(tiny_on_gpu):
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.step_runner import CpuRunner
     from kvhold.protocol.layout import KvGeometry
@@ -245,8 +245,8 @@ def test_fused_layers_use_one_gemm_per_projection_group_and_match_the_eager_laye
 
 
 def test_decode_step_reads_back_greedy_tokens_and_slot_hashes_equal_to_the_general_path(tiny_on_gpu):
-    from kvhold.executor.cuda_checksum import TritonChecksum
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.checksum import TritonChecksum
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.sampler import sample
     from kvhold.protocol.layout import KvGeometry

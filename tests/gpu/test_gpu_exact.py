@@ -1,6 +1,6 @@
 """Exact prefill on the GPU (skipped on CPU): a token position's KV and logits are the same
 bits whether a single prefill, chunked prefill (any chunk sizes, any batch mix) or a
-decode step computed it (kvhold.executor.cuda_runner, exact prefill)."""
+decode step computed it (kvhold.executor.cuda.runner, exact prefill)."""
 import random
 
 import pytest
@@ -28,7 +28,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("n,k,residual", [(6144, 4096, False), (4096, 14336, True), (28672, 4096, False),
                                           (4096, 4096, True)])
 def test_a_gemm_row_is_the_same_bits_at_any_row_count_and_prefill_tile(n, k, residual):
-    from kvhold.executor import cuda_gemm
+    from kvhold.executor.cuda import gemm as cuda_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     m = 600
@@ -60,7 +60,7 @@ def test_a_gemm_row_is_the_same_bits_at_any_row_count_and_prefill_tile(n, k, res
 # ------------------------------------------------------------------ attention
 @pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (28, 4, 128), (4, 2, 32)])
 def test_prefill_attention_rows_are_the_decode_kernels_bits_packed_or_not_at_any_tiles(heads, kv_heads, dim):
-    from kvhold.executor.cuda_attention import rope_decode_attention, rope_prefill_attention
+    from kvhold.executor.cuda.attention import rope_decode_attention, rope_prefill_attention
 
     gen = torch.Generator(device="cuda").manual_seed(heads)
     length, layers, pages = 1000, 2, list(range(80, 17, -1))        # scattered pages, descending
@@ -111,7 +111,7 @@ def _bf16_region(weights):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model):
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel
     from kvhold.protocol.layout import KvGeometry
@@ -158,8 +158,8 @@ def _by_decode(runner, tokens, pages, first=1):
 @pytest.fixture(scope="module", params=[False, True], ids=["attention_per_row", "attention_packed"])
 def reference(request, runner):
     """The sequence by decode steps, with the prefill attention one row per program or packed
-    (kvhold.executor.cuda_attention.rope_prefill_attention) for the tests that use it."""
-    from kvhold.executor import cuda_attention
+    (kvhold.executor.cuda.attention.rope_prefill_attention) for the tests that use it."""
+    from kvhold.executor.cuda import attention as cuda_attention
 
     saved = cuda_attention.PREFILL_PACKED
     cuda_attention.PREFILL_PACKED = request.param
@@ -256,7 +256,7 @@ def test_decode_rows_after_an_exact_prefill_match_an_uninterrupted_decode(runner
 
 
 def test_exact_prefill_is_refused_by_name_where_decode_is_not_batch_invariant(tiny_model):
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel
     from kvhold.protocol.layout import KvGeometry

@@ -30,7 +30,7 @@ def _run(runner):
 def test_each_family_on_the_gpu_matches_the_cpu_reference(family, dtype, tmp_path):
     from safetensors.torch import load_file
 
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel
     from kvhold.executor.step_runner import CpuRunner

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 384)])
 @pytest.mark.parametrize("residual", [False, True])
 def test_a_row_comes_out_bit_identical_at_every_row_count_and_close_to_cublas(n, k, residual):
-    from kvhold.executor import cuda_gemm
+    from kvhold.executor.cuda import gemm as cuda_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn((64, k), generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -45,7 +45,7 @@ def _bf16_region(weights):
 
 
 def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model):
-    from kvhold.executor.cuda_runner import CudaRunner
+    from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel
     from kvhold.protocol.layout import KvGeometry

@@ -1,5 +1,5 @@
-"""Ahead-of-time Triton kernels (kvhold.executor.triton_aot) and the shapes they are compiled for
-(kvhold.executor.kernel_shapes), on a machine without a GPU: compiling for sm_90 needs Triton
+"""Ahead-of-time Triton kernels (kvhold.executor.cuda.triton_aot) and the shapes they are compiled for
+(kvhold.executor.cuda.kernel_shapes), on a machine without a GPU: compiling for sm_90 needs Triton
 only; arming the kernels and launching them needs a libcuda, here a stub
 (tests/data/triton_aot) that records what reaches the driver. Launch times, results
 bit-identical to the JIT's and CUDA graph capture are checked on the GPU by
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvhold.executor.kernel_shapes import KernelShapes
+from kvhold.executor.cuda.kernel_shapes import KernelShapes
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.settings import ExecutorSettings, KernelShapesRequest
 
@@ -71,7 +71,7 @@ def test_the_zygote_asks_for_the_gpu_architecture_in_a_child_and_stays_one_threa
 
 
 def test_prepare_can_be_switched_off(monkeypatch):
-    from kvhold.executor import triton_aot
+    from kvhold.executor.cuda import triton_aot
 
     monkeypatch.setenv("KVHOLD_TRITON_AOT", "0")
     assert triton_aot.prepare(KernelShapes(**SHAPES), arch=90) == {"enabled": False,
@@ -81,14 +81,14 @@ def test_prepare_can_be_switched_off(monkeypatch):
 def test_compiles_the_executor_kernels_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    import kvhold.executor.cuda_attention  # noqa: F401  (registers its kernel and warm-up)
-    import kvhold.executor.cuda_checksum  # noqa: F401
-    from kvhold.executor import triton_aot
+    import kvhold.executor.cuda.attention  # noqa: F401  (registers its kernel and warm-up)
+    import kvhold.executor.cuda.checksum  # noqa: F401
+    from kvhold.executor.cuda import triton_aot
 
     cuda_before = torch.cuda.is_initialized()      # other GPU tests in this process may have
     compiled = triton_aot.compile_only(KernelShapes(**SHAPES), arch=90)
-    attention = compiled["kvhold.executor.cuda_attention._paged_decode_kernel"]
-    checksum = compiled["kvhold.executor.cuda_checksum._range_hash_kernel"]
+    attention = compiled["kvhold.executor.cuda.attention._paged_decode_kernel"]
+    checksum = compiled["kvhold.executor.cuda.checksum._range_hash_kernel"]
     assert len(attention) == 1 and len(checksum) == 2       # checksum: ranges, and one slot each
     for kernel in attention + checksum:
         assert kernel.metadata.target.arch == 90 and kernel.kernel[:4] == b"\x7fELF"
@@ -126,14 +126,14 @@ def test_a_forked_child_launches_the_prepared_kernel_through_the_driver_exactly_
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {k: v["prepared"] for k, v in out["stats"].items()} == {
-        "kvhold.executor.cuda_attention._paged_decode_kernel": 1, "kvhold.executor.cuda_checksum._range_hash_kernel": 2,
-        "kvhold.executor.cuda_kernels._rmsnorm_kernel": 1, "kvhold.executor.cuda_kernels._rope_store_kernel": 1,
-        # an exact prefill chunk of each launch key (kvhold.executor.cuda_runner.exact_warm_up_rows):
+        "kvhold.executor.cuda.attention._paged_decode_kernel": 1, "kvhold.executor.cuda.checksum._range_hash_kernel": 2,
+        "kvhold.executor.cuda.kernels._rmsnorm_kernel": 1, "kvhold.executor.cuda.kernels._rope_store_kernel": 1,
+        # an exact prefill chunk of each launch key (kvhold.executor.cuda.runner.exact_warm_up_rows):
         # the GEMM's row tiles and 16-divisibility, the attention's and its staged rows' alignment;
         # and the logits at each launch key of 2..64 rows (prompt log-prob rows), 5 beyond decode's
-        "kvhold.executor.cuda_kernels._silu_mul_kernel": 1, "kvhold.executor.cuda_gemm._skinny_kernel": 20,
-        "kvhold.executor.cuda_attention._rope_decode_kernel": 2, "kvhold.executor.cuda_attention._rope_prefill_kernel": 3,
-        "kvhold.executor.cuda_checksum._pages_hash_kernel": 1}
+        "kvhold.executor.cuda.kernels._silu_mul_kernel": 1, "kvhold.executor.cuda.gemm._skinny_kernel": 20,
+        "kvhold.executor.cuda.attention._rope_decode_kernel": 2, "kvhold.executor.cuda.attention._rope_prefill_kernel": 3,
+        "kvhold.executor.cuda.checksum._pages_hash_kernel": 1}
     assert out["torch_cuda_initialised"] is False and out["driver_initialised"] is False
     assert out["miss"]["jit_fallbacks"] == 1 and out["miss"]["broken"] is None and out["miss_raised"]
     child = out["child"]
@@ -162,7 +162,7 @@ def test_on_the_gpu_a_zygote_child_launches_the_aot_kernels_bit_identical_to_the
     assert result["cuda_initialised_after_aot_prepare"] is False
     aot = result["aot"]
     assert "error" not in aot, aot["error"]
-    for name in ("kvhold.executor.cuda_attention._paged_decode_kernel", "kvhold.executor.cuda_checksum._range_hash_kernel"):
+    for name in ("kvhold.executor.cuda.attention._paged_decode_kernel", "kvhold.executor.cuda.checksum._range_hash_kernel"):
         stats = aot["triton_aot_stats"][name]        # the probe launches these two, twice each
         assert stats["aot_launches"] >= 2 and stats["jit_fallbacks"] == 0 and stats["broken"] is None, (name, stats)
     checks = aot["aot_checks"]

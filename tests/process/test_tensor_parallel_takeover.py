@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvhold.executor.tensor_parallel.group import FENCED_EXIT, GroupOwner, _lease, _tables
+from kvhold.testing.tensor_parallel_group import FENCED_EXIT, GroupOwner, _lease, _tables
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 200], [1, 42] * 6]
 MAX_NEW = 32

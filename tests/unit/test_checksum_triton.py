@@ -1,4 +1,4 @@
-"""The Triton checksum kernels (kvhold.executor.cuda_checksum) against TorchChecksum and the
+"""The Triton checksum kernels (kvhold.executor.cuda.checksum) against TorchChecksum and the
 numpy reference, bit for bit, on a machine without a GPU: Triton's interpreter runs them on CPU
 tensors (TRITON_INTERPRET=1, in a child process, since it must be set before the kernels are
 defined). On the GPU, tests/gpu/test_gpu.py checks the compiled kernels the same way."""

@@ -1,5 +1,5 @@
 """A Triton kernel compiled inside a step of an active executor takes its lease off the steady
-rate for that long (kvhold.executor.compile_watch): the sidecar then allows a first step's time
+rate for that long (kvhold.executor.cuda.compile_watch): the sidecar then allows a first step's time
 instead of fencing it as hung. Triton calls these hooks around every compile (its knobs); the
 GPU path that reaches them cannot run here, so the hooks are called as Triton calls them."""
 import os
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvhold.executor.compile_watch import CompileWatch
+from kvhold.executor.cuda.compile_watch import CompileWatch
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.leases import Fenced, Lease, LeaseTable
 from kvhold.protocol.tables import Tables
@@ -27,7 +27,7 @@ def lease():
     tables.unlink()
 
 
-def _compile(name="kvhold.executor.cuda_gemm._skinny_kernel"):
+def _compile(name="kvhold.executor.cuda.gemm._skinny_kernel"):
     return dict(key=("k",), repr=f"{name}[num_warps=4]", fn=SimpleNamespace(name=name), compile={},
                 is_manual_warmup=False, already_compiled=False)
 
@@ -44,7 +44,7 @@ def test_a_compile_in_a_warm_executor_takes_its_lease_off_the_steady_rate_until_
         beat0 = table.heartbeat_ns(0)
         assert knobs.runtime.jit_cache_hook(**_compile()) is None      # the compile goes ahead
         assert not table.is_warm(0) and table.heartbeat_ns(0) > beat0
-        assert "compiling Triton kernel kvhold.executor.cuda_gemm._skinny_kernel in a step" in caplog.text
+        assert "compiling Triton kernel kvhold.executor.cuda.gemm._skinny_kernel in a step" in caplog.text
         beat1 = table.heartbeat_ns(0)
         knobs.runtime.jit_post_compile_hook(**_compile())
         assert table.is_warm(0) and table.heartbeat_ns(0) > beat1

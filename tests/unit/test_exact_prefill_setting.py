@@ -1,5 +1,5 @@
 """The exact-prefill setting: on by default, `--no-exact-prefill` turns it off, and it reaches
-the executors' settings over the wire (kvhold.executor.cuda_runner reads it; the CPU engine
+the executors' settings over the wire (kvhold.executor.cuda.runner reads it; the CPU engine
 is exact in every path without it)."""
 import argparse
 

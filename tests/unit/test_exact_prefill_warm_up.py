@@ -1,13 +1,13 @@
 """A standby's exact-prefill warm-up launches every compiled kernel a chunk can: a kernel first
 launched in a serving step compiles there for about a second, longer than the lease, and the
-executor is fenced as a hang (kvhold.executor.cuda_runner.exact_warm_up_rows)."""
+executor is fenced as a hang (kvhold.executor.cuda.runner.exact_warm_up_rows)."""
 import pytest
 
 pytest.importorskip("triton")
 
-from kvhold.executor import cuda_gemm  # noqa: E402
-from kvhold.executor.cuda_attention import prefill_launch_key  # noqa: E402
-from kvhold.executor.cuda_runner import exact_warm_up_rows  # noqa: E402
+from kvhold.executor.cuda import gemm as cuda_gemm  # noqa: E402
+from kvhold.executor.cuda.attention import prefill_launch_key  # noqa: E402
+from kvhold.executor.cuda.runner import exact_warm_up_rows  # noqa: E402
 
 LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 TINY = ((96, 64), (64, 64), (256, 64), (64, 128))
@@ -47,7 +47,7 @@ def test_the_fused_layers_decide_batch_invariance_and_exact_prefill_without_a_gp
     import torch
     from safetensors.torch import load_file
 
-    from kvhold.executor.cuda_layers import FusedLayers
+    from kvhold.executor.cuda.layers import FusedLayers
     from kvhold.executor.llama import LlamaModel
     from kvhold.protocol.model_spec import ModelSpec
 
@@ -90,7 +90,7 @@ def test_the_logits_warm_up_runs_the_models_logits_at_each_count(tiny_model):
     import torch
     from safetensors.torch import load_file
 
-    from kvhold.executor.cuda_runner import warm_up_logits
+    from kvhold.executor.cuda.runner import warm_up_logits
     from kvhold.executor.llama import LlamaModel
     from kvhold.protocol.model_spec import ModelSpec
 

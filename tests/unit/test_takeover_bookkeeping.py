@@ -276,7 +276,7 @@ def test_validate_and_clear_equal_a_page_by_page_reference(rig, state):
 
     leases.fence(0)
     engine = Engine(model, kv, tables, Lease(tables, 1, leases.grant(1, os.getpid())), 4, 64, prefill_chunk=CHUNK)
-    strategy = NativeTakeover(engine)
+    strategy = NativeTakeover(engine.takeover_context())
     strategy.validate(plans, pending)
     for plan in plans:
         assert (plan.valid_tokens, plan.recorded_tokens, plan.first_bad) == want[plan.entry.slot]
@@ -349,7 +349,7 @@ def test_a_takeover_that_dies_half_way_leaves_lists_the_next_one_keeps(rig, stat
     _write_state(tables, kv, checksum, state, dead_epoch, dead_epoch + 1000)
 
     engine = _promote(tables, leases, model, kv, 1)
-    first = NativeTakeover(engine)
+    first = NativeTakeover(engine.takeover_context())
     plans, _ = live_requests(Journal(tables))
     pending = {dead_epoch}
     steps = ["validated", "cleared", "tails", "resumed"]
@@ -364,7 +364,7 @@ def test_a_takeover_that_dies_half_way_leaves_lists_the_next_one_keeps(rig, stat
 
     successor = _promote(tables, leases, model, kv, 2)
     again, _ = live_requests(Journal(tables))
-    NativeTakeover(successor).validate(again, pending | {engine.lease.epoch})
+    NativeTakeover(successor.takeover_context()).validate(again, pending | {engine.lease.epoch})
     assert {plan.entry.slot for plan in again} == set(decided)
     for plan in again:
         kv_valid, first_bad = decided[plan.entry.slot]

@@ -6,11 +6,8 @@
 * `model`: `TensorParallelLlama`, the reference decoder over one rank's shard, with an
   all-reduce after each row-parallel projection.
 * `ranks`: groups served by the sidecar: an executor is the group's leader (rank 0), its
-  followers are its children over the sidecar's KV pool and weights.
-* `group`: a standalone group machinery (its own owner and state directory): executor groups of rank processes joined by torch.distributed (gloo on CPU),
-  their shared state (per-rank weight shards and KV regions, one token journal per rank,
-  one lease with a group epoch), the group commit rule and the takeover of a failed group
-  by a hot-standby group (docs/ARCHITECTURE.md, "Tensor-parallel groups").
+  followers are its children over the sidecar's KV pool and weights
+  (docs/ARCHITECTURE.md, "Tensor-parallel groups").
 """
 from kvhold.executor.tensor_parallel.plan import TpPlan, tensor_parallel_refusal
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import torch
 
-from kvhold.executor.cuda_checksum import BLOCK, TritonChecksum
+from kvhold.executor.cuda.checksum import BLOCK, TritonChecksum
 from kvhold.protocol.checksum import TorchChecksum, page_checksum_np, page_words_np, to_u64, words_checksum_np
 
 

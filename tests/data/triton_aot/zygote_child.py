@@ -8,11 +8,11 @@ and checks that a warm-up reaching a plain JIT kernel cannot initialise CUDA."""
 import ctypes, json, os, struct, sys
 stub = ctypes.CDLL(os.path.join(os.environ["TRITON_LIBCUDA_PATH"], "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
 import torch, triton, triton.language as tl
-from kvhold.executor.kernel_shapes import KernelShapes
+from kvhold.executor.cuda.kernel_shapes import KernelShapes
 from kvhold.executor.zygote import preload
-from kvhold.executor import triton_aot
-from kvhold.executor.cuda_attention import _paged_decode_kernel, paged_decode_attention
-from kvhold.executor.cuda_checksum import TritonChecksum
+from kvhold.executor.cuda import triton_aot
+from kvhold.executor.cuda.attention import _paged_decode_kernel, paged_decode_attention
+from kvhold.executor.cuda.checksum import TritonChecksum
 
 shapes = KernelShapes(**json.loads(sys.argv[1]))
 preload("cuda:0", shapes)                       # the zygote's path: compile, build launchers, arm
@@ -24,7 +24,7 @@ try:                                            # another geometry: not prepared
     TritonChecksum(m((4, 1, 2, 32, 4, 64), shapes.dtype)).ranges(one, one, one)
 except Exception as exc:
     out["miss_raised"] = type(exc).__name__
-out["miss"] = triton_aot.stats()["kvhold.executor.cuda_checksum._range_hash_kernel"]
+out["miss"] = triton_aot.stats()["kvhold.executor.cuda.checksum._range_hash_kernel"]
 
 
 def forked(child) -> dict:

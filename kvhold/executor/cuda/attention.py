@@ -9,7 +9,7 @@ and values, never on the other rows of the batch: decode output is the same
 whatever else is batched with it. Padding rows (context 1, block table
 pointing at the reserved null page) compute garbage that nobody reads.
 
-Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's attention on the same
+Exact prefill (kvhold.executor.cuda.runner) runs a prefill chunk's attention on the same
 fused decode kernel, one row per position (`rope_prefill_attention`): a row's keys are
 visited in the same blocks, in the same order, with the same dot shapes ([GROUP_PAD, D]
 by [D, 64]) and the same online-softmax arithmetic as in the decode step that would
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhold.executor import triton_aot
-from kvhold.executor.cuda_gemm import rows_per_key
+from kvhold.executor.cuda import triton_aot
+from kvhold.executor.cuda.gemm import rows_per_key
 
 
 TOKENS_PER_ITERATION = 64
@@ -109,7 +109,7 @@ def _rope_decode_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, wpage_ptr, wslot_ptr
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                         GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
                         PRECISION: tl.constexpr, PAGES: tl.constexpr):
-    """RoPE on the new token's q and k (as kvhold.executor.cuda_kernels.rope_and_store rounds it), k
+    """RoPE on the new token's q and k (as kvhold.executor.cuda.kernels.rope_and_store rounds it), k
     and v stored at their slot, then _paged_decode_kernel's attention with q and k in
     rotate-half halves. One program per (sequence, kv head) reads and writes only its own."""
     b = tl.program_id(0).to(tl.int64)
@@ -389,7 +389,7 @@ def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def prefill_launch_key(rows: int) -> tuple[bool, bool]:
     """What decides which compiled kernels a prefill chunk of `rows` rows launches here, as
-    kvhold.executor.cuda_runner stages its rows: Triton specialises the row count (a multiple
+    kvhold.executor.cuda.runner stages its rows: Triton specialises the row count (a multiple
     of 16 or not) and the 16-byte alignment of the int32 context lengths, zeros and block
     table the runner packs one after another (aligned when rows is a multiple of 4)."""
     return rows % 16 == 0, rows % 4 == 0
@@ -397,7 +397,7 @@ def prefill_launch_key(rows: int) -> tuple[bool, bool]:
 
 @triton_aot.warm_up
 def _aot_shapes(shapes) -> None:
-    """Decode as kvhold.executor.cuda_runner runs it, padded to max_batch rows (the grid is all a
+    """Decode as kvhold.executor.cuda.runner runs it, padded to max_batch rows (the grid is all a
     smaller bucket changes), for every layer (the
     layer offset's divisibility by 16 is part of the specialization). The runner stages ctx
     and the block table in one int32 buffer, ctx first, so the table is 16-byte aligned only
@@ -415,7 +415,7 @@ def _aot_shapes(shapes) -> None:
             paged_decode_attention(q, pool, layer, table, ctx, shapes.head_dim ** -0.5)
             rope_decode_attention(qkv, cos, cos, staged64[1], staged64[2], staged64[3], pool, layer, table, ctx,
                                   shapes.head_dim ** -0.5, shapes.num_heads, shapes.num_kv_heads)
-    # exact prefill chunks (kvhold.executor.cuda_runner._prefill_exact), one of each launch key
+    # exact prefill chunks (kvhold.executor.cuda.runner._prefill_exact), one of each launch key
     for c in rows_per_key(shapes.prefill_chunk, prefill_launch_key):
         rows64 = triton_aot.meta((4, c), torch.int64).unbind(0)
         rows32 = triton_aot.meta((2 * c + width,), torch.int32)

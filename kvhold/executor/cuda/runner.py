@@ -2,20 +2,20 @@
 what else is in the batch.
 
 * Decode tokens (one new token per sequence) run as one batch padded to a bucket of
-  rows (16, 32, 64 up to `max_batch`; kvhold.executor.cuda_gemm.decode_buckets), each bucket's
+  rows (16, 32, 64 up to `max_batch`; kvhold.executor.cuda.gemm.decode_buckets), each bucket's
   forward captured once as a CUDA graph against the shared pool's stable addresses and
   replayed. Every kernel of the step computes a row the same way at every bucket (the
-  projections run on kvhold.executor.cuda_gemm's kernel), so each row's arithmetic is the same
+  projections run on kvhold.executor.cuda.gemm's kernel), so each row's arithmetic is the same
   whatever the other rows hold. Where that kernel does not apply (no fused layers, fp32,
   projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
   holds because every GEMM always sees the same shape. Attention reads pages in place
-  (kvhold.executor.cuda_attention).
+  (kvhold.executor.cuda.attention).
 * Exact prefill (`exact`, on by default; ExecutorSettings.exact_prefill, `--no-exact-prefill` turns it off): a prefill chunk's
   rows are computed by the decode step's kernels, so a position's KV and logits are the
   same bits whether a single prefill, chunked prefill (any chunk sizes, any batch) or a
   decode step computed it, and a request recomputed after a preemption, a damaged page
   or a pool restart continues exactly as an uninterrupted run:
-  - the projections on kvhold.executor.cuda_gemm's kernel at any row count
+  - the projections on kvhold.executor.cuda.gemm's kernel at any row count
     (`exact_linear`: the decode's tiles up to 64 rows, bigger tiles beyond, the same
     k16 accumulation order over K per output element; no cuBLAS, whose split-K and
     tile choice depend on the shape);
@@ -53,11 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvhold.executor import cuda_gemm, faults
-from kvhold.executor.cuda_attention import (paged_decode_attention, prefill_launch_key, rope_decode_attention,
+from kvhold.executor import faults
+from kvhold.executor.cuda import gemm as cuda_gemm
+from kvhold.executor.cuda.attention import (paged_decode_attention, prefill_launch_key, rope_decode_attention,
                                              rope_prefill_attention)
-from kvhold.executor.cuda_checksum import TritonChecksum
-from kvhold.executor.cuda_gemm import decode_buckets
+from kvhold.executor.cuda.checksum import TritonChecksum
+from kvhold.executor.cuda.gemm import decode_buckets
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import NULL_PAGE
@@ -71,8 +72,8 @@ PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]     # not 
 def exact_warm_up_rows(chunk: int, shapes) -> list[int]:
     """The chunk sizes a standby's warm-up prefills (exact prefill), largest first: one for each
     combination of compiled kernels that a chunk of 2..`chunk` rows launches, the projections'
-    (`shapes`, (N, K) pairs; kvhold.executor.cuda_gemm.exact_launch_key) and the attention's
-    (kvhold.executor.cuda_attention.prefill_launch_key). A kernel first launched in a step would
+    (`shapes`, (N, K) pairs; kvhold.executor.cuda.gemm.exact_launch_key) and the attention's
+    (kvhold.executor.cuda.attention.prefill_launch_key). A kernel first launched in a step would
     compile there, for about a second: longer than the lease."""
     return cuda_gemm.rows_per_key(chunk, lambda m: (tuple(cuda_gemm.exact_launch_key(n, k, m) for n, k in shapes),
                                                     prefill_launch_key(m)))
@@ -80,7 +81,7 @@ def exact_warm_up_rows(chunk: int, shapes) -> list[int]:
 
 def warm_up_logits(model, device) -> list[int]:
     """The logits of a prefill chunk's prompt log-prob rows, once per compiled kernel they can
-    launch (kvhold.executor.cuda_gemm.logits_warm_up_rows); returns the row counts run."""
+    launch (kvhold.executor.cuda.gemm.logits_warm_up_rows); returns the row counts run."""
     rows = cuda_gemm.logits_warm_up_rows(model.lm_head.shape[0], model.spec.hidden_size)
     with torch.inference_mode():
         for m in rows:
@@ -284,7 +285,7 @@ class CudaRunner:
 
     def _prefill_exact(self, item, rows=()) -> torch.Tensor:
         """The chunk's rows exactly as decode steps compute them (module docstring): the
-        projections on kvhold.executor.cuda_gemm.exact_linear, RoPE + KV store + attention on
+        projections on kvhold.executor.cuda.gemm.exact_linear, RoPE + KV store + attention on
         the decode kernel with one row per position (rope_prefill_attention), the logits of
         the last row on the decode's logits GEMM. No padding: no kernel's per-row
         arithmetic depends on the number of rows."""

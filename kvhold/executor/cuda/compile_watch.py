@@ -1,7 +1,7 @@
 """A Triton kernel compiled inside a serving step, and the lease it needs meanwhile.
 
 A standby's warm-up (and the zygote's ahead-of-time preparation) launches every kernel a step
-can launch (kvhold.executor.cuda_runner, kvhold.executor.triton_aot). A kernel it missed
+can launch (kvhold.executor.cuda.runner, kvhold.executor.cuda.triton_aot). A kernel it missed
 compiles in the step that first launches it: about a second (milliseconds if Triton's disk
 cache has it), longer than an active executor's lease. The sidecar would fence the executor
 as hung, and a hang counts against the requests in the step (kvhold.sidecar.request_deaths):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhold.executor import triton_aot
+from kvhold.executor.cuda import triton_aot
 
 
 @triton_aot.aot
@@ -130,14 +130,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton_aot.warm_up
 def _aot_shapes(shapes) -> None:
     """A decode step (max_batch rows; CudaRunner stages positions, pages and slots as rows of
-    one int64 buffer) and a prefill chunk, as kvhold.executor.cuda_layers runs them."""
+    one int64 buffer) and a prefill chunk, as kvhold.executor.cuda.layers runs them."""
     meta, dt = triton_aot.meta, shapes.torch_dtype
     heads, kv_heads, dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
     pool = meta(shapes.kv_pool_shape, shapes.kv_torch_dtype)
     cos = meta((shapes.max_seq_len, dim), dt)
     for t in (shapes.max_batch, shapes.prefill_chunk):
         rmsnorm(meta((t, shapes.hidden_size), dt), meta((shapes.hidden_size,), dt), 1e-5)
-        if shapes.qk_norm:          # each query and key head (kvhold.executor.cuda_layers.FusedLayers)
+        if shapes.qk_norm:          # each query and key head (kvhold.executor.cuda.layers.FusedLayers)
             for n in (heads, kv_heads):
                 rmsnorm(meta((t * n, dim), dt), meta((dim,), dt), 1e-5)
         silu_mul(meta((t, 2 * shapes.intermediate_size), dt))

@@ -1,6 +1,6 @@
 """Triton kernels compiled before fork, so a zygote-forked executor's first launch is cheap.
 
-A kernel module opts in with two things (kvhold.executor.cuda_checksum shows both):
+A kernel module opts in with two things (kvhold.executor.cuda.checksum shows both):
 
     @triton_aot.aot                  # launch syntax is unchanged: kernel[grid](*args, **constexprs)
     @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvhold.executor import triton_aot
+from kvhold.executor.cuda import triton_aot
 from kvhold.protocol.checksum import C1, C2, SEED, check_page_shape
 
 BLOCK = 1024

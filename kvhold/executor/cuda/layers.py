@@ -10,16 +10,16 @@ a GPU step that is bound by reading weights:
   adjacent (weights loaded tensor by tensor), each projection runs on its own and
   the outputs are concatenated (activations only; weights are never copied).
 * o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
-* A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda_gemm's
+* A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda.gemm's
   kernel, which streams each weight once; an exact prefill chunk (`layers(exact=True)`)
   runs them on the same kernel in bigger tiles, each row's bits those decode gives it
-  (kvhold.executor.cuda_runner); other prefill chunks run on cuBLAS.
+  (kvhold.executor.cuda.runner); other prefill chunks run on cuBLAS.
 * RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
-  each (kvhold.executor.cuda_kernels). Qwen3's RMSNorm of each query and key head runs the
+  each (kvhold.executor.cuda.kernels). Qwen3's RMSNorm of each query and key head runs the
   same row kernel over the heads, before RoPE; Phi-3's single q|k|v and gate|up tensors are
   the fused projections as they are stored.
 * A decode step's attention applies RoPE and stores the keys and values itself
-  (kvhold.executor.cuda_attention.rope_decode_attention): 8 launches per layer instead of 9.
+  (kvhold.executor.cuda.attention.rope_decode_attention): 8 launches per layer instead of 9.
   Folding RMSNorm into the next GEMM as well (row sums of squares left by the GEMM
   that wrote the residual, the norm applied to each x tile in the K loop) was tried
   and made the GEMMs 38% slower on the H200 (x no longer feeds the tensor cores
@@ -35,9 +35,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kvhold.executor import cuda_gemm
-from kvhold.executor.cuda_gemm import add_linear_, linear
-from kvhold.executor.cuda_kernels import rmsnorm, rope_and_store, silu_mul
+from kvhold.executor.cuda import gemm as cuda_gemm
+from kvhold.executor.cuda.gemm import add_linear_, linear
+from kvhold.executor.cuda.kernels import rmsnorm, rope_and_store, silu_mul
 
 
 def fused_enabled() -> bool:
@@ -126,7 +126,7 @@ class FusedLayers:
         return ((qkv, hidden), (hidden, q), (2 * spec.intermediate_size, hidden), (hidden, spec.intermediate_size))
 
     def batch_invariant(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda_gemm's
+        """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda.gemm's
         kernel (whose rows come out the same at any row count)."""
         shapes = self.projection_shapes() + ((self.model.lm_head.shape[0], self.spec.hidden_size),)
         return (cuda_gemm.enabled() and self.fused_gemms and not self.spec.attention_bias
@@ -136,7 +136,7 @@ class FusedLayers:
     def exact_prefill(self, max_batch: int) -> str | None:
         """Why a prefill chunk cannot compute its rows as decode does (None: it can). It can
         where decode is batch-invariant at `max_batch` rows and every projection runs on
-        the same kernel at any row count (kvhold.executor.cuda_gemm.exact_linear)."""
+        the same kernel at any row count (kvhold.executor.cuda.gemm.exact_linear)."""
         if not self.batch_invariant(max_batch):
             return ("the decode step is not on the batch-invariant kernels (needs bf16/fp16, no projection "
                     "biases, adjacent q|k|v and gate|up weights, max_batch <= 64, KVHOLD_SKINNY_GEMM on)")
@@ -145,8 +145,8 @@ class FusedLayers:
     def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None,
                exact: bool = False) -> torch.Tensor:
         """As LlamaModel.layers; with `attend_qkv(layer, qkv)`, attention also applies RoPE and
-        stores the step's keys and values itself (kvhold.executor.cuda_attention.rope_decode_attention).
-        `exact`: every projection on kvhold.executor.cuda_gemm.exact_linear, whatever the rows
+        stores the step's keys and values itself (kvhold.executor.cuda.attention.rope_decode_attention).
+        `exact`: every projection on kvhold.executor.cuda.gemm.exact_linear, whatever the rows
         (the caller checked `exact_prefill`)."""
         spec, model = self.spec, self.model
         t = token_ids.shape[0]

@@ -1,6 +1,6 @@
 """KernelShapes: the shapes an executor's GPU kernels will run at, known before it starts.
 
-The zygote compiles the executor's Triton kernels ahead of time (kvhold.executor.triton_aot)
+The zygote compiles the executor's Triton kernels ahead of time (kvhold.executor.cuda.triton_aot)
 without a model loaded and without a CUDA context; this value tells it what to
 compile for. The sidecar sends it as JSON (a kvhold.protocol.settings.KernelShapesRequest:
 its executor settings plus the table geometry, see `from_settings`); the kernel

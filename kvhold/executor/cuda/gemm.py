@@ -20,7 +20,7 @@ each weight row block once:
 `linear` takes this path only when it applies (CUDA, bf16/fp16, at most 64 rows, N and
 K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
 
-Exact prefill (kvhold.executor.cuda_runner) runs a prefill chunk's projections on this
+Exact prefill (kvhold.executor.cuda.runner) runs a prefill chunk's projections on this
 kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
 beyond that on `prefill_tiles` (128- or 256-row blocks, BLOCK_K 64, 8 warps, the grouped
 program order `GROUP_M` for L2 reuse). An element's value is its fp32 accumulator after
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvhold.executor import triton_aot
+from kvhold.executor.cuda import triton_aot
 
 MAX_ROWS = 64
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4       # H200, see module docstring
@@ -213,7 +213,7 @@ def rows_per_key(chunk: int, key) -> list[int]:
 def logits_warm_up_rows(vocab: int, hidden: int) -> list[int]:
     """Row counts in 2..MAX_ROWS at which the logits GEMM ([rows, hidden] @ [vocab, hidden].T)
     runs on this kernel, one per compiled kernel: a prefill chunk's prompt log-prob rows reach it
-    at any count (kvhold.executor.cuda_runner), a decode step only at its buckets. A warm-up
+    at any count (kvhold.executor.cuda.runner), a decode step only at its buckets. A warm-up
     that runs each leaves no compile to a serving step."""
     return [m for m in rows_per_key(MAX_ROWS, lambda m: exact_launch_key(vocab, hidden, m))
             if fits(vocab, hidden, m)]
@@ -262,7 +262,7 @@ def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: bool =
 def _aot_shapes(shapes) -> None:
     """A decode step's projections and logits at each bucket's rows, and a prefill chunk's
     logits (one row, and the prompt log-prob rows: `logits_warm_up_rows`), as
-    kvhold.executor.cuda_layers runs them."""
+    kvhold.executor.cuda.layers runs them."""
     if shapes.torch_dtype not in (torch.bfloat16, torch.float16):
         return
     meta, dt = triton_aot.meta, shapes.torch_dtype

@@ -1,5 +1,8 @@
-"""Executor groups: N rank processes joined by torch.distributed (gloo), over state an
-owner process keeps (docs/ARCHITECTURE.md, "Tensor-parallel groups").
+"""A standalone group machinery, test and benchmark material: N rank processes joined by
+torch.distributed (gloo), over state an owner process keeps, greedy only. The groups the
+sidecar serves are kvhold.executor.tensor_parallel.ranks (docs/ARCHITECTURE.md,
+"Tensor-parallel groups"); this one is kept for tools/bench_recovery_tp.py without
+`--sidecar` and tests/process/test_tensor_parallel_takeover.py.
 
 The owner (`GroupOwner`, the sidecar's part) writes into its state directory (on /dev/shm):
   rank{r}.safetensors   rank r's weight shard (`TpPlan.shard`)
@@ -21,7 +24,7 @@ committed prefix, which starts with the prompt), agree on C by an all-reduce(MIN
 continue each sequence from token C - 1 over their own KV pages. Nothing committed is
 recomputed and nothing is lost; greedy decoding on fp32 CPU continues token for token.
 
-    python -m kvhold.executor.tensor_parallel.group --state DIR --rank R --epoch E
+    python -m kvhold.testing.tensor_parallel_group --state DIR --rank R --epoch E
 """
 from __future__ import annotations
 
@@ -233,7 +236,7 @@ class GroupOwner:
 
     def _spawn(self, epoch: int) -> Group:
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, "-m", "kvhold.executor.tensor_parallel.group",
+        procs = [subprocess.Popen([sys.executable, "-m", "kvhold.testing.tensor_parallel_group",
                                    "--state", str(self.state), "--rank", str(r), "--epoch", str(epoch)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                  for r in range(self.meta.world)]
