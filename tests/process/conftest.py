@@ -1,5 +1,6 @@
 """Fixtures of the process tests: short private runtime roots, real sidecar processes,
-a throwaway etcd, and the reference outputs of an uninterrupted run."""
+a throwaway etcd, a `kvhold serve` per module, and the reference outputs of an uninterrupted
+run."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.testing.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, ids, submit
+from tests.process.helpers import FLAGS, KEY, Server, ids, submit
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +60,12 @@ def reference(tiny_model):
         sc.wait_steady(standbys=0)
         with sc.new_client() as client:
             return ids(wait_all(submit(client)))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One `kvhold serve` (sidecar, active and standby executors, HTTP with KEY) per module."""
+    root = tmp_path_factory.mktemp("rt")
+    srv = Server(tiny_model, root, root / "serve.log", api_key=KEY)
+    yield srv
+    srv.stop()

@@ -10,12 +10,11 @@ import sys
 import pytest
 import zmq
 
-from tests.process.helpers import sidecar_log
+from tests.process.helpers import sidecar_log, wait_stopped
 from kvhold.protocol import messages as m, wire
 from kvhold.client.client import Client
 from kvhold.protocol.curve import load_public_key, write_keypair
 from kvhold.protocol.errors import ErrorCode, NotFound, SidecarUnavailable
-from test_kvhold_top import wait_stopped
 from kvhold.testing.sidecar_process import SidecarProcess
 
 REFUSED_TIMEOUT_S = 0.5
