@@ -1,7 +1,10 @@
 """Helpers shared by the unit tests and the process tests that build on them: durable journal
-records (valid, poisoned, or any JSON in any field) and tiny checkpoints as transformers writes
-them (transformers and torch are imported only where a checkpoint is built)."""
+records (valid, poisoned, or any JSON in any field), tiny checkpoints as transformers writes
+them, and the sidecar's shared memory (tables and a KV region) made in process. torch and
+transformers are imported only where they are used."""
 from __future__ import annotations
+
+import functools
 
 from hypothesis import strategies as st
 
@@ -117,3 +120,58 @@ CASES = {
                                           "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                              "rope_theta": 1_000_000.0}})),
 }
+
+
+# ---------------------------------------------------------------- the sidecar's shared memory
+def mirror_geometry():
+    """The pool of the KV mirror tests (kvhold.executor.kv_mirror and the vLLM connector)."""
+    from kvhold.protocol.layout import KvGeometry, TableGeometry
+
+    kv = KvGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_tokens=4)
+    return TableGeometry(kv=kv, num_pages=256, num_slots=4, max_seq_len=64, num_leases=2)
+
+
+class ShmPool:
+    """Tables and a host KV region of `geometry`, named per test and created as the sidecar
+    creates them; `kv` is the region as the engine's page pool, `words` as numpy words."""
+
+    def __init__(self, geometry, generation: int = 1):
+        import os
+        import random
+
+        from kvhold.protocol.memory import HostRegion
+        from kvhold.protocol.tables import Tables
+
+        tag = f"{os.getpid()}-{random.getrandbits(30)}"
+        self.geometry = geometry
+        self.tables_name = f"/kvhold-test-tables-{tag}"
+        self.kv_name = f"/kvhold-test-kv-{tag}"
+        self.tables = Tables.create(self.tables_name, geometry, generation)
+        self.region = HostRegion(self.kv_name, "kv", geometry.kv_pool_bytes)
+        self._mapping = self.region.map_local()
+
+    @functools.cached_property
+    def kv(self):
+        from kvhold.executor.kv_cache import KvCache
+
+        return KvCache.from_mapping(self._mapping, self.geometry.kv, self.geometry.num_pages).pool
+
+    def words(self, dtype):
+        """The region as [page, layer, K/V, token, word] of `dtype` words."""
+        import numpy as np
+
+        kv = self.geometry.kv
+        size = np.dtype(dtype).itemsize
+        return self._mapping.numpy(dtype, (self.geometry.num_pages, kv.num_layers, 2, kv.page_tokens,
+                                           kv.row_bytes // size))
+
+    def lease(self, slot: int):
+        """Grant `slot` a fresh epoch (what the sidecar does on attach / promote)."""
+        from kvhold.protocol.leases import Lease
+
+        self.tables.leases["epoch"][slot] = self.tables.next_epoch()
+        return Lease(self.tables, slot, int(self.tables.leases["epoch"][slot]))
+
+    def close(self):
+        self.tables.unlink()
+        self.region.unlink()

@@ -15,7 +15,6 @@ from kvhold.protocol.errors import ErrorCode, InvalidParams
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.sampling import LIMITS, TOKEN_ID_MAX, RequestInput, SamplingParams
-from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.frontend.frontend import Frontend
 from kvhold.frontend.restore import Restore
@@ -28,20 +27,14 @@ GEOMETRY = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num
 VOCAB = 512
 
 
-def _name():
-    return f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}"
-
-
 def _frontend(tables, durable):
     return Frontend(tables, types.SimpleNamespace(vocab_size=VOCAB), None, runs_model=True,
                     durable=durable, fingerprint=FINGERPRINT, timeline=RecoveryTimeline(), host=FrontendHost())
 
 
 @pytest.fixture
-def tables():
-    t = Tables.create(_name(), GEOMETRY, generation=GENERATION)
-    yield t
-    t.unlink()
+def table_generation():
+    return GENERATION
 
 
 # ------------------------------------------------------------------ admission

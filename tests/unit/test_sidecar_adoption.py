@@ -24,10 +24,18 @@ def paths(tmp_path):
 
 
 @pytest.fixture
-def tables(paths):
-    t = Tables.create(paths.shm_name("tables"), SMALL, generation=3)
-    yield t
-    t.unlink()
+def tables_name(paths):
+    return paths.shm_name("tables")
+
+
+@pytest.fixture
+def table_geometry():
+    return SMALL
+
+
+@pytest.fixture
+def table_generation():
+    return 3
 
 
 def test_adopt_reopens_the_segment_and_claim_keeps_the_header_valid(tables, paths):
