@@ -11,7 +11,7 @@ import torch
 from kvhold.client.client import wait_all
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import submit_requests
-from tests.process.helpers import attach_pool as _attach, run_with_fault
+from tests.process.helpers import attach_pool as _attach, ids, run_with_fault
 
 FLAGS = ["--kv-pages", "128", "--max-seq-len", "256", "--max-batch-tokens", "64", "--max-batch", "16",
          "--log-level", "INFO"]
@@ -28,19 +28,10 @@ def submit(client, requests=REQUESTS):
     return submit_requests(client, requests)
 
 
-def ids(results):
-    return [r.token_ids for r in results]
-
-
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """The native engine, uninterrupted."""
-    from kvhold.testing.sidecar_process import SidecarProcess
-
-    with SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0"]) as sc:
-        sc.wait_steady(standbys=0)
-        with sc.new_client() as client:
-            return ids(wait_all(submit(client)))
+def workload():
+    """The native engine's reference (conftest's `reference`) runs these."""
+    return FLAGS, REQUESTS
 
 
 def test_sigkill_mid_stream_continues_identically(tiny_model, reference, start_sidecar):

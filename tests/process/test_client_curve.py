@@ -15,7 +15,6 @@ from kvhold.protocol import messages as m, wire
 from kvhold.client.client import Client
 from kvhold.protocol.curve import load_public_key, write_keypair
 from kvhold.protocol.errors import ErrorCode, NotFound, SidecarUnavailable
-from kvhold.testing.sidecar_process import SidecarProcess
 
 REFUSED_TIMEOUT_S = 0.5
 
@@ -38,10 +37,8 @@ def _flags(tiny_model, keys):
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model, keys):
-    with SidecarProcess(_flags(tiny_model, keys)) as sc:
-        sc.wait_steady(standbys=0)
-        yield sc
+def sidecar_flags(tiny_model, keys):
+    return _flags(tiny_model, keys)
 
 
 def _tcp_client(sc, keys, who="alice", timeout=20.0, **kwargs):
