@@ -46,7 +46,7 @@ import numpy as np
 
 from kvhold.client.client import Client, wait_all
 from kvhold.testing.make_model import ensure_demo_model
-from kvhold.testing.serve_process import ServeProcess, comparable
+from kvhold.testing.serve_process import Events, ServeProcess, comparable
 
 HTTP_BODIES = [
     ("/v1/completions", {"prompt": "The sidecar keeps the memory", "max_tokens": 240, "temperature": 0,
@@ -72,32 +72,6 @@ def summarize(values) -> dict | None:
             "max": float(v.max()), "mean": float(v.mean())}
 
 
-class Sse:
-    """The complete SSE events of a response, (id or None, data, CLOCK_MONOTONIC ns read)."""
-
-    def __init__(self, response):
-        self.lines = response.iter_lines()
-        self.events: list[tuple[str | None, str, int]] = []
-        self._id = self._data = None
-
-    def read(self, n=None) -> "Sse":
-        want = None if n is None else len(self.events) + n
-        try:
-            for line in self.lines:
-                if line.startswith("id: "):
-                    self._id = line[4:]
-                elif line.startswith("data: "):
-                    self._data = line[6:]
-                elif line == "" and self._data is not None:
-                    self.events.append((self._id, self._data, time.monotonic_ns()))
-                    self._id = self._data = None
-                    if want is not None and len(self.events) >= want:
-                        break
-        except httpx.TransportError:
-            pass                  # the server was killed: what came before is all there is
-        return self
-
-
 def _gone(pid: int) -> bool:
     try:
         state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
@@ -109,7 +83,7 @@ def _gone(pid: int) -> bool:
 def whole(srv: ServeProcess, path: str, body: dict) -> list:
     with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
         r.raise_for_status()
-        return Sse(r).read().events
+        return Events(r, clock=time.monotonic_ns).read().events
 
 
 def owner_state(st: dict) -> dict:
@@ -123,7 +97,7 @@ def http_stream(srv: ServeProcess, path: str, body: dict, started: threading.Bar
     try:
         with httpx.stream("POST", srv.base + path, json=body, timeout=timeout_s) as r:
             r.raise_for_status()
-            sse = Sse(r).read(3)
+            sse = Events(r, clock=time.monotonic_ns).read(3)
             started.wait()
             sse.read()
         events = sse.events
@@ -147,7 +121,7 @@ def http_stream(srv: ServeProcess, path: str, body: dict, started: threading.Bar
                     if r.status_code != 200:
                         out["error"] = r.read().decode(errors="replace")[:500]
                         break
-                    rest = Sse(r).read().events
+                    rest = Events(r, clock=time.monotonic_ns).read().events
                     out["resumed_first_ns"] = rest[0][2] if rest else None
                     out["events"] = events + rest
                     return

@@ -149,11 +149,13 @@ class ServeProcess:
 
 
 class Events:
-    """The complete server-sent events read from a streamed response: (id or None, data)."""
+    """The complete server-sent events read from a streamed response: (id or None, data), and
+    with a `clock`, (id or None, data, clock() when the event was read)."""
 
-    def __init__(self, response: httpx.Response):
+    def __init__(self, response: httpx.Response, clock=None):
         self.lines = response.iter_lines()
-        self.events: list[tuple[str | None, str]] = []
+        self.events: list[tuple] = []
+        self.clock = clock
         self._id = self._data = None
 
     def read(self, n: int | None = None) -> "Events":
@@ -166,7 +168,8 @@ class Events:
                 elif line.startswith("data: "):
                     self._data = line[6:]
                 elif line == "" and self._data is not None:
-                    self.events.append((self._id, self._data))
+                    self.events.append((self._id, self._data) if self.clock is None
+                                       else (self._id, self._data, self.clock()))
                     self._id = self._data = None
                     if want is not None and len(self.events) >= want:
                         break
