@@ -60,14 +60,25 @@ def workload():
     return FLAGS, REQUESTS
 
 
+@pytest.fixture(scope="session")
+def _references() -> dict:
+    """The references computed so far in this session, by workload."""
+    return {}
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model, workload):
-    """The token ids of the workload's requests from a sidecar that never loses an executor."""
+def reference(tiny_model, workload, _references):
+    """The token ids of the workload's requests from a sidecar that never loses an executor:
+    computed once per session for each workload (outputs are deterministic, and independent of
+    the batch: test_recovery_e2e.test_reference_is_batch_independent), a copy per module."""
     flags, requests = workload
-    with SidecarProcess(["--model", str(tiny_model), *flags, "--standbys", "0"]) as sc:
-        sc.wait_steady(standbys=0)
-        with sc.new_client() as client:
-            return ids(wait_all(submit(client, requests)))
+    key = (tuple(flags), repr(requests))
+    if key not in _references:
+        with SidecarProcess(["--model", str(tiny_model), *flags, "--standbys", "0"]) as sc:
+            sc.wait_steady(standbys=0)
+            with sc.new_client() as client:
+                _references[key] = ids(wait_all(submit(client, requests)))
+    return [list(tokens) for tokens in _references[key]]
 
 
 @pytest.fixture(scope="module")
