@@ -1,5 +1,6 @@
 """Fixtures of the unit tests: the sidecar's shared-memory tables made in process (`tables`),
-of the module's `table_geometry`, `table_generation` and `tables_name` where it sets them."""
+of the module's `table_geometry`, `table_generation` and `tables_name` where it sets them
+(`paths.shm_name("tables")`: the tables of a private instance, as its sidecar names them)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import random
 import pytest
 
 from kvhold.protocol.layout import KvGeometry, TableGeometry
+from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.tables import Tables
 
 
@@ -21,6 +23,12 @@ def table_geometry():
 @pytest.fixture
 def table_generation():
     return 1
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """A private instance's paths in this test's directory."""
+    return InstancePaths.for_instance(f"t{os.getpid()}-{random.getrandbits(20)}", tmp_path)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ the named object itself."""
 import os
 import socket
 
-import numpy as np
 import posix_ipc
 import pytest
 
@@ -13,18 +12,12 @@ from kvhold.protocol import fdpass
 from kvhold.protocol.hand_back import HandBack, HandBackFormatError
 from kvhold.protocol.layout import KvGeometry, Role, TableGeometry
 from kvhold.protocol.memory import HostRegion, RegionInfo
-from kvhold.protocol.naming import InstancePaths
 from kvhold.sidecar.adoption import Adoptable, LeaseHolder
 from kvhold.sidecar.hand_back import Receiver
 
 SMALL = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4,
                       max_seq_len=32, num_leases=4)
 KV = RegionInfo("kv", 8192, "host", False)
-
-
-@pytest.fixture
-def paths(tmp_path):
-    return InstancePaths.for_instance(f"hb{os.getpid()}-{np.random.randint(1 << 20)}", tmp_path)
 
 
 @pytest.fixture

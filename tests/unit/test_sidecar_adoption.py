@@ -3,11 +3,9 @@ header validated, the adopting sidecar's pid claimed under a fresh CRC, and ever
 pool is not adopted (kvhold.sidecar.adoption)."""
 import os
 
-import numpy as np
 import pytest
 
 from kvhold.protocol.layout import KvGeometry, PoolState, Role, TableGeometry, WeightsState
-from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables, TableFormatError
 from kvhold.sidecar import adoption
@@ -16,11 +14,6 @@ from kvhold.sidecar.adoption import LeaseHolder
 SMALL = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4,
                       max_seq_len=32, num_leases=4)
 LIVE = [LeaseHolder(slot=0, pid=1, role=Role.ACTIVE, epoch=1)]
-
-
-@pytest.fixture
-def paths(tmp_path):
-    return InstancePaths.for_instance(f"adopt{os.getpid()}-{np.random.randint(1 << 20)}", tmp_path)
 
 
 @pytest.fixture
