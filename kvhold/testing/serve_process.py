@@ -88,7 +88,7 @@ class ServeProcess:
         return self.proc.returncode
 
     def __enter__(self):
-        return self
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc):
         self.stop()
