@@ -1,5 +1,6 @@
-"""Fixtures every test may use, unit tests included: private state directories and the
-demo checkpoint. Nothing here starts or imports a process harness (those fixtures live
+"""Fixtures every test may use, unit tests included: private state directories, the
+demo checkpoint and the sidecar's shared memory made in process (`pool`, of the module's
+`pool_geometry`). Nothing here starts or imports a process harness (those fixtures live
 in tests/process/conftest.py), so unit tests run without ZeroMQ or sidecar processes."""
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def tiny_model(tmp_path_factory):
 
     path, _ = ensure_demo_model(tmp_path_factory.mktemp("models"))
     return path
+
+
+@pytest.fixture
+def pool(pool_geometry):
+    """Tables and a host KV region of the module's `pool_geometry` (tests.unit.helpers.ShmPool),
+    removed after the test."""
+    from tests.unit.helpers import ShmPool
+
+    p = ShmPool(pool_geometry)
+    yield p
+    p.close()

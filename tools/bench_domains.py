@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import numpy as np
 
 from kvhold.client.client import Client, wait_all
 from kvhold.testing.make_model import ensure_demo_model
+from kvhold.testing.serve_process import Events, ServeProcess, comparable
 
 HTTP_BODIES = [
     ("/v1/completions", {"prompt": "The sidecar keeps the memory", "max_tokens": 240, "temperature": 0,
@@ -72,101 +72,6 @@ def summarize(values) -> dict | None:
             "max": float(v.max()), "mean": float(v.mean())}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Sse:
-    """The complete SSE events of a response, (id or None, data, CLOCK_MONOTONIC ns read)."""
-
-    def __init__(self, response):
-        self.lines = response.iter_lines()
-        self.events: list[tuple[str | None, str, int]] = []
-        self._id = self._data = None
-
-    def read(self, n=None) -> "Sse":
-        want = None if n is None else len(self.events) + n
-        try:
-            for line in self.lines:
-                if line.startswith("id: "):
-                    self._id = line[4:]
-                elif line.startswith("data: "):
-                    self._data = line[6:]
-                elif line == "" and self._data is not None:
-                    self.events.append((self._id, self._data, time.monotonic_ns()))
-                    self._id = self._data = None
-                    if want is not None and len(self.events) >= want:
-                        break
-        except httpx.TransportError:
-            pass                  # the server was killed: what came before is all there is
-        return self
-
-
-def comparable(events) -> list:
-    """What must equal between two runs of a request: each event's number and content."""
-    out = []
-    for event_id, data, *_ in events:
-        if data == "[DONE]":
-            out.append((event_id, data))
-            continue
-        obj = json.loads(data)
-        out.append((event_id.rsplit("-", 1)[1], obj["choices"], obj.get("usage"), obj["object"]))
-    return out
-
-
-class Serve:
-    def __init__(self, model: Path, root: Path, log_path: Path, flags: list[str]):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.instance = f"dom{os.getpid()}-{self.port}"
-        self.root = root
-        self.cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(model), "--port", str(self.port),
-                    "--instance", self.instance, "--runtime-root", str(root), *flags]
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log)
-
-    def wait_healthy(self, timeout=180.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvhold serve exited with {self.proc.returncode}")
-            try:
-                r = httpx.get(self.base + "/health", timeout=5)
-                if r.status_code == 200 and r.json().get("standbys_ready", 0) >= 1:
-                    return r.json()
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("kvhold serve not healthy in time")
-
-    def status(self) -> dict:
-        with Client.for_instance(self.instance, self.root, timeout=10) as c:
-            return c.status()
-
-    def child(self, marker: bytes) -> int | None:
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            for pid in open(f"/proc/{self.proc.pid}/task/{task}/children").read().split():
-                try:
-                    cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-                except FileNotFoundError:
-                    continue
-                if marker in cmd[:4] and not _gone(int(pid)):
-                    return int(pid)
-        return None
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 def _gone(pid: int) -> bool:
     try:
         state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
@@ -175,10 +80,10 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
-def whole(srv: Serve, path: str, body: dict) -> list:
+def whole(srv: ServeProcess, path: str, body: dict) -> list:
     with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
         r.raise_for_status()
-        return Sse(r).read().events
+        return Events(r, clock=time.monotonic_ns).read().events
 
 
 def owner_state(st: dict) -> dict:
@@ -186,13 +91,13 @@ def owner_state(st: dict) -> dict:
             "generation": st["generation"]}
 
 
-def http_stream(srv: Serve, path: str, body: dict, started: threading.Barrier, kill: dict, out: dict,
+def http_stream(srv: ServeProcess, path: str, body: dict, started: threading.Barrier, kill: dict, out: dict,
                 timeout_s: float) -> None:
     """One HTTP stream: read until the kill breaks it (or it ends), then resume it."""
     try:
         with httpx.stream("POST", srv.base + path, json=body, timeout=timeout_s) as r:
             r.raise_for_status()
-            sse = Sse(r).read(3)
+            sse = Events(r, clock=time.monotonic_ns).read(3)
             started.wait()
             sse.read()
         events = sse.events
@@ -216,7 +121,7 @@ def http_stream(srv: Serve, path: str, body: dict, started: threading.Barrier, k
                     if r.status_code != 200:
                         out["error"] = r.read().decode(errors="replace")[:500]
                         break
-                    rest = Sse(r).read().events
+                    rest = Events(r, clock=time.monotonic_ns).read().events
                     out["resumed_first_ns"] = rest[0][2] if rest else None
                     out["events"] = events + rest
                     return
@@ -227,7 +132,7 @@ def http_stream(srv: Serve, path: str, body: dict, started: threading.Barrier, k
         out["error"] = repr(exc)
 
 
-def probe(srv: Serve, kill: dict, out: dict, timeout_s: float) -> None:
+def probe(srv: ServeProcess, kill: dict, out: dict, timeout_s: float) -> None:
     """A new request, sent right after the kill: when it is answered, the server serves again."""
     kill["done"].wait()
     deadline = time.monotonic() + timeout_s
@@ -258,10 +163,10 @@ def resumed_at(times: list[int], last_before: int, kill_ns: int) -> int | None:
     return best
 
 
-def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s: float) -> dict:
-    srv.wait_healthy()
-    before = owner_state(srv.status())
-    victim = srv.child(b"serve-http" if mode == "http" else b"frontend")
+def trial(srv: ServeProcess, mode: str, index: int, reference, sdk_reference, timeout_s: float) -> dict:
+    srv.wait_healthy(timeout=180)
+    before = owner_state(srv.sidecar_status(timeout=10))
+    victim = srv.child("serve-http" if mode == "http" else "frontend")
     n = len(HTTP_BODIES)
     started = threading.Barrier(n + 1 + (mode == "frontend"))
     kill = {"done": threading.Event()}
@@ -275,7 +180,7 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
     sdk_first: dict[int, list[int]] = {}      # SDK stream -> its events' arrival after the kill
     client = None
     if mode == "frontend":
-        client = Client.for_instance(srv.instance, srv.root, timeout=timeout_s)
+        client = Client.for_instance(srv.instance, srv.runtime_root, timeout=timeout_s)
         sdk = [client.generate(r.get("prompt"), **{k: v for k, v in r.items() if k != "prompt"})
                if r.get("prompt") else client.generate(**r) for r in SDK_REQUESTS]
 
@@ -327,10 +232,10 @@ def trial(srv: Serve, mode: str, index: int, reference, sdk_reference, timeout_s
             buffered.append(times[0] if times else None)
         firsts += [None] * (len(SDK_REQUESTS) - len(sdk_first))
     got = [f for f in firsts if f is not None]
-    after = owner_state(srv.status())
+    after = owner_state(srv.sidecar_status(timeout=10))
     streams = n + (len(SDK_REQUESTS) if mode == "frontend" else 0)
     row = {
-        "kill": index, "victim_pid": victim, "new_pid": srv.child(b"serve-http" if mode == "http" else b"frontend"),
+        "kill": index, "victim_pid": victim, "new_pid": srv.child("serve-http" if mode == "http" else "frontend"),
         "victim_gone_ms": ms(kill["gone_ns"]),
         "first_token_after_kill_ms": ms(min(got)) if got else None,
         "all_streams_resumed_ms": ms(max(got)) if len(got) == len(firsts) else None,
@@ -372,10 +277,10 @@ def main(argv=None) -> int:
                        "loadavg_at_start": os.getloadavg()},
            "http_requests": HTTP_BODIES, "sdk_requests": SDK_REQUESTS if args.kill == "frontend" else [],
            "goals": {"lost": 0}}
-    srv = Serve(model, root, root / "serve.log", flags)
+    srv = ServeProcess(flags, root, model=model, log_path=root / "serve.log").spawn()
     rows = []
     try:
-        srv.wait_healthy()
+        srv.wait_healthy(timeout=180)
         reference = [whole(srv, p, b) for p, b in HTTP_BODIES]
         with Client.for_instance(srv.instance, root, timeout=60) as c:
             sdk_reference = [r.token_ids for r in wait_all(
@@ -391,12 +296,12 @@ def main(argv=None) -> int:
     finally:
         out["final_status"] = {}
         try:
-            st = srv.status()
+            st = srv.sidecar_status(timeout=10)
             out["final_status"] = {"recoveries": len(st.get("recoveries") or []),
                                    "finished": st["requests"].get("finished")}
         except Exception as exc:  # noqa: BLE001
             out["final_status"] = {"error": repr(exc)}
-        srv.stop()
+        srv.stop(60)
         log_tail = (root / "serve.log").read_text(errors="replace")[-3000:]
     out["machine"]["loadavg_at_end"] = os.getloadavg()
     out["kills"] = rows

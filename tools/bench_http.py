@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,37 +28,9 @@ import httpx
 
 from kvhold.client.client import Client, wait_all
 from kvhold.testing.make_model import ensure_demo_model
+from kvhold.testing.serve_process import ServeProcess
 
 PROMPT = "The sidecar keeps the memory of every request"
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model: Path, root: Path, port: int, instance: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(model), "--port", str(port),
-           "--instance", instance, "--runtime-root", str(root), "--max-seq-len", "1024",
-           "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(root / "serve.log", "wb"))
-    _health(port, standbys=1)
-    return proc
-
-
-def _health(port: int, standbys: int = 1, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-            if r.status_code == 200 and r.json()["standbys_ready"] >= standbys:
-                return r.json()
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("server not healthy")
 
 
 def _rates(t0: float, arrivals: list[float], tokens: int) -> dict:
@@ -124,12 +95,13 @@ async def _http_concurrent(base: str, n: int, max_tokens: int) -> float:
         return tokens / (time.perf_counter() - t0)
 
 
-def recovery_pauses(base: str, port: int, kills: int, kill_at: int = 30) -> list[dict]:
+def recovery_pauses(server: ServeProcess, kills: int, kill_at: int = 30) -> list[dict]:
+    base = server.base
     out = []
     for k in range(kills):
         body = dict(prompt=PROMPT, max_tokens=200, seed=k, temperature=0.8, ignore_eos=True, stream=True)
         _, _, reference = http_stream(base, dict(body))
-        victim = _health(port)["active_pid"]
+        victim = server.wait_healthy(standbys=1, timeout=120)["active_pid"]
 
         def on_chunk(i):
             if i == kill_at:
@@ -155,21 +127,22 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/http_cpu.json"))
     args = p.parse_args(argv)
     model, _ = ensure_demo_model()
-    root, port, instance = Path(tempfile.mkdtemp(prefix="kvh-")), _free_port(), f"bench-http-{os.getpid()}"
-    proc = _start(model, root, port, instance)
-    base = f"http://127.0.0.1:{port}"
+    root = Path(tempfile.mkdtemp(prefix="kvh-"))
+    server = ServeProcess(["--max-seq-len", "1024", "--log-level", "WARNING"], root, model=model,
+                          instance=f"bench-http-{os.getpid()}", log_path=root / "serve.log")
+    server.start(standbys=1, timeout=120)
+    base = server.base
     try:
-        with Client.for_instance(instance, root, timeout=60) as client:
+        with Client.for_instance(server.instance, root, timeout=60) as client:
             sdk_single(client, 3, 16)  # warm-up
             http_single(base, 3, 16)
             sdk = sdk_single(client, args.requests, args.max_tokens)
             http = http_single(base, args.requests, args.max_tokens)
             sdk_agg = sdk_concurrent(client, args.concurrency, args.max_tokens)
             http_agg = asyncio.run(_http_concurrent(base, args.concurrency, args.max_tokens))
-        pauses = recovery_pauses(base, port, args.kills)
+        pauses = recovery_pauses(server, args.kills)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        server.stop(60)
     result = {"machine": f"CPU, {os.cpu_count()} cores", "model": "demo (tiny)", "max_tokens": args.max_tokens,
               "single_stream": {"sdk": {k: _summary(sdk, k) for k in ("ttft_ms", "decode_tok_s")},
                                 "http": {k: _summary(http, k) for k in ("ttft_ms", "decode_tok_s")}},

@@ -27,9 +27,7 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,78 +35,41 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvhold.testing.serve_process import ServeProcess
 
 
-class Server:
-    """One `kvhold serve` with its own instance and runtime root; stopped with SIGTERM."""
+class Server(ServeProcess):
+    """One `kvhold serve` with its own instance and runtime root, in a session of its own; ready
+    on return (`ready_s` after its start); stopped with SIGTERM, its root then removed."""
 
     def __init__(self, model: Path, device: str, max_seq_len: int, extra: list[str], log_path: Path,
                  standbys: int = 1, start_timeout: float = 900.0):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.root = Path(tempfile.mkdtemp(prefix="kvh-bs-", dir="/tmp"))
-        os.chmod(self.root, 0o700)
-        self.instance = f"bench-serve-{os.getpid()}-{self.port}"
-        self.cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(model), "--device", device,
-                    "--port", str(self.port), "--instance", self.instance, "--runtime-root", str(self.root),
-                    "--max-seq-len", str(max_seq_len), "--standbys", str(standbys), "--no-access-log"]
+        root = Path(tempfile.mkdtemp(prefix="kvh-bs-", dir="/tmp"))
+        os.chmod(root, 0o700)
+        flags = ["--device", device, "--max-seq-len", str(max_seq_len), "--standbys", str(standbys),
+                 "--no-access-log"]
         if device.startswith("cuda"):
-            self.cmd += ["--backend", "cuda", "--startup-lease-ms", "600000"]
-        self.cmd += extra
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log, start_new_session=True)
+            flags += ["--backend", "cuda", "--startup-lease-ms", "600000"]
+        super().__init__([*flags, *extra], root, model=model, log_path=log_path, new_session=True)
+        self.root = root
         self.started = time.monotonic()
         try:
-            self.health = self.wait_healthy(standbys, start_timeout)
+            self.start(standbys, start_timeout)
         except BaseException:
-            self.stop()
             sys.stderr.write(f"kvhold serve did not start; the end of {log_path}:\n"
                              + log_path.read_bytes()[-4000:].decode(errors="replace"))
             raise
         self.ready_s = time.monotonic() - self.started
 
-    def get_health(self) -> dict | None:
-        try:
-            r = httpx.get(self.base + "/health", timeout=5)
-            return r.json() if r.status_code == 200 else None
-        except (httpx.TransportError, ValueError):
-            return None
-
-    def wait_healthy(self, standbys: int, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvhold serve exited with {self.proc.returncode} (log: {self.log.name})")
-            h = self.get_health()
-            if h is not None and h.get("standbys_ready", 0) >= standbys and h.get("active_pid"):
-                return h
-            time.sleep(0.2)
-        raise TimeoutError(f"kvhold serve not healthy with {standbys} standbys in {timeout:.0f} s")
-
     def last_recovery(self) -> dict | None:
         """The sidecar's record of its last recovery (`kvhold status --json`'s `recoveries`)."""
-        from kvhold.client.client import Client
-
-        with Client.for_instance(self.instance, self.root, timeout=10) as c:
-            records = c.status().get("recoveries") or []
+        records = self.sidecar_status(timeout=10).get("recoveries") or []
         return records[-1] if records else None
 
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)     # its own session: this server's processes
-                self.proc.wait()
-        self.log.close()
+    def stop(self, timeout: float = 60.0) -> int | None:
+        code = super().stop(timeout)
         shutil.rmtree(self.root, ignore_errors=True)
-        return self.proc.returncode
+        return code
 
 
 def percentiles(values: list[float]) -> dict | None:

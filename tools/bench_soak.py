@@ -65,6 +65,7 @@ import httpx
 from kvhold.client.client import Client
 from kvhold.protocol.errors import KvholdError
 from kvhold.protocol.naming import InstancePaths
+from kvhold.testing.serve_process import ServeProcess
 
 PLANS = ("sigkill_with_standby", "sigkill_no_standby", "sigkill_during_takeover", "sigstop_hang")
 PHRASES = ["The sidecar keeps the memory of every request", "Once upon a time", "One two three four",
@@ -189,13 +190,6 @@ def _die_with_parent() -> None:
     """In the server's child: SIGTERM when this tool dies, even by SIGKILL (it then drains and stops)."""
     import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Observer:
@@ -532,13 +526,15 @@ def main(argv=None) -> int:
     requests = make_requests(args.requests, vocab, args.max_prompt, args.max_tokens, args.seed)
     root = Path(tempfile.mkdtemp(prefix="kvh-soak-", dir="/tmp"))
     os.chmod(root, 0o700)
-    instance, port = f"soak-{os.getpid()}", _free_port()
+    instance = f"soak-{os.getpid()}"
     paths = InstancePaths.for_instance(instance, root)
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(args.model), "--port", str(port),
-           "--instance", instance, "--runtime-root", str(root), "--max-seq-len", "512",
-           "--max-batch", str(max(16, args.clients)), "--standbys", "1", "--lease-ms", str(args.lease_ms),
-           "--restart-backoff-ms", "0,0", "--log-level", args.log_level] + (["--zygote"] if args.zygote else [])
+    log_path = root / "serve.log"
+    server = ServeProcess(["--max-seq-len", "512", "--max-batch", str(max(16, args.clients)), "--standbys", "1",
+                           "--lease-ms", str(args.lease_ms), "--restart-backoff-ms", "0,0",
+                           "--log-level", args.log_level] + (["--zygote"] if args.zygote else []),
+                          root, model=args.model, instance=instance, log_path=log_path,
+                          env={"KVHOLD_STATE_DIR": str(root / "state")}, preexec_fn=_die_with_parent)
+    base, cmd = server.base, server.cmd
     result = {"command": shlex.join(["python", "-m", "tools.bench_soak", *(sys.argv[1:] if argv is None else argv)]),
               "commit": git_commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "note": args.note, "machine": machine(), "serve_command": " ".join(cmd[2:]), "model": str(args.model),
@@ -548,22 +544,13 @@ def main(argv=None) -> int:
                   "token_id_prompts": sum(isinstance(r["prompt"], list) for r in requests),
                   "max_tokens_range": [min(r["max_tokens"] for r in requests),
                                        max(r["max_tokens"] for r in requests)]}}
-    log_path = root / "serve.log"
-    env = dict(os.environ, KVHOLD_STATE_DIR=str(root / "state"))
-    serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"), env=env,
-                             preexec_fn=_die_with_parent)
+    serve = server.spawn().proc
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(result, indent=1) + "\n")  # noqa: E731
     try:
         return run(args, requests, serve, base, paths, result, save, log_path)
     finally:
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGTERM)
-            try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-                serve.wait()
+        server.stop(60)
         result["serve_exit_code"] = serve.returncode
         result["shm_segments_after_stop"] = sorted(n for n in os.listdir("/dev/shm")
                                                    if n.startswith(paths.shm_prefix))

@@ -41,6 +41,7 @@ import numpy as np
 
 from kvhold.client.client import Client, wait_all
 from kvhold.testing.make_model import ensure_demo_model
+from kvhold.testing.serve_process import ServeProcess
 
 SIDECAR_FLAGS = ["--workload", "vllm", "--kv-mode", "foreign", "--page-tokens", "32", "--kv-pages", "128",
                  "--max-seq-len", "256", "--max-batch", "8", "--max-batch-tokens", "256",
@@ -121,19 +122,13 @@ def run_http(base: str, requests: list[dict], rec: Recorder | None, model: str, 
 
 
 # --------------------------------------------------------------------------- kvhold
-class KvholdServer:
+class KvholdServer(ServeProcess):
     def __init__(self, model: Path, root: Path, log: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.instance = f"bvllm{os.getpid()}"
+        super().__init__(["--log-level", "INFO", *SIDECAR_FLAGS, "--standbys", "1"], root, model=model,
+                         instance=f"bvllm{os.getpid()}", log_path=log, new_session=True)
         self.name = model.name                         # kvhold serve's served model name
         self.root = root
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--model", str(model),
-                                      "--port", str(self.port), "--instance", self.instance,
-                                      "--runtime-root", str(root), "--log-level", "INFO",
-                                      *SIDECAR_FLAGS, "--standbys", "1"],
-                                     stdout=self.log, stderr=self.log, start_new_session=True)
+        self.spawn()
 
     def client(self, timeout=60.0) -> Client:
         return Client.for_instance(self.instance, self.root, timeout=timeout)
@@ -159,15 +154,8 @@ class KvholdServer:
             time.sleep(0.2)
         raise TimeoutError("kvhold serve not ready")
 
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+    def stop(self, timeout: float = 60.0):
+        return super().stop(timeout)
 
 
 def run_mixed(server: KvholdServer, http_reqs, sdk_reqs, rec: Recorder | None):

@@ -1,2 +1,3 @@
 """Local test material: a checkpoint builder (nothing downloaded), real-process harnesses for a
-sidecar and etcd, and a standalone tensor-parallel group machinery (tensor_parallel_group)."""
+sidecar, `kvhold serve` and etcd, and a standalone tensor-parallel group machinery
+(tensor_parallel_group)."""

@@ -1,5 +1,6 @@
 """Fixtures of the process tests: short private runtime roots, real sidecar processes,
-a throwaway etcd, and the reference outputs of an uninterrupted run."""
+a throwaway etcd, a `kvhold serve` per module, and the reference outputs of an uninterrupted
+run."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import pytest
 from kvhold.client.client import wait_all
 from kvhold.testing.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, ids, submit
+from tests.process.helpers import FLAGS, KEY, REQUESTS, Server, ids, submit
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +54,60 @@ def start_sidecar(runtime_root, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """The token ids of helpers.REQUESTS from a sidecar that never loses an executor."""
-    with SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0"]) as sc:
-        sc.wait_steady(standbys=0)
-        with sc.new_client() as client:
-            return ids(wait_all(submit(client)))
+def workload():
+    """(flags, requests) of the module's recovery tests: helpers.FLAGS and helpers.REQUESTS
+    unless the module sets its own."""
+    return FLAGS, REQUESTS
+
+
+@pytest.fixture(scope="session")
+def _references() -> dict:
+    """The references computed so far in this session, by workload."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, workload, _references):
+    """The token ids of the workload's requests from a sidecar that never loses an executor:
+    computed once per session for each workload (outputs are deterministic, and independent of
+    the batch: test_recovery_e2e.test_reference_is_batch_independent), a copy per module."""
+    flags, requests = workload
+    key = (tuple(flags), repr(requests))
+    if key not in _references:
+        with SidecarProcess(["--model", str(tiny_model), *flags, "--standbys", "0"]) as sc:
+            sc.wait_steady(standbys=0)
+            with sc.new_client() as client:
+                _references[key] = ids(wait_all(submit(client, requests)))
+    return [list(tokens) for tokens in _references[key]]
+
+
+@pytest.fixture(scope="module")
+def sidecar_flags(tiny_model):
+    """The flags of the module's `sidecar`: the demo model, 256-token sequences, no standby."""
+    return ["--model", str(tiny_model), "--max-seq-len", "256", "--standbys", "0"]
+
+
+@pytest.fixture(scope="module")
+def sidecar_env():
+    """The environment the module's `sidecar` adds to this one's."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def sidecar(sidecar_flags, sidecar_env):
+    """One sidecar per module, of its sidecar_flags and sidecar_env, shared by its tests (which
+    may kill its executors, never the sidecar); returned steady, with the standbys its flags
+    ask for (one when they do not say)."""
+    at = [i for i, flag in enumerate(sidecar_flags) if flag == "--standbys"]
+    with SidecarProcess(list(sidecar_flags), env=sidecar_env) as sc:
+        sc.wait_steady(standbys=int(sidecar_flags[at[-1] + 1]) if at else 1)
+        yield sc
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One `kvhold serve` (sidecar, active and standby executors, HTTP with KEY) per module."""
+    root = tmp_path_factory.mktemp("rt")
+    srv = Server(tiny_model, root, root / "serve.log", api_key=KEY)
+    yield srv
+    srv.stop()

@@ -1,11 +1,19 @@
 """Helpers shared by the process tests: the recovery workload (flags, requests, how to
-submit them and compare outputs), a bounded poll, a free port and a sidecar's log."""
+submit them and compare outputs), the long workloads of the pool-restart and re-adoption
+tests, `kvhold serve` as these tests start it, the query of death, a bounded poll, a free
+port, a sidecar's log and its shared memory as the executors see it."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from kvhold.testing.etcd_process import free_port  # noqa: F401 (re-exported for the tests)
+from kvhold.testing.serve_process import Events, ServeProcess, comparable  # noqa: F401 (re-exported)
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
 
 DATA = Path(__file__).resolve().parents[1] / "data"     # tests/data: recordings, AOT fixtures
@@ -61,3 +69,101 @@ def wait_stopped(pid: int, timeout_s: float = 20.0) -> None:
 
 def sidecar_log(sc: SidecarProcess) -> str:
     return sc.log_path.read_text() if sc.log_path and sc.log_path.exists() else ""
+
+
+def alive(pid: int) -> bool:
+    """`pid` runs (exists and is no zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+
+
+def roles(status) -> dict[int, str]:
+    return {e["pid"]: e["role"] for e in status["executors"]}
+
+
+def attach_pool(sc: SidecarProcess):
+    """The sidecar's tables and KV pages (as uint32 words), mapped as an executor maps them."""
+    import numpy as np
+    import posix_ipc
+
+    from kvhold.protocol.memory import Mapping, RegionInfo
+    from kvhold.protocol.tables import Tables
+
+    uid = os.getuid()
+    tables = Tables.attach_name(f"/kvhold-{uid}-{sc.instance}-tables")
+    shm = posix_ipc.SharedMemory(f"/kvhold-{uid}-{sc.instance}-kv")
+    g = tables.geometry
+    kv = Mapping.from_fd(shm.fd, RegionInfo("kv", g.kv_pool_bytes, "host", False))
+    shm.close_fd()
+    words = kv.numpy(np.uint32, (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4))
+    return tables, words
+
+
+# ---------------------------------------------------------------- long workloads
+# the re-adoption tests: long enough to be mid-stream at the kill; greedy and seeded sampling
+READOPT_FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
+                 "--standbys", "1", "--log-level", "INFO"]
+READOPT_REQUESTS = [
+    dict(prompt="The sidecar keeps the memory", max_tokens=300, temperature=0.0, ignore_eos=True),
+    dict(prompt="Once upon a time", max_tokens=320, temperature=0.0, ignore_eos=True),
+    dict(prompt_ids=list(range(2, 90)), max_tokens=280, temperature=0.9, seed=3, ignore_eos=True),
+]
+
+# the pool-restart tests: long (ignore_eos), every one is still running when the drain starts
+POOL_RESTART_FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch",
+                      "16", "--standbys", "0", "--log-level", "INFO"]
+POOL_RESTART_REQUESTS = [
+    dict(prompt="The sidecar keeps the memory", max_tokens=400, temperature=0.0, ignore_eos=True),
+    dict(prompt="Once upon a time", max_tokens=420, temperature=0.8, seed=7, ignore_eos=True),
+    dict(prompt_ids=list(range(2, 90)), max_tokens=380, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+    dict(prompt="One two three four", max_tokens=410, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
+]
+
+
+def pool_restart_cli(instance, runtime_root, *args, timeout=90):
+    return subprocess.run([sys.executable, "-m", "kvhold", "pool-restart", "--instance", instance,
+                           "--runtime-root", str(runtime_root), *args],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+# ---------------------------------------------------------------- the query of death
+BAD_TOKEN = 3       # the fault `step:token=3:segv` kills every executor whose step holds it
+# a prompt of 400 tokens: prefilled in 9 chunks, so the bad request's prefill shares a step with
+# one of them, and after that death both re-run the step at the same point (the isolation test)
+GOOD = dict(prompt_ids=list(range(10, 410)), max_tokens=40, temperature=0.8, seed=9)
+BAD = dict(prompt_ids=[5, 6, BAD_TOKEN, 8, 9], max_tokens=10, temperature=0.0)
+
+
+# ---------------------------------------------------------------- kvhold serve
+KEY = "sk-test-kvhold"
+MAX_SEQ = 512
+# a lease that tolerates CPU starvation when suites run side by side
+SERVE_FLAGS = ["--max-seq-len", str(MAX_SEQ), "--log-level", "WARNING", "--lease-ms", "3000"]
+
+
+class Server(ServeProcess):
+    """`kvhold serve` of `model` with SERVE_FLAGS, then `flags`, healthy on return: with a
+    standby ready, or none when `flags` set --standbys."""
+
+    def __init__(self, model, runtime_root, log_path, *flags, api_key=None):
+        super().__init__([*SERVE_FLAGS, *flags], runtime_root, model=model, log_path=log_path, api_key=api_key)
+        self.start(standbys=0 if "--standbys" in flags else 1)
+
+
+def completion(srv: ServeProcess, **kw):
+    return srv.openai().completions.create(model="tiny-v1", **kw)
+
+
+def http_child(srv: ServeProcess) -> int:
+    """The pid of the supervisor's `kvhold serve-http` child."""
+    return wait_until(lambda: srv.child("serve-http"), 30, 0.05, what="the HTTP server process")
+
+
+def whole(srv: ServeProcess, path: str, body: dict) -> list:
+    """Every event of a streamed POST, read to its end."""
+    with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return Events(r).read().events

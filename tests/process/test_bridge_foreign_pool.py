@@ -5,15 +5,13 @@ import os
 import signal
 
 import numpy as np
-import posix_ipc
 import pytest
 import torch
 
 from kvhold.client.client import wait_all
-from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import submit_requests
-from tests.process.helpers import run_with_fault
+from tests.process.helpers import attach_pool as _attach, ids, run_with_fault
 
 FLAGS = ["--kv-pages", "128", "--max-seq-len", "256", "--max-batch-tokens", "64", "--max-batch", "16",
          "--log-level", "INFO"]
@@ -30,30 +28,10 @@ def submit(client, requests=REQUESTS):
     return submit_requests(client, requests)
 
 
-def ids(results):
-    return [r.token_ids for r in results]
-
-
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """The native engine, uninterrupted."""
-    from kvhold.testing.sidecar_process import SidecarProcess
-
-    with SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0"]) as sc:
-        sc.wait_steady(standbys=0)
-        with sc.new_client() as client:
-            return ids(wait_all(submit(client)))
-
-
-def _attach(sc):
-    uid = os.getuid()
-    tables = Tables.attach_name(f"/kvhold-{uid}-{sc.instance}-tables")
-    shm = posix_ipc.SharedMemory(f"/kvhold-{uid}-{sc.instance}-kv")
-    g = tables.geometry
-    kv = Mapping.from_fd(shm.fd, RegionInfo("kv", g.kv_pool_bytes, "host", False))
-    shm.close_fd()
-    words = kv.numpy(np.uint32, (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4))
-    return tables, words
+def workload():
+    """The native engine's reference (conftest's `reference`) runs these."""
+    return FLAGS, REQUESTS
 
 
 def test_sigkill_mid_stream_continues_identically(tiny_model, reference, start_sidecar):

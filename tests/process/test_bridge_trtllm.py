@@ -11,7 +11,6 @@ import inspect
 import math
 import os
 import queue
-import random
 import re
 import signal
 import subprocess
@@ -27,15 +26,12 @@ import torch
 import yaml
 from torch import nn
 
-from kvhold.executor.kv_cache import KvCache
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState, KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease
-from kvhold.protocol.memory import HostRegion
 from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.recovery_report import RecoveryReport
 from kvhold.protocol.settings import ExecutorSettings
-from kvhold.protocol.tables import Tables
 from kvhold.testing.trtllm_contract import (
     ConnectorEngine,
     call_load_weights,
@@ -54,13 +50,14 @@ BLOCKS = 50
 
 
 @pytest.fixture
-def pool():
-    tag = f"{os.getpid()}-{random.getrandbits(30)}"
-    tables = Tables.create(f"/kvhold-test-trt-{tag}", GEOM, 1)
-    region = HostRegion(f"/kvhold-test-trtkv-{tag}", "kv", GEOM.kv_pool_bytes)
-    yield tables, KvCache.from_mapping(region.map_local(), KV, GEOM.num_pages).pool
-    tables.unlink()
-    region.unlink()
+def pool_geometry():
+    return GEOM
+
+
+@pytest.fixture
+def pool(pool):
+    """The shared pool (tests/conftest.py) as this module's tests take it: (tables, KV pages)."""
+    return pool.tables, pool.kv
 
 
 def lease(tables, slot):

@@ -17,10 +17,8 @@ REQUESTS = [dict(prompt=f"Request number {i} about the sidecar", max_tokens=24 +
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model):
-    with SidecarProcess(["--model", str(tiny_model), "--max-seq-len", "256"]) as sc:
-        sc.wait_steady()
-        yield sc
+def sidecar_flags(tiny_model):
+    return ["--model", str(tiny_model), "--max-seq-len", "256"]      # with a standby
 
 
 @pytest.fixture(scope="module")

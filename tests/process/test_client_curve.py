@@ -10,13 +10,11 @@ import sys
 import pytest
 import zmq
 
-from tests.process.helpers import sidecar_log
+from tests.process.helpers import sidecar_log, wait_stopped
 from kvhold.protocol import messages as m, wire
 from kvhold.client.client import Client
 from kvhold.protocol.curve import load_public_key, write_keypair
 from kvhold.protocol.errors import ErrorCode, NotFound, SidecarUnavailable
-from test_kvhold_top import wait_stopped
-from kvhold.testing.sidecar_process import SidecarProcess
 
 REFUSED_TIMEOUT_S = 0.5
 
@@ -39,10 +37,8 @@ def _flags(tiny_model, keys):
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model, keys):
-    with SidecarProcess(_flags(tiny_model, keys)) as sc:
-        sc.wait_steady(standbys=0)
-        yield sc
+def sidecar_flags(tiny_model, keys):
+    return _flags(tiny_model, keys)
 
 
 def _tcp_client(sc, keys, who="alice", timeout=20.0, **kwargs):

@@ -10,15 +10,6 @@ from kvhold.protocol.errors import (ErrorCode, InvalidParams, InvalidTokenId, No
                         SidecarUnavailable)
 
 
-@pytest.fixture(scope="module")
-def sidecar(tiny_model):
-    from kvhold.testing.sidecar_process import SidecarProcess
-
-    with SidecarProcess(["--model", str(tiny_model), "--max-seq-len", "256", "--standbys", "0"]) as sc:
-        sc.wait_steady(standbys=0)
-        yield sc
-
-
 @pytest.fixture
 def client(sidecar):
     with sidecar.new_client(timeout=20) as c:

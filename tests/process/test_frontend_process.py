@@ -13,9 +13,7 @@ import httpx
 import pytest
 
 from kvhold.testing.split_process import SplitProcesses
-from tests.process.helpers import FLAGS, wait_until
-from tests.process.test_serve_http import Server
-from tests.process.test_serve_restart import Events, comparable, whole
+from tests.process.helpers import BAD, BAD_TOKEN, FLAGS, GOOD, Events, Server, comparable, wait_until, whole
 
 PROMPT = dict(prompt="The sidecar keeps the memory", max_tokens=120, temperature=0.0, ignore_eos=True)
 SAMPLED = dict(prompt="Once upon a time", max_tokens=100, temperature=0.9, seed=7, ignore_eos=True)
@@ -177,7 +175,6 @@ def test_a_request_that_kills_its_executors_is_failed_through_the_link(tiny_mode
     request in the journal and tells the frontend, whose client gets REQUEST_FAILED; the
     request batched with it completes as in an uninterrupted run."""
     from kvhold.protocol.errors import RequestFailed
-    from tests.process.test_query_of_death import BAD, BAD_TOKEN, GOOD
 
     sp = SplitProcesses(["--model", str(tiny_model), *FLAGS], runtime_root=runtime_root, log_dir=tmp_path,
                         env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"}).start()
@@ -204,7 +201,6 @@ def test_a_request_failed_while_no_frontend_runs_is_failed_for_its_client(tiny_m
     """The owner keeps the requests it failed while their slots hold them; the next frontend
     learns of them in its hello and the client that resumes gets REQUEST_FAILED."""
     from kvhold.protocol.errors import RequestFailed
-    from tests.process.test_query_of_death import BAD, BAD_TOKEN, GOOD
 
     sp = SplitProcesses(["--model", str(tiny_model), *FLAGS], runtime_root=runtime_root, log_dir=tmp_path,
                         env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"}).start()

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvhold.testing.make_model import train_tokenizer  # noqa: E402
 from tests.process.helpers import FLAGS  # noqa: E402
-from tests.unit.test_hf_parity import CASES, build_checkpoint, hf_greedy  # noqa: E402
+from tests.unit.helpers import CASES, build_checkpoint, hf_greedy  # noqa: E402
 
 NEW = 160
 

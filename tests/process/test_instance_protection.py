@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from tests.process.helpers import free_port, wait_until
-from tests.process.test_serve_http import Server, completion
+from tests.process.helpers import Server, completion, free_port, wait_until
 
 pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
 

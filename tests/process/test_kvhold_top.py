@@ -18,7 +18,6 @@ from rich.console import Console
 from kvhold.protocol.layout import PAGE_DTYPE, PageFlag
 from kvhold.protocol.page_map import page_map
 from kvhold.cli.top import render
-from kvhold.testing.sidecar_process import SidecarProcess
 from tests.process.helpers import wait_stopped
 
 # The active executor stops itself (SIGSTOP) at its 20th step, its request in flight and its
@@ -40,12 +39,14 @@ def _frame(status, width=140) -> str:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model, tmp_path_factory):
-    env = {"KVHOLD_FAULT": f"commit_finish:{STOP_AT_STEP}:stop",
-           "KVHOLD_FAULT_ONCE": str(tmp_path_factory.mktemp("fault") / "fired")}
-    with SidecarProcess(["--model", str(tiny_model), *FLAGS], env=env) as sc:
-        sc.wait_steady(standbys=1)
-        yield sc
+def sidecar_flags(tiny_model):
+    return ["--model", str(tiny_model), *FLAGS]
+
+
+@pytest.fixture(scope="module")
+def sidecar_env(tmp_path_factory):
+    return {"KVHOLD_FAULT": f"commit_finish:{STOP_AT_STEP}:stop",
+            "KVHOLD_FAULT_ONCE": str(tmp_path_factory.mktemp("fault") / "fired")}
 
 
 def test_page_map_cells_and_downsampling():

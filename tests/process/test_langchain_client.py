@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tests.process.test_serve_http import KEY, Server, server  # noqa: F401 (the fixture, per module)
+from tests.process.helpers import KEY
 
 langchain_openai = pytest.importorskip("langchain_openai")
 pytestmark = pytest.mark.slow            # a server start and three model runs: the slow suite

@@ -5,8 +5,6 @@ damaged journal record is reported failed with its reason, never dropped silentl
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import httpx
@@ -16,27 +14,15 @@ from kvhold.client.client import Client, wait_all
 from kvhold.protocol.errors import NotFound
 from kvhold.sidecar.durable_journal import DurableJournal, decode_record, encode_record
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+from tests.process.helpers import (POOL_RESTART_FLAGS as FLAGS, POOL_RESTART_REQUESTS as REQUESTS, Server,
+                                   pool_restart_cli)
 
-FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
-         "--standbys", "0", "--log-level", "INFO"]
-REQUESTS = [   # long (ignore_eos): every one is still running when the drain starts
-    dict(prompt="The sidecar keeps the memory", max_tokens=400, temperature=0.0, ignore_eos=True),
-    dict(prompt="Once upon a time", max_tokens=420, temperature=0.8, seed=7, ignore_eos=True),
-    dict(prompt_ids=list(range(2, 90)), max_tokens=380, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
-    dict(prompt="One two three four", max_tokens=410, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
-]
 HTTP_REQUEST = {"prompt": "Never lose a stream", "max_tokens": 400, "temperature": 0.9, "seed": 5,
                 "ignore_eos": True}
 
 
 def submit(client, requests=REQUESTS):
     return submit_requests(client, requests)
-
-
-def pool_restart_cli(instance, runtime_root, *args, timeout=90):
-    return subprocess.run([sys.executable, "-m", "kvhold", "pool-restart", "--instance", instance,
-                           "--runtime-root", str(runtime_root), *args],
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def http_stream_text(base: str, body: dict, out: dict) -> None:
@@ -51,8 +37,6 @@ def http_stream_text(base: str, body: dict, out: dict) -> None:
 
 
 def test_pool_restart_under_load_sdk_and_http(tiny_model, runtime_root, tmp_path):
-    from test_serve_http import Server
-
     journal = tmp_path / "journal"
     server = Server(tiny_model, runtime_root, tmp_path / "serve.log", *FLAGS, "--journal-dir", str(journal))
     try:

@@ -15,15 +15,9 @@ import time
 import pytest
 
 from kvhold.protocol.errors import RequestFailed
-from tests.process.helpers import FLAGS
+from tests.process.helpers import BAD, BAD_TOKEN, FLAGS, GOOD, Server
 
 pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
-
-BAD_TOKEN = 3
-# a prompt of 400 tokens: prefilled in 9 chunks, so the bad request's prefill shares a step with
-# one of them, and after that death both re-run the step at the same point (the isolation test)
-GOOD = dict(prompt_ids=list(range(10, 410)), max_tokens=40, temperature=0.8, seed=9)
-BAD = dict(prompt_ids=[5, 6, BAD_TOKEN, 8, 9], max_tokens=10, temperature=0.0)
 
 
 def _deaths(sc) -> list[dict]:
@@ -117,8 +111,6 @@ def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-
-    from tests.process.test_serve_http import Server
 
     monkeypatch.setenv("KVHOLD_FAULT", f"step:token={BAD_TOKEN}:segv")   # inherited by the server
     srv = Server(tiny_model, runtime_root, tmp_path / "serve.log")

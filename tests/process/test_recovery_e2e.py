@@ -6,13 +6,10 @@ import re
 import signal
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from kvhold.client.client import wait_all
-from kvhold.protocol.memory import Mapping, RegionInfo
-from kvhold.protocol.tables import Tables
-from tests.process.helpers import FLAGS, REQUESTS, ids, run_with_fault, sidecar_log, submit
+from tests.process.helpers import FLAGS, REQUESTS, attach_pool as _attach, ids, run_with_fault, sidecar_log, submit
 
 def _kill_active(sc, sig=signal.SIGKILL):
     pid = sc.wait_steady(standbys=0)["pid"]
@@ -65,17 +62,6 @@ def test_death_between_commit_stages(tiny_model, reference, start_sidecar, tmp_p
     got, rec = run_with_fault(start_sidecar, ["--model", str(tiny_model), *FLAGS], tmp_path, fault)
     assert got == reference
     assert len(rec) == 1 and rec[0]["requests_lost"] == 0
-
-
-def _attach(sc):
-    uid = os.getuid()
-    tables = Tables.attach_name(f"/kvhold-{uid}-{sc.instance}-tables")
-    shm = posix_ipc.SharedMemory(f"/kvhold-{uid}-{sc.instance}-kv")
-    g = tables.geometry
-    kv = Mapping.from_fd(shm.fd, RegionInfo("kv", g.kv_pool_bytes, "host", False))
-    shm.close_fd()
-    words = kv.numpy(np.uint32, (g.num_pages, g.kv.num_layers, 2, g.kv.page_tokens, g.kv.row_bytes // 4))
-    return tables, words
 
 
 def test_bit_flips_recompute_exactly_the_damaged_requests(tiny_model, reference, start_sidecar):

@@ -6,14 +6,13 @@ Then the same through `kvhold serve --sidecar-endpoint`'s /metrics, which promto
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from kvhold.protocol.naming import InstancePaths
-from tests.process.helpers import FLAGS, free_port, wait_until
+from tests.process.helpers import FLAGS, ServeProcess, wait_until
 
 TOKENS = 40
 
@@ -37,12 +36,9 @@ def test_queue_time_holds_the_wait_for_a_step_and_reaches_metrics(tiny_model, st
     assert rb.queue_s >= times[-1] - times[0] - 0.05 > 0
     assert rb.queue_s > ra.queue_s
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint",
-                             InstancePaths.for_instance(sc.instance, runtime_root).client_endpoint,
-                             "--port", str(port), "--runtime-root", str(runtime_root)], stdout=log, stderr=log)
+    srv = ServeProcess(["--sidecar-endpoint", InstancePaths.for_instance(sc.instance, runtime_root).client_endpoint],
+                       runtime_root, log_path=tmp_path / "serve.log").spawn()
+    base, proc = srv.base, srv.proc
     try:
         wait_until(lambda: proc.poll() is None and _healthy(base), 60, 0.1, what="the HTTP server")
         r = httpx.post(base + "/v1/completions", json={"model": tiny_model.name, "prompt": "Hello",
@@ -50,9 +46,7 @@ def test_queue_time_holds_the_wait_for_a_step_and_reaches_metrics(tiny_model, st
         assert r.status_code == 200, r.text
         text = httpx.get(base + "/metrics", timeout=5).text
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        srv.stop()
     name = f'{{model_name="{tiny_model.name}"}}'
     assert _value(text, "kvhold_request_queue_time_seconds_count" + name) == 1
     assert _value(text, "kvhold_request_prefill_time_seconds_count" + name) == 1

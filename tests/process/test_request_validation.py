@@ -17,9 +17,8 @@ from schemathesis import GenerationMode
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS
-from tests.process.test_serve_http import KEY, Server
-from tests.unit.test_request_fields import POISON, records, valid_record, write_record
+from tests.process.helpers import FLAGS, KEY, Server
+from tests.unit.helpers import POISON, records, valid_record, write_record
 
 pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
 

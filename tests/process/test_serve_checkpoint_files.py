@@ -4,7 +4,7 @@ import shutil
 
 from tokenizers import Tokenizer
 
-from tests.process.test_serve_http import Server
+from tests.process.helpers import Server
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

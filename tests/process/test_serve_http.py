@@ -8,85 +8,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from kvhold.client.client import Client
-from tests.process.helpers import free_port, wait_until
-
-KEY = "sk-test-kvhold"
-MAX_SEQ = 512
-
-
-class Server:
-    def __init__(self, model, runtime_root, log_path, *flags, api_key=None):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.instance = f"http{os.getpid()}-{self.port}"
-        self.runtime_root = runtime_root
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        cmd = [sys.executable, "-m", "kvhold", "serve", "--model", str(model), "--port", str(self.port),
-               "--instance", self.instance, "--runtime-root", str(runtime_root),
-               "--max-seq-len", str(MAX_SEQ), "--log-level", "WARNING",
-               "--lease-ms", "3000", *flags]  # tolerate CPU starvation when suites run side by side
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
-        self.wait_healthy(standbys=0 if "--standbys" in flags else 1)
-
-    def health(self) -> httpx.Response:
-        return httpx.get(self.base + "/health", timeout=5)
-
-    def wait_healthy(self, standbys=1, timeout=90.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
-            try:
-                r = self.health()
-                if r.status_code == 200 and r.json()["standbys_ready"] >= standbys:
-                    return r.json()
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("server not healthy in time")
-
-    def post(self, path, body, **kw):
-        return httpx.post(self.base + path, json=body, headers=self.headers, timeout=60, **kw)
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-    def sidecar_status(self) -> dict:
-        with Client.for_instance(self.instance, self.runtime_root, timeout=5) as c:
-            return c.status()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rt")
-    srv = Server(tiny_model, root, root / "serve.log", api_key=KEY)
-    yield srv
-    srv.stop()
-
-
-def completion(srv, **kw):
-    return srv.openai().completions.create(model="tiny-v1", **kw)
+from tests.process.helpers import KEY, MAX_SEQ, Server, completion, wait_until
 
 
 def test_openai_package_completions_and_chat(server):

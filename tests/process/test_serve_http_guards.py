@@ -50,7 +50,7 @@ HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 1.0, 1.5
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model, tmp_path_factory):
-    from tests.process.test_serve_http import Server
+    from tests.process.helpers import Server
 
     root = tmp_path_factory.mktemp("rt")
     srv = Server(tiny_model, root, root / "serve.log", "--standbys", "0",

@@ -6,8 +6,6 @@ import json
 import httpx
 import pytest
 
-from tests.process.test_serve_http import KEY, Server, server  # noqa: F401 (the fixture, per module)
-
 PROMPT = "Once upon a time there was"
 
 

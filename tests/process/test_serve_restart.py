@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.process.helpers import wait_until
-from tests.process.test_serve_http import Server
+from tests.process.helpers import Events, Server, comparable, http_child, wait_until, whole
 
 pytestmark = pytest.mark.slow      # two servers, real kills and restarts: `pytest -m slow`
 
@@ -20,65 +19,6 @@ COMPLETION = {"prompt": "The sidecar keeps the memory", "max_tokens": 1000, "tem
               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 80, "temperature": 0,
         "ignore_eos": True, "stream": True}
-
-
-def http_child(srv) -> int:
-    """The pid of the supervisor's `kvhold serve-http` child."""
-    def find():
-        for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
-            for pid in open(f"/proc/{srv.proc.pid}/task/{task}/children").read().split():
-                try:
-                    if b"serve-http" in open(f"/proc/{pid}/cmdline", "rb").read():
-                        return int(pid)
-                except FileNotFoundError:
-                    pass
-        return None
-    return wait_until(find, 30, 0.05, what="the HTTP server process")
-
-
-class Events:
-    """The complete SSE events read from a response: (id or None, data)."""
-
-    def __init__(self, response):
-        self.lines = response.iter_lines()
-        self.events: list[tuple[str | None, str]] = []
-        self._id = self._data = None
-
-    def read(self, n=None) -> "Events":
-        """Read `n` more events (all, up to the end or a broken connection, when None)."""
-        want = None if n is None else len(self.events) + n
-        try:
-            for line in self.lines:
-                if line.startswith("id: "):
-                    self._id = line[4:]
-                elif line.startswith("data: "):
-                    self._data = line[6:]
-                elif line == "" and self._data is not None:
-                    self.events.append((self._id, self._data))
-                    self._id = self._data = None
-                    if want is not None and len(self.events) >= want:
-                        break
-        except httpx.TransportError:
-            pass              # the server was killed: what came before is all there is
-        return self
-
-
-def whole(srv, path, body) -> list:
-    with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
-        assert r.status_code == 200
-        return Events(r).read().events
-
-
-def comparable(events) -> list:
-    """What must equal between two runs of one request: each event's number and content."""
-    out = []
-    for event_id, data in events:
-        if data == "[DONE]":
-            out.append((event_id, data))
-            continue
-        obj = json.loads(data)
-        out.append((event_id.rsplit("-", 1)[1], obj["choices"], obj.get("usage"), obj["object"]))
-    return out
 
 
 def executor_pids(status) -> set:

@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from kvhold.protocol.naming import InstancePaths
-from tests.process.helpers import FLAGS, free_port, wait_until
-from tests.process.test_serve_restart import http_child
+from tests.process.helpers import FLAGS, ServeProcess, free_port, http_child, wait_until
 
 COMPLETION = {"model": None, "prompt": "The sidecar keeps the memory", "max_tokens": 12, "temperature": 0,
               "ignore_eos": True}
@@ -38,12 +37,9 @@ def test_serve_in_front_of_a_running_sidecar(tiny_model, start_sidecar, runtime_
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--lease-ms", "3000"])
     active = sc.wait_steady(standbys=0)
     endpoint = InstancePaths.for_instance(sc.instance, runtime_root).client_endpoint
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint", endpoint,
-                             "--port", str(port), "--runtime-root", str(runtime_root),
-                             "--log-level", "INFO"], stdout=log, stderr=log)
+    srv = ServeProcess(["--sidecar-endpoint", endpoint, "--log-level", "INFO"], runtime_root,
+                       log_path=tmp_path / "serve.log").spawn()
+    base, proc = srv.base, srv.proc
     try:
         wait_until(lambda: proc.poll() is None and healthy(base), 60, 0.1, what="the HTTP server to serve")
         models = httpx.get(base + "/v1/models", timeout=5).json()["data"]
@@ -51,10 +47,6 @@ def test_serve_in_front_of_a_running_sidecar(tiny_model, start_sidecar, runtime_
         assert name == tiny_model.name and models[0]["max_model_len"] == 512   # the sidecar's --max-seq-len
         first = complete(base, name)
 
-        class Srv:
-            pass
-        srv = Srv()
-        srv.proc = proc
         old = http_child(srv)
         os.kill(old, signal.SIGKILL)
         new = wait_until(lambda: (pid := http_child(srv)) != old and pid, 30, 0.05, what="a new HTTP server")
@@ -74,10 +66,7 @@ def test_serve_in_front_of_a_running_sidecar(tiny_model, start_sidecar, runtime_
         with sc.new_client() as client:
             assert len(client.generate(prompt="Hello", max_tokens=5, temperature=0.0).result().token_ids) == 5
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        srv.stop()
 
 
 def test_a_sidecar_that_does_not_answer_stops_serve_with_the_reason(tmp_path):

@@ -18,9 +18,7 @@ import pytest
 
 from kvhold.executor.tensor_parallel.ranks import group_pids
 from kvhold.protocol.procfs import pid_alive
-from tests.process.helpers import wait_until
-from tests.process.test_serve_http import Server
-from tests.process.test_serve_restart import Events, comparable
+from tests.process.helpers import Events, Server, comparable, wait_until
 
 TP_FLAGS = ("-tp", "2", "--cpu-threads", "1")
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.process.test_serve_http import KEY, Server, server  # noqa: F401 (the fixture, per module)
+from tests.process.helpers import Server
 
 
 def test_version_and_model_retrieval(server):
@@ -73,17 +73,12 @@ def test_neutral_values_of_vllm_extensions_are_accepted(server):
 
 
 def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path):
-    import subprocess
-    import sys
     import time
 
-    from tests.process.helpers import free_port
+    from tests.process.helpers import ServeProcess
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvhold", "serve", "--model", str(tiny_model),
-                             "--port", str(port), "--instance", f"starting{port}", "--runtime-root",
-                             str(tmp_path), "--log-level", "WARNING"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = ServeProcess(["--log-level", "WARNING"], tmp_path, model=tiny_model).spawn()
+    port = srv.port
     seen = []
     try:
         deadline = time.monotonic() + 120
@@ -97,8 +92,7 @@ def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path
                 pass
             time.sleep(0.05)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        srv.stop(60)
     assert (503, "starting") in seen and seen[-1] == (200, "ok"), seen[-5:]
     assert seen.index((503, "starting")) < len(seen) - 1
 

@@ -112,7 +112,7 @@ def test_a_prompt_over_the_limit_is_refused_as_too_large(tiny_model, start_sidec
 
 
 def test_http_answers_413_for_a_prompt_too_large(tiny_model, runtime_root, tmp_path):
-    from test_serve_http import Server
+    from tests.process.helpers import Server
 
     server = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--standbys", "0",
                     "--max-prompt-bytes", "64KiB")

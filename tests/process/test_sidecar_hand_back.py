@@ -12,21 +12,9 @@ from kvhold.protocol.hand_back import HandBack
 from kvhold.protocol.memory import SHM_DIR, RegionInfo
 from kvhold.protocol.naming import InstancePaths
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import sidecar_log, wait_until
+from tests.process.helpers import alive as _alive, roles as _roles, sidecar_log, wait_until
 
 IDLE = ["--workload", "idle", "--lease-ms", "20000", "--log-level", "INFO"]
-
-
-def _roles(status) -> dict[int, str]:
-    return {e["pid"]: e["role"] for e in status["executors"]}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
 
 
 def _start(flags, root, log, instance=None, wait=True) -> SidecarProcess:

@@ -11,30 +11,10 @@ import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
-from tests.process.helpers import sidecar_log, wait_until
+from tests.process.helpers import (READOPT_FLAGS as FLAGS, READOPT_REQUESTS as REQUESTS, alive, roles, sidecar_log,
+                                   wait_until)
 
 IDLE = ["--workload", "idle", "--lease-ms", "300", "--log-level", "INFO"]
-FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
-         "--standbys", "1", "--log-level", "INFO"]
-REQUESTS = [   # long enough to be mid-stream at the kill; greedy and seeded sampling
-    dict(prompt="The sidecar keeps the memory", max_tokens=300, temperature=0.0, ignore_eos=True),
-    dict(prompt="Once upon a time", max_tokens=320, temperature=0.0, ignore_eos=True),
-    dict(prompt_ids=list(range(2, 90)), max_tokens=280, temperature=0.9, seed=3, ignore_eos=True),
-]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
-
-
-def roles(status) -> dict[int, str]:
-    return {e["pid"]: e["role"] for e in status["executors"]}
-
-
 def start(flags, runtime_root, log_path, instance=None) -> SidecarProcess:
     return SidecarProcess(flags, instance=instance, runtime_root=runtime_root, log_path=log_path).start()
 

@@ -10,8 +10,8 @@ import time
 
 from kvhold.client.client import wait_all
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
-from tests.process.helpers import sidecar_log, wait_until
-from tests.process.test_sidecar_readopt import FLAGS, REQUESTS, alive, roles
+from tests.process.helpers import (READOPT_FLAGS as FLAGS, READOPT_REQUESTS as REQUESTS, alive, roles, sidecar_log,
+                                   wait_until)
 
 IDLE = ["--workload", "idle", "--lease-ms", "300", "--log-level", "INFO"]
 

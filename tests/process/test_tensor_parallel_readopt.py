@@ -22,8 +22,8 @@ from kvhold.client.client import wait_all
 from kvhold.executor.tensor_parallel.ranks import group_pids
 from kvhold.protocol.procfs import pid_alive
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, REQUESTS, ids, sidecar_log, submit, wait_stopped, wait_until
-from tests.process.test_pool_restart import REQUESTS as LONG_REQUESTS, pool_restart_cli
+from tests.process.helpers import (FLAGS, POOL_RESTART_REQUESTS as LONG_REQUESTS, REQUESTS, ids, pool_restart_cli,
+                                   sidecar_log, submit, wait_stopped, wait_until)
 
 # a lease long enough that a hang fence (a stopped rank 0) cannot pass for the rank watch's
 TP_FLAGS = [*FLAGS, "-tp", "2", "--cpu-threads", "1", "--standbys", "1", "--lease-ms", "8000"]

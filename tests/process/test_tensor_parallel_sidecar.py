@@ -107,7 +107,7 @@ def test_double_fault_a_follower_then_the_promoted_leader(tiny_model, reference,
 def test_serve_streams_over_http_across_a_rank_kill(tiny_model, tmp_path):
     """`kvhold serve -tp 2`: an OpenAI stream crosses a SIGKILL of rank 1 with the same text as
     the uninterrupted completion."""
-    from tests.process.test_serve_http import KEY, Server
+    from tests.process.helpers import KEY, Server
 
     srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "-tp", "2", "--cpu-threads", "1",
                  api_key=KEY)
@@ -134,7 +134,7 @@ def test_a_takeover_validates_every_ranks_kv(tiny_model, reference, start_sideca
     resume, and every output equals the TP=1 run's."""
     import numpy as np
 
-    from tests.process.test_recovery_e2e import _attach
+    from tests.process.helpers import attach_pool as _attach
 
     sc = start_sidecar(["--model", str(tiny_model), *TP_FLAGS, "--lease-ms", "3000"])
     group, _ = _steady_group(sc)

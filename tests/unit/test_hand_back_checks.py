@@ -5,7 +5,6 @@ the named object itself."""
 import os
 import socket
 
-import numpy as np
 import posix_ipc
 import pytest
 
@@ -13,8 +12,6 @@ from kvhold.protocol import fdpass
 from kvhold.protocol.hand_back import HandBack, HandBackFormatError
 from kvhold.protocol.layout import KvGeometry, Role, TableGeometry
 from kvhold.protocol.memory import HostRegion, RegionInfo
-from kvhold.protocol.naming import InstancePaths
-from kvhold.protocol.tables import Tables
 from kvhold.sidecar.adoption import Adoptable, LeaseHolder
 from kvhold.sidecar.hand_back import Receiver
 
@@ -24,16 +21,29 @@ KV = RegionInfo("kv", 8192, "host", False)
 
 
 @pytest.fixture
-def pool(tmp_path):
-    paths = InstancePaths.for_instance(f"hb{os.getpid()}-{np.random.randint(1 << 20)}", tmp_path)
-    tables = Tables.create(paths.shm_name("tables"), SMALL, generation=3)
+def tables_name(paths):
+    return paths.shm_name("tables")
+
+
+@pytest.fixture
+def table_geometry():
+    return SMALL
+
+
+@pytest.fixture
+def table_generation():
+    return 3
+
+
+@pytest.fixture
+def pool(paths, tables):
+    """An instance's tables (tests/unit/conftest.py) with slot 1 leased to this process, and its KV region."""
     tables.leases["pid"][1], tables.leases["epoch"][1] = os.getpid(), 5
     region = HostRegion(paths.shm_name("kv"), "kv", 8192)
     found = Adoptable(tables=tables, live=[LeaseHolder(slot=1, pid=os.getpid(), role=Role.ACTIVE, epoch=5)],
                       dead=[])
     yield paths, found, region
     region.unlink()
-    tables.unlink()
 
 
 def _serve(receiver, message: dict, fds) -> tuple[dict, object]:

@@ -20,48 +20,15 @@ from kvhold.protocol.checkpoint import build_manifest  # noqa: E402
 from kvhold.protocol.layout import KvGeometry  # noqa: E402
 from kvhold.protocol.model_spec import ModelSpec  # noqa: E402
 from kvhold.testing.make_model import train_tokenizer  # noqa: E402
+from tests.unit.helpers import CASES, build_checkpoint, hf_greedy  # noqa: E402
 
 PAGE = 4
 PROMPT = "The quick brown fox jumps over the lazy dog and the sidecar keeps every page of the cache"
 NEW_TOKENS = 10
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-            rope_theta=10000.0)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return train_tokenizer()
-
-
-def _randomize(model, seed):
-    """Weights large enough that the greedy tokens vary (transformers' init is nearly uniform);
-    Gemma multiplies its embeddings by sqrt(hidden_size), so they are drawn that much smaller
-    (else the tied head predicts the last token again and again)."""
-    gen = torch.Generator().manual_seed(seed)
-    embed = model.config.hidden_size ** -0.5 if model.config.model_type.startswith("gemma") else 1.0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-            if "norm" in name:
-                p.copy_(1 + 0.2 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise * (embed if "embed" in name else p.shape[-1] ** -0.5 * 1.5))
-
-
-def build_checkpoint(path, tokenizer, config_cls, model_cls, seed=0, shard=None, **cfg):
-    tok = tokenizer
-    ids = dict(bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
-               pad_token_id=None)
-    config = config_cls(**{**TINY, "vocab_size": tok.get_vocab_size(), **ids, **cfg})
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    _randomize(model, seed)
-    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
-    return model.double().eval()
 
 
 def kvhold_model(path) -> tuple[ModelSpec, LlamaModel]:
@@ -103,13 +70,6 @@ def kvhold_greedy(spec, llm, prompt, n):
     return out
 
 
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def check_parity(path, model, tokenizer, prompt_text=PROMPT, new_tokens=NEW_TOKENS):
     spec, llm = kvhold_model(path)
     prompt = tokenizer.encode(prompt_text).ids
@@ -124,24 +84,6 @@ def check_parity(path, model, tokenizer, prompt_text=PROMPT, new_tokens=NEW_TOKE
     # transformers computes its RoPE frequencies in float32, kvhold in float64
     assert (kv_logits - hf_logits).abs().max() < 1e-4
     return spec, llm, full, hf_logits
-
-
-CASES = {
-    "llama": (lambda t: (t.LlamaConfig, t.LlamaForCausalLM), {}),
-    "llama-tied-sharded": (lambda t: (t.LlamaConfig, t.LlamaForCausalLM),
-                           dict(tie_word_embeddings=True, shard="60KB", seed=4)),  # seed: tokens vary
-    "qwen2": (lambda t: (t.Qwen2Config, t.Qwen2ForCausalLM), {}),
-    "qwen3": (lambda t: (t.Qwen3Config, t.Qwen3ForCausalLM), {}),
-    "phi3": (lambda t: (t.Phi3Config, t.Phi3ForCausalLM), {}),
-    # Gemma 2's defaults: attention scores capped at 50, logits at 30, sliding/global alternating
-    "gemma2": (lambda t: (t.Gemma2Config, t.Gemma2ForCausalLM), dict(query_pre_attn_scalar=24)),
-    # Gemma 3: q/k norms, one sliding then one global layer with their own RoPE bases, capped logits
-    "gemma3_text": (lambda t: (t.Gemma3TextConfig, t.Gemma3ForCausalLM),
-                    dict(layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=8.0,
-                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                             "rope_theta": 1_000_000.0}})),
-}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -16,12 +16,9 @@ SLOTS, MAX_SEQ = 4, 64
 
 
 @pytest.fixture
-def tables():
-    g = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=SLOTS, max_seq_len=MAX_SEQ,
-                      num_leases=4)
-    t = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", g, generation=1)
-    yield t
-    t.unlink()
+def table_geometry():
+    return TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=SLOTS, max_seq_len=MAX_SEQ,
+                         num_leases=4)
 
 
 class Journalled:

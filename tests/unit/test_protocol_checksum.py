@@ -1,7 +1,7 @@
 """The checksum: its definition (one mix per 64-bit word), torch equals the numpy reference,
 increments equal full sums, flips in committed bytes are caught and bytes past them are not
 covered, rows that are not whole 64-bit words are refused. The Triton kernels are pinned to the
-same bits under Triton's interpreter (tests/unit/test_checksum_triton.py)."""
+same bits under Triton's interpreter (tests/process/test_checksum_triton.py)."""
 import numpy as np
 import pytest
 import torch

@@ -22,10 +22,13 @@ def _name():
 
 
 @pytest.fixture
-def tables():
-    t = Tables.create(_name(), SMALL, generation=7)
-    yield t
-    t.unlink()
+def table_geometry():
+    return SMALL
+
+
+@pytest.fixture
+def table_generation():
+    return 7
 
 
 def test_create_attach_roundtrip(tables):

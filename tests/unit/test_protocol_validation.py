@@ -1,14 +1,11 @@
 """Page classification: valid, interrupted, corrupt, malformed, free."""
-import os
 
 import numpy as np
 import pytest
 
 from kvhold.protocol.checksum import words_checksum_np
 from kvhold.protocol.layout import KvGeometry, TableGeometry
-from kvhold.protocol.memory import HostRegion
 from kvhold.protocol.page_table import PageTable
-from kvhold.protocol.tables import Tables
 from kvhold.protocol.validation import PageClass, classify_host, trusted, host_checksums_ok
 
 GEOM = TableGeometry(kv=KvGeometry(2, 1, 4, "float32", 4), num_pages=6, num_slots=2,
@@ -16,16 +13,14 @@ GEOM = TableGeometry(kv=KvGeometry(2, 1, 4, "float32", 4), num_pages=6, num_slot
 
 
 @pytest.fixture
-def pool():
-    tag = f"{os.getpid()}-{np.random.randint(1 << 30)}"
-    tables = Tables.create(f"/kvhold-test-val-{tag}", GEOM, 1)
-    region = HostRegion(f"/kvhold-test-valkv-{tag}", "kv", GEOM.kv_pool_bytes)
-    kv = GEOM.kv
-    words = region.map_local().numpy(np.uint64, (GEOM.num_pages, kv.num_layers, 2, kv.page_tokens,
-                                                 kv.row_bytes // 8))
-    yield tables, words
-    tables.unlink()
-    region.unlink()
+def pool_geometry():
+    return GEOM
+
+
+@pytest.fixture
+def pool(pool):
+    """The shared pool (tests/conftest.py) as this module's tests take it: (tables, uint64 words)."""
+    return pool.tables, pool.words(np.uint64)
 
 
 def _commit(tables, words, page, n, rng):

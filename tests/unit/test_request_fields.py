@@ -15,22 +15,16 @@ from kvhold.protocol.errors import ErrorCode, InvalidParams
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.sampling import LIMITS, TOKEN_ID_MAX, RequestInput, SamplingParams
-from kvhold.protocol.tables import Tables
-from kvhold.sidecar.durable_journal import DurableJournal, encode_record
+from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.frontend.frontend import Frontend
 from kvhold.frontend.restore import Restore
 from kvhold.sidecar.timeline import RecoveryTimeline
 from kvhold.testing.frontend_host import FrontendHost
+from tests.unit.helpers import FINGERPRINT, GENERATION, POISON, ints, records, valid_record, write_record
 
 GEOMETRY = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4,
                          max_seq_len=64, num_leases=4)
 VOCAB = 512
-FINGERPRINT = "f" * 64
-GENERATION = 3          # the new pool's; records come from generation 2
-
-
-def _name():
-    return f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}"
 
 
 def _frontend(tables, durable):
@@ -39,10 +33,8 @@ def _frontend(tables, durable):
 
 
 @pytest.fixture
-def tables():
-    t = Tables.create(_name(), GEOMETRY, generation=GENERATION)
-    yield t
-    t.unlink()
+def table_generation():
+    return GENERATION
 
 
 # ------------------------------------------------------------------ admission
@@ -74,7 +66,6 @@ def test_a_bad_prompt_is_refused_by_the_sdk_check(kw):
         RequestInput.check(params=dict(max_tokens=4), vocab_size=VOCAB, **kw)
 
 
-ints = st.one_of(st.integers(-2**70, 2**70), st.sampled_from([0, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64]))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1), st.integers(-3, 3))
 
 
@@ -111,36 +102,6 @@ def test_the_http_bounds_are_the_protocol_bounds():
 
 
 # ------------------------------------------------------------------ restore
-def valid_record(rid: int, fingerprint: str = FINGERPRINT) -> dict:
-    return {"request_id": rid, "generation": rid >> 40, "client": (b"u" + bytes(16)).hex(),
-            "prompt_ids": [1, 2, 3], "prefix": 0, "generated": [5, 6], "max_tokens": 8,
-            "seed": 42, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "stop_ids": [3], "ignore_eos": False,
-            "admitted_unix_ns": 1, "fingerprint": fingerprint, "cancelled": False, "state": "drained"}
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | ints | st.floats() | st.text(max_size=12) | st.sampled_from(["", "zz", "0a", "u"]),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=12)
-FIELDS = list(valid_record(1))
-
-
-@st.composite
-def records(draw, rid: int, fingerprint: str = FINGERPRINT) -> dict:
-    """A record of request `rid` in which any fields hold any JSON value or are missing."""
-    body = valid_record(rid, fingerprint)
-    for key in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=4, unique=True)):
-        if draw(st.booleans()):
-            body.pop(key)
-        else:
-            body[key] = draw(json_values)
-    return body
-
-
-def write_record(directory, name_id: int, body: dict) -> None:
-    (directory / f"req-{name_id:016x}.json").write_bytes(encode_record(body))
-
-
 def restore_into(tables, directory) -> tuple[Frontend, Restore]:
     durable = DurableJournal(directory)
     fe = _frontend(tables, durable)
@@ -178,14 +139,6 @@ def test_any_record_is_restored_or_failed_and_the_others_come_back(tables, tmp_p
         e = journal.entry(fe.streams[rid].slot)
         assert (e.request_id, e.max_tokens, e.sampling.top_k, e.sampling.seed) == (rid, body["max_tokens"], body["top_k"], body["seed"])
         assert e.num_generated == len(body["generated"])
-
-
-POISON = [   # (field, value, what the reason names): each once stopped every start
-    ("top_k", 2**31, "top_k"), ("temperature", "hot", "temperature"), ("client", "not-hex", "client"),
-    ("seed", -1, "seed"), ("max_tokens", -5, "max_tokens"), ("stop_ids", list(range(9)), "stop_token_ids"),
-    ("prompt_ids", [1, 2**64], "token id"), ("generated", list(range(9)), "max_tokens"),
-    ("request_id", (GENERATION << 40) | 1, "generation"),
-]
 
 
 @pytest.mark.parametrize("field,value,reason", POISON)

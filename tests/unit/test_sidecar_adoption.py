@@ -3,11 +3,9 @@ header validated, the adopting sidecar's pid claimed under a fresh CRC, and ever
 pool is not adopted (kvhold.sidecar.adoption)."""
 import os
 
-import numpy as np
 import pytest
 
 from kvhold.protocol.layout import KvGeometry, PoolState, Role, TableGeometry, WeightsState
-from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.settings import ExecutorSettings
 from kvhold.protocol.tables import Tables, TableFormatError
 from kvhold.sidecar import adoption
@@ -19,15 +17,18 @@ LIVE = [LeaseHolder(slot=0, pid=1, role=Role.ACTIVE, epoch=1)]
 
 
 @pytest.fixture
-def paths(tmp_path):
-    return InstancePaths.for_instance(f"adopt{os.getpid()}-{np.random.randint(1 << 20)}", tmp_path)
+def tables_name(paths):
+    return paths.shm_name("tables")
 
 
 @pytest.fixture
-def tables(paths):
-    t = Tables.create(paths.shm_name("tables"), SMALL, generation=3)
-    yield t
-    t.unlink()
+def table_geometry():
+    return SMALL
+
+
+@pytest.fixture
+def table_generation():
+    return 3
 
 
 def test_adopt_reopens_the_segment_and_claim_keeps_the_header_valid(tables, paths):

@@ -7,23 +7,11 @@ sent it."""
 import os
 
 import numpy as np
-import pytest
 
 from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease, LeaseTable
-from kvhold.protocol.tables import Tables
 from kvhold.sidecar.request_deaths import MAX_DEATHS, RequestDeaths
 from kvhold.protocol.sampling import SamplingParams
-
-
-@pytest.fixture
-def tables():
-    g = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64,
-                      num_leases=4)
-    t = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", g, generation=1)
-    yield t
-    t.unlink()
 
 
 class World:

@@ -1,10 +1,8 @@
 """Token ids past the model's vocabulary never reach an executor: a tokenizer that can produce
 them is refused when the frontend loads it, and a text prompt's ids are checked at admission
 like a token-id prompt's (a frontend over real shared tables and the demo checkpoint)."""
-import os
 import shutil
 
-import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
@@ -12,7 +10,6 @@ from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.model_spec import ModelSpec
-from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.frontend.frontend import Frontend
 from kvhold.sidecar.timeline import RecoveryTimeline
@@ -22,12 +19,9 @@ EXTRA = ["<extra-a>", "<extra-b>"]
 
 
 @pytest.fixture
-def tables():
-    g = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64,
-                      num_leases=2)
-    t = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", g, generation=1)
-    yield t
-    t.unlink()
+def table_geometry():
+    return TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64,
+                         num_leases=2)
 
 
 def _bigger_tokenizer(model_dir) -> Tokenizer:

@@ -1,18 +1,24 @@
 """The vLLM connector's logic without vLLM: what it mirrors per step from vLLM's scheduler
 output, and what it reports and loads for a resubmitted request after a takeover. Real
-shared-memory tables and KV region (tests.unit.test_bridge_kv_mirror.Pool); vLLM's CPU
+shared-memory tables and KV region (tests.unit.helpers.ShmPool); vLLM's CPU
 cache layout (`VllmCpuBlocks`) over private tensors; scheduler outputs as vLLM 0.32 shapes them."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kvhold.executor.kv_mirror import Committed
 from kvhold.vllm_bridge.connector import (Bridge, MirrorPlanner, MirrorWorker, external_id, kvhold_id)
-from tests.unit.test_bridge_kv_mirror import KV, Pool  # noqa: F401 (fixture below)
-from tests.unit.test_bridge_kv_mirror import pool  # noqa: F401
+from tests.unit.helpers import mirror_geometry
 
+KV = mirror_geometry().kv
 BLOCKS = 12
 BT = KV.page_tokens
+
+
+@pytest.fixture
+def pool_geometry():
+    return mirror_geometry()
 
 
 def caches(fill=True):

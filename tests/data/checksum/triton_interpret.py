@@ -1,4 +1,4 @@
-"""Run by tests/unit/test_checksum_triton.py with TRITON_INTERPRET=1 (set before Triton is
+"""Run by tests/process/test_checksum_triton.py with TRITON_INTERPRET=1 (set before Triton is
 imported: the kernels are interpreted on CPU tensors). Prints one JSON line: for each case, the
 checksums of the Triton kernels, of TorchChecksum and of the numpy reference, as decimal strings."""
 import json

@@ -13,44 +13,20 @@ import pytest
 import torch
 
 from kvhold.executor.kv_cache import KvCache
-from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.leases import Fenced, Lease
-from kvhold.protocol.memory import HostRegion
 from kvhold.protocol.tables import Tables
 from kvhold.executor.block_layout import BlockLayout
 from kvhold.executor.kv_mirror import Committed, KvMirror, PerLayerBlocks, PooledBlocks
+from tests.unit.helpers import ShmPool, mirror_geometry
 
-KV = KvGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_tokens=4)
-GEOM = TableGeometry(kv=KV, num_pages=256, num_slots=4, max_seq_len=64, num_leases=2)
+GEOM = mirror_geometry()
+KV = GEOM.kv
 ENGINE_BLOCKS = 300
 
 
-class Pool:
-    """kvhold side: tables + KV region, named per test, created here as the sidecar would."""
-
-    def __init__(self):
-        tag = f"{os.getpid()}-{random.getrandbits(30)}"
-        self.tables_name = f"/kvhold-test-mirror-{tag}"
-        self.kv_name = f"/kvhold-test-mirrorkv-{tag}"
-        self.tables = Tables.create(self.tables_name, GEOM, 1)
-        self.region = HostRegion(self.kv_name, "kv", GEOM.kv_pool_bytes)
-        self.kv = KvCache.from_mapping(self.region.map_local(), KV, GEOM.num_pages).pool
-
-    def lease(self, slot: int) -> Lease:
-        """Grant `slot` a fresh epoch (what the sidecar does on attach / promote)."""
-        self.tables.leases["epoch"][slot] = self.tables.next_epoch()
-        return Lease(self.tables, slot, int(self.tables.leases["epoch"][slot]))
-
-    def close(self):
-        self.tables.unlink()
-        self.region.unlink()
-
-
 @pytest.fixture
-def pool():
-    p = Pool()
-    yield p
-    p.close()
+def pool_geometry():
+    return GEOM
 
 
 def per_layer(fill=None):
@@ -368,7 +344,7 @@ def test_decode_fast_path_publishes_what_the_general_path_does(make_layout, engi
     pool, and the same holdings; restore reads the fast path's pages back exactly."""
     from kvhold.protocol.checksum import TorchChecksum, to_u64
 
-    a, b = Pool(), Pool()
+    a, b = ShmPool(GEOM), ShmPool(GEOM)
     try:
         general = FakeEngine(make_layout(), seed=3)
         fast = FakeEngine(make_layout(), seed=3)
