@@ -1,7 +1,6 @@
 """`min_tokens` (vLLM's extension field) through a real `kvhold serve`: honoured in completions
 and chat, and a min_tokens above max_tokens is a 400 naming it."""
 from kvhold.client.client import Client
-from tests.process.test_serve_http import KEY, Server, server  # noqa: F401 (the fixture, per module)
 
 PROMPT = list(range(2, 30))
 

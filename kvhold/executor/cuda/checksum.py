@@ -8,7 +8,7 @@ program per page and split, looping over the page), the few new slots of each to
 page when committing a step (`slots`, and `ranges`: a grid of (range, layer x k/v,
 block of the range's words)). Each program reduces its words and writes a partial sum;
 partials are added with wrapping int64 arithmetic, which is order-free, so the result
-is the CPU's to the bit (tests/gpu/test_gpu.py; tests/unit/test_checksum_triton.py
+is the CPU's to the bit (tests/gpu/test_gpu.py; tests/process/test_checksum_triton.py
 under Triton's interpreter).
 """
 from __future__ import annotations
