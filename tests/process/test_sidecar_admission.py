@@ -57,7 +57,8 @@ def test_a_maximum_size_prompt_is_tokenized_off_the_loop(tiny_model, start_sidec
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0"])
     sc.wait_steady(standbys=0)
     client = sc.new_client(timeout=60)
-    stream = client.generate("Once upon a time", max_tokens=490, ignore_eos=True, seed=1)
+    streamer = sc.new_client(timeout=60)      # a Client is one socket: the reader thread has its own
+    stream = streamer.generate("Once upon a time", max_tokens=490, ignore_eos=True, seed=1)
     arrivals: list[float] = []
     reader = threading.Thread(target=lambda: arrivals.extend(time.monotonic() for _ in stream), daemon=True)
     reader.start()
@@ -90,6 +91,7 @@ def test_a_maximum_size_prompt_is_tokenized_off_the_loop(tiny_model, start_sidec
     # was free (how many is the executor's pace, on CPUs it shares with the tokenizer and this test)
     assert len(during) >= 4 and sum(g > 0.002 for g in gaps) >= 1, (len(during), gaps)
     assert len(stream.result().token_ids) == 490
+    streamer.close()
     client.close()
 
 
