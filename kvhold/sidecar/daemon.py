@@ -75,6 +75,7 @@ GIL_SWITCH_S = 0.0002
 CLIENT_FACING_MODULES = ("tokenizers", "fastapi", "uvicorn", "starlette", "kvhold.serving.http_api",
                          "kvhold.frontend.frontend", "kvhold.frontend.admission", "kvhold.frontend")
 SHM_PARTS = ("tables", "kv", "weights")
+SPARE_FLAG = "--spare"                  # `kvhold sidecar --spare` (kvhold.cli.main)
 
 
 class Sidecar:
@@ -540,5 +541,6 @@ def run_sidecar(config: SidecarConfig, spare: bool = False, sidecar_class: type[
     finally:
         sidecar.close()
     if sidecar.pool_restart is not None and sidecar.pool_restart.drained:
-        return reexec()                     # returns only if the exec failed
+        # a spare that took over is the owner: its new image starts the pool, never waits as a spare
+        return reexec(drop=(SPARE_FLAG,))   # returns only if the exec failed
     return 0

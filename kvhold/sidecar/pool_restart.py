@@ -11,7 +11,9 @@ over HTTP: retry), and on its next loop turn:
    journal (kvhold.sidecar.durable_journal), with the drain's timings in `last-drain.json`;
 4. leaves the loop, removes its memory, sockets and tables like any stop, and
    re-executes itself (`execv` of its own command line: same pid, same arguments, same
-   terminal, same systemd unit or container; `kvhold serve` sees its child stay up).
+   terminal, same systemd unit or container; `kvhold serve` sees its child stay up). A
+   spare that took over re-executes without `--spare`: it is the owner, and the lock it
+   would wait in is gone with the clean stop.
    All memory is released by then: the process image that starts holds no device
    handle. With `hold`, that image first waits, touching no GPU, until the hold file in
    the runtime dir is removed (`kvhold pool-restart --resume`) or a SIGTERM ends it
@@ -157,9 +159,10 @@ def wait_while_held(paths) -> bool:
     return True
 
 
-def reexec() -> int:
-    """Replace this process with a fresh sidecar (same command line). Returns only on failure."""
-    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+def reexec(drop: tuple[str, ...] = ()) -> int:
+    """Replace this process with a fresh image of itself (the same command line, less the flags
+    in `drop`). Returns only on failure."""
+    argv = [a for a in (getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]) if a not in drop]
     log.warning("pool restart: re-executing %s", " ".join(argv))
     for handler in logging.getLogger().handlers:
         handler.flush()
