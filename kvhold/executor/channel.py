@@ -50,12 +50,13 @@ class Channel:
             raise error_from_code(msg.code, msg.message)
         return msg
 
-    def attach(self, token: str, timeout_ms: int = 10_000) -> m.Attached:
+    def attach(self, token: str, timeout_ms: int = 10_000, wake_fd: int = -1) -> m.Attached:
+        """The lease; `wake_fd` (the sidecar's pidfd) readable ends the wait for it early."""
         self.send(m.Attach(token=token, pid=os.getpid()))
-        reply = self.recv(timeout_ms)
+        reply = self.recv(timeout_ms, wake_fd=wake_fd)
         if reply is None:
             raise TimeoutError(f"no answer from the sidecar at {self.paths.control_endpoint} "
-                               f"within {timeout_ms} ms")
+                               f"within {timeout_ms} ms (or it exited)")
         if not isinstance(reply, m.Attached):
             raise RuntimeError(f"unexpected {reply.TYPE} in reply to attach")
         return reply

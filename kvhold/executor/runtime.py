@@ -257,16 +257,33 @@ class ExecutorRuntime:
             ctx.beat()                    # Fenced (the new sidecar did not keep this lease) ends it
             pid = ctx.tables.sidecar_pid
             if pid != old_pid and pid_alive(pid):
-                return self._reattach(ctx, pid)
+                if self._reattach(ctx, pid):
+                    return True
+                if pid_alive(pid):        # a live sidecar that did not take this executor back
+                    return False
+                # it died while adopting (a spare killed mid-takeover): the next sidecar to claim
+                # the tables gets the descriptors, and the wait starts again from this death
+                log.warning("sidecar pid %d died while adopting this executor; waiting up to %.0f s "
+                            "for the next one", pid, wait_s)
+                self._unwatch_sidecar()
+                ctx.channel.close()
+                old_pid, deadline = pid, time.monotonic() + wait_s
+                continue
             time.sleep(min(ctx.settings.heartbeat_ms / 1e3, SIDECAR_POLL_S))
         log.error("no sidecar adopted this executor within %.0f s; exiting", wait_s)
         return False
+
+    def _unwatch_sidecar(self) -> None:
+        if self.sidecar_pidfd >= 0:
+            os.close(self.sidecar_pidfd)
+            self.sidecar_pidfd = -1
 
     def _reattach(self, ctx: ExecutorContext, pid: int) -> bool:
         """Hand the region descriptors back to the adopting sidecar `pid`, then attach to it: it
         must give back this very lease. Whether it kept the descriptors is its decision: one
         that did not adopt the pool refuses the attach (or has killed this executor)."""
         self.channel = ctx.channel = Channel(self.paths)
+        self._watch_sidecar(pid)          # its death ends the wait for its answer at once
         try:
             reply = ctx.channel.hand_back(self.token, ctx.attached.slot, ctx.epoch, self.kept)
             if reply.get("ok"):
@@ -277,8 +294,8 @@ class ExecutorRuntime:
         except (OSError, RuntimeError) as exc:
             log.warning("could not hand the region descriptors back to sidecar pid %d: %s", pid, exc)
         try:    # the sidecar binds its control socket once it has the regions and its streams
-            attached = ctx.channel.attach(self.token, timeout_ms=REATTACH_TIMEOUT_MS)
-        except Exception as exc:      # refused (a stale lease), or no answer in time
+            attached = ctx.channel.attach(self.token, timeout_ms=REATTACH_TIMEOUT_MS, wake_fd=self.sidecar_pidfd)
+        except Exception as exc:      # refused (a stale lease), no answer in time, or it died
             log.error("the sidecar pid %d that adopted the tables did not take this executor back: "
                       "%s; exiting", pid, exc)
             return False
@@ -286,7 +303,6 @@ class ExecutorRuntime:
             log.error("sidecar pid %d offered lease %d epoch %d, not this executor's lease %d epoch "
                       "%d; exiting", pid, attached.slot, attached.epoch, ctx.attached.slot, ctx.epoch)
             return False
-        self._watch_sidecar(pid)
         ctx.lease.check()
         log.warning("re-attached to sidecar pid %d (lease %d epoch %d, %s)", pid, attached.slot,
                     attached.epoch, "active" if self.active else "standby")

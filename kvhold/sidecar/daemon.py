@@ -76,6 +76,20 @@ CLIENT_FACING_MODULES = ("tokenizers", "fastapi", "uvicorn", "starlette", "kvhol
                          "kvhold.frontend.frontend", "kvhold.frontend.admission", "kvhold.frontend")
 SHM_PARTS = ("tables", "kv", "weights")
 SPARE_FLAG = "--spare"                  # `kvhold sidecar --spare` (kvhold.cli.main)
+# a test's hold on a start at one of its parts (`parts_ms`: found, regions_back, components,
+# restored, sockets): the sidecar logs it and stops itself (SIGSTOP) there, so that a test can
+# kill it in that very window, e.g. a spare that has the regions back and no socket yet
+STOP_AT_ENV = "KVHOLD_SIDECAR_STOP_AT"
+
+
+def _reached(parts: dict, name: str) -> None:
+    """Time a part of the start (the status's adoption.parts_ms); stop here if a test asks."""
+    parts[name] = now_ns()
+    if os.environ.get(STOP_AT_ENV) == name:
+        log.warning("stopping at %s (%s)", name, STOP_AT_ENV)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class Sidecar:
@@ -161,14 +175,14 @@ class Sidecar:
         self.durable = DurableJournal(cfg.journal_path)
         parts = {"lock": now_ns()}                  # a re-adoption's timed parts (status: adoption.parts_ms)
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
-        parts["found"] = now_ns()
+        _reached(parts, "found")
         keep_client_socket = not self.link_class.BINDS_CLIENT_SOCKET     # a frontend process's
         self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=keep_client_socket)
         if found is not None:
             found = self._take_back_regions(stack, found, geometry)
             if found is None:           # no executor handed its descriptors back: a fresh pool
                 self.lock.remove_stale(SHM_PARTS, keep_client_socket=keep_client_socket)
-        parts["regions_back"] = now_ns()
+        _reached(parts, "regions_back")
         generation = self._next_generation() if found is None else found.tables.generation
         self.token, self.token_path = self._load_token(stack, reuse=found is not None)
         self.memory = self._create_memory(stack, geometry, generation, found)
@@ -177,17 +191,17 @@ class Sidecar:
         self.loop = EventLoop()
         stack.callback(self.loop.close)
         self._make_components()
-        parts["components"] = now_ns()
+        _reached(parts, "components")
         # the previous pool's journaled requests (or an adopted pool's streams), before any executor
         self.link = self._make_link()
         self.link.tables_name = self.paths.shm_name("tables")
         self.link.start(stack, adopting=found is not None)
-        parts["restored"] = now_ns()
+        _reached(parts, "restored")
         if found is not None:
             self.supervisor.adopt(found.live, found.dead)
         self._open_sockets(stack)
         self._write_state_file(stack)
-        parts["sockets"] = now_ns()
+        _reached(parts, "sockets")
         if found is not None:           # the header names this sidecar since the hand-back
             self.adoption = {"previous_pid": found.previous_pid, "killed": found.killed,
                              "hand_back": found.taken_back.record,

@@ -56,11 +56,12 @@ class SidecarProcess:
             time.sleep(0.02)
         raise TimeoutError("sidecar did not answer within the start-up timeout")
 
-    def spare(self, log_path: Path | None = None, timeout: float = 60.0) -> "SidecarProcess":
-        """A spare of this sidecar (`kvhold sidecar --spare`, same flags), returned once it waits
-        on this sidecar's lock."""
+    def spare(self, log_path: Path | None = None, timeout: float = 60.0, env: dict | None = None) -> "SidecarProcess":
+        """A spare of this sidecar (`kvhold sidecar --spare`, same flags; `env` added to this
+        one's environment), returned once it waits on this sidecar's lock."""
         other = SidecarProcess(self.args, instance=self.instance, runtime_root=self.runtime_root,
-                               env=self.env, log_path=log_path or self.log_path, prefix=self.prefix)
+                               env={**self.env, **(env or {})}, log_path=log_path or self.log_path,
+                               prefix=self.prefix)
         other.spawn(["--spare"])
         marker = other.paths.spare_file(other.proc.pid)
         deadline = time.monotonic() + timeout

@@ -8,10 +8,14 @@ import os
 import signal
 import time
 
+import pytest
+
 from kvhold.client.client import wait_all
+from kvhold.protocol.tables import Tables
+from kvhold.sidecar.daemon import STOP_AT_ENV
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
-from tests.process.helpers import (READOPT_FLAGS as FLAGS, READOPT_REQUESTS as REQUESTS, alive, roles, sidecar_log,
-                                   wait_until)
+from tests.process.helpers import (READOPT_FLAGS as FLAGS, READOPT_REQUESTS as REQUESTS, alive, roles,
+                                   sidecar_log, wait_stopped, wait_until)
 
 IDLE = ["--workload", "idle", "--lease-ms", "300", "--log-level", "INFO"]
 
@@ -111,3 +115,53 @@ def test_a_spare_never_starts_a_pool_nobody_served(runtime_root, tmp_path):
             first.stop(signal.SIGKILL)
     finally:
         spare.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_spare_killed_while_it_readopts_leaves_the_pool_to_the_next_sidecar(tiny_model, runtime_root, tmp_path):
+    """The spare dies in the middle of its takeover: it has claimed the tables and has the
+    regions' descriptors back, and binds no socket yet (it stops itself there, KVHOLD_SIDECAR_STOP_AT,
+    and is SIGKILLed while stopped). The executors go back to waiting and hand the pool to the
+    next sidecar that claims the tables: the same executors, nothing recomputed, the streams
+    as an uninterrupted run."""
+    flags = ["--model", str(tiny_model), *FLAGS, "--journal-dir", str(tmp_path / "journal")]
+    first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
+    spare = third = None
+    clients = contextlib.ExitStack()
+    try:
+        client = clients.enter_context(first.new_client(timeout=60))
+        reference = [r.token_ids for r in wait_all(submit_requests(client, REQUESTS))]
+        first.wait_steady(standbys=1)
+        spare = first.spare(log_path=tmp_path / "spare.log", env={STOP_AT_ENV: "regions_back"})
+        streams = submit_requests(client, REQUESTS)
+        for s in streams:                              # every request is streaming at the kill
+            next(s)
+        before = roles(first.status())
+        os.kill(first.proc.pid, signal.SIGKILL)        # the sidecar alone: the spare takes over ...
+        first.proc.wait()
+        wait_stopped(spare.proc.pid)                   # ... as far as the regions handed back
+        assert "stopping at regions_back" in sidecar_log(spare)
+        tables = Tables.attach_name(first.paths.shm_name("tables"))
+        try:
+            assert tables.sidecar_pid == spare.proc.pid                 # it claimed the tables
+        finally:
+            tables.close()
+        spare.proc.kill()
+        spare.proc.wait()
+        third = SidecarProcess(flags, instance=first.instance, runtime_root=runtime_root,
+                               log_path=tmp_path / "third.log").start()
+        results = wait_all(streams)
+        assert [r.token_ids for r in results] == reference
+        assert [r.recomputed_tokens for r in results] == [0] * len(REQUESTS)
+        wait_until(lambda: set(before) <= {e["pid"] for e in third.events("attach")},
+                   timeout_s=30, what="both executors to attach to the third sidecar")
+        status = third.status()
+        assert roles(status) == before                 # re-adopted, not replaced
+        assert status["adoption"]["previous_pid"] == spare.proc.pid
+        assert status["weights"]["load_ms"] is None and not third.events("spawn")
+        assert f"sidecar pid {spare.proc.pid} died while adopting this executor" in sidecar_log(first)
+    finally:
+        clients.close()
+        for sc in (third, spare, first):
+            if sc is not None:
+                sc.stop(signal.SIGKILL)
