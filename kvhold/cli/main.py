@@ -38,6 +38,7 @@ def cmd_sidecar(args) -> int:
     from kvhold.sidecar.instance_lock import InstanceBusy
 
     setup_logging(args.log_level, role="sidecar")
+    config = None
     try:
         config = sidecar_config_from_args(args)
         if args.external_frontend:
@@ -47,7 +48,20 @@ def cmd_sidecar(args) -> int:
         return run_sidecar(config, spare=args.spare, sidecar_class=InlineSidecar)
     except (ValueError, InstanceBusy, PermissionError, ShmCapacityError) as exc:
         print(f"kvhold sidecar: {exc}", file=sys.stderr)
+        _exit_reason(config, str(exc))
         return 2
+    except Exception as exc:
+        _exit_reason(config, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _exit_reason(config, reason: str) -> None:
+    """Say why in the runtime dir too, where `kvhold serve` reads it when the sidecar exits."""
+    if config is not None:
+        try:
+            config.paths.write_exit_reason(reason)
+        except OSError:
+            pass
 
 
 def cmd_frontend(args) -> int:

@@ -106,6 +106,25 @@ class InstancePaths:
         return sorted(int(p.name[6:]) for p in self.runtime_dir.glob("spare-*") if p.name[6:].isdigit())
 
     @property
+    def exit_file(self) -> Path:
+        return self.runtime_dir / "sidecar-exit.json"
+
+    def write_exit_reason(self, reason: str) -> None:
+        """Why this process, a sidecar, is exiting with an error (`kvhold serve` reports it)."""
+        if self.runtime_dir.is_dir():
+            self.exit_file.write_text(json.dumps({"pid": os.getpid(), "reason": reason}) + "\n")
+
+    def exit_reason(self, pid: int) -> str | None:
+        """The reason the sidecar `pid` gave for its exit, if it gave one."""
+        try:
+            record = json.loads(self.exit_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("pid") != pid:
+            return None
+        return str(record.get("reason"))
+
+    @property
     def control_endpoint(self) -> str:
         return f"ipc://{self.control_socket}"
 

@@ -39,12 +39,14 @@ the sidecar is stopped and the process exits 0. A second signal stops at once. I
 sidecar dies (SIGKILL, an OOM kill, a crash), its spare takes over: a second `kvhold sidecar
 --external-frontend --spare`, started once the sidecar serves (and 5 s after each takeover),
 that has its code loaded and waits in the instance lock, which the kernel hands it at the
-death (--no-sidecar-spare: none). Without a spare the sidecar is started again at once (then
-after 1 s, 2 s). Either way its executors outlive it and wait with their memory
+death (--no-sidecar-spare: none). Without a spare, or when the sidecar exited without holding
+the lock (a start that failed: the spare waits on for the next holder), the sidecar is started
+again at once (then after 1 s, 2 s). Either way its executors outlive it and wait with their memory
 (--sidecar-wait-ms), the new sidecar re-adopts them with the tables and the in-flight requests (kvhold.sidecar.adoption),
 and the HTTP server's streams resume with nothing recomputed. If it stops by itself (exit 0)
 or dies a fourth time within a minute, the HTTP server is stopped and the supervisor exits
-1, so that a process supervisor (systemd, Kubernetes) restarts the whole.
+1 with the reason the sidecar gave, so that a process supervisor (systemd, Kubernetes)
+restarts the whole.
 
 `kvhold serve --sidecar-endpoint ENDPOINT` is the same supervisor and HTTP server in front of
 a sidecar that already runs (`kvhold sidecar`), at its client endpoint: no sidecar is started
@@ -326,14 +328,25 @@ class SidecarChild:
             self.spare = self._popen("--spare")
 
     def take_over(self, now: float) -> bool:
-        """The owner died: the spare, if one waits, is the owner now (it took the lock at the
-        death). False if there is none to take over."""
+        """The owner exited: the spare, if one waits and takes over, is the owner now (it took
+        the lock at the death). False if none takes over: none waits, or the owner did not die
+        holding the lock (a start that failed, a pool restart's new image that died before it
+        took the lock), which the spare waits on for the next holder."""
+        from kvhold.sidecar.instance_lock import spare_takes_over
+
         if self.spare is None or self.spare.poll() is not None:
+            return False
+        if not spare_takes_over(self.config.paths, self.spare.pid, self.proc.pid):
             return False
         self.proc, self.spare = self.spare, None
         self.started = now
         self.schedule_spare(now, SPARE_DELAY_S)
         return True
+
+    def exit_reason(self) -> str:
+        """' (the reason it gave)' for the owner that exited, or '' if it gave none."""
+        reason = self.config.paths.exit_reason(self.proc.pid)
+        return f" ({reason})" if reason else ""
 
     def wait_until_serving(self) -> None:
         from kvhold.client.client import Client
@@ -506,7 +519,7 @@ def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild
             code = sidecar.proc.returncode
             if code == 0 or sidecar_restart_at is None and now - sidecar.started < HEALTHY_RUN_S \
                     and sidecar.restarts >= SIDECAR_RESTARTS:
-                log.critical("the sidecar %s%s: stopping", _how_it_ended(code),
+                log.critical("the sidecar %s%s%s: stopping", _how_it_ended(code), sidecar.exit_reason(),
                              "" if code == 0 else f", {sidecar.restarts} restarts within a minute")
                 http.stop(10.0)
                 return 1
@@ -520,8 +533,9 @@ def supervise(config: ServeConfig, sidecar: SidecarChild | None, http: HttpChild
                               "for it with their memory; the HTTP server's streams resume)", dead,
                               _how_it_ended(code), sidecar.proc.pid)
                     continue
-                log.error("the sidecar pid %d %s: restarting it (its executors wait for it with "
-                          "their memory; the HTTP server's streams resume)", dead, _how_it_ended(code))
+                log.error("the sidecar pid %d %s%s: restarting it (its executors wait for it with "
+                          "their memory; the HTTP server's streams resume)", dead, _how_it_ended(code),
+                          sidecar.exit_reason())
                 sidecar_restart_at = now + SIDECAR_RESTART_DELAY_S * sidecar.restarts
             if now >= sidecar_restart_at:
                 sidecar_restart_at = None

@@ -141,7 +141,9 @@ class Sidecar:
         def on_waiting(pid: int) -> None:
             if pid != waiting_on[0]:
                 waiting_on[0] = pid
-                marker.write_text(f"{pid}\n")
+                partial = marker.with_name(marker.name + ".new")    # never seen half-written
+                partial.write_text(f"{pid}\n")
+                partial.replace(marker)
                 log.info("spare sidecar of instance %r ready: waiting for sidecar pid %d",
                          self.paths.instance, pid)
         try:
@@ -164,6 +166,7 @@ class Sidecar:
             self._start(stack)
             self._stack = stack.pop_all()
         self._started = True
+        self.paths.exit_file.unlink(missing_ok=True)   # a reason a failed start gave is past
         return self
 
     def _start(self, stack: contextlib.ExitStack) -> None:

@@ -20,7 +20,12 @@ lock of a running sidecar, having loaded everything it can beforehand. The kerne
 the lock the moment the holder dies, so its takeover starts without a new process's start.
 Which end it was tells the lock file: a holder that died left the file at the path (the
 spare takes over); one that stopped unlinked it first (the spare waits for the next holder).
-A spare takes over only from a holder it saw: never an instance nobody serves.
+A spare takes over only from a holder it saw: never an instance nobody serves. It saw the
+holder when it found it holding the lock; that holder's death counts whether the spare was
+blocked in flock at the time or between two looks (a pool restart's new image, same pid,
+that dies before the spare waits on its new lock file). The spare writes its pid into the
+lock file the moment it has the lock, before it stops saying whom it waits on, so that
+`spare_takes_over` can tell, once the holder has exited, whether the spare takes over.
 """
 from __future__ import annotations
 
@@ -64,14 +69,25 @@ def _holder(fd: int) -> str:
     return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
 
 
+def _holder_pid(fd: int) -> int:
+    holder = _holder(fd)
+    return int(holder) if holder.isdigit() else 0
+
+
+def _write_holder(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
 def wait_for_holder_death(paths: InstancePaths, on_waiting: Callable[[int], None] | None = None,
                           poll_s: float = SPARE_POLL_S) -> tuple[int, int]:
     """Block until a sidecar of this instance that holds the lock dies, and return
-    (locked fd, the dead holder's pid). `on_waiting(pid)` is called each time the wait starts
-    on a holder. A holder that stops cleanly (it unlinks the lock file) is not a death: the
-    wait goes on for the next one."""
+    (locked fd, the dead holder's pid); the lock file names this process from then on.
+    `on_waiting(pid)` is called each time the wait starts on a holder. A holder that stops
+    cleanly (it unlinks the lock file) is not a death: the wait goes on for the next one."""
     ensure_private_dir(paths.runtime_dir.parent)
     ensure_private_dir(paths.runtime_dir)
+    seen = 0                # the holder this spare waited on last
     while True:
         try:
             fd = os.open(paths.lock_file, os.O_RDWR)      # never creates it: only a sidecar does
@@ -81,14 +97,37 @@ def wait_for_holder_death(paths: InstancePaths, on_waiting: Callable[[int], None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder(fd)
+            seen = _holder_pid(fd)
             if on_waiting is not None:
-                on_waiting(int(holder) if holder.isdigit() else 0)
+                on_waiting(seen)
             fcntl.flock(fd, fcntl.LOCK_EX)             # until the holder's end, however it ends
             if _same_file(fd, paths.lock_file):           # it died: the file is still in place
-                return fd, int(holder) if holder.isdigit() else 0
+                _write_holder(fd)
+                return fd, seen
+        else:   # free, still in place and naming the holder seen last: it died between two looks
+            if seen and _holder_pid(fd) == seen and _same_file(fd, paths.lock_file):
+                _write_holder(fd)
+                return fd, seen
         os.close(fd)             # no holder (none seen: not ours to take), or a clean stop
         time.sleep(poll_s)
+
+
+def spare_takes_over(paths: InstancePaths, spare_pid: int, dead_pid: int) -> bool:
+    """Whether the waiting spare `spare_pid` takes over from the sidecar `dead_pid`, which has
+    exited (`kvhold serve` asks). Yes if the lock file names the spare (it took over), or names
+    the dead sidecar, which the spare says it waits on (it died holding the lock: the spare has
+    it, or gets it at its next look). No if the file is gone (a stop, a start that failed, a
+    pool restart's new image that died before it took the lock) or the spare never saw that
+    sidecar: then it waits on for the next holder."""
+    try:        # first whom it waits on: a spare that takes over names itself in the lock, then removes this
+        waits_on = int(paths.spare_file(spare_pid).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        waits_on = 0
+    try:
+        holder = int(paths.lock_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return False
+    return holder == spare_pid or (holder == dead_pid and waits_on == dead_pid)
 
 
 class InstanceLock:
@@ -98,8 +137,7 @@ class InstanceLock:
         ensure_private_dir(paths.runtime_dir.parent)
         ensure_private_dir(paths.runtime_dir)
         self._fd = held_fd if held_fd is not None else self._take(paths)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        _write_holder(self._fd)
 
     @staticmethod
     def _take(paths: InstancePaths) -> int:

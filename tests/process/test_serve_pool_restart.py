@@ -3,12 +3,17 @@ the owner re-executes as the owner (not as a waiting spare), the new pool serves
 flight continues to the same events as an uninterrupted run and the supervisor goes on. Real
 processes, real signals."""
 import os
+import shutil
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from tests.process.helpers import Events, Server, comparable, pool_restart_cli, wait_until, whole
+from kvhold.serving.serve import SIDECAR_RESTARTS
+from tests.process.helpers import (SERVE_FLAGS, Events, Server, ServeProcess, alive, comparable, pool_restart_cli,
+                                   wait_until, whole)
 
 pytestmark = pytest.mark.slow      # a takeover and a pool restart: `pytest -m slow`
 
@@ -50,3 +55,50 @@ def test_a_pool_restart_after_the_spare_took_over(tiny_model, tmp_path):
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny_model, tmp_path):
+    """The checkpoint's config.json is gone when the pool restarts: the new image cannot start.
+    The spare does not take over a lock nobody died holding; the supervisor restarts the sidecar
+    as after any death and, as it keeps failing, exits 1 naming the reason. The request in
+    flight stays in the durable journal: once config.json is back, the next `kvhold serve`
+    serves and brings it back."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    journal = tmp_path / "journal"
+    flags = ("--max-seq-len", "1024", "--journal-dir", str(journal))
+    srv = Server(model, tmp_path, tmp_path / "serve.log", *flags)
+    cli = None
+    try:
+        pids = _spare_waiting(srv)
+        pids = [pids["pid"], *pids["spares"]]
+        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as r:
+            assert r.status_code == 200
+            part = Events(r).read(5)
+            (model / "config.json").rename(tmp_path / "config.json")
+            cli = subprocess.Popen([sys.executable, "-m", "kvhold", "pool-restart", "--instance", srv.instance,
+                                    "--runtime-root", str(tmp_path), "--continue", "--timeout", "60"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            assert srv.proc.wait(90) == 1                # serve gives up, saying why
+            part.read()
+        log = (tmp_path / "serve.log").read_text()
+        assert "took over" not in log
+        assert log.count(": restarting it") == SIDECAR_RESTARTS
+        stop = next(line for line in log.splitlines() if " C [serve" in line)
+        assert "config.json: missing" in stop and f"{SIDECAR_RESTARTS} restarts within a minute" in stop
+        assert len(list(journal.glob("req-*.json"))) == 1          # the request waits on disk
+        wait_until(lambda: not any(alive(p) for p in pids), 10, 0.05, what="the sidecar and its spare to end")
+    finally:
+        if cli is not None:
+            cli.kill()
+            cli.wait()
+        srv.stop()
+    (tmp_path / "config.json").rename(model / "config.json")        # the cause fixed
+    again = ServeProcess([*SERVE_FLAGS, *flags], tmp_path, model=model, instance=srv.instance,
+                         log_path=tmp_path / "again.log")
+    try:
+        again.start()                                              # serves again, the request back
+        restored = again.sidecar_status()["pool_restart"]["restore"]
+        assert restored["requests_restored"] == 1 and not again.sidecar_status()["pool_restart"]["failed"]
+    finally:
+        again.stop()

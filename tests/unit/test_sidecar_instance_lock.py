@@ -1,5 +1,6 @@
 """The instance lock with real flock(2) locks: one holder, however starts and stops interleave."""
 import fcntl
+import os
 
 import pytest
 
@@ -72,3 +73,54 @@ def test_stale_cleanup_never_touches_an_instance_whose_name_extends_ours(tmp_pat
                 posix_ipc.unlink_shared_memory(name)
             except posix_ipc.ExistentialError:
                 pass
+
+
+def test_whether_a_spare_takes_over_is_read_from_the_lock_and_its_marker(paths):
+    """`kvhold serve`'s question once its sidecar (pid 100) has exited, its spare (pid 200)
+    waiting: the spare takes over only from a sidecar that died holding the lock and that it
+    saw; a lock file removed by a stop or a failed start leaves it waiting."""
+    paths.runtime_dir.mkdir(parents=True)
+    takes_over = instance_lock.spare_takes_over
+    assert not takes_over(paths, 200, 100)                 # no lock file: nobody died holding it
+    paths.spare_file(200).write_text("100\n")
+    assert not takes_over(paths, 200, 100)
+    paths.lock_file.write_text("100\n")
+    assert takes_over(paths, 200, 100)                     # died holding it, and the spare saw it
+    paths.spare_file(200).unlink()
+    assert not takes_over(paths, 200, 100)                 # a spare that never saw it (still loading)
+    paths.lock_file.write_text("200\n")
+    assert takes_over(paths, 200, 100)                     # it took the lock already
+    paths.spare_file(200).write_text("300\n")
+    paths.lock_file.write_text("300\n")
+    assert not takes_over(paths, 200, 100)                 # the lock names another sidecar
+
+
+def test_a_holder_that_dies_between_two_looks_of_the_spare_is_taken_over(paths, monkeypatch):
+    """A pool restart's new image (the same pid) locks a new file and dies before the spare,
+    woken by the old image's clean stop, looks again: the file at the path, free and naming the
+    holder the spare saw, is a death the spare takes over from."""
+    first = InstanceLock(paths)
+    looks = []
+
+    def sleep(seconds):                 # between two looks: the old image stops, the new one dies
+        looks.append(seconds)
+        if len(looks) == 1:
+            fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+            os.write(fd, f"{os.getpid()}\n".encode())   # it locked the file, wrote its pid, died
+            os.close(fd)
+
+    monkeypatch.setattr(instance_lock.time, "sleep", sleep)
+    seen = []
+    import threading
+    waiter = threading.Thread(target=lambda: seen.append(instance_lock.wait_for_holder_death(paths, seen.append)))
+    waiter.start()
+    while not seen:
+        pass
+    first.release()                     # a clean stop: the spare wakes and looks again
+    waiter.join(10)
+    fd, dead = seen[-1]
+    try:
+        assert dead == os.getpid() and seen[0] == os.getpid()
+        assert paths.lock_file.read_text().strip() == str(os.getpid())    # it names the spare now
+    finally:
+        os.close(fd)
