@@ -59,9 +59,9 @@ from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
 from kvhold.sidecar.frontend_link import FrontendEnd, FrontendLink
 from kvhold.sidecar.health_responder import HealthResponder
-from kvhold.sidecar.instance_lock import InstanceLock, wait_for_holder_death
-from kvhold.sidecar.pool_restart import PoolRestart, reexec, wait_while_held
-from kvhold.sidecar.regions import PoolMemory, create_regions, expected_infos
+from kvhold.sidecar.instance_lock import SHM_DIR, InstanceLock, wait_for_holder_death
+from kvhold.sidecar.pool_restart import POOL_RESTART_ENV, PoolRestart, reexec, wait_while_held
+from kvhold.sidecar.regions import PoolMemory, create_regions, expected_infos, shm_needs
 from kvhold.sidecar.request_deaths import RequestDeaths
 from kvhold.sidecar.readmit import Readmission
 from kvhold.sidecar.supervisor import ExecutorLaunch, Supervisor
@@ -116,6 +116,7 @@ class Sidecar:
         self.fd_listener = None
         self._held_lock: int | None = None  # a spare's lock, taken at its predecessor's death
         self.spare: dict | None = None      # a spare's takeover: whom it followed, how fast
+        self._old_tables = False            # a predecessor's tables were found at this start
 
     # ------------------------------------------------------------------ a spare's wait
     def prepare(self) -> None:
@@ -180,6 +181,8 @@ class Sidecar:
         found = self._find_adoptable(geometry)      # a dead predecessor's live pool, if any
         _reached(parts, "found")
         keep_client_socket = not self.link_class.BINDS_CLIENT_SOCKET     # a frontend process's
+        # a frontend process may still map a predecessor's tables (their space stays taken)
+        self._old_tables = found is None and (SHM_DIR / self.paths.shm_name("tables").lstrip("/")).exists()
         self.lock.remove_stale(SHM_PARTS, keep_shm=found is not None, keep_client_socket=keep_client_socket)
         if found is not None:
             found = self._take_back_regions(stack, found, geometry)
@@ -306,8 +309,12 @@ class Sidecar:
         if found is not None:
             self.tables = found.tables
         else:
-            check_shm_capacity({"tables": geometry.total_bytes,
-                                **(sizes if self.config.pool.backend == "host" else {})})
+            # a frontend process keeps the old tables mapped through a pool restart: a start asks
+            # for room for them too, unless they are out of the free space already (a pool
+            # restart's new image, or a predecessor's tables found at this start)
+            reserve = not (self.link_class.BINDS_CLIENT_SOCKET or os.environ.get(POOL_RESTART_ENV)
+                           or self._old_tables)
+            check_shm_capacity(shm_needs(geometry.total_bytes, sizes, self.config.pool.backend, reserve))
             self.tables = Tables.create(self.paths.shm_name("tables"), geometry, generation)
         stack.callback(self.tables.unlink)
         regions = create_regions(sizes, self.config.pool, self.paths,

@@ -41,6 +41,7 @@ from kvhold.protocol.leases import now_ns
 
 log = logging.getLogger(__name__)
 EXIT_POOL_RESTART = 76
+POOL_RESTART_ENV = "KVHOLD_POOL_RESTART"    # set in a pool restart's new image (its start check)
 HOLD_POLL_S = 0.2
 
 
@@ -169,6 +170,7 @@ def reexec(drop: tuple[str, ...] = ()) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.closerange(3, 1 << 16)    # nothing of the old pool may outlive it, CUDA handles included
+    os.environ[POOL_RESTART_ENV] = "1"
     try:
         os.execv(sys.executable, argv)
     except OSError as exc:

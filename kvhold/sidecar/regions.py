@@ -17,6 +17,22 @@ from kvhold.protocol.naming import InstancePaths
 from kvhold.protocol.tables import Tables
 
 
+# what a pool restart holds beside the new pool: the old tables, which the frontend process keeps
+# mapped (unlinked, still taking space) until it re-executes over the new pool
+RESTART_RESERVE = "the old tables during a pool restart"
+
+
+def shm_needs(tables_bytes: int, sizes: dict[str, int], backend: str, restart_reserve: bool) -> dict[str, int]:
+    """What a new pool takes of /dev/shm, by part: the tables, the regions on the host backend,
+    and with `restart_reserve` (a frontend in its own process, not in a pool restart's new image,
+    whose old tables are out of the free space already) room for the old tables that a later
+    pool restart creates the new pool beside."""
+    needs = {"tables": tables_bytes, **(sizes if backend == "host" else {})}
+    if restart_reserve:
+        needs[RESTART_RESERVE] = tables_bytes
+    return needs
+
+
 def _device(pool_config) -> int:
     return int(pool_config.device.partition(":")[2] or 0) if pool_config.backend == "cuda" else 0
 
