@@ -5,19 +5,19 @@ processes, real signals."""
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 
+from kvhold.client.client import Client
 from kvhold.serving.serve import SIDECAR_RESTARTS
 from tests.process.helpers import (SERVE_FLAGS, Events, Server, ServeProcess, alive, comparable, pool_restart_cli,
                                    wait_until, whole)
 
 pytestmark = pytest.mark.slow      # a takeover and a pool restart: `pytest -m slow`
 
-COMPLETION = {"prompt": "The sidecar keeps the memory", "max_tokens": 400, "temperature": 0.8, "seed": 3,
+# long enough to be mid-stream when the drain starts
+COMPLETION = {"prompt": "The sidecar keeps the memory", "max_tokens": 1000, "temperature": 0.8, "seed": 3,
               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -68,7 +68,6 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
     journal = tmp_path / "journal"
     flags = ("--max-seq-len", "1024", "--journal-dir", str(journal))
     srv = Server(model, tmp_path, tmp_path / "serve.log", *flags)
-    cli = None
     try:
         pids = _spare_waiting(srv)
         pids = [pids["pid"], *pids["spares"]]
@@ -76,9 +75,8 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
             assert r.status_code == 200
             part = Events(r).read(5)
             (model / "config.json").rename(tmp_path / "config.json")
-            cli = subprocess.Popen([sys.executable, "-m", "kvhold", "pool-restart", "--instance", srv.instance,
-                                    "--runtime-root", str(tmp_path), "--continue", "--timeout", "60"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with Client.for_instance(srv.instance, tmp_path, timeout=10) as client:
+                assert client.pool_restart(hold=False, client_grace_s=60).in_flight == 1
             assert srv.proc.wait(90) == 1                # serve gives up, saying why
             part.read()
         log = (tmp_path / "serve.log").read_text()
@@ -89,9 +87,6 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
         assert len(list(journal.glob("req-*.json"))) == 1          # the request waits on disk
         wait_until(lambda: not any(alive(p) for p in pids), 10, 0.05, what="the sidecar and its spare to end")
     finally:
-        if cli is not None:
-            cli.kill()
-            cli.wait()
         srv.stop()
     (tmp_path / "config.json").rename(model / "config.json")        # the cause fixed
     again = ServeProcess([*SERVE_FLAGS, *flags], tmp_path, model=model, instance=srv.instance,
