@@ -116,7 +116,7 @@ class Restore:
             detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
             texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
             fe.restore_stream(rid, slot, bytes.fromhex(body["client"]), len(prompt), detok,
-                              texts, dict(body, generated=[]))
+                              texts, dict(body, generated=[]), rerun=True)
         except Exception:                 # not restored: its stream goes (the readmission its slot)
             fe.streams.pop(rid, None)
             fe.records.pop(rid, None)
@@ -229,8 +229,12 @@ class Restore:
         if rid in self.cancelled and (st is None or st.identity == identity):
             return self.cancelled[rid]
         if st is not None and st.identity == identity:
-            if not 0 <= index <= st.sent:
+            if index < 0 or (index > st.sent and not st.rerun):
                 return f"request {rid:#x}: cannot resume at token {index} (have {st.sent})"
+            # a re-run request behind its client: what it generates up to `index` (the same
+            # tokens: sampling is deterministic) is not sent again
+            st.resume_at = index if index > st.sent else 0
+            index = min(index, st.sent)
             was_waiting, st.awaiting_resume = st.awaiting_resume, False
             self._away.pop(rid, None)
             st.conn = fe.connection_of(identity)       # the connection it streams to from now on
