@@ -51,6 +51,8 @@ The counts outlive the sidecar: with `store` (a file beside the durable journal)
 written there (a temporary file renamed over it; no fsync: a process kill loses nothing, a machine
 crash may), and a starting sidecar reads it back, each suspect found again by its request id in
 the journal (an adopted pool, or one restored from the durable journal) at the next promotion.
+A damaged store (`DeathCounts` checks every field) is set aside as `request_deaths.json.bad`
+(kvhold.protocol.state_files) and the counts start from zero.
 Without it a sidecar restarted between a death and the isolated re-run forgot the suspect: the
 request ran batched again and killed one more executor, with others in its step.
 """
@@ -67,6 +69,7 @@ from typing import Callable
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState
 from kvhold.protocol.leases import LeaseTable
+from kvhold.protocol.state_files import StateFileError, integer, set_aside
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,46 @@ MAX_DEATHS = 2       # executor deaths with the same request in the step, at the
 MAX_KILLS = 4        # deaths of any kind in a row, without progress, before an outside kill counts
 OUTSIDE_KILLS = (128 + 9, 128 + 15)   # exit codes of SIGKILL and SIGTERM (128 + signal)
 LOGGED_IDS = 8       # request ids a death's log line names
+
+
+@dataclass(frozen=True, slots=True)
+class DeathCounts:
+    """The counts as kept in the store (`request_deaths.json`), each field checked when read back
+    (kvhold.protocol.state_files): {"suspects": [[request id, deaths, KV end], ...],
+    "failed_total": n, "forgiven_total": n}."""
+    suspects: tuple[tuple[int, int, int], ...] = ()
+    failed_total: int = 0
+    forgiven_total: int = 0
+
+    def to_doc(self) -> dict:
+        return {"suspects": [list(s) for s in self.suspects], "failed_total": self.failed_total,
+                "forgiven_total": self.forgiven_total}
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "DeathCounts":
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as exc:      # JSONDecodeError, UnicodeDecodeError
+            raise StateFileError(f"not JSON ({type(exc).__name__})") from None
+        if not isinstance(doc, dict):
+            raise StateFileError(f"not a map of counts ({type(doc).__name__})")
+        unknown = set(doc) - {"suspects", "failed_total", "forgiven_total"}
+        if unknown:
+            raise StateFileError(f"unknown field {sorted(map(str, unknown))[0][:40]!r}")
+        rows = doc.get("suspects", [])
+        if not isinstance(rows, list):
+            raise StateFileError("suspects is not a list")
+        suspects = []
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 3:
+                raise StateFileError("a suspect is not [request id, deaths, KV end]")
+            suspects.append((integer(row[0], "request id", 1, (1 << 64) - 1),
+                             integer(row[1], "deaths", 1, (1 << 31) - 1),
+                             integer(row[2], "KV end", 0, (1 << 31) - 1)))
+        if len({rid for rid, _, _ in suspects}) != len(suspects):
+            raise StateFileError("a request is listed twice")
+        return cls(tuple(suspects), integer(doc.get("failed_total", 0), "failed_total", 0, (1 << 63) - 1),
+                   integer(doc.get("forgiven_total", 0), "forgiven_total", 0, (1 << 63) - 1))
 
 
 @dataclass(slots=True)
@@ -121,17 +164,16 @@ class RequestDeaths:
         if self.store is None:
             return
         try:
-            doc = json.loads(self.store.read_text())
-            for rid, deaths, end in doc.get("suspects", []):
-                self.suspects[int(rid)] = Suspect(slot=-1, deaths=int(deaths), end=int(end),
-                                                  read_back=True)
-            self.num_failed = int(doc.get("failed_total", 0))
-            self.num_forgiven = int(doc.get("forgiven_total", 0))
+            counts = DeathCounts.from_json(self.store.read_bytes())
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError) as exc:
-            log.error("request death counts in %s not read (%s): counting from zero", self.store, exc)
+        except (OSError, StateFileError) as exc:
+            set_aside(self.store, str(exc), "the request death counts file")
+            log.error("request death counts not read back: counting from zero")
             return
+        for rid, deaths, end in counts.suspects:
+            self.suspects[rid] = Suspect(slot=-1, deaths=deaths, end=end, read_back=True)
+        self.num_failed, self.num_forgiven = counts.failed_total, counts.forgiven_total
         if self.suspects:
             log.warning("read back the death counts of %d requests that were in the step of a dead "
                         "executor", len(self.suspects))
@@ -151,8 +193,8 @@ class RequestDeaths:
     def _save(self) -> None:
         if self.store is None or self._held:
             return
-        doc = {"suspects": [[rid, s.deaths, s.end] for rid, s in self.suspects.items()],
-               "failed_total": self.num_failed, "forgiven_total": self.num_forgiven}
+        doc = DeathCounts(suspects=tuple((rid, s.deaths, s.end) for rid, s in self.suspects.items()),
+                          failed_total=self.num_failed, forgiven_total=self.num_forgiven).to_doc()
         if doc == self._saved:
             return
         tmp = self.store.with_suffix(".tmp")
