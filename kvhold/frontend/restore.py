@@ -157,19 +157,11 @@ class Restore:
         if self.kept is None:
             return
         now = now_ns()
-        for doc in self.kept.load():
-            try:
-                done = m.Done(**doc["done"])
-                rid = doc["request_id"]
-                finished = min(int(doc.get("finished_ns", now)), now)   # a reboot restarts the clock
-                self.unclaimed[rid] = Unclaimed(doc["identity"], list(doc["ids"]), list(doc["texts"]), done,
-                                                finished, doc.get("logprobs") or {})
-            except (TypeError, ValueError, KeyError) as exc:
-                log.error("dropped a kept result: %s", exc)
-                self.kept.remove(doc.get("request_id", -1))
-                continue
+        for r in self.kept.load(self.readmission.vocab_size):   # each checked: kept_results.KeptRecord
+            finished = min(r.finished_ns, now)            # a reboot restarts the clock
+            self.unclaimed[r.request_id] = Unclaimed(r.identity, r.ids, r.texts, r.done, finished, r.logprobs)
             log.warning("request %#x: its result, kept for pickup by the previous process, waits "
-                        "for its client", rid)
+                        "for its client", r.request_id)
 
     # ------------------------------------------------------------------ streams
     def on_first_token(self) -> None:
