@@ -10,6 +10,22 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _nothing_left_in_dev_shm():
+    """The suite leaves nothing in /dev/shm: every object this process's tests made (named with
+    its pid: kvhold.testing.shm.made_by; under pytest-xdist each worker checks its own) and
+    that was not there before is gone at the end, or the session fails with their names."""
+    from kvhold.testing.shm import made_by
+
+    pid = os.getpid()
+    before = made_by(pid)
+    yield
+    left = sorted(made_by(pid) - before)
+    if left:
+        pytest.fail(f"the tests left {len(left)} shared-memory objects in /dev/shm: {', '.join(left)}",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _session_state_dir(tmp_path_factory):
     """Durable request journals (kvhold.sidecar.durable_journal) of test sidecars go to a temporary
     directory, never to /var/lib/kvhold or ~/.local/state."""

@@ -17,7 +17,11 @@ re-armed from the zygote unless --no-zygote) on the tiny demo model (CPU), then:
    * `sigkill_during_takeover`: SIGKILL the active, then SIGKILL the promoted standby as
      soon as the sidecar's status shows it active, before it reports its takeover;
    * `sigstop_hang`: SIGSTOP the active; the sidecar's heartbeat lease finds the hang,
-     fences it and kills it.
+     fences it and kills it;
+   and the processes around them (tools.soak_owner_faults): `sidecar_sigkill` (the memory
+   owner, while its spare waits), `frontend_sigkill`, `spare_sigkill`, and `pool_restart`
+   (`kvhold pool-restart --continue`); one of these whose process is not there to hit (no
+   spare waiting yet) is deferred: that cycle takes the next executor plan.
    The executors' pids come from the sidecar's status (the SDK's Status message, what
    `kvhold status` shows). It stops when --faults faults have happened or after
    --max-seconds, whichever comes first; the clients then finish their requests.
@@ -66,8 +70,10 @@ from kvhold.client.client import Client
 from kvhold.protocol.errors import KvholdError
 from kvhold.protocol.naming import InstancePaths
 from kvhold.testing.serve_process import ServeProcess
+from tools.soak_owner_faults import OWNER_PLANS, OwnerFaults
 
-PLANS = ("sigkill_with_standby", "sigkill_no_standby", "sigkill_during_takeover", "sigstop_hang")
+EXECUTOR_PLANS = ("sigkill_with_standby", "sigkill_no_standby", "sigkill_during_takeover", "sigstop_hang")
+PLANS = EXECUTOR_PLANS + OWNER_PLANS
 PHRASES = ["The sidecar keeps the memory of every request", "Once upon a time", "One two three four",
            "Never lose a stream", "A standby takes over", "Pages are checksummed and versioned"]
 
@@ -567,6 +573,8 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
     with Client.for_instance(paths.instance, paths.runtime_dir.parent, timeout=10) as sdk:
         obs = Observer(sdk)
         injector = Injector(obs, args, args.zygote)
+        owner = OwnerFaults(obs, paths.instance, paths.runtime_dir.parent, args.steady_timeout)
+        executor_plans = [p for p in args.plans if p in EXECUTOR_PLANS] or list(EXECUTOR_PLANS)
         log(f"starting kvhold serve on {base} (instance {paths.instance}, log {log_path})")
         up = lambda st: serve.poll() is None and obs.steady(st, args.zygote, stepped=False)  # noqa: E731
         started = obs.wait(up, 600, 0.1) if serve.poll() is None else None
@@ -608,6 +616,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
         clients.start()
         soak_t0 = time.monotonic()
         stopped_by, cycle, faults, chunks_mark = "faults", 0, 0, 0
+        taken, waiting = 0, None      # plans taken in turn; an owner plan that had to wait
         kinds: Counter = Counter()
         planned: Counter = Counter()
         try:
@@ -631,17 +640,27 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                                        f"within {args.steady_timeout:.0f} s")
                     break
                 kinds, *_ = injector.classify()
-                faults = sum(kinds.values())
+                faults = sum(kinds.values()) + sum(owner.observed().values())
                 if faults >= args.faults:
                     break
-                plan = args.plans[cycle % len(args.plans)]
+                plan = waiting or args.plans[taken % len(args.plans)]
+                waiting = None
+                if plan in OWNER_PLANS and not OwnerFaults.ready(obs.last, plan):
+                    planned[f"{plan} deferred"] += 1
+                    waiting, plan = plan, executor_plans[cycle % len(executor_plans)]
+                else:
+                    taken += 1
                 planned[plan] += 1
-                injector.cycles.append(injector.run_cycle(cycle, plan))
+                if plan in OWNER_PLANS:
+                    injector.cycles.append(owner.run(cycle, plan))
+                else:
+                    injector.cycles.append(injector.run_cycle(cycle, plan))
                 chunks_mark = clients.chunks     # the next fault waits for chunks streamed after this one
                 cycle += 1
                 if cycle % args.progress_every == 0 or cycle <= 4:
                     done = len(clients.results)
-                    log(f"cycle {cycle}: {faults} faults so far {dict(kinds)}; {done} requests finished, "
+                    log(f"cycle {cycle}: {faults} faults so far {dict(kinds)} {dict(owner.observed())}; "
+                        f"{done} requests finished, "
                         f"{sum(r['outcome'] != 'completed' for _, r in clients.results)} not completed; "
                         f"{elapsed:.0f} s")
                 if cycle % 50 == 0:
@@ -651,7 +670,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                         **{f"{who}_{k}": (x[who] or {}).get(k) for who in ("sidecar", "http_server")
                            for k in ("rss_kib", "open_fds")},
                         "shm_segments": x["shm_segments"], "session_processes": x["sidecar_session"]["processes"]})
-                    result["partial"] = {"cycles": cycle, "faults": dict(kinds),
+                    result["partial"] = {"cycles": cycle, "faults": dict(kinds), "owner_faults": owner.summary(),
                                          "requests": compare(list(clients.results), reference)}
                     save()
         finally:
@@ -663,10 +682,13 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
         obs.poll()
         kinds, faults_list, unplanned, missing = injector.classify()
         result.pop("partial", None)
+        owner_kinds = owner.observed()
         result["soak"] = {"s": soak_s, "stopped_by": stopped_by, "cycles": cycle, "planned": dict(planned),
-                          "faults": sum(kinds.values()), "faults_by_kind": dict(kinds),
+                          "faults": sum(kinds.values()) + sum(owner_kinds.values()),
+                          "faults_by_kind": {**dict(kinds), **dict(owner_kinds)},
+                          "owner_faults": owner.summary(),
                           "unplanned_fences": unplanned, "signalled_without_fence": missing,
-                          "injector_notes": dict(injector.notes), "clients_finished": clean}
+                          "injector_notes": {**dict(injector.notes), **dict(owner.notes)}, "clients_finished": clean}
         result["requests"] = compare(list(clients.results), reference)
         by_kind = {}
         for k in sorted(kinds):
@@ -694,7 +716,8 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
         result["cycles"] = injector.cycles
         save()
         r = result["requests"]
-        log(f"{result['soak']['faults']} faults {dict(kinds)} in {soak_s:.0f} s; requests {r['requests']}: "
+        log(f"{result['soak']['faults']} faults {result['soak']['faults_by_kind']} in {soak_s:.0f} s; "
+            f"requests {r['requests']}: "
             f"{r['identical']} identical, {r['differing']} differing, {r['lost']} lost, {r['errored']} errored; "
             f"{len(unplanned)} unplanned fences")
         for when in ("resources_before", "resources_after"):

@@ -67,6 +67,10 @@ class Stream:
     failed: bool = False                # ended with an error (fail_request): silent until released
     conn: int = 0                       # the owner's connection it streams to (0: not checked)
     opened_ns: int = 0                  # admitted (for its time to first token)
+    # re-run from its durable record after the pool was lost: its client may hold more tokens
+    # than the record (committed tokens die with the pool), and may resume ahead of `sent`
+    rerun: bool = False
+    resume_at: int = 0                  # the client's next index, ahead of `sent`: sent from there
 
 
 @functools.lru_cache(maxsize=4)
@@ -348,13 +352,15 @@ class Frontend:
                 "generated": list(prefix), "sampling": params.to_dict(), "admitted_unix_ns": time.time_ns(),
                 "fingerprint": self.fingerprint}
 
-    def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record) -> None:
-        """A request restored by a pool restart (kvhold.frontend.restore): silent until resumed."""
+    def restore_stream(self, request_id, slot, identity, prompt_len, detok, texts, record,
+                       rerun: bool = False) -> None:
+        """A request restored by a pool restart (kvhold.frontend.restore): silent until resumed.
+        `rerun`: re-admitted from its durable record, so it may be behind its client."""
         prefix = int(record.get("prefix", 0))
         self.streams[request_id] = Stream(
             request_id=request_id, slot=slot, identity=identity, prompt_len=prompt_len, detok=detok,
             sent=prefix + len(texts[prefix:]), prefix=prefix, text=list(texts[prefix:]),
-            last_send_ns=now_ns(), awaiting_resume=True, restored_from=len(texts))
+            last_send_ns=now_ns(), awaiting_resume=True, restored_from=len(texts), rerun=rerun)
         self.records[request_id] = record
 
     def _send(self, st: Stream, msg) -> None:
@@ -465,11 +471,20 @@ class Frontend:
             else:
                 texts = [""] * len(ids)
             st.text.extend(texts)
-            lp = logprob_stream.fields(self.journal, st.slot, st.prompt_len, st.sent, count, asked)
-            self._send(st, m.Tokens(request_id=st.request_id, start=st.sent - st.prefix, ids=ids,
-                                    texts=texts, **lp))
+            start = max(st.sent, st.resume_at)      # what its client already has is not sent again
+            if start < count:
+                lp = logprob_stream.fields(self.journal, st.slot, st.prompt_len, start, count, asked)
+                skip = start - st.sent
+                self._send(st, m.Tokens(request_id=st.request_id, start=start - st.prefix, ids=ids[skip:],
+                                        texts=texts[skip:], **lp))
             st.sent = count
             st.last_send_ns = now_ns()
+        if state == ExecState.FINISHED and count < st.resume_at:
+            # a re-run ended before the index its client had: its output is not the one streamed
+            self.fail_request(st.request_id, st.slot, f"request {st.request_id:#x} was re-run from its "
+                              f"durable record after the pool was lost and ended at token {count}, "
+                              f"before the {st.resume_at} tokens its client has: the output differs")
+            return
         if state == ExecState.FINISHED:
             if st.detok:
                 st.text.append(st.detok.flush())

@@ -116,7 +116,7 @@ class Restore:
             detok = IncrementalDetokenizer(fe.tokenizer, prompt) if fe.tokenizer else None
             texts = [detok.push(t) for t in generated] if detok else [""] * len(generated)
             fe.restore_stream(rid, slot, bytes.fromhex(body["client"]), len(prompt), detok,
-                              texts, dict(body, generated=[]))
+                              texts, dict(body, generated=[]), rerun=True)
         except Exception:                 # not restored: its stream goes (the readmission its slot)
             fe.streams.pop(rid, None)
             fe.records.pop(rid, None)
@@ -157,19 +157,11 @@ class Restore:
         if self.kept is None:
             return
         now = now_ns()
-        for doc in self.kept.load():
-            try:
-                done = m.Done(**doc["done"])
-                rid = doc["request_id"]
-                finished = min(int(doc.get("finished_ns", now)), now)   # a reboot restarts the clock
-                self.unclaimed[rid] = Unclaimed(doc["identity"], list(doc["ids"]), list(doc["texts"]), done,
-                                                finished, doc.get("logprobs") or {})
-            except (TypeError, ValueError, KeyError) as exc:
-                log.error("dropped a kept result: %s", exc)
-                self.kept.remove(doc.get("request_id", -1))
-                continue
+        for r in self.kept.load(self.readmission.vocab_size):   # each checked: kept_results.KeptRecord
+            finished = min(r.finished_ns, now)            # a reboot restarts the clock
+            self.unclaimed[r.request_id] = Unclaimed(r.identity, r.ids, r.texts, r.done, finished, r.logprobs)
             log.warning("request %#x: its result, kept for pickup by the previous process, waits "
-                        "for its client", rid)
+                        "for its client", r.request_id)
 
     # ------------------------------------------------------------------ streams
     def on_first_token(self) -> None:
@@ -229,8 +221,12 @@ class Restore:
         if rid in self.cancelled and (st is None or st.identity == identity):
             return self.cancelled[rid]
         if st is not None and st.identity == identity:
-            if not 0 <= index <= st.sent:
+            if index < 0 or (index > st.sent and not st.rerun):
                 return f"request {rid:#x}: cannot resume at token {index} (have {st.sent})"
+            # a re-run request behind its client: what it generates up to `index` (the same
+            # tokens: sampling is deterministic) is not sent again
+            st.resume_at = index if index > st.sent else 0
+            index = min(index, st.sent)
             was_waiting, st.awaiting_resume = st.awaiting_resume, False
             self._away.pop(rid, None)
             st.conn = fe.connection_of(identity)       # the connection it streams to from now on

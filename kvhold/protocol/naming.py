@@ -10,15 +10,19 @@ released); shm objects are named
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvhold.protocol.state_files import MAX_GENERATION, StateFileError, integer
+
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
 SHM_PREFIX = "kvhold"
 HOLD_FILE = "pool-restart.hold"
+log = logging.getLogger(__name__)
 
 
 def validate_instance(name: str) -> str:
@@ -153,6 +157,11 @@ class InstancePaths:
         self.hold_file.unlink(missing_ok=True)
         try:
             record = json.loads(text)
-        except ValueError:
+            if not isinstance(record, dict):
+                raise StateFileError("not a map")
+            integer(record.get("generation", 0), "generation", 0, MAX_GENERATION)
+        except (ValueError, RecursionError) as exc:     # StateFileError is a ValueError
+            log.error("the hold record %s was damaged (%s): released, its generation unknown",
+                      self.hold_file, exc if isinstance(exc, StateFileError) else type(exc).__name__)
             return {}
-        return record if isinstance(record, dict) else {}
+        return record

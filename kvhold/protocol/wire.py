@@ -258,5 +258,13 @@ def _check_fields(cls, checkers: dict[str, Callable[[Any], Any]], body: dict) ->
     return values
 
 
+def checked(cls, body: dict):
+    """The message of registered type `cls` that `body` (a map of its fields) describes, each
+    field checked as a received message's is; TypeError or ValueError naming the field."""
+    if not isinstance(body, dict) or not all(isinstance(k, str) for k in body):
+        raise TypeError(f"expected a {cls.__name__} map")
+    return cls(**_check_fields(cls, _CHECKERS[cls.TYPE], body))
+
+
 def registered_types() -> frozenset[str]:
     return frozenset(_REGISTRY)

@@ -52,6 +52,7 @@ from kvhold.protocol.page_map import page_map
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.procfs import pid_alive
 from kvhold.protocol.router_socket import bind_router, decode, drain, reply, unlink as _unlink
+from kvhold.protocol.state_files import read_generation
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar import adoption, hand_back
 from kvhold.sidecar.config import SidecarConfig
@@ -346,10 +347,7 @@ class Sidecar:
 
     def _next_generation(self) -> int:
         path = self.paths.runtime_dir / "generation"
-        try:
-            gen = int(path.read_text().strip()) + 1
-        except (FileNotFoundError, ValueError):
-            gen = 1
+        gen = read_generation(path) + 1            # a damaged file is set aside: counts as none
         # the durable journal's generation survives a reboot: request ids never repeat
         gen = max(gen, self.durable.last_generation + 1)
         path.write_text(f"{gen}\n")

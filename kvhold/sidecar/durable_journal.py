@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvhold.protocol.sampling import SamplingParams, check_token_ids, show
+from kvhold.protocol.state_files import StateFileError, read_generation, set_aside
 
 log = logging.getLogger(__name__)
 FORMAT = "kvhold-journal"
@@ -292,10 +293,7 @@ class DurableJournal:
     # ------------------------------------------------------------------ generation
     @property
     def last_generation(self) -> int:
-        try:
-            return int((self.dir / "generation").read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return 0
+        return read_generation(self.dir / "generation")
 
     def set_generation(self, generation: int) -> None:
         self._write_file(self.dir / "generation", f"{generation}\n".encode())
@@ -303,12 +301,21 @@ class DurableJournal:
     def write_json(self, name: str, doc: dict) -> None:
         self._write_file(self.dir / name, (json.dumps(doc) + "\n").encode())
 
-    def read_json(self, name: str) -> dict | None:
+    def read_json(self, name: str, check: Callable[[dict], None] = lambda doc: None) -> dict | None:
+        """The map in file `name`, None if there is none; one that is not JSON, not a map or
+        refused by `check` (StateFileError) is set aside (kvhold.protocol.state_files)."""
+        path = self.dir / name
         try:
-            doc = json.loads((self.dir / name).read_text())
-        except (OSError, ValueError, RecursionError):
+            doc = json.loads(path.read_bytes())
+            if not isinstance(doc, dict):
+                raise StateFileError(f"not a map ({type(doc).__name__})")
+            check(doc)
+        except FileNotFoundError:
             return None
-        return doc if isinstance(doc, dict) else None
+        except (OSError, ValueError, RecursionError) as exc:     # StateFileError is a ValueError
+            set_aside(path, str(exc) if isinstance(exc, StateFileError) else type(exc).__name__, "the file")
+            return None
+        return doc
 
     # ------------------------------------------------------------------ reading
     def load(self) -> tuple[list[dict], list[FailedRecord]]:

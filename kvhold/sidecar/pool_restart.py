@@ -8,7 +8,8 @@ over HTTP: retry), and on its next loop turn:
 2. stops its executors (each finishes its current step: the shm journal is then still);
 3. sends what was committed, ends the requests that finished, and writes every other
    request (prompt, sampling params, client key, committed tokens) to the durable
-   journal (kvhold.sidecar.durable_journal), with the drain's timings in `last-drain.json`;
+   journal (kvhold.sidecar.durable_journal), with the drain's timings in `last-drain.json`
+   (read back by the new image, checked by `check_drain_record`);
 4. leaves the loop, removes its memory, sockets and tables like any stop, and
    re-executes itself (`execv` of its own command line: same pid, same arguments, same
    terminal, same systemd unit or container; `kvhold serve` sees its child stay up). A
@@ -38,11 +39,23 @@ import time
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
+from kvhold.protocol.state_files import StateFileError, integer
 
 log = logging.getLogger(__name__)
 EXIT_POOL_RESTART = 76
 POOL_RESTART_ENV = "KVHOLD_POOL_RESTART"    # set in a pool restart's new image (its start check)
 HOLD_POLL_S = 0.2
+
+
+def check_drain_record(doc: dict) -> None:
+    """A drain's record (`last-drain.json`, the `report` below) as read back: a map of counts,
+    times in ns and the `hold` flag; StateFileError naming the field that does not fit."""
+    for key, value in doc.items():
+        if key == "hold":
+            if not isinstance(value, bool):
+                raise StateFileError("hold is not true or false")
+        else:
+            integer(value, str(key)[:40], 0, (1 << 63) - 1)
 
 
 class PoolRestart:

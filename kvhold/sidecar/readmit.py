@@ -23,6 +23,7 @@ from typing import Callable
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.leases import now_ns
 from kvhold.sidecar.durable_journal import FailedRecord, record_sampling
+from kvhold.sidecar.pool_restart import check_drain_record
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Readmission:
         self.report = {"sidecar_started_ns": self.started_ns, "start_ns": t0, "restored_ns": now_ns(),
                        "requests_restored": restored, "requests_adopted": adopted,
                        "requests_failed": len(self.failed), "first_token_ns": 0,
-                       "previous_drain": self.durable.read_json("last-drain.json")}
+                       "previous_drain": self.durable.read_json("last-drain.json", check_drain_record)}
         log.warning("pool generation %d: restored %d journaled requests (%d failed) from %s",
                     self.generation, restored, len(self.failed), self.durable.dir)
         return restored

@@ -30,6 +30,17 @@ it (the cgroup's memory.events `oom_kill` count rose), and the death is taken ba
 unknown status counts. Without this, an outside kill timed onto the successor's first step,
 which is the isolated re-run, fails a healthy request: a soak of 1,000 SIGKILLs, some of them
 of successors during their takeover, failed 8 of the first 60 requests so.
+Forgiving outside kills has one blind spot: where the cgroup's OOM count cannot be read (cgroup
+v1, or no memory.events: `oom_kills()` is None) a request that makes the kernel OOM-kill every
+executor that runs it looks like a series of outside kills, and was retried for ever, the
+requests batched with it stalled in the same dead step. So deaths of any kind are counted too:
+a request in the step of MAX_KILLS deaths in a row with no progress between them (each step
+started before the KV end of the one before: it never got past the place it died) has its
+death at the MAX_KILLS-th kept whatever its exit status and the cgroup say, so it is isolated,
+and its death alone at that place again fails it. A step that starts at or past that end (it
+ran past it) starts a new count. Random outside kills do not add up so: a supervisor killing a
+successor mid-takeover lands on the same place twice at most, and after that the requests move
+on. These counts are kept in memory only.
 A failed request's stream gets an error naming the cause, its journal entry is cancelled so
 that the next executor finishes it without running it, and the others continue unchanged.
 What this costs: after a crash, one step alone for each request that was in the dead step
@@ -40,6 +51,8 @@ The counts outlive the sidecar: with `store` (a file beside the durable journal)
 written there (a temporary file renamed over it; no fsync: a process kill loses nothing, a machine
 crash may), and a starting sidecar reads it back, each suspect found again by its request id in
 the journal (an adopted pool, or one restored from the durable journal) at the next promotion.
+A damaged store (`DeathCounts` checks every field) is set aside as `request_deaths.json.bad`
+(kvhold.protocol.state_files) and the counts start from zero.
 Without it a sidecar restarted between a death and the isolated re-run forgot the suspect: the
 request ran batched again and killed one more executor, with others in its step.
 """
@@ -56,12 +69,54 @@ from typing import Callable
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState
 from kvhold.protocol.leases import LeaseTable
+from kvhold.protocol.state_files import StateFileError, integer, set_aside
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
 MAX_DEATHS = 2       # executor deaths with the same request in the step, at the same position
+MAX_KILLS = 4        # deaths of any kind in a row, without progress, before an outside kill counts
 OUTSIDE_KILLS = (128 + 9, 128 + 15)   # exit codes of SIGKILL and SIGTERM (128 + signal)
 LOGGED_IDS = 8       # request ids a death's log line names
+
+
+@dataclass(frozen=True, slots=True)
+class DeathCounts:
+    """The counts as kept in the store (`request_deaths.json`), each field checked when read back
+    (kvhold.protocol.state_files): {"suspects": [[request id, deaths, KV end], ...],
+    "failed_total": n, "forgiven_total": n}."""
+    suspects: tuple[tuple[int, int, int], ...] = ()
+    failed_total: int = 0
+    forgiven_total: int = 0
+
+    def to_doc(self) -> dict:
+        return {"suspects": [list(s) for s in self.suspects], "failed_total": self.failed_total,
+                "forgiven_total": self.forgiven_total}
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "DeathCounts":
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as exc:      # JSONDecodeError, UnicodeDecodeError
+            raise StateFileError(f"not JSON ({type(exc).__name__})") from None
+        if not isinstance(doc, dict):
+            raise StateFileError(f"not a map of counts ({type(doc).__name__})")
+        unknown = set(doc) - {"suspects", "failed_total", "forgiven_total"}
+        if unknown:
+            raise StateFileError(f"unknown field {sorted(map(str, unknown))[0][:40]!r}")
+        rows = doc.get("suspects", [])
+        if not isinstance(rows, list):
+            raise StateFileError("suspects is not a list")
+        suspects = []
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 3:
+                raise StateFileError("a suspect is not [request id, deaths, KV end]")
+            suspects.append((integer(row[0], "request id", 1, (1 << 64) - 1),
+                             integer(row[1], "deaths", 1, (1 << 31) - 1),
+                             integer(row[2], "KV end", 0, (1 << 31) - 1)))
+        if len({rid for rid, _, _ in suspects}) != len(suspects):
+            raise StateFileError("a request is listed twice")
+        return cls(tuple(suspects), integer(doc.get("failed_total", 0), "failed_total", 0, (1 << 63) - 1),
+                   integer(doc.get("forgiven_total", 0), "forgiven_total", 0, (1 << 63) - 1))
 
 
 @dataclass(slots=True)
@@ -72,6 +127,21 @@ class Suspect:
     read_back: bool = False   # counted by a previous sidecar (the store)
 
 
+@dataclass(slots=True)
+class Streak:
+    """Deaths of any kind (outside kills included) with a request in the step, in a row, each
+    step starting before the KV end of the one before (no progress between them)."""
+    slot: int
+    deaths: int
+    end: int             # the furthest KV end of those steps (exclusive)
+
+    def count(self, start: int, end: int) -> None:
+        if start >= self.end:                # it ran past the place it died: a new count
+            self.deaths = 0
+        self.deaths += 1
+        self.end = max(self.end, end)
+
+
 class RequestDeaths:
     def __init__(self, tables: Tables, fail: Callable[[int, int, str], None], store: Path | None = None):
         """`fail(request_id, journal slot, message)` ends a request with an error to its client;
@@ -80,9 +150,10 @@ class RequestDeaths:
         self.leases = LeaseTable(tables)
         self.fail = fail
         self.suspects: dict[int, Suspect] = {}      # by request id
+        self.streaks: dict[int, Streak] = {}        # by request id: deaths of any kind in a row
         self.num_failed = 0
         self.num_forgiven = 0                       # deaths taken back: the executor was killed from outside
-        self._unsettled: dict[int, list[tuple[int, int, int, str | None]]] = {}   # epoch -> counted deaths
+        self._unsettled: dict[int, list[tuple[int, int, int]]] = {}   # epoch -> counted deaths
         self._oom_kills = oom_kills()
         self.store = Path(store) if store is not None else None
         self._saved: dict | None = None
@@ -93,17 +164,16 @@ class RequestDeaths:
         if self.store is None:
             return
         try:
-            doc = json.loads(self.store.read_text())
-            for rid, deaths, end in doc.get("suspects", []):
-                self.suspects[int(rid)] = Suspect(slot=-1, deaths=int(deaths), end=int(end),
-                                                  read_back=True)
-            self.num_failed = int(doc.get("failed_total", 0))
-            self.num_forgiven = int(doc.get("forgiven_total", 0))
+            counts = DeathCounts.from_json(self.store.read_bytes())
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError) as exc:
-            log.error("request death counts in %s not read (%s): counting from zero", self.store, exc)
+        except (OSError, StateFileError) as exc:
+            set_aside(self.store, str(exc), "the request death counts file")
+            log.error("request death counts not read back: counting from zero")
             return
+        for rid, deaths, end in counts.suspects:
+            self.suspects[rid] = Suspect(slot=-1, deaths=deaths, end=end, read_back=True)
+        self.num_failed, self.num_forgiven = counts.failed_total, counts.forgiven_total
         if self.suspects:
             log.warning("read back the death counts of %d requests that were in the step of a dead "
                         "executor", len(self.suspects))
@@ -123,8 +193,8 @@ class RequestDeaths:
     def _save(self) -> None:
         if self.store is None or self._held:
             return
-        doc = {"suspects": [[rid, s.deaths, s.end] for rid, s in self.suspects.items()],
-               "failed_total": self.num_failed, "forgiven_total": self.num_forgiven}
+        doc = DeathCounts(suspects=tuple((rid, s.deaths, s.end) for rid, s in self.suspects.items()),
+                          failed_total=self.num_failed, forgiven_total=self.num_forgiven).to_doc()
         if doc == self._saved:
             return
         tmp = self.store.with_suffix(".tmp")
@@ -144,7 +214,14 @@ class RequestDeaths:
         if not step:
             return []           # it died between steps: no request was running
         counted = []
-        for jslot, rid, start, end in self.journal.in_step(epoch, step):
+        in_step = self.journal.in_step(epoch, step)
+        self._forget_streaks({rid for _, rid, _, _ in in_step})
+        for jslot, rid, start, end in in_step:
+            k = self.streaks.get(rid)
+            if k is None:
+                k = self.streaks[rid] = Streak(slot=jslot, deaths=0, end=end)
+            k.slot = jslot
+            k.count(start, end)
             s = self.suspects.get(rid)
             if s is not None and end < s.end:
                 continue                         # a batched step before its isolated one
@@ -153,17 +230,12 @@ class RequestDeaths:
             s.slot = jslot
             s.deaths += 1
             s.end = end
-            message = None
             if s.deaths >= MAX_DEATHS:
                 log.warning("request %#x was in the step of a dead executor (epoch %d, step %d, KV up "
                             "to %d): death %d of %d", rid, epoch, step, end, s.deaths, MAX_DEATHS)
-                message = (f"request {rid:#x} failed: the executor died {s.deaths} times while running "
-                           f"it, the last time with no other request in its step (at KV position "
-                           f"{end}); it crashes the engine and is not retried (check its prompt and "
-                           f"parameters, or the model's tokenizer and vocabulary)")
-            counted.append((rid, jslot, end, message))
+            counted.append((rid, jslot, end))
         if counted:    # one line: this runs between the fence and the promotion
-            shown = ", ".join(f"{rid:#x}" for rid, _, _, _ in counted[:LOGGED_IDS])
+            shown = ", ".join(f"{rid:#x}" for rid, _, _ in counted[:LOGGED_IDS])
             more = f" and {len(counted) - LOGGED_IDS} more" if len(counted) > LOGGED_IDS else ""
             log.warning("%d requests were in the step of a dead executor (epoch %d, step %d): %s%s",
                         len(counted), epoch, step, shown, more)
@@ -171,7 +243,7 @@ class RequestDeaths:
             return self._settle(counted)
         self._unsettled[epoch] = counted
         if len(self._unsettled) > 64:              # an exit never seen (a process not ours): settled as a crash
-            self._settle(self._unsettled.pop(next(iter(self._unsettled))))
+            self._settle(self._unsettled.pop(next(iter(self._unsettled))), -1)
         self._save()
         return []
 
@@ -186,31 +258,68 @@ class RequestDeaths:
         killed_by_oom = oom is not None and self._oom_kills is not None and oom > self._oom_kills
         self._oom_kills = oom
         if exit_code in OUTSIDE_KILLS and not killed_by_oom:
-            for rid, _, _, _ in counted:
+            kept = [c for c in counted if self._streak(c[0]) >= MAX_KILLS]
+            for rid, _, _ in counted:
                 s = self.suspects.get(rid)
-                if s is not None:
+                if s is not None and self._streak(rid) < MAX_KILLS:
                     s.deaths -= 1
                     if s.deaths <= 0:
                         del self.suspects[rid]      # nothing to isolate: the kill was not its doing
-            self.num_forgiven += 1
+            if len(kept) < len(counted):
+                self.num_forgiven += 1
+                log.info("executor of epoch %d was killed from outside (exit code %d): its death counts "
+                         "against %d of the %d requests in its step", epoch, exit_code, len(kept),
+                         len(counted))
+            if kept:
+                log.warning("executor of epoch %d was killed (exit code %d) with %d requests in its step "
+                            "that were in the step of %d or more deaths in a row without progress: "
+                            "counted", epoch, exit_code, len(kept), MAX_KILLS)
+                return self._settle(kept, exit_code)
             self._save()
-            log.info("executor of epoch %d was killed from outside (exit code %d): its death counts "
-                     "against none of the %d requests in its step", epoch, exit_code, len(counted))
             return []
-        return self._settle(counted)
+        return self._settle(counted, exit_code)
 
-    def _settle(self, counted) -> list[int]:
+    def _streak(self, request_id: int) -> int:
+        k = self.streaks.get(request_id)
+        return k.deaths if k is not None else 0
+
+    def _forget_streaks(self, keep: set[int]) -> None:
+        """Streaks of requests that no longer hold their journal slot have ended with them."""
+        for rid in [rid for rid, k in self.streaks.items() if rid not in keep and not self._held_slot(rid, k.slot)]:
+            del self.streaks[rid]
+
+    def _held_slot(self, request_id: int, slot: int) -> bool:
+        e = self.journal.entry(slot)
+        return e.request_id == request_id and e.admit_state != AdmitState.FREE
+
+    def _settle(self, counted, exit_code: int | None = None) -> list[int]:
         failed = []
-        for rid, jslot, _, message in counted:
+        for rid, jslot, end in counted:
             s = self.suspects.get(rid)
-            if message is None or s is None or s.deaths < MAX_DEATHS:
+            if s is None or s.deaths < MAX_DEATHS:
                 continue
+            reason = self._reason(rid, s, end, exit_code)
             del self.suspects[rid]
+            self.streaks.pop(rid, None)
             self.num_failed += 1
             failed.append(rid)
-            self.fail(rid, jslot, message)
+            self.fail(rid, jslot, reason)
         self._save()
         return failed
+
+    def _reason(self, rid: int, s: Suspect, end: int, exit_code: int | None) -> str:
+        streak = self._streak(rid)
+        if exit_code in OUTSIDE_KILLS:
+            name = "SIGKILL" if exit_code == 128 + 9 else "SIGTERM"
+            return (f"request {rid:#x} failed: the executor died {max(streak, s.deaths)} times in a row "
+                    f"while running it, with no progress between, the last time with no other request "
+                    f"in its step (at KV position {end}), killed by {name}: an OOM kill where the "
+                    f"cgroup's OOM count cannot be read looks the same; it is not retried (check the "
+                    f"memory it needs: its prompt and parameters, the executor's memory limit)")
+        return (f"request {rid:#x} failed: the executor died {s.deaths} times while running "
+                f"it, the last time with no other request in its step (at KV position "
+                f"{end}); it crashes the engine and is not retried (check its prompt and "
+                f"parameters, or the model's tokenizer and vocabulary)")
 
     def isolate(self) -> list[list[int]]:
         """[request id, KV end] of every live suspect, for the next promotion."""

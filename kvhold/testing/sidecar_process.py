@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvhold.client.client import Client
 from kvhold.protocol.errors import KvholdError
+from kvhold.testing.shm import remove_instance_shm
 
 
 class SidecarProcess:
@@ -30,6 +31,7 @@ class SidecarProcess:
         self.prefix = list(prefix or [])   # a command that execs the sidecar (e.g. in a mount namespace)
         self.proc: subprocess.Popen | None = None
         self._client: Client | None = None
+        _made.append(self)
 
     def start(self, timeout: float = 60.0) -> "SidecarProcess":
         return self.spawn().wait_serving(timeout)
@@ -139,14 +141,45 @@ class SidecarProcess:
                 pass
         return code
 
+    @property
+    def killed(self) -> bool:
+        """It ended by a signal it does not handle (a test's SIGKILL): its shm objects stay for
+        re-adoption, and executors of its process group may outlive it."""
+        return self.proc is not None and self.proc.returncode is not None and self.proc.returncode < 0
+
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
         self.stop()
+        clean_up_killed()
         if self._own_root:
             import shutil
             shutil.rmtree(self.runtime_root, ignore_errors=True)
+
+
+_made: list[SidecarProcess] = []      # every SidecarProcess not yet known to have ended
+
+
+def clean_up_killed() -> list[str]:
+    """What killed sidecars left: a sidecar that ended by a signal (a test's SIGKILL) leaves its
+    shm objects for a successor to re-adopt, and executors of its process group may wait for
+    one. For each such sidecar with no sidecar of its instance still running, kill what is left
+    of its process group and unlink its instance's shm objects (kvhold.testing.shm). The process
+    tests call it after each test; returns the names unlinked."""
+    running = {sc.instance for sc in _made if sc.proc is not None and sc.proc.poll() is None}
+    removed = []
+    for sc in list(_made):
+        if sc.proc is None or sc.proc.returncode is None or sc.instance in running:
+            continue
+        _made.remove(sc)
+        if sc.killed:
+            try:
+                os.killpg(sc.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            removed += remove_instance_shm(sc.instance)
+    return removed
 
 
 def submit_requests(client, requests) -> list:

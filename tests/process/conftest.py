@@ -12,8 +12,16 @@ import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.testing.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
-from kvhold.testing.sidecar_process import SidecarProcess
+from kvhold.testing.sidecar_process import SidecarProcess, clean_up_killed
 from tests.process.helpers import FLAGS, KEY, REQUESTS, Server, ids, submit
+
+
+@pytest.fixture(autouse=True)
+def _killed_sidecars_cleaned_up():
+    """After each test (its own fixtures stopped): a sidecar it killed left its instance's shm
+    objects for a successor; with none running, they are unlinked (kvhold.testing.sidecar_process)."""
+    yield
+    clean_up_killed()
 
 
 @pytest.fixture(scope="module")

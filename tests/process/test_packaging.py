@@ -182,3 +182,15 @@ def test_no_undefined_names_in_code_this_machine_cannot_run():
                            "--output-format", "concise", "kvhold", "tools", "tests"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+
+
+def test_test_modules_have_distinct_basenames():
+    """pytest imports test modules by basename (the test folders are no packages): two of one
+    name in different folders fail the collection of the whole suite."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append((str(seen[path.name].relative_to(ROOT)), str(path.relative_to(ROOT))))
+        seen.setdefault(path.name, path)
+    assert clashes == []

@@ -88,6 +88,38 @@ def test_a_death_counted_before_the_sidecar_is_sigkilled_still_counts_after_its_
     assert second.status()["request_deaths"]["failed_total"] == 1
 
 
+def test_a_request_whose_executor_is_sigkilled_at_each_of_its_steps_is_failed_and_the_other_completes(
+        tiny_model, start_sidecar):
+    """What an OOM kill looks like where the cgroup's OOM count cannot be read: a SIGKILL, which
+    alone is forgiven. The executor SIGKILLs itself whenever the bad request is in its step: after
+    MAX_KILLS deaths with it there and no progress, its step is re-run alone and its death there
+    fails it with the reason, whatever the cgroup says; the request beside it completes as if
+    nothing happened, and the next executor serves on."""
+    from kvhold.sidecar.request_deaths import MAX_KILLS
+
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:kill"})
+    sc.wait_steady()
+    with sc.new_client(timeout=60) as client:
+        reference = client.generate(**GOOD).result().token_ids      # alone: the fault never fires
+        good = client.generate(**GOOD)
+        bad = client.generate(**BAD)             # joins a step of the good one's prefill
+        sc.wait_for(lambda st: st["request_deaths"]["failed_total"] == 1, timeout=180)
+        with pytest.raises(RequestFailed) as failure:
+            bad.result()
+        assert good.result().token_ids == reference
+        message = str(failure.value)
+        assert f"request {bad.request_id:#x} failed" in message, message
+        assert f"died {MAX_KILLS + 1} times" in message and "SIGKILL" in message, message
+        assert len(_deaths(sc)) == MAX_KILLS + 1, _deaths(sc)
+
+        active = sc.wait_steady(timeout=90)
+        assert client.generate(**GOOD).result().token_ids == reference
+        assert len(_deaths(sc)) == MAX_KILLS + 1
+        st = sc.status()
+        assert st["request_deaths"]["suspects"] == 0 and st["requests"]["in_flight"] == 0
+        assert sc.wait_steady()["pid"] == active["pid"]
+
+
 def test_the_sidecar_refuses_a_tokenizer_larger_than_the_vocabulary(tiny_model, runtime_root, tmp_path):
     """The cause of such a request, refused before any executor runs: one clear line, exit 2."""
     from tokenizers import Tokenizer

@@ -38,12 +38,23 @@ def model(tiny_model):
     return LlamaModel(spec, weights, torch.float64, torch.device("cpu"), MAX_SEQ)
 
 
+_made: list = []      # the tables the test made, unlinked after it
+
+
+@pytest.fixture(autouse=True)
+def _unlink_tables():
+    yield
+    while _made:
+        _made.pop().unlink()
+
+
 def pool(model, num_pages=64, max_logprobs=K):
     spec = model.spec
     geometry = TableGeometry(kv=KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
                                            PAGE_TOKENS), num_pages=num_pages, num_slots=8,
                              max_seq_len=MAX_SEQ, num_leases=2, max_logprobs=max_logprobs)
     tables = Tables.create(f"/kvhold-test-lp-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
+    _made.append(tables)
     return tables, KvCache.private(geometry.kv, num_pages)
 
 

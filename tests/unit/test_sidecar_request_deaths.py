@@ -3,14 +3,14 @@ shared tables written as the engine writes them: step marks in the journal, the 
 the lease. A death counts against the requests in the open step; a second death fails a request
 only in the re-run of its step that it had alone; one that ran past that point is a suspect anew.
 A crash or a hang counts; a kill from outside (SIGKILL, SIGTERM) does not, unless the OOM killer
-sent it."""
+sent it, or the request was in the step of MAX_KILLS deaths in a row without progress."""
 import os
 
 import numpy as np
 
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.leases import Lease, LeaseTable
-from kvhold.sidecar.request_deaths import MAX_DEATHS, RequestDeaths
+from kvhold.sidecar.request_deaths import MAX_DEATHS, MAX_KILLS, RequestDeaths
 from kvhold.protocol.sampling import SamplingParams
 
 
@@ -51,6 +51,7 @@ class World:
         failed = self.deaths.executor_died(lease.slot, lease.epoch, cause_known=hang)
         if not hang:
             failed += self.deaths.exit_known(lease.epoch, exit_code)
+        self.leases.release(lease.slot, exit_code)     # reaped: its lease slot is free again
         return sorted(n for n, rid in self.ids.items() if rid in failed)
 
     def isolate(self) -> dict[str, int]:
@@ -173,3 +174,62 @@ def test_hangs_and_unknown_exits_count(tables):
     e2 = w.executor()
     w.step(e2, 1, a=(8, 9))
     assert w.die(e2, exit_code=-1) == ["a"]                       # reaped elsewhere: not known
+
+
+def test_a_request_sigkilled_at_the_same_place_again_and_again_is_isolated_then_failed(tables, monkeypatch):
+    """Where the cgroup's OOM count cannot be read, an OOM kill is a SIGKILL like an outside one:
+    forgiven, until the request has been in the step of MAX_KILLS deaths in a row without getting
+    past the place; then it is isolated (with the one beside it) and its death alone fails it."""
+    from kvhold.sidecar import request_deaths
+    monkeypatch.setattr(request_deaths, "oom_kills", lambda: None)
+    w = World(tables)
+    w.admit("good")
+    w.admit("bad")
+    for n in range(1, MAX_KILLS):
+        e = w.executor()
+        w.step(e, 1, good=(8, 9), bad=(0, 8))
+        assert w.die(e, exit_code=128 + 9) == [] and w.isolate() == {}, n
+    e = w.executor()
+    w.step(e, 1, good=(8, 9), bad=(0, 8))
+    assert w.die(e, exit_code=128 + 9) == []
+    assert w.isolate() == {"good": 9, "bad": 8}                   # the MAX_KILLS-th: kept
+    e = w.executor()
+    w.step(e, 1, good=(8, 9))                                     # alone, it survives
+    e.open_step(0)
+    w.step(e, 2, bad=(0, 8))                                      # alone, killed again
+    assert w.die(e, exit_code=128 + 9) == ["bad"]
+    rid, _, message = w.failed[0]
+    assert rid == w.ids["bad"] and f"died {MAX_KILLS + 1} times in a row" in message
+    assert "SIGKILL" in message and "OOM" in message
+    assert w.deaths.status()["failed_total"] == 1
+
+
+def test_outside_kills_with_progress_between_them_never_add_up(tables):
+    """A request that gets past the place of each kill starts a new count: a soak's kills of
+    every kind, however many, fail no request."""
+    w = World(tables)
+    w.admit("a", prompt_len=40)
+    for n in range(3 * MAX_KILLS):
+        e = w.executor()
+        w.step(e, 1, a=(8 + n, 9 + n))                           # one token further each time
+        assert w.die(e, exit_code=128 + 9) == [] and w.isolate() == {}
+    for _ in range(MAX_KILLS - 1):                                # and then a few at one place
+        e = w.executor()
+        w.step(e, 1, a=(40, 41))
+        assert w.die(e, exit_code=128 + 15) == [] and w.isolate() == {}
+    assert w.deaths.status()["forgiven_total"] == 4 * MAX_KILLS - 1
+
+
+def test_the_count_of_deaths_in_a_row_ends_with_its_request(tables):
+    w = World(tables)
+    w.admit("a")
+    e = w.executor()
+    w.step(e, 1, a=(8, 9))
+    assert w.die(e, exit_code=128 + 9) == []
+    assert list(w.deaths.streaks) == [w.ids["a"]]
+    w.journal.release(w.journal.live_slots()[0])
+    w.admit("b")
+    e = w.executor()
+    w.step(e, 1, b=(0, 8))
+    w.die(e, exit_code=128 + 9)
+    assert list(w.deaths.streaks) == [w.ids["b"]]
