@@ -44,7 +44,7 @@ from kvhold.protocol.errors import KvholdError, NotFound
 from kvhold.protocol.sampling import RequestInput
 from kvhold.protocol.wire import WireError
 from kvhold.serving.backend import Backend, TokenStream
-from kvhold.serving.chat_template import ChatTemplate, TemplateError
+from kvhold.serving.chat_template import ChatTemplate
 from kvhold.serving.generation import (EventIds, Generation, ResponseShape, multi_sse_body, sse_body,
                                        summed_usage)
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
@@ -53,7 +53,9 @@ from kvhold.serving import stream_resume
 from kvhold.serving.logprobs import LogprobFormat
 from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest,
                                           DetokenizeRequest, TokenizeRequest, api_error_for, bad_request,
-                                          from_validation_errors, parse_body, too_large)
+                                          from_validation_errors, too_large)
+from kvhold.serving.text_work import TextWork
+from kvhold.sidecar.config import DEFAULT_MAX_PROMPT_BYTES
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
@@ -73,6 +75,7 @@ class AppSettings:
     routing_id: bytes | None = None   # the SDK's ZeroMQ routing id (None: a random one)
     stream_dir: Path | None = None    # where resumable streams' records go (None: streams not resumable)
     sse_keepalive_s: float = 10.0     # a stream silent this long gets an SSE comment (0: never)
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the sidecar's: text tokenized here is bounded alike
 
 
 class Gate:
@@ -259,10 +262,14 @@ class _Service:
         self.settings, self.backend, self.metrics = settings, backend, backend.metrics
         self.gate = Gate()
         self.template = ChatTemplate.for_checkpoint(settings.model_dir)
-        self.tokenizer = _load_tokenizer(settings.model_dir)
+        self.text = TextWork(_load_tokenizer(settings.model_dir), self.template, settings.max_prompt_bytes)
         self.created = int(time.time())
         resumable = settings.stream_dir is not None and backend.resumes_streams
         self.records = stream_resume.StreamRecords(settings.stream_dir) if resumable else None
+
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
@@ -277,28 +284,20 @@ class _Service:
                            code="no_tokenizer")
         return self.tokenizer
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._need_tokenizer()
+        return await self.text.encode(text, add_special_tokens)
 
-    def detokenize(self, ids: list[int]) -> str:
-        tok = self._need_tokenizer()
-        size = tok.get_vocab_size(with_added_tokens=True)
-        bad = next((t for t in ids if t >= size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is not in the vocabulary ({size} ids)", param="tokens",
-                              code="invalid_value")
-        return tok.decode(ids, skip_special_tokens=False)
+    async def detokenize(self, ids: list[int]) -> str:
+        self._need_tokenizer()
+        return await self.text.decode(ids)
 
-    def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
+    async def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat is unavailable", param="messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
-        try:
-            text = self.template.render(messages)
-        except TemplateError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return await self.text.chat_ids(messages)
 
     def max_tokens(self, requested: int | None, prompt_len: int | None, default: int | None,
                    prompt_param: str = "prompt") -> int:
@@ -492,6 +491,7 @@ def create_app(settings: AppSettings, backend: Backend | None = None) -> FastAPI
         try:
             yield
         finally:
+            svc.text.close()
             await backend.close()
 
     app = FastAPI(title="kvhold", lifespan=lifespan)
@@ -595,27 +595,28 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
 
     @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
     async def tokenize(request: Request):
-        req = parse_body(await read_body(request), TokenizeRequest)
+        req = await svc.text.parse(await read_body(request), TokenizeRequest)
         svc.check_model(req.model)
         if req.messages is not None:
             chat = ChatRequest(messages=req.messages, model=req.model)
-            ids = svc.chat_prompt_ids(chat)
+            ids = await svc.chat_prompt_ids(chat)
         elif req.prompt is not None:
-            ids = svc.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await svc.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise bad_request("send 'prompt' or 'messages'", param="prompt",
                               code="missing_required_parameter")
-        return {"tokens": ids, "count": len(ids), "max_model_len": svc.settings.context_len}
+        body = {"tokens": ids, "count": len(ids), "max_model_len": svc.settings.context_len}
+        return Response(await svc.text.json(body), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        req = parse_body(await read_body(request), DetokenizeRequest)
+        req = await svc.text.parse(await read_body(request), DetokenizeRequest)
         svc.check_model(req.model)
-        return {"prompt": svc.detokenize(req.tokens)}
+        return {"prompt": await svc.detokenize(req.tokens)}
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
-        req = parse_body(await read_body(request), CompletionRequest)
+        req = await svc.text.parse(await read_body(request), CompletionRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
         prompts = req.prompt_inputs()
@@ -627,10 +628,10 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request):
-        req = parse_body(await read_body(request), ChatRequest)
+        req = await svc.text.parse(await read_body(request), ChatRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
-        ids = svc.chat_prompt_ids(req)
+        ids = await svc.chat_prompt_ids(req)
         max_tokens = svc.max_tokens(req.requested_max_tokens, len(ids), default=None,
                                     prompt_param="messages")
         if req.n == 1:

@@ -73,6 +73,7 @@ import uvicorn
 
 from kvhold.protocol.naming import InstancePaths
 from kvhold.serving.http_guards import HttpGuards
+from kvhold.sidecar.config import DEFAULT_MAX_PROMPT_BYTES
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -108,6 +109,7 @@ class ServeConfig:
     http_restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S          # the supervisor's only
     frontend_restart_backoff_s: tuple[float, float] = FRONTEND_BACKOFF_S
     sidecar_spare: bool = True            # a spare memory owner waits to take over (SidecarChild)
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # the sidecar's; the HTTP server bounds its text alike
 
     @property
     def paths(self) -> InstancePaths:
@@ -133,7 +135,7 @@ class ServeConfig:
                            "access_log": self.access_log, "sse_keepalive_s": self.sse_keepalive_s,
                            "header_timeout_s": self.guards.header_timeout_s,
                            "body_timeout_s": self.guards.body_timeout_s,
-                           "sidecar_endpoint": self.sidecar_endpoint})
+                           "sidecar_endpoint": self.sidecar_endpoint, "max_prompt_bytes": self.max_prompt_bytes})
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
@@ -157,7 +159,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.model is None:
         raise ValueError("--model is required (a checkpoint directory, or 'demo')")
     api_key = http_flags_from_args(args)
-    geometry = sidecar_config_from_args(args).table_geometry(ModelSpec.from_dir(args.model))
+    sidecar_config = sidecar_config_from_args(args)
+    geometry = sidecar_config.table_geometry(ModelSpec.from_dir(args.model))
     return ServeConfig(model=Path(args.model), served_model_name=args.served_model_name or Path(args.model).name,
                        host=args.host, port=args.port, api_key=api_key, instance=args.instance,
                        runtime_root=args.runtime_root, sidecar_argv=tuple(sidecar_argv(args)),
@@ -166,7 +169,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
                        guards=HttpGuards.from_args(args), http_restart_backoff_s=tuple(args.http_restart_backoff_s),
                        frontend_restart_backoff_s=tuple(args.frontend_restart_backoff_s),
-                       sidecar_spare=args.sidecar_spare)
+                       sidecar_spare=args.sidecar_spare, max_prompt_bytes=sidecar_config.pool.max_prompt_bytes)
 
 
 # with --sidecar-endpoint, the sidecar flags that still mean something here; the others configure
@@ -239,7 +242,8 @@ def front_of_sidecar(config: ServeConfig) -> ServeConfig:
         raise RuntimeError(f"the sidecar's checkpoint {model} is not readable here: give --model, a local copy")
     return dataclasses.replace(config, model=model, served_model_name=config.served_model_name or model.name,
                                instance=status["instance"], lease_ms=int(serving["lease_ms"]),
-                               context_len=int(serving["max_seq_len"]))
+                               context_len=int(serving["max_seq_len"]),
+                               max_prompt_bytes=int(serving.get("max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES)))
 
 
 def http_flags_from_args(args: argparse.Namespace) -> str | None:
@@ -645,7 +649,8 @@ def run_http(config: ServeConfig, fd: int) -> int:
                                  context_len=config.context_len, lease_ms=config.lease_ms,
                                  api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
                                  routing_id=config.routing_id, sse_keepalive_s=config.sse_keepalive_s,
-                                 stream_dir=config.paths.runtime_dir / "http-streams"))
+                                 stream_dir=config.paths.runtime_dir / "http-streams",
+                                 max_prompt_bytes=config.max_prompt_bytes))
     server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=config.access_log,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),
                             app.state.service.gate, config.drain_timeout_s)

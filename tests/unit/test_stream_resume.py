@@ -162,8 +162,8 @@ def test_a_resumed_chat_stream_is_the_rest_of_the_original(tmp_path):
     backend = FakeBackend()
     app = _app(tmp_path, backend)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": True}
-    app.state.service.tokenizer = type("T", (), {"encode": lambda self, text, add_special_tokens: type(
-        "E", (), {"ids": [1, 2, 3]})()})()
+    app.state.service.text.tokenizer = type("T", (), {"encode_batch_fast": lambda self, texts, add_special_tokens: [
+        type("E", (), {"ids": [1, 2, 3]})()]})()
     original = _run(app, [lambda c: c.post("/v1/chat/completions", json=body)])[0]
     events = _events(original.text)
     rid = backend.next_id
