@@ -30,7 +30,8 @@ running. The port stays bound by the supervisor meanwhile, so new connections wa
 backlog instead of being refused. The HTTP server speaks to the sidecar with a ZeroMQ routing
 id of its instance's (`ServeConfig.routing_id`) from the same uid: a restarted one is the same owner
 of the requests, which the sidecar holds meanwhile, and its clients take their streams up
-again with `GET /v1/streams/{request_id}` and Last-Event-ID (kvhold.serving.stream_resume).
+again with `GET /v1/streams/{stream_id}` and Last-Event-ID, each only with the credential that
+started it (kvhold.serving.stream_resume).
 A stream nobody takes up is cancelled by the sidecar after --unclaimed-cancel-s.
 
 SIGTERM or SIGINT drains: the HTTP server is told first (new requests get 503 and /health
