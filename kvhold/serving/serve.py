@@ -51,7 +51,9 @@ or dies a fourth time within a minute, the HTTP server is stopped and the superv
 a sidecar that already runs (`kvhold sidecar`), at its client endpoint: no sidecar is started
 or stopped. The sidecar's status says its instance (the HTTP server's routing id), checkpoint
 (its tokenizer, unless --model names a local copy), context length and lease; the flags that
-configure a sidecar are refused. The HTTP server is restarted when it dies as above; a stop
+configure a sidecar are refused; so is a second one in front of a sidecar whose HTTP server is
+connected already (it could not be answered: the routing id is one per instance). The HTTP
+server is restarted when it dies as above; a stop
 (SIGTERM) drains it and exits 0, and the sidecar goes on. If the sidecar dies, /health is 503
 and streams pause until it (restarted by whatever started it) re-adopts its executors.
 """
@@ -72,7 +74,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.naming import InstancePaths, http_routing_id
 from kvhold.serving.http_guards import HttpGuards
 from kvhold.sidecar.config import DEFAULT_MAX_PROMPT_BYTES
 
@@ -83,6 +85,7 @@ RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first,
 FRONTEND_BACKOFF_S = (0.1, 30.0)       # the frontend's: its clients' streams wait meanwhile
 SIDECAR_RESTARTS = 3                   # sidecar deaths within HEALTHY_RUN_S before serve gives up
 SIDECAR_RESTART_DELAY_S = 1.0          # times the restarts so far: 0 s, 1 s, 2 s
+HTTP_ID_GRACE_S = 5.0                  # --sidecar-endpoint: how long another HTTP server's connection may linger
 SPARE_DELAY_S = 5.0                    # a new spare sidecar's start, after one took over (or died)
 HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
 STOP_SIGNAL = signal.SIGUSR1           # to the HTTP server: stop without a drain (the sidecar is gone)
@@ -123,7 +126,7 @@ class ServeConfig:
     @property
     def routing_id(self) -> bytes:
         """The HTTP server's ZeroMQ routing id: one per instance, so a restarted server owns its requests."""
-        return b"kvhold-serve-http." + self.instance.encode()
+        return http_routing_id(self.instance)
 
     def to_json(self) -> str:
         """What the HTTP server process needs (sent in its environment: the API key is in it)."""
@@ -232,6 +235,22 @@ def front_of_sidecar(config: ServeConfig) -> ServeConfig:
                                    f"{config.start_timeout_s:.0f} s ({reason}; a CURVE endpoint is not "
                                    f"supported here: use the sidecar's ipc:// endpoint)")
             time.sleep(0.1)
+        # one HTTP server per sidecar: the frontend's ROUTER drops a second connection under the
+        # routing id, whose requests would never be answered. A connection of one that just
+        # died is gone within milliseconds; one that stays is another kvhold serve's.
+        via = "u" if config.sidecar_endpoint.startswith("ipc://") else "t"
+        grace = time.monotonic() + HTTP_ID_GRACE_S
+        while via in ((status.get("client_peers") or {}).get("http_server") or ()):
+            if time.monotonic() > grace:
+                raise RuntimeError(f"another kvhold serve is serving in front of the sidecar at "
+                                   f"{config.sidecar_endpoint} (instance {status.get('instance')!r}): its "
+                                   f"HTTP server is connected to it, and a sidecar serves one HTTP server "
+                                   f"(stop that one first)")
+            time.sleep(0.1)
+            try:
+                status = client.status()
+            except KvholdError:
+                pass
     serving = status.get("serving")
     if not isinstance(serving, dict):
         raise RuntimeError(f"the sidecar at {config.sidecar_endpoint} does not say its model and context "
