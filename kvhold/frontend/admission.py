@@ -23,27 +23,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from kvhold.protocol.errors import PromptTooLarge, PromptTooLong
-from kvhold.protocol.sampling import SamplingParams
+from kvhold.protocol.errors import PromptTooLong
+from kvhold.protocol.sampling import SamplingParams, check_prompt_size
 
 log = logging.getLogger(__name__)
 TOKENIZER_THREADS = 2      # one huge prompt does not hold up every other text prompt
-
-
-def check_prompt_size(text: str, limit: int, exact: bool) -> None:
-    """PromptTooLarge if `text` exceeds `limit` UTF-8 bytes. Not `exact`: only what its length
-    in characters tells (each character is 1-4 bytes), which costs nothing."""
-    size = len(text)
-    if size <= limit // 4:
-        return
-    if size > limit:
-        raise PromptTooLarge(f"the prompt has {size} characters, more than the limit of {limit} "
-                             f"bytes (--max-prompt-bytes)")
-    if exact:
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > limit:
-            raise PromptTooLarge(f"the prompt is {size} bytes of UTF-8, more than the limit of "
-                                 f"{limit} bytes (--max-prompt-bytes)")
 
 
 class PromptTokenizer:

@@ -155,6 +155,11 @@ class ClientPeers:
                         self._holder.pop(slot, None)
                         self._serial.pop(slot, None)
 
+    def held_by(self, routing_id: bytes) -> list[str]:
+        """The transports (`via`) on which a live connection holds `routing_id` now."""
+        self.refresh()
+        return sorted(via.decode() for via, rid in self._holder if rid == routing_id)
+
     def status(self) -> dict:
         return {"attached": len(self._holder), "refused_sends": self.num_refused_sends}
 

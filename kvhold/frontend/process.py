@@ -62,6 +62,7 @@ from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.errors import ErrorCode
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
+from kvhold.protocol.naming import http_routing_id
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.protocol.tables import Tables
@@ -447,7 +448,9 @@ class FrontendProcess(ClientSide):
                                "generation": self.generation, "uptime_s": (now_ns() - self.started_ns) / 1e9,
                                "executors": [], "events": [], "recoveries": [], "memory_owner": None}),
                   **fe, "client_tcp": self.tcp.status() if self.tcp else None,
-                  "client_peers": self.peers.status(), "pool_restart": pool_restart}
+                  "client_peers": {**self.peers.status(),
+                                   "http_server": self.peers.held_by(http_routing_id(self.paths.instance))},
+                  "pool_restart": pool_restart}
         if self.shared is None:
             merged["frontend"] = {"pid": os.getpid(), "uptime_s": (now_ns() - self.started_ns) / 1e9,
                                   "owner_pid": self.owner_pid, "owner_answered": owner is not None,

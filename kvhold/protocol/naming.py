@@ -33,6 +33,15 @@ def validate_instance(name: str) -> str:
     return name
 
 
+def http_routing_id(instance: str) -> bytes:
+    """The ZeroMQ routing id of `kvhold serve`'s HTTP server in front of `instance`: one per
+    instance, so that a restarted HTTP server is the same owner of its requests. A client ROUTER
+    drops a second connection that presents a routing id in use, so only one HTTP server at a
+    time can serve in front of a sidecar (the frontend's status names the transports on which
+    it is connected: `client_peers.http_server`)."""
+    return b"kvhold-serve-http." + instance.encode()
+
+
 def default_runtime_root() -> Path:
     """$KVHOLD_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvhold, else /tmp/kvhold-<uid>."""
     env = os.environ.get("KVHOLD_RUNTIME_DIR")

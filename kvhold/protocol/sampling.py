@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvhold.protocol.errors import InvalidParams, InvalidTokenId
+from kvhold.protocol.errors import InvalidParams, InvalidTokenId, PromptTooLarge
 from kvhold.protocol.layout import MAX_LOGPROBS, MAX_SEQ_LEN, MAX_STOP_IDS, REQUEST_DTYPE
 from kvhold.protocol.wire import nested
 
@@ -232,6 +232,22 @@ def check_text(text, name: str) -> str:
         raise InvalidParams(f"{name} is not valid Unicode: a lone surrogate "
                             f"(U+{ord(bad.group()):04X}) at character {bad.start()}")
     return text
+
+
+def check_prompt_size(text: str, limit: int, exact: bool) -> None:
+    """PromptTooLarge if `text` exceeds `limit` UTF-8 bytes. Not `exact`: only what its length
+    in characters tells (each character is 1-4 bytes), which costs nothing."""
+    size = len(text)
+    if size <= limit // 4:
+        return
+    if size > limit:
+        raise PromptTooLarge(f"the prompt has {size} characters, more than the limit of {limit} "
+                             f"bytes (--max-prompt-bytes)")
+    if exact:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise PromptTooLarge(f"the prompt is {size} bytes of UTF-8, more than the limit of "
+                                 f"{limit} bytes (--max-prompt-bytes)")
 
 
 def show(v) -> str:

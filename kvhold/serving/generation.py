@@ -146,16 +146,16 @@ def sse(payload, event_id: str | None = None) -> bytes:
 
 
 class EventIds:
-    """The `id:` of a resumable stream's events (kvhold.serving.stream_resume): REQUEST-N, the
-    request id in hex and N the number of the request's tokens the text through this event
+    """The `id:` of a resumable stream's events (kvhold.serving.stream_resume): STREAM-N, the
+    stream id and N the number of the request's tokens the text through this event
     covers (0 for a chat stream's first chunk); the events after the last token (the rest of
     the text, the finish chunk, the usage chunk) continue from there, one each, so that the
     numbers only grow. Events numbered `after` or lower are not sent: a stream taken up again
     from its first token, numbered the same way, goes on right after the last event the client
     got."""
 
-    def __init__(self, request_id: int, after: int = -1):
-        self.request_id, self.after = request_id, after
+    def __init__(self, stream_id: str, after: int = -1):
+        self.stream_id, self.after = stream_id, after
         self.last = -1
 
     def event(self, payload, gen: "Generation", first: bool = False) -> bytes:
@@ -166,15 +166,15 @@ class EventIds:
         else:
             n = max(self.last, gen.tokens_seen) + 1
         self.last = n
-        return sse(payload, f"{self.request_id:x}-{n}") if n > self.after else b""
+        return sse(payload, f"{self.stream_id}-{n}") if n > self.after else b""
 
 
 class ResponseShape:
     """The JSON objects of one endpoint: `chat` or `completion`, full or as chunks."""
 
-    def __init__(self, kind: str, request_id: int, model: str):
+    def __init__(self, kind: str, stream_id: str, model: str):
         self.chat = kind == "chat"
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id:x}"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{stream_id}"
         self.model = model
         self.created = int(time.time())
 

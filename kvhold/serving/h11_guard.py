@@ -1,21 +1,31 @@
-"""`GuardedH11Protocol`: uvicorn's h11 protocol with a header deadline (kvhold.serving.http_guards,
-which imports it only where uvicorn serves, so that the command's flags import no HTTP stack, and
-sets its deadline: `HttpGuards.uvicorn_options`). Imports nothing else of kvhold."""
+"""`GuardedH11Protocol`: uvicorn's h11 protocol with a header deadline and a header size limit
+(kvhold.serving.http_guards, which imports it only where uvicorn serves, so that the command's
+flags import no HTTP stack, and sets both: `HttpGuards.uvicorn_options`). Imports nothing else
+of kvhold.
+
+h11 bounds only an *incomplete* header block (`h11_max_incomplete_event_size`): a complete
+one that arrives in one read is parsed whatever its size. So before h11 parses a request, its
+header block (request line and headers, up to the blank line) is measured in what has
+arrived: longer than `max_header_bytes` is answered 400 and the connection closed, however
+the bytes were split into reads (and for a pipelined request too)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_CLOSING = (b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_BLOCK_END = re.compile(rb"\n\r?\n")     # where h11 ends a header block
 
 
 class GuardedH11Protocol(H11Protocol):
-    header_timeout_s: float           # the subclass HttpGuards.uvicorn_options builds sets it
+    header_timeout_s: float           # the subclass HttpGuards.uvicorn_options builds sets both
+    max_header_bytes: int
 
     def connection_made(self, transport) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
@@ -31,6 +41,22 @@ class GuardedH11Protocol(H11Protocol):
             self._arm()               # a kept-alive connection's next request starts its clock
         super().data_received(data)
         self._headers_done()
+
+    def handle_events(self) -> None:
+        """Before h11 parses a request (from a read, or pipelined after a response), its header
+        block's size."""
+        if self.conn.their_state is h11.IDLE and self._header_block_too_large():
+            log.info("answered 400 to %s: request header block over %d bytes",
+                     "%s:%d" % self.client if self.client else "?", self.max_header_bytes)
+            self._disarm()
+            self._close_with(b"400 Bad Request", b"Request header block too large.")
+            return
+        super().handle_events()
+
+    def _header_block_too_large(self) -> bool:
+        buffered = self.conn.trailing_data[0]
+        limit = self.max_header_bytes
+        return len(buffered) > limit and _BLOCK_END.search(buffered, 0, limit) is None
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -57,6 +83,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         log.info("closed a connection from %s: no complete request headers within %.1f s",
                  "%s:%d" % self.client if self.client else "?", self.header_timeout_s)
-        body = b"Request headers not received in time."
-        self.transport.write(_TIMEOUT_408 % (len(body), body))
+        self._close_with(b"408 Request Timeout", b"Request headers not received in time.")
+
+    def _close_with(self, status: bytes, body: bytes) -> None:
+        self.transport.write(_CLOSING % (status, len(body), body))
         self.transport.close()

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of `kvhold serve` (FastAPI), over the async SDK.
 
 Routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (SSE when
-`stream` is true), GET /v1/streams/{request_id} (a stream taken up again after the HTTP
+`stream` is true), GET /v1/streams/{stream_id} (a stream taken up again after the HTTP
 server restarted, from its Last-Event-ID: kvhold.serving.stream_resume), GET /health,
 GET /metrics (Prometheus). Every /v1 route asks for
 `Authorization: Bearer <key>` when an API key is configured; /health and /metrics
@@ -44,7 +44,7 @@ from kvhold.protocol.errors import KvholdError, NotFound
 from kvhold.protocol.sampling import RequestInput
 from kvhold.protocol.wire import WireError
 from kvhold.serving.backend import Backend, TokenStream
-from kvhold.serving.chat_template import ChatTemplate, TemplateError
+from kvhold.serving.chat_template import ChatTemplate
 from kvhold.serving.generation import (EventIds, Generation, ResponseShape, multi_sse_body, sse_body,
                                        summed_usage)
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
@@ -53,7 +53,9 @@ from kvhold.serving import stream_resume
 from kvhold.serving.logprobs import LogprobFormat
 from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest,
                                           DetokenizeRequest, TokenizeRequest, api_error_for, bad_request,
-                                          from_validation_errors, parse_body, too_large)
+                                          from_validation_errors, too_large)
+from kvhold.serving.text_work import TextWork
+from kvhold.sidecar.config import DEFAULT_MAX_PROMPT_BYTES
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
@@ -73,6 +75,7 @@ class AppSettings:
     routing_id: bytes | None = None   # the SDK's ZeroMQ routing id (None: a random one)
     stream_dir: Path | None = None    # where resumable streams' records go (None: streams not resumable)
     sse_keepalive_s: float = 10.0     # a stream silent this long gets an SSE comment (0: never)
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the sidecar's: text tokenized here is bounded alike
 
 
 class Gate:
@@ -173,12 +176,13 @@ _RESUME_DOC = {
     "summary": "Resume a streamed completion or chat completion",
     "description": "Continues an SSE stream of POST /v1/completions or /v1/chat/completions after "
                    "the connection broke (the HTTP server restarted): the events after the one "
-                   "named by Last-Event-ID (each event's `id:` line, `<request id hex>-<N>`), then "
+                   "named by Last-Event-ID (each event's `id:` line, `<stream id>-<N>`), then "
                    "`data: [DONE]`, as the original stream would have sent them; without "
-                   "Last-Event-ID, the whole stream. 400: a malformed id; 404: nothing to resume "
-                   "(delivered, cancelled, unknown); 409: the stream is being sent elsewhere.",
+                   "Last-Event-ID, the whole stream. Only with the credential (Authorization) "
+                   "that started it. 400: a malformed id; 404: nothing to resume (delivered, "
+                   "cancelled, unknown, another credential's); 409: the stream is being sent elsewhere.",
     "parameters": [{"name": "Last-Event-ID", "in": "header", "required": False,
-                    "schema": {"type": "string", "pattern": "^[0-9a-f]{1,16}-[0-9]{1,10}$"},
+                    "schema": {"type": "string", "pattern": "^[0-9a-f]{32}-[0-9]{1,10}$"},
                     "description": "the id of the last event received"}],
     "responses": {"200": {"description": "the rest of the stream",
                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
@@ -259,10 +263,14 @@ class _Service:
         self.settings, self.backend, self.metrics = settings, backend, backend.metrics
         self.gate = Gate()
         self.template = ChatTemplate.for_checkpoint(settings.model_dir)
-        self.tokenizer = _load_tokenizer(settings.model_dir)
+        self.text = TextWork(_load_tokenizer(settings.model_dir), self.template, settings.max_prompt_bytes)
         self.created = int(time.time())
         resumable = settings.stream_dir is not None and backend.resumes_streams
         self.records = stream_resume.StreamRecords(settings.stream_dir) if resumable else None
+
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
@@ -277,28 +285,20 @@ class _Service:
                            code="no_tokenizer")
         return self.tokenizer
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._need_tokenizer()
+        return await self.text.encode(text, add_special_tokens)
 
-    def detokenize(self, ids: list[int]) -> str:
-        tok = self._need_tokenizer()
-        size = tok.get_vocab_size(with_added_tokens=True)
-        bad = next((t for t in ids if t >= size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is not in the vocabulary ({size} ids)", param="tokens",
-                              code="invalid_value")
-        return tok.decode(ids, skip_special_tokens=False)
+    async def detokenize(self, ids: list[int]) -> str:
+        self._need_tokenizer()
+        return await self.text.decode(ids)
 
-    def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
+    async def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat is unavailable", param="messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
-        try:
-            text = self.template.render(messages)
-        except TemplateError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return await self.text.chat_ids(messages)
 
     def max_tokens(self, requested: int | None, prompt_len: int | None, default: int | None,
                    prompt_param: str = "prompt") -> int:
@@ -315,7 +315,8 @@ class _Service:
             return requested
         return default if default is not None else ctx - (prompt_len or 0)
 
-    async def serve(self, req, kind: str, prompt: dict, max_tokens: int):
+    async def serve(self, req, kind: str, prompt: dict, max_tokens: int, owner: str):
+        """One choice; a stream is resumable by `owner` (stream_resume.owner_of its credential)."""
         if self.gate.draining:
             raise ApiError(503, "the server is shutting down", type="service_unavailable",
                            code="shutting_down")
@@ -323,7 +324,8 @@ class _Service:
         stream = await self.backend.submit(_request(prompt, req.sampling(max_tokens)))
         gen = self._generation(req, kind, prompt, stream)
         self.gate.active.add(gen)
-        shape = ResponseShape(kind, stream.request_id, self.settings.served_model_name)
+        sid = stream_resume.new_stream_id()
+        shape = ResponseShape(kind, sid, self.settings.served_model_name)
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
         def on_end(g: Generation) -> None:
@@ -331,12 +333,13 @@ class _Service:
         if req.stream:
             ids = None
             if self.records is not None:   # what a resume needs and the sidecar does not keep
-                self.records.write(stream.request_id, {
+                self.records.write(sid, {
+                    "request_id": stream.request_id, "owner": owner,
                     "kind": kind, "stop": list(req.stop or []), "include_usage": req.include_usage,
                     "continuous_usage": req.continuous_usage,
                     "created": shape.created, "prompt_tokens": stream.prompt_tokens,
                     "echo": gen.echo, "logprobs": gen.logprob_format is not None})
-                ids = EventIds(stream.request_id)
+                ids = EventIds(sid)
             return self.stream_response(gen, shape, req.include_usage, on_end, ids, req.continuous_usage)
         try:
             text = "".join([piece async for piece in gen.deltas()])
@@ -400,7 +403,7 @@ class _Service:
             raise
         for g in gens:
             self.gate.active.add(g)
-        shape = ResponseShape(kind, gens[0].stream.request_id, self.settings.served_model_name)
+        shape = ResponseShape(kind, stream_resume.new_stream_id(), self.settings.served_model_name)
 
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
@@ -425,46 +428,52 @@ class _Service:
     def stream_response(self, gen, shape, include_usage, on_end, ids, continuous_usage=False) -> StreamingResponse:
         def ended(g: Generation) -> None:
             if ids is not None:
-                self.records.remove(g.stream.request_id)
+                self.records.remove(ids.stream_id)
             on_end(g)
         return StreamingResponse(sse_body(gen, shape, include_usage, ended, ids, continuous_usage,
                                           self.settings.sse_keepalive_s),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def resume(self, path_id: str, last_event_id: str | None):
-        """GET /v1/streams/{request_id}: the events after Last-Event-ID (kvhold.serving.stream_resume)."""
+    async def resume(self, path_id: str, last_event_id: str | None, owner: str):
+        """GET /v1/streams/{stream_id}: the events after Last-Event-ID (kvhold.serving.stream_resume),
+        for the owner of the stream only."""
         if self.records is None:
             raise ApiError(501, "this server does not resume streams", type="not_implemented",
                            code="resume_unsupported")
-        rid = stream_resume.parse_request_id(path_id)
-        after = stream_resume.parse_last_event_id(last_event_id, rid)
+        sid = stream_resume.parse_stream_id(path_id)
+        after = stream_resume.parse_last_event_id(last_event_id, sid)
         if self.gate.draining:
             raise ApiError(503, "the server is shutting down", type="service_unavailable",
                            code="shutting_down")
-        record = self.records.read(rid)
-        if record is None:
-            raise stream_resume.not_found(rid, "this server streamed no such request, or its stream ended here")
+        record = self.records.read(sid, owner)
+        if record is None:      # another credential's stream is answered alike: it does not exist
+            raise stream_resume.not_found(sid, "this server streamed no such response, or its stream ended here")
+        rid = record["request_id"]
         if any(g.stream.request_id == rid for g in self.gate.active):
-            raise ApiError(409, f"the stream of request {rid:x} is being sent on another connection",
-                           code="stream_in_use")
+            raise ApiError(409, f"stream {sid} is being sent on another connection", code="stream_in_use")
         try:
             stream = await self.backend.attach(rid)
         except NotFound as exc:
-            self.records.remove(rid)
-            raise stream_resume.not_found(rid, str(exc)) from None
+            self.records.remove(sid)
+            raise stream_resume.not_found(sid, str(exc)) from None
         except ValueError:
-            raise ApiError(409, f"the stream of request {rid:x} is being sent on another connection",
+            raise ApiError(409, f"stream {sid} is being sent on another connection",
                            code="stream_in_use") from None
         gen = Generation(stream, record["stop"], record.get("echo"),
                          self._logprob_format(record["kind"]) if record.get("logprobs") else None)
         gen.prompt_tokens = record["prompt_tokens"]
         self.gate.active.add(gen)
-        shape = ResponseShape(record["kind"], rid, self.settings.served_model_name)
+        shape = ResponseShape(record["kind"], sid, self.settings.served_model_name)
         shape.created = record["created"]
-        log.info("stream of request %#x taken up again after event %d", rid, after)
+        log.info("stream %s (request %#x) taken up again after event %d", sid, rid, after)
         return self.stream_response(gen, shape, record["include_usage"], self.gate.active.discard,
-                                    EventIds(rid, after), bool(record.get("continuous_usage")))
+                                    EventIds(sid, after), bool(record.get("continuous_usage")))
+
+
+def _owner(request: Request) -> str:
+    """Who a stream belongs to: a hash of the request's credential (kvhold.serving.stream_resume)."""
+    return stream_resume.owner_of(request.headers.get("authorization"))
 
 
 def _request(prompt: dict, sampling: dict) -> RequestInput:
@@ -492,6 +501,7 @@ def create_app(settings: AppSettings, backend: Backend | None = None) -> FastAPI
         try:
             yield
         finally:
+            svc.text.close()
             await backend.close()
 
     app = FastAPI(title="kvhold", lifespan=lifespan)
@@ -595,51 +605,52 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
 
     @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
     async def tokenize(request: Request):
-        req = parse_body(await read_body(request), TokenizeRequest)
+        req = await svc.text.parse(await read_body(request), TokenizeRequest)
         svc.check_model(req.model)
         if req.messages is not None:
             chat = ChatRequest(messages=req.messages, model=req.model)
-            ids = svc.chat_prompt_ids(chat)
+            ids = await svc.chat_prompt_ids(chat)
         elif req.prompt is not None:
-            ids = svc.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await svc.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise bad_request("send 'prompt' or 'messages'", param="prompt",
                               code="missing_required_parameter")
-        return {"tokens": ids, "count": len(ids), "max_model_len": svc.settings.context_len}
+        body = {"tokens": ids, "count": len(ids), "max_model_len": svc.settings.context_len}
+        return Response(await svc.text.json(body), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        req = parse_body(await read_body(request), DetokenizeRequest)
+        req = await svc.text.parse(await read_body(request), DetokenizeRequest)
         svc.check_model(req.model)
-        return {"prompt": svc.detokenize(req.tokens)}
+        return {"prompt": await svc.detokenize(req.tokens)}
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
-        req = parse_body(await read_body(request), CompletionRequest)
+        req = await svc.text.parse(await read_body(request), CompletionRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
         prompts = req.prompt_inputs()
         max_tokens = [svc.max_tokens(req.max_tokens, len(p["prompt_ids"]) if "prompt_ids" in p else None,
                                      default=16) for p in prompts]                # OpenAI's default
         if len(prompts) == 1 and req.n == 1:
-            return await svc.serve(req, "completion", prompts[0], max_tokens[0])
+            return await svc.serve(req, "completion", prompts[0], max_tokens[0], _owner(request))
         return await svc.serve_choices(req, "completion", prompts, max_tokens)
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatRequest))
     async def chat_completions(request: Request):
-        req = parse_body(await read_body(request), ChatRequest)
+        req = await svc.text.parse(await read_body(request), ChatRequest)
         req.refuse_unsupported()
         svc.check_model(req.model)
-        ids = svc.chat_prompt_ids(req)
+        ids = await svc.chat_prompt_ids(req)
         max_tokens = svc.max_tokens(req.requested_max_tokens, len(ids), default=None,
                                     prompt_param="messages")
         if req.n == 1:
-            return await svc.serve(req, "chat", {"prompt_ids": ids}, max_tokens)
+            return await svc.serve(req, "chat", {"prompt_ids": ids}, max_tokens, _owner(request))
         return await svc.serve_choices(req, "chat", [{"prompt_ids": ids}], [max_tokens])
 
-    @app.get("/v1/streams/{request_id}", openapi_extra=_RESUME_DOC)
-    async def resume_stream(request_id: str, request: Request):
-        return await svc.resume(request_id, request.headers.get("last-event-id"))
+    @app.get("/v1/streams/{stream_id}", openapi_extra=_RESUME_DOC)
+    async def resume_stream(stream_id: str, request: Request):
+        return await svc.resume(stream_id, request.headers.get("last-event-id"), _owner(request))
 
     @app.get("/health")
     async def health():

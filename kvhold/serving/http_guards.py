@@ -2,7 +2,8 @@
 
 uvicorn bounds an idle kept-alive connection (`timeout_keep_alive`) and the size of
 an incomplete header block (h11's limit: a larger one is answered 400), but not the
-time a client takes to send its headers or its body. A client that connects and
+size of a complete one (`GuardedH11Protocol` answers a header block over MAX_HEADER_BYTES
+with 400, however it arrives), nor the time a client takes to send its headers or its body. A client that connects and
 sends nothing, or dribbles a byte every few seconds, holds a connection (and, in
 the body, a request task) for as long as it likes; enough of them exhaust the
 server's descriptors. Two guards close that, both on by default:
@@ -33,7 +34,7 @@ from kvhold.serving.openai_schema import ApiError
 log = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
-MAX_HEADER_BYTES = 16 * 1024      # request line + headers; h11 answers a larger block with 400
+MAX_HEADER_BYTES = 16 * 1024      # request line + headers; a larger block is answered 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,8 @@ class HttpGuards:
         """The uvicorn.Config arguments that apply the header guards."""
         from kvhold.serving.h11_guard import GuardedH11Protocol   # uvicorn: only where it serves
 
-        protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": self.header_timeout_s})
+        protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": self.header_timeout_s,
+                                                                     "max_header_bytes": MAX_HEADER_BYTES})
         return {"http": protocol, "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
 
 

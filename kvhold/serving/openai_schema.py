@@ -120,7 +120,8 @@ def _check_json(data) -> None:
         for key, item in items:
             if isinstance(key, str):
                 stack.append((key, path, depth))
-            stack.append((item, path + (key,), depth + 1))
+            if isinstance(item, (str, dict, list)):      # numbers, booleans, null: nothing to check
+                stack.append((item, path + (key,), depth + 1))
 
 
 NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "length_penalty": 1.0,

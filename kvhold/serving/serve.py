@@ -30,7 +30,8 @@ running. The port stays bound by the supervisor meanwhile, so new connections wa
 backlog instead of being refused. The HTTP server speaks to the sidecar with a ZeroMQ routing
 id of its instance's (`ServeConfig.routing_id`) from the same uid: a restarted one is the same owner
 of the requests, which the sidecar holds meanwhile, and its clients take their streams up
-again with `GET /v1/streams/{request_id}` and Last-Event-ID (kvhold.serving.stream_resume).
+again with `GET /v1/streams/{stream_id}` and Last-Event-ID, each only with the credential that
+started it (kvhold.serving.stream_resume).
 A stream nobody takes up is cancelled by the sidecar after --unclaimed-cancel-s.
 
 SIGTERM or SIGINT drains: the HTTP server is told first (new requests get 503 and /health
@@ -52,7 +53,9 @@ restarts the whole.
 a sidecar that already runs (`kvhold sidecar`), at its client endpoint: no sidecar is started
 or stopped. The sidecar's status says its instance (the HTTP server's routing id), checkpoint
 (its tokenizer, unless --model names a local copy), context length and lease; the flags that
-configure a sidecar are refused. The HTTP server is restarted when it dies as above; a stop
+configure a sidecar are refused; so is a second one in front of a sidecar whose HTTP server is
+connected already (it could not be answered: the routing id is one per instance). The HTTP
+server is restarted when it dies as above; a stop
 (SIGTERM) drains it and exits 0, and the sidecar goes on. If the sidecar dies, /health is 503
 and streams pause until it (restarted by whatever started it) re-adopts its executors.
 """
@@ -73,8 +76,9 @@ from pathlib import Path
 
 import uvicorn
 
-from kvhold.protocol.naming import InstancePaths
+from kvhold.protocol.naming import InstancePaths, http_routing_id
 from kvhold.serving.http_guards import HttpGuards
+from kvhold.sidecar.config import DEFAULT_MAX_PROMPT_BYTES
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -83,6 +87,7 @@ RESTART_BACKOFF_S = (0.5, 30.0)        # the HTTP server's restart delay: first,
 FRONTEND_BACKOFF_S = (0.1, 30.0)       # the frontend's: its clients' streams wait meanwhile
 SIDECAR_RESTARTS = 3                   # sidecar deaths within HEALTHY_RUN_S before serve gives up
 SIDECAR_RESTART_DELAY_S = 1.0          # times the restarts so far: 0 s, 1 s, 2 s
+HTTP_ID_GRACE_S = 5.0                  # --sidecar-endpoint: how long another HTTP server's connection may linger
 SPARE_DELAY_S = 5.0                    # a new spare sidecar's start, after one took over (or died)
 HEALTHY_RUN_S = 60.0                   # an HTTP server that ran this long restarts at the first delay
 STOP_SIGNAL = signal.SIGUSR1           # to the HTTP server: stop without a drain (the sidecar is gone)
@@ -110,6 +115,7 @@ class ServeConfig:
     http_restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S          # the supervisor's only
     frontend_restart_backoff_s: tuple[float, float] = FRONTEND_BACKOFF_S
     sidecar_spare: bool = True            # a spare memory owner waits to take over (SidecarChild)
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # the sidecar's; the HTTP server bounds its text alike
 
     @property
     def paths(self) -> InstancePaths:
@@ -122,7 +128,7 @@ class ServeConfig:
     @property
     def routing_id(self) -> bytes:
         """The HTTP server's ZeroMQ routing id: one per instance, so a restarted server owns its requests."""
-        return b"kvhold-serve-http." + self.instance.encode()
+        return http_routing_id(self.instance)
 
     def to_json(self) -> str:
         """What the HTTP server process needs (sent in its environment: the API key is in it)."""
@@ -135,7 +141,7 @@ class ServeConfig:
                            "access_log": self.access_log, "sse_keepalive_s": self.sse_keepalive_s,
                            "header_timeout_s": self.guards.header_timeout_s,
                            "body_timeout_s": self.guards.body_timeout_s,
-                           "sidecar_endpoint": self.sidecar_endpoint})
+                           "sidecar_endpoint": self.sidecar_endpoint, "max_prompt_bytes": self.max_prompt_bytes})
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
@@ -159,7 +165,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.model is None:
         raise ValueError("--model is required (a checkpoint directory, or 'demo')")
     api_key = http_flags_from_args(args)
-    geometry = sidecar_config_from_args(args).table_geometry(ModelSpec.from_dir(args.model))
+    sidecar_config = sidecar_config_from_args(args)
+    geometry = sidecar_config.table_geometry(ModelSpec.from_dir(args.model))
     return ServeConfig(model=Path(args.model), served_model_name=args.served_model_name or Path(args.model).name,
                        host=args.host, port=args.port, api_key=api_key, instance=args.instance,
                        runtime_root=args.runtime_root, sidecar_argv=tuple(sidecar_argv(args)),
@@ -168,7 +175,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
                        guards=HttpGuards.from_args(args), http_restart_backoff_s=tuple(args.http_restart_backoff_s),
                        frontend_restart_backoff_s=tuple(args.frontend_restart_backoff_s),
-                       sidecar_spare=args.sidecar_spare)
+                       sidecar_spare=args.sidecar_spare, max_prompt_bytes=sidecar_config.pool.max_prompt_bytes)
 
 
 # with --sidecar-endpoint, the sidecar flags that still mean something here; the others configure
@@ -230,6 +237,22 @@ def front_of_sidecar(config: ServeConfig) -> ServeConfig:
                                    f"{config.start_timeout_s:.0f} s ({reason}; a CURVE endpoint is not "
                                    f"supported here: use the sidecar's ipc:// endpoint)")
             time.sleep(0.1)
+        # one HTTP server per sidecar: the frontend's ROUTER drops a second connection under the
+        # routing id, whose requests would never be answered. A connection of one that just
+        # died is gone within milliseconds; one that stays is another kvhold serve's.
+        via = "u" if config.sidecar_endpoint.startswith("ipc://") else "t"
+        grace = time.monotonic() + HTTP_ID_GRACE_S
+        while via in ((status.get("client_peers") or {}).get("http_server") or ()):
+            if time.monotonic() > grace:
+                raise RuntimeError(f"another kvhold serve is serving in front of the sidecar at "
+                                   f"{config.sidecar_endpoint} (instance {status.get('instance')!r}): its "
+                                   f"HTTP server is connected to it, and a sidecar serves one HTTP server "
+                                   f"(stop that one first)")
+            time.sleep(0.1)
+            try:
+                status = client.status()
+            except KvholdError:
+                pass
     serving = status.get("serving")
     if not isinstance(serving, dict):
         raise RuntimeError(f"the sidecar at {config.sidecar_endpoint} does not say its model and context "
@@ -241,7 +264,8 @@ def front_of_sidecar(config: ServeConfig) -> ServeConfig:
         raise RuntimeError(f"the sidecar's checkpoint {model} is not readable here: give --model, a local copy")
     return dataclasses.replace(config, model=model, served_model_name=config.served_model_name or model.name,
                                instance=status["instance"], lease_ms=int(serving["lease_ms"]),
-                               context_len=int(serving["max_seq_len"]))
+                               context_len=int(serving["max_seq_len"]),
+                               max_prompt_bytes=int(serving.get("max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES)))
 
 
 def http_flags_from_args(args: argparse.Namespace) -> str | None:
@@ -659,7 +683,8 @@ def run_http(config: ServeConfig, fd: int) -> int:
                                  context_len=config.context_len, lease_ms=config.lease_ms,
                                  api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
                                  routing_id=config.routing_id, sse_keepalive_s=config.sse_keepalive_s,
-                                 stream_dir=config.paths.runtime_dir / "http-streams"))
+                                 stream_dir=config.paths.runtime_dir / "http-streams",
+                                 max_prompt_bytes=config.max_prompt_bytes))
     server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=config.access_log,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),
                             app.state.service.gate, config.drain_timeout_s)

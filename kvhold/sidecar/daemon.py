@@ -521,7 +521,8 @@ class Sidecar:
                 # what an HTTP API in front of this sidecar needs (`kvhold serve --sidecar-endpoint`)
                 "serving": {"model": str(self.config.pool.model) if self.config.pool.model else None,
                             "max_seq_len": self.tables.geometry.max_seq_len,
-                            "lease_ms": self.config.executors.lease_ms}}
+                            "lease_ms": self.config.executors.lease_ms,
+                            "max_prompt_bytes": self.config.pool.max_prompt_bytes}}
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

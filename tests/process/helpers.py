@@ -4,6 +4,7 @@ tests, `kvhold serve` as these tests start it, the query of death, a bounded pol
 port, a sidecar's log and its shared memory as the executors see it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -160,6 +161,15 @@ def completion(srv: ServeProcess, **kw):
 def http_child(srv: ServeProcess) -> int:
     """The pid of the supervisor's `kvhold serve-http` child."""
     return wait_until(lambda: srv.child("serve-http"), 30, 0.05, what="the HTTP server process")
+
+
+def stream_request_id(srv: ServeProcess, event_id: str) -> int:
+    """The sidecar's request id behind a resumable HTTP stream (its record in the runtime
+    directory, kvhold.serving.stream_resume), from one of its event ids."""
+    from kvhold.protocol.naming import InstancePaths
+
+    record = InstancePaths.for_instance(srv.instance, srv.runtime_root).runtime_dir / "http-streams"
+    return json.loads((record / f"{event_id.split('-')[0]}.json").read_text())["request_id"]
 
 
 def whole(srv: ServeProcess, path: str, body: dict) -> list:

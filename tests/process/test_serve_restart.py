@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.process.helpers import Events, Server, comparable, http_child, wait_until, whole
+from tests.process.helpers import Events, Server, comparable, http_child, stream_request_id, wait_until, whole
 
 pytestmark = pytest.mark.slow      # two servers, real kills and restarts: `pytest -m slow`
 
@@ -41,8 +41,8 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path)
                 os.kill(old_http, signal.SIGKILL)
                 for p in parts.values():
                     p.read()                          # to the broken connection
-                chat_rid = int(parts["/v1/chat/completions"].events[-1][0].split("-")[0], 16)
-                comp_rid = int(parts["/v1/completions"].events[-1][0].split("-")[0], 16)
+                chat_rid = stream_request_id(srv, parts["/v1/chat/completions"].events[-1][0])
+                comp_rid = stream_request_id(srv, parts["/v1/completions"].events[-1][0])
                 # the chat ends with no HTTP server up: its result waits for pickup in the sidecar
                 status = wait_until(lambda: (st := srv.sidecar_status()) and chat_rid in [
                     u["request_id"] for u in st["pool_restart"]["unclaimed"]] and st, 60, 0.1,
@@ -95,7 +95,7 @@ def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
             events.read()
             assert not Events(queued).read().events
         last = events.events[-1][0]
-        rid = int(last.split("-")[0], 16)
+        sid, rid = last.split("-")[0], stream_request_id(srv, last)
         try:
             status = wait_until(lambda: (st := srv.sidecar_status())["requests"]["in_flight"] == 0 and st,
                                 90, 0.1, what="both requests to end")
@@ -108,7 +108,7 @@ def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
         assert status["requests"]["finished"] == {"cancelled": 2}      # neither ran for nobody
         assert status["pool_restart"]["unclaimed_total"] == 0           # nor was kept for nobody
         srv.wait_healthy()
-        r = httpx.get(f"{srv.base}/v1/streams/{rid:x}", headers={"Last-Event-ID": last}, timeout=30)
+        r = httpx.get(f"{srv.base}/v1/streams/{sid}", headers={"Last-Event-ID": last}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
         assert "cancelled: no client claimed it" in r.json()["error"]["message"]
         assert f"request {rid:#x} was cancelled: no client claimed it" in (tmp_path / "serve.log").read_text()
@@ -205,7 +205,7 @@ def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model,
             try:
                 os.kill(http_child(srv), signal.SIGKILL)
                 part.read()
-                rid = int(part.events[-1][0].split("-")[0], 16)
+                rid = stream_request_id(srv, part.events[-1][0])
                 wait_until(lambda: rid in [u["request_id"] for u in srv.sidecar_status()["pool_restart"]["unclaimed"]],
                            60, 0.1, what="the chat to finish unclaimed")
                 os.kill(frontend_pid, signal.SIGKILL)
@@ -214,7 +214,7 @@ def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model,
                 os.kill(srv.proc.pid, signal.SIGCONT)
         last = part.events[-1][0]
         srv.wait_healthy(timeout=60)
-        with httpx.stream("GET", f"{srv.base}/v1/streams/{rid:x}", headers={"Last-Event-ID": last},
+        with httpx.stream("GET", f"{srv.base}/v1/streams/{last.split('-')[0]}", headers={"Last-Event-ID": last},
                           timeout=120) as r:
             assert r.status_code == 200, r.read()
             rest = Events(r).read().events
@@ -225,5 +225,39 @@ def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model,
         assert after["pid"] == before["pid"] and executor_pids(after) == executor_pids(before)
         assert after["pool_restart"]["unclaimed_total"] == 0                # picked up
         assert not list((tmp_path / "journal").rglob("*.kept"))           # its file went with it
+    finally:
+        srv.stop()
+
+
+def test_after_a_restart_only_the_credential_that_started_a_stream_resumes_it(tiny_model, tmp_path):
+    """Every client of the HTTP server is one owner to the sidecar: the HTTP server binds each
+    stream to the credential that started it (here, without an API key, each client's bearer
+    token), and its id is random, not the sidecar's sequential request id."""
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")
+    alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
+    try:
+        reference = whole(srv, "/v1/completions", COMPLETION)
+        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, headers=alice, timeout=120) as r:
+            assert r.status_code == 200
+            part = Events(r).read(5)
+            os.kill(http_child(srv), signal.SIGKILL)
+            part.read()
+        last = part.events[-1][0]
+        sid, rid = last.split("-")[0], stream_request_id(srv, last)
+        assert len(sid) == 32 and f"{rid:x}" not in sid
+        srv.wait_healthy(timeout=60)
+        for guess in (f"{rid:x}", f"cmpl-{rid:x}", f"{rid - 1:x}"):          # sequential ids name no stream
+            r = httpx.get(f"{srv.base}/v1/streams/{guess}", headers=mallory, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_stream_id", r.text
+        for stranger in (mallory, {}, {"Authorization": "alice"}):          # the id alone is not enough
+            r = httpx.get(f"{srv.base}/v1/streams/{sid}", headers={**stranger, "Last-Event-ID": last}, timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found", r.text
+        with httpx.stream("GET", f"{srv.base}/v1/streams/{sid}", headers={**alice, "Last-Event-ID": last},
+                          timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            rest = Events(r).read().events
+        assert rest[-1] == (None, "[DONE]")
+        assert comparable(part.events + rest) == comparable(reference)     # the owner lost nothing
+        assert srv.sidecar_status()["requests"]["finished"].get("cancelled", 0) == 0
     finally:
         srv.stop()

@@ -82,3 +82,32 @@ def test_sidecar_flags_are_refused_at_the_command_line(tmp_path):
                         "--standbys", "2"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "--standbys: a flag of the sidecar that kvhold serve starts" in r.stderr
+
+
+@pytest.mark.slow      # a sidecar and two servers: `pytest -m slow`
+def test_a_second_serve_in_front_of_the_same_sidecar_is_refused_with_the_reason(tiny_model, start_sidecar,
+                                                                                 runtime_root, tmp_path):
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--lease-ms", "3000"])
+    sc.wait_steady(standbys=0)
+    endpoint = InstancePaths.for_instance(sc.instance, runtime_root).client_endpoint
+    first = ServeProcess(["--sidecar-endpoint", endpoint], runtime_root, log_path=tmp_path / "first.log").spawn()
+    try:
+        wait_until(lambda: first.proc.poll() is None and healthy(first.base), 60, 0.1, what="the first HTTP server")
+        name = httpx.get(first.base + "/v1/models", timeout=5).json()["data"][0]["id"]
+        r = subprocess.run([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint", endpoint,
+                            "--port", str(free_port()), "--runtime-root", str(runtime_root)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "another kvhold serve is serving in front of the sidecar" in r.stderr, r.stderr[-2000:]
+        assert healthy(first.base) and complete(first.base, name)          # the first goes on
+        assert first.stop() == 0
+        # once the first is gone, another serves
+        second = ServeProcess(["--sidecar-endpoint", endpoint], runtime_root, log_path=tmp_path / "second.log").spawn()
+        try:
+            wait_until(lambda: second.proc.poll() is None and healthy(second.base), 60, 0.1,
+                       what="the second HTTP server")
+            assert complete(second.base, name)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
