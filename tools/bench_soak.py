@@ -99,6 +99,19 @@ def make_requests(n: int, vocab: int, max_prompt: int, max_tokens: int, seed: in
     return out
 
 
+async def stream_until_admitted(http: httpx.AsyncClient, body: dict, on_chunk, give_up_s: float) -> dict:
+    """`stream_one`, sent again after each refusal for now (429 or 503: a pool restart, a
+    takeover of the memory owner) once its Retry-After has passed, as OpenAI's SDKs do, for at
+    most `give_up_s`; the result counts the refusals."""
+    deadline, refused = time.monotonic() + give_up_s, 0
+    while True:
+        res = await stream_one(http, body, on_chunk)
+        if res["outcome"] != "refused" or time.monotonic() > deadline:
+            return dict(res, refused=refused)
+        refused += 1
+        await asyncio.sleep(res["retry_after_s"])
+
+
 async def stream_one(http: httpx.AsyncClient, body: dict, on_chunk=lambda: None) -> dict:
     """One streamed completion: outcome, text, finish reason, tokens, longest chunk gap."""
     t0 = time.monotonic()
@@ -106,6 +119,10 @@ async def stream_one(http: httpx.AsyncClient, body: dict, on_chunk=lambda: None)
     last, max_gap = t0, 0.0
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code in (429, 503):      # not admitted now (a pool restart): try again
+                await r.aread()
+                return {"outcome": "refused", "retry_after_s": float(r.headers.get("retry-after", 1)),
+                        "error": f"HTTP {r.status_code}: {r.text[:200]}", "s": time.monotonic() - t0}
             if r.status_code != 200:
                 await r.aread()
                 return {"outcome": "errored", "error": f"HTTP {r.status_code}: {r.text[:200]}",
@@ -165,12 +182,14 @@ class Clients:
                 async def worker():
                     while queue:
                         i = queue.pop(0)
-                        self.results.append((i, await stream_one(http, self.requests[i], self._chunk)))
+                        self.results.append((i, await stream_until_admitted(http, self.requests[i], self._chunk,
+                                                                            self.timeout_s)))
             else:
                 async def worker():
                     while not self.stop.is_set():
                         i = self.rng.randrange(len(self.requests))
-                        self.results.append((i, await stream_one(http, self.requests[i], self._chunk)))
+                        self.results.append((i, await stream_until_admitted(http, self.requests[i], self._chunk,
+                                                                            self.timeout_s)))
             await asyncio.gather(*(worker() for _ in range(self.n)))
 
     def _chunk(self) -> None:
@@ -419,10 +438,11 @@ def _pct(values: list[float]) -> dict | None:
 
 def compare(results: list[tuple[int, dict]], reference: dict[int, dict]) -> dict:
     counts: Counter = Counter()
-    details = {"differing": [], "lost": [], "errored": []}
+    details = {"differing": [], "lost": [], "errored": [], "refused": []}
     gaps = []
     for i, r in results:
         counts[r["outcome"]] += 1
+        counts["refusals"] += r.get("refused", 0)
         if r["outcome"] != "completed":
             details[r["outcome"]].append({"request": i, "error": r.get("error"), "s": round(r["s"], 3)})
             continue
@@ -441,6 +461,7 @@ def compare(results: list[tuple[int, dict]], reference: dict[int, dict]) -> dict
             counts["identical"] += 1
     return {"requests": len(results), "completed": counts["completed"], "identical": counts["identical"],
             "differing": counts["differing"], "lost": counts["lost"], "errored": counts["errored"],
+            "refused_still": counts["refused"], "refusals_then_sent_again": counts["refusals"],
             "longest_chunk_gap_ms": _pct(gaps),
             "examples": {k: v[:20] for k, v in details.items()}}
 
@@ -726,7 +747,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                 f"http rss {x['http_server']['rss_kib']} KiB fds {x['http_server']['open_fds']}; "
                 f"shm {x['shm_segments']}; session {x['sidecar_session']}")
         log(f"wrote {args.out}")
-        return 0 if not (r["differing"] or r["lost"] or r["errored"]) else 1
+        return 0 if not (r["differing"] or r["lost"] or r["errored"] or r["refused_still"]) else 1
 
 
 if __name__ == "__main__":

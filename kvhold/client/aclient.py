@@ -207,11 +207,12 @@ class AsyncClient:
             while True:
                 try:
                     await self._wait(asyncio.shield(answer))
-                    return self._core.reply(tag)
                 except SidecarUnavailable:
                     if on_silence is None:
                         raise
                     await on_silence()
+                    continue
+                return self._core.reply(tag)      # the reply, or the error it was
         finally:
             self._answers.pop(tag, None)
             self._core.forget(tag)
@@ -250,8 +251,15 @@ class AsyncClient:
         """Re-attach every open stream as soon as the socket has connected again."""
         while True:
             frames = await self._monitor.recv_multipart()
-            if self._reconnect.seen(frames) and self._resume_on_reconnect:
-                send_quietly(self._sock, self._core.reconnected(time.monotonic()))
+            drops = self._reconnect.drops
+            again = self._reconnect.seen(frames)
+            if self._reconnect.drops != drops:
+                self._core.connection_lost()
+            if again:
+                resume, got = self._core.reconnected(time.monotonic())
+                if self._resume_on_reconnect:
+                    send_quietly(self._sock, resume)
+                self._woke(got)
 
     async def _receive_loop(self) -> None:
         while True:

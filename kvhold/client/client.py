@@ -261,20 +261,30 @@ class Client:
             wait_s = self._core.wait_s(started, now)
             send_quietly(self._sock, self._core.resume_due(now))
             ready = dict(self._poller.poll(max(1, int(wait_s * 1000))))
-            if self._monitor in ready:
-                self._on_monitor()
+            if self._monitor in ready and self._on_monitor():
+                return                       # requests sent before a lost connection failed
             if self._sock in ready:
                 self._core.receive(self._sock.recv(), time.monotonic())
                 return
 
-    def _on_monitor(self) -> None:
+    def _on_monitor(self) -> bool:
+        """Handle the socket monitor's events; True when requests awaited were failed (their
+        connection was lost before they were answered: kvhold.client.core.ClientCore.reconnected)."""
+        failed = False
         while True:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if self._reconnect.seen(frames) and self._resume_on_reconnect:
-                send_quietly(self._sock, self._core.reconnected(time.monotonic()))
+                return failed
+            drops = self._reconnect.drops
+            again = self._reconnect.seen(frames)
+            if self._reconnect.drops != drops:
+                self._core.connection_lost()
+            if again:
+                resume, got = self._core.reconnected(time.monotonic())
+                if self._resume_on_reconnect:
+                    send_quietly(self._sock, resume)
+                failed = failed or bool(got.replies)
 
 
 def wait_all(streams: list[Stream], on_event=None) -> list[GenerationResult]:

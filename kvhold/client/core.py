@@ -164,6 +164,8 @@ class ClientCore:
         self.streams: dict[int, StreamState] = {}
         self._tags = itertools.count(1)
         self._awaited: dict[int, object] = {}     # tag -> its reply (_NO_REPLY until it comes)
+        self._link = 0                # connections lost so far (socket monitor)
+        self._sent_on: dict[int, int] = {}        # tag -> `_link` when it was sent
         self.last_rx = self.last_resume = now
         self.pause_until = 0.0        # a pool restart announced a pause until then
 
@@ -172,6 +174,7 @@ class ClientCore:
         """(tag, message) of a new request: `make(tag)` builds it; its reply is awaited."""
         tag = next(self._tags)
         self._awaited[tag] = _NO_REPLY
+        self._sent_on[tag] = self._link
         return tag, make(tag)
 
     def generate(self, request: RequestInput) -> tuple[int, m.Generate]:
@@ -186,6 +189,7 @@ class ClientCore:
     def reply(self, tag: int):
         """Take the reply to `tag` (the request is then done with); raises the error it was."""
         reply = self._awaited.pop(tag)
+        self._sent_on.pop(tag, None)
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -194,6 +198,7 @@ class ClientCore:
         """Stop awaiting `tag` (its waiter gave up): a late reply is dropped, and a late
         Accepted opens no stream."""
         self._awaited.pop(tag, None)
+        self._sent_on.pop(tag, None)
 
     def attach(self, request_id: int, now: float) -> tuple[StreamState, m.Resume]:
         """A stream for a request this client's key owns but this client has no stream for,
@@ -317,13 +322,27 @@ class ClientCore:
             return None
         return m.Resume(request_ids=ids, next_indices=[len(self.streams[r].token_ids) for r in ids])
 
-    def reconnected(self, now: float) -> m.Resume | None:
-        """Re-attach every open stream (the socket connected again: the sidecar may be a new one)."""
+    def connection_lost(self) -> None:
+        """The socket lost its connection (socket monitor): what was sent before it is answered
+        by that peer or never (a ROUTER drops what it sends to a client that is not connected)."""
+        self._link += 1
+
+    def reconnected(self, now: float) -> tuple[m.Resume | None, Received]:
+        """The socket connected again (the sidecar or its frontend may be a new process): the
+        Resume that re-attaches every open stream, and the requests sent before the connection
+        was lost that got no answer, now failed with SidecarUnavailable: a Generate the old
+        process took and died with may never have been admitted, and an answer sent meanwhile
+        was dropped; the caller sends it again (an HTTP client gets 503 and Retry-After)."""
         self.last_resume = now
+        got = Received()
+        for tag in [t for t, r in self._awaited.items() if r is _NO_REPLY and self._sent_on.get(t, self._link) < self._link]:
+            self._answer(tag, SidecarUnavailable(
+                f"the connection to the sidecar at {self.endpoint} was lost before it answered: the "
+                "request may not have been taken; send it again"), got)
         if not self.streams:
-            return None
+            return None, got
         return m.Resume(request_ids=list(self.streams),
-                        next_indices=[len(st.token_ids) for st in self.streams.values()])
+                        next_indices=[len(st.token_ids) for st in self.streams.values()]), got
 
 
 def take_tokens(st: StreamState, msg: m.Tokens, now: float) -> bool:

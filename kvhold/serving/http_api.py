@@ -553,7 +553,7 @@ def _declare_request_models(app: FastAPI, models) -> None:
 
 def _install_error_handlers(app: FastAPI) -> None:
     def answer(err: ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), err.status)
+        return JSONResponse(err.body(), err.status, headers=err.headers())
 
     @app.exception_handler(ApiError)
     async def on_api_error(request, exc: ApiError):

@@ -37,6 +37,9 @@ MAX_JSON_DEPTH = 32
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 
 
+RETRY_AFTER_S = 1         # the Retry-After of a 429 or 503: a pool restart or takeover takes seconds
+
+
 class ApiError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
 
@@ -48,6 +51,11 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def headers(self) -> dict[str, str] | None:
+        """A refusal for now (429 overloaded, 503 unavailable: a pool restart, a takeover of the
+        memory owner, a drain) tells the client when to try again; OpenAI's SDKs honour it."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -246,3 +246,37 @@ def test_the_frontends_stats_line_counts_the_owners_recoveries(tiny_model, runti
         assert "generation throughput" in log and ", recoveries 1" in log, log[-3000:]
     finally:
         sp.stop()
+
+
+@pytest.mark.slow
+def test_a_request_the_frontend_died_with_unanswered_is_failed_for_sending_again(split):
+    """A Generate the frontend took (stopped, then SIGKILLed) and never answered: once the SDK's
+    socket connects to the next frontend it fails that request with SidecarUnavailable (an HTTP
+    client gets 503 and Retry-After), instead of waiting while other streams' traffic keeps its
+    silence timeout from firing; the stream in flight meanwhile continues as ever."""
+    import asyncio
+
+    from kvhold.client.aclient import AsyncClient
+    from kvhold.protocol.errors import SidecarUnavailable
+
+    _steady(split)
+    with split.new_client() as client:
+        reference = client.generate(**PROMPT).result()
+
+    async def run():
+        async with AsyncClient.for_instance(split.instance, split.runtime_root, timeout=120) as client:
+            other = await client.generate(**PROMPT)
+            events = [await other.__anext__()]
+            os.kill(split.frontend.pid, signal.SIGSTOP)      # it takes no message from here on
+            lost = asyncio.ensure_future(client.generate(**SAMPLED))
+            await asyncio.sleep(0)                          # the Generate is sent (its first step)
+            os.kill(split.frontend.pid, signal.SIGKILL)
+            split.frontend.wait()
+            split.start_frontend()
+            with pytest.raises(SidecarUnavailable, match="lost before it answered"):
+                await asyncio.wait_for(lost, 60)            # not the 120 s silence timeout
+            events += [e async for e in other]
+            return events
+
+    events = asyncio.run(run())
+    assert [e.token_id for e in events] == reference.token_ids

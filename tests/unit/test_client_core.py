@@ -91,7 +91,8 @@ def test_a_silence_resumes_the_silent_streams_once_a_second_from_the_index_held(
     resume = core.resume_due(T0 + 2 * RESUME_AFTER_S + 0.2)
     assert sorted(zip(resume.request_ids, resume.next_indices)) == [(1, 3), (2, 0)]
     # a reconnect re-attaches every open stream at once, and the silence timer starts again
-    again = core.reconnected(T0 + 2 * RESUME_AFTER_S + 0.3)
+    again, failed = core.reconnected(T0 + 2 * RESUME_AFTER_S + 0.3)
+    assert failed.replies == []                 # no request was awaited across the lost connection
     assert sorted(zip(again.request_ids, again.next_indices)) == [(1, 3), (2, 0)]
     assert core.resume_due(T0 + 2 * RESUME_AFTER_S + 0.5) is None
     assert quiet.error is None and busy.error is None
@@ -137,3 +138,15 @@ def test_attach_asks_for_every_token_and_is_answered_by_a_keepalive_or_tokens():
     other, _ = core.attach(0xdef, now=T0)
     core.drop(other)                                     # nobody answered: forgotten
     assert 0xdef not in core.streams and 0xabc in core.streams
+
+
+def test_a_request_sent_before_a_lost_connection_fails_at_the_reconnect_one_sent_after_waits():
+    core = ClientCore("ipc:///x", timeout=10.0, now=T0)
+    before, _ = core.request(lambda tag: m.Ping(tag=tag))
+    core.connection_lost()                        # the peer died (socket monitor: disconnected)
+    after, _ = core.request(lambda tag: m.Ping(tag=tag))     # queued for the next connection
+    resume, got = core.reconnected(T0 + 1)
+    assert resume is None and got.replies == [before]
+    with pytest.raises(SidecarUnavailable, match="lost before it answered"):
+        core.reply(before)
+    assert not core.answered(after)               # the next process answers it

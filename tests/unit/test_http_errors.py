@@ -10,7 +10,7 @@ import time
 import pytest
 import uvicorn
 
-from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol.errors import ErrorCode, Overloaded, SidecarUnavailable
 from kvhold.protocol.wire import WireError
 from kvhold.serving.http_api import AppSettings, create_app
 from kvhold.serving.metrics import SidecarMetrics
@@ -91,4 +91,18 @@ def test_a_request_too_large_for_one_frame_is_a_413(served):
     assert str(MAX_BODY_BYTES) in body["error"]["message"]
     conn.request("GET", "/v1/models")
     assert conn.getresponse().status == 200
+    conn.close()
+
+
+@pytest.mark.parametrize("error, status", [
+    (SidecarUnavailable("the connection to the sidecar was lost before it answered"), 503),
+    (Overloaded("too many requests waiting"), 429)])
+def test_a_refusal_for_now_says_when_to_try_again(served, error, status):
+    port, backend = served
+    backend.error = error
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", "/v1/completions", body=b'{"prompt": "hi"}', headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    assert r.status == status and r.getheader("Retry-After") == "1"
     conn.close()
