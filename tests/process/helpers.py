@@ -50,7 +50,15 @@ def run_with_fault(start_sidecar, flags, tmp_path: Path, fault: str, requests=RE
     with sc.new_client(timeout=60) as client:
         got = outcome(wait_all(submit(client, requests)))
     assert (tmp_path / "fired").exists()
-    return got, sc.status()["recoveries"]
+    return got, fault_recoveries(sc.status())
+
+
+def fault_recoveries(status: dict) -> list[dict]:
+    """The recovery records of a sidecar's status but those of hang fences: on a loaded machine
+    an executor's heartbeat lease can lapse (a false hang, fenced and taken over like any);
+    the recoveries an injected death caused are the others."""
+    hung = {e["fenced_epoch"] for e in status["events"] if e["kind"] == "fence" and e.get("reason") == "hang"}
+    return [r for r in status["recoveries"] if r.get("fenced_epoch") not in hung]
 
 
 def wait_until(cond, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):
