@@ -20,6 +20,7 @@ from tests.process.helpers import DATA
 
 pytestmark = [pytest.mark.etcd,
               pytest.mark.skipif(os.environ.get("KVHOLD_SKIP_ETCD") == "1", reason="KVHOLD_SKIP_ETCD=1")]
+TAG = os.getpid()      # instance names of this run only: another run on the machine has its own
 SERVICE = "t-registry"
 FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
          "--standbys", "0", "--service", SERVICE, "--registry-ttl", "2"]
@@ -40,7 +41,7 @@ def cluster(etcd, tiny_model, tmp_path_factory):
     """Two registered sidecars with the tiny model, a router's view, and reference outputs."""
     logs = tmp_path_factory.mktemp("logs")
     flags = ["--model", str(tiny_model), *FLAGS, "--registry", etcd.url]
-    sidecars = [SidecarProcess(flags, instance=f"reg{i}", log_path=logs / f"reg{i}.log") for i in range(2)]
+    sidecars = [SidecarProcess(flags, instance=f"reg{TAG}-{i}", log_path=logs / f"reg{i}.log") for i in range(2)]
     try:
         for sc in sidecars:
             sc.start()
@@ -87,7 +88,7 @@ def test_bad_registry_data_is_ignored_with_a_log_line(etcd, caplog):
 def test_sidecars_register_and_the_router_spreads_requests(cluster):
     sidecars, view, reference = cluster
     entries = {e.instance: e for e in view.entries()}
-    assert set(entries) == {"reg0", "reg1"}
+    assert set(entries) == {f"reg{TAG}-0", f"reg{TAG}-1"}
     for sc in sidecars:
         e = entries[sc.instance]
         assert (e.pid, e.gpu, e.model, e.generation) == (sc.proc.pid, "cpu", "tiny-v1", 1)
@@ -104,15 +105,15 @@ def test_a_draining_sidecar_is_avoided(cluster, etcd, tmp_path):
     sidecars, view, reference = cluster
     drained = SidecarProcess(["--workload", "idle", *FLAGS, "--registry", etcd.url, "--health",
                               "replay:" + str(DATA / "health" / "gpu_lost.json"),
-                              "--health-interval", "0.05"], instance="reg-drain",
+                              "--health-interval", "0.05"], instance=f"reg{TAG}-drain",
                              log_path=tmp_path / "drain.log")
     with drained:
-        assert view.wait_until(lambda es: any(e.instance == "reg-drain" and e.health == "drain"
+        assert view.wait_until(lambda es: any(e.instance == f"reg{TAG}-drain" and e.health == "drain"
                                               for e in es), 10), view.entries()
         with RoutedClient(view) as router:
             results = wait_all(submit(router))
     assert [r.token_ids for r in results] == reference
-    assert not any("reg-drain" in key for r in results for key in r.sidecars)
+    assert not any(f"reg{TAG}-drain" in key for r in results for key in r.sidecars)
     assert view.wait_until(lambda es: len(es) == 2, 5)      # a clean stop revokes the lease
 
 

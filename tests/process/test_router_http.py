@@ -20,6 +20,7 @@ from tests.process.helpers import DATA
 
 pytestmark = [pytest.mark.etcd,
               pytest.mark.skipif(os.environ.get("KVHOLD_SKIP_ETCD") == "1", reason="KVHOLD_SKIP_ETCD=1")]
+TAG = os.getpid()      # instance names of this run only: another run on the machine has its own
 SERVICE = "t-router-http"
 FLAGS = ["--kv-pages", "256", "--max-seq-len", "512", "--max-batch-tokens", "64", "--max-batch", "16",
          "--standbys", "0", "--service", SERVICE, "--registry-ttl", "2"]
@@ -40,7 +41,7 @@ def cluster(etcd, tiny_model, tmp_path_factory):
     """Two registered sidecars, a `kvhold router` in front of them, and reference outputs."""
     logs = tmp_path_factory.mktemp("logs")
     flags = ["--model", str(tiny_model), *FLAGS, "--registry", etcd.url]
-    sidecars = [SidecarProcess(flags, instance=f"rh{i}", log_path=logs / f"rh{i}.log") for i in range(2)]
+    sidecars = [SidecarProcess(flags, instance=f"rh{TAG}-{i}", log_path=logs / f"rh{i}.log") for i in range(2)]
     port = free_port()
     router = None
     try:
@@ -135,14 +136,14 @@ def test_a_draining_sidecar_is_avoided(cluster, etcd, tmp_path):
     sidecars, base, refs = cluster
     drained = SidecarProcess(["--workload", "idle", *FLAGS, "--registry", etcd.url, "--health",
                               "replay:" + str(DATA / "health" / "gpu_lost.json"),
-                              "--health-interval", "0.05"], instance="rh-drain",
+                              "--health-interval", "0.05"], instance=f"rh{TAG}-drain",
                              log_path=tmp_path / "drain.log")
     with drained:
         wait_health(base, None, lambda body: body["sidecars_registered"] == 3, timeout=10)
         texts = run_all(base, REQUESTS, [True, False] * (len(REQUESTS) // 2))
         assert httpx.get(base + "/health", timeout=5).json()["sidecars_serving"] == 2
     assert texts == refs["short"]
-    assert not any("rh-drain" in k for k in metric(base, "kvhold_router_requests_routed_total"))
+    assert not any(f"rh{TAG}-drain" in k for k in metric(base, "kvhold_router_requests_routed_total"))
 
 
 def test_a_sigkilled_sidecar_s_http_streams_pause_and_finish_exactly(cluster):
