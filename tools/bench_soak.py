@@ -70,6 +70,7 @@ from kvhold.client.client import Client
 from kvhold.protocol.errors import KvholdError
 from kvhold.protocol.naming import InstancePaths
 from kvhold.testing.serve_process import ServeProcess
+from kvhold.serving.serve import HEALTHY_RUN_S
 from tools.soak_owner_faults import OWNER_PLANS, OwnerFaults
 
 EXECUTOR_PLANS = ("sigkill_with_standby", "sigkill_no_standby", "sigkill_during_takeover", "sigstop_hang")
@@ -515,6 +516,10 @@ def parse_args(argv):
     p.add_argument("--lease-ms", type=int, default=1000,
                    help="the sidecar's heartbeat lease: how long a SIGSTOPped executor takes to be found "
                         "(default 1000)")
+    p.add_argument("--owner-uptime", type=float, default=HEALTHY_RUN_S + 1,
+                   help="sidecar_sigkill waits until the memory owner has served this long (default "
+                        f"{HEALTHY_RUN_S + 1:.0f} s: kvhold serve stops after three deaths of its owner "
+                        "within a minute, its guard against a crash loop)")
     p.add_argument("--no-zygote", dest="zygote", action="store_false",
                    help="re-arm standbys by cold starts instead of zygote forks (slower cycles)")
     p.add_argument("--chunks-between", type=int, default=32,
@@ -594,7 +599,8 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
     with Client.for_instance(paths.instance, paths.runtime_dir.parent, timeout=10) as sdk:
         obs = Observer(sdk)
         injector = Injector(obs, args, args.zygote)
-        owner = OwnerFaults(obs, paths.instance, paths.runtime_dir.parent, args.steady_timeout)
+        owner = OwnerFaults(obs, paths.instance, paths.runtime_dir.parent, args.steady_timeout,
+                            args.owner_uptime)
         executor_plans = [p for p in args.plans if p in EXECUTOR_PLANS] or list(EXECUTOR_PLANS)
         log(f"starting kvhold serve on {base} (instance {paths.instance}, log {log_path})")
         up = lambda st: serve.poll() is None and obs.steady(st, args.zygote, stepped=False)  # noqa: E731
@@ -666,7 +672,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                     break
                 plan = waiting or args.plans[taken % len(args.plans)]
                 waiting = None
-                if plan in OWNER_PLANS and not OwnerFaults.ready(obs.last, plan):
+                if plan in OWNER_PLANS and not owner.ready(obs.last, plan):
                     planned[f"{plan} deferred"] += 1
                     waiting, plan = plan, executor_plans[cycle % len(executor_plans)]
                 else:

@@ -14,7 +14,8 @@ the frontend and the HTTP server; these plans hit the first three, and restart t
   Observed: the command's exit code 0 and a status of the next pool generation.
 
 A plan runs only from a state where it can (the frontend's owner answers; for the two that
-take the spare, a spare waits, its marker written); otherwise the soak takes an executor fault
+take the spare, a spare waits, its marker written; the owner has served a minute, as serve
+gives up after three deaths of its owner within a minute); otherwise the soak takes an executor fault
 this cycle and tries the plan again the next (counted as deferred). Each fault is counted once observed, never from the plan.
 """
 from __future__ import annotations
@@ -26,21 +27,28 @@ import sys
 import time
 from collections import Counter
 
+from kvhold.serving.serve import HEALTHY_RUN_S
+
 OWNER_PLANS = ("sidecar_sigkill", "frontend_sigkill", "spare_sigkill", "pool_restart")
 
 
 class OwnerFaults:
-    def __init__(self, obs, instance: str, runtime_root, timeout_s: float):
+    def __init__(self, obs, instance: str, runtime_root, timeout_s: float, owner_uptime_s: float = HEALTHY_RUN_S + 1):
         self.obs, self.instance, self.runtime_root, self.timeout_s = obs, instance, str(runtime_root), timeout_s
+        self.owner_uptime_s = owner_uptime_s
         self.records: list[dict] = []           # one per fault planned: what was observed
         self.notes: Counter = Counter()
 
-    @staticmethod
-    def ready(st: dict, plan: str) -> bool:
+    def ready(self, st: dict, plan: str) -> bool:
         """Whether `plan` can hit its process now: the frontend is connected to a serving owner,
-        and for the plans that take the spare (a SIGKILL of the owner or of the spare) one waits."""
+        for the plans that take the spare (a SIGKILL of the owner or of the spare) one waits, and
+        the owner is killed only once it has served `owner_uptime_s` (default HEALTHY_RUN_S + 1:
+        `kvhold serve` stops after SIDECAR_RESTARTS deaths of its owner that close together, its
+        guard against a crash loop)."""
         fe = st.get("frontend") or {}
         serving = bool(st.get("pid")) and bool(fe.get("pid")) and fe.get("owner_answered", False)
+        if plan == "sidecar_sigkill" and st.get("uptime_s", 0.0) < self.owner_uptime_s:
+            return False
         return serving and (bool(st.get("spares")) or plan not in ("sidecar_sigkill", "spare_sigkill"))
 
     def observed(self) -> Counter:

@@ -43,7 +43,7 @@ def test_soak_smoke_owner_faults(tiny_model, tmp_path):
     plans = "sidecar_sigkill,sigkill_with_standby,frontend_sigkill,pool_restart,spare_sigkill"
     cmd = [sys.executable, "-m", "tools.bench_soak", "--model", str(tiny_model), "--faults", "5",
            "--max-seconds", "240", "--clients", "4", "--requests", "8", "--max-tokens", "24",
-           "--chunks-between", "8", "--plans", plans, "--out", str(out)]
+           "--chunks-between", "8", "--plans", plans, "--owner-uptime", "0", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert out.exists(), proc.stderr[-3000:]
