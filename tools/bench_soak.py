@@ -21,7 +21,8 @@ re-armed from the zygote unless --no-zygote) on the tiny demo model (CPU), then:
    and the processes around them (tools.soak_owner_faults): `sidecar_sigkill` (the memory
    owner, while its spare waits), `frontend_sigkill`, `spare_sigkill`, and `pool_restart`
    (`kvhold pool-restart --continue`); one of these whose process is not there to hit (no
-   spare waiting yet) is deferred: that cycle takes the next executor plan.
+   spare waiting yet) waits: that cycle takes an executor plan, and a later cycle takes the
+   waiting plan as soon as it can.
    The executors' pids come from the sidecar's status (the SDK's Status message, what
    `kvhold status` shows). It stops when --faults faults have happened or after
    --max-seconds, whichever comes first; the clients then finish their requests.
@@ -643,7 +644,7 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
         clients.start()
         soak_t0 = time.monotonic()
         stopped_by, cycle, faults, chunks_mark = "faults", 0, 0, 0
-        taken, waiting = 0, None      # plans taken in turn; an owner plan that had to wait
+        taken, waiting = 0, []        # plans taken in turn; the owner plans that had to wait
         kinds: Counter = Counter()
         planned: Counter = Counter()
         try:
@@ -670,13 +671,18 @@ def run(args, requests, serve, base, paths, result, save, log_path) -> int:
                 faults = sum(kinds.values()) + sum(owner.observed().values())
                 if faults >= args.faults:
                     break
-                plan = waiting or args.plans[taken % len(args.plans)]
-                waiting = None
-                if plan in OWNER_PLANS and not owner.ready(obs.last, plan):
-                    planned[f"{plan} deferred"] += 1
-                    waiting, plan = plan, executor_plans[cycle % len(executor_plans)]
+                # an owner plan that had to wait goes first once it can; the others go on in turn
+                plan = next((p for p in waiting if owner.ready(obs.last, p)), None)
+                if plan is not None:
+                    waiting.remove(plan)
                 else:
+                    plan = args.plans[taken % len(args.plans)]
                     taken += 1
+                    if plan in OWNER_PLANS and not owner.ready(obs.last, plan):
+                        planned[f"{plan} deferred"] += 1
+                        if plan not in waiting:
+                            waiting.append(plan)
+                        plan = executor_plans[cycle % len(executor_plans)]
                 planned[plan] += 1
                 if plan in OWNER_PLANS:
                     injector.cycles.append(owner.run(cycle, plan))

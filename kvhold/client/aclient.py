@@ -203,6 +203,7 @@ class AsyncClient:
         """Send request `msg` and wait for its reply (see `submit` for `on_silence`)."""
         answer = self._answers[tag] = asyncio.get_running_loop().create_future()
         try:
+            self._core.sending(tag)
             send_or_fail(self._sock, msg, self.endpoint)
             while True:
                 try:

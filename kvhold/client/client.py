@@ -238,6 +238,10 @@ class Client:
     def _ask(self, tag: int, msg, on_silence: Callable[[], None] | None = None):
         """Send request `msg` and wait for its reply (see `submit` for `on_silence`)."""
         try:
+            # the socket's connection events so far first: a request sent after a reconnect that
+            # happened while this client was idle is not one sent before the connection was lost
+            self._on_monitor()
+            self._core.sending(tag)
             send_or_fail(self._sock, msg, self.endpoint)
             while not self._core.answered(tag):
                 try:

@@ -174,8 +174,11 @@ class ClientCore:
         """(tag, message) of a new request: `make(tag)` builds it; its reply is awaited."""
         tag = next(self._tags)
         self._awaited[tag] = _NO_REPLY
-        self._sent_on[tag] = self._link
         return tag, make(tag)
+
+    def sending(self, tag: int) -> None:
+        """Request `tag` goes out now, on the connection as the socket monitor last told it."""
+        self._sent_on[tag] = self._link
 
     def generate(self, request: RequestInput) -> tuple[int, m.Generate]:
         """The Generate of a checked request; its reply is the new stream's StreamState."""

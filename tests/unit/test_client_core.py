@@ -143,8 +143,10 @@ def test_attach_asks_for_every_token_and_is_answered_by_a_keepalive_or_tokens():
 def test_a_request_sent_before_a_lost_connection_fails_at_the_reconnect_one_sent_after_waits():
     core = ClientCore("ipc:///x", timeout=10.0, now=T0)
     before, _ = core.request(lambda tag: m.Ping(tag=tag))
+    core.sending(before)
     core.connection_lost()                        # the peer died (socket monitor: disconnected)
     after, _ = core.request(lambda tag: m.Ping(tag=tag))     # queued for the next connection
+    core.sending(after)
     resume, got = core.reconnected(T0 + 1)
     assert resume is None and got.replies == [before]
     with pytest.raises(SidecarUnavailable, match="lost before it answered"):
