@@ -518,9 +518,10 @@ def parse_args(argv):
                    help="the sidecar's heartbeat lease: how long a SIGSTOPped executor takes to be found "
                         "(default 1000)")
     p.add_argument("--owner-uptime", type=float, default=HEALTHY_RUN_S + 1,
-                   help="sidecar_sigkill waits until the memory owner has served this long (default "
-                        f"{HEALTHY_RUN_S + 1:.0f} s: kvhold serve stops after three deaths of its owner "
-                        "within a minute, its guard against a crash loop)")
+                   help="sidecar_sigkill and frontend_sigkill wait until the process they kill has served "
+                        f"this long (default {HEALTHY_RUN_S + 1:.0f} s: kvhold serve treats closer deaths "
+                        "as a crash loop: it stops after three deaths of its owner within a minute and "
+                        "restarts the frontend after a growing backoff)")
     p.add_argument("--no-zygote", dest="zygote", action="store_false",
                    help="re-arm standbys by cold starts instead of zygote forks (slower cycles)")
     p.add_argument("--chunks-between", type=int, default=32,

@@ -14,8 +14,8 @@ the frontend and the HTTP server; these plans hit the first three, and restart t
   Observed: the command's exit code 0 and a status of the next pool generation.
 
 A plan runs only from a state where it can (the frontend's owner answers; for the two that
-take the spare, a spare waits, its marker written; the owner has served a minute, as serve
-gives up after three deaths of its owner within a minute); otherwise the soak takes an executor fault
+take the spare, a spare waits, its marker written; the owner or the frontend to be killed has
+served a minute since it took over, as serve treats closer deaths as a crash loop); otherwise the soak takes an executor fault
 this cycle and tries the plan again the next (counted as deferred). Each fault is counted once observed, never from the plan.
 """
 from __future__ import annotations
@@ -36,18 +36,25 @@ class OwnerFaults:
     def __init__(self, obs, instance: str, runtime_root, timeout_s: float, owner_uptime_s: float = HEALTHY_RUN_S + 1):
         self.obs, self.instance, self.runtime_root, self.timeout_s = obs, instance, str(runtime_root), timeout_s
         self.owner_uptime_s = owner_uptime_s
+        # when the process each of these plans kills started serving (the soak's start, then the
+        # kill it took over from): kvhold serve restarts either after a death at once only when
+        # it had served HEALTHY_RUN_S, with a backoff (the frontend) or not at all (the owner,
+        # after three deaths within a minute) otherwise: its guards against a crash loop
+        self.serving_since = {"sidecar_sigkill": time.monotonic(), "frontend_sigkill": time.monotonic()}
         self.records: list[dict] = []           # one per fault planned: what was observed
         self.notes: Counter = Counter()
 
     def ready(self, st: dict, plan: str) -> bool:
         """Whether `plan` can hit its process now: the frontend is connected to a serving owner,
         for the plans that take the spare (a SIGKILL of the owner or of the spare) one waits, and
-        the owner is killed only once it has served `owner_uptime_s` (default HEALTHY_RUN_S + 1:
-        `kvhold serve` stops after SIDECAR_RESTARTS deaths of its owner that close together, its
-        guard against a crash loop)."""
+        the owner and the frontend are killed only once they have served `owner_uptime_s` (default
+        HEALTHY_RUN_S + 1: `kvhold serve` stops after SIDECAR_RESTARTS deaths of its owner that
+        close together, and restarts a frontend that dies sooner after a growing backoff: its
+        guards against a crash loop)."""
         fe = st.get("frontend") or {}
         serving = bool(st.get("pid")) and bool(fe.get("pid")) and fe.get("owner_answered", False)
-        if plan == "sidecar_sigkill" and st.get("uptime_s", 0.0) < self.owner_uptime_s:
+        since = self.serving_since.get(plan)
+        if since is not None and time.monotonic() - since < self.owner_uptime_s:
             return False
         return serving and (bool(st.get("spares")) or plan not in ("sidecar_sigkill", "spare_sigkill"))
 
@@ -93,6 +100,8 @@ class OwnerFaults:
             if plan == "sidecar_sigkill" and after is not None:
                 rec["took_over_by"], rec["spare"] = after["pid"], after.get("spare")
         rec["observed_after_ms"] = (time.monotonic_ns() - t0) / 1e6
+        if plan in self.serving_since:
+            self.serving_since[plan] = time.monotonic()
         if not rec["observed"]:
             self.notes[f"{plan}: not observed within {self.timeout_s:.0f} s"] += 1
         self.records.append(rec)
