@@ -1,6 +1,7 @@
 """The instance lock with real flock(2) locks: one holder, however starts and stops interleave."""
 import fcntl
 import os
+import time
 
 import pytest
 
@@ -99,10 +100,16 @@ def test_a_holder_that_dies_between_two_looks_of_the_spare_is_taken_over(paths, 
     """A pool restart's new image (the same pid) locks a new file and dies before the spare,
     woken by the old image's clean stop, looks again: the file at the path, free and naming the
     holder the spare saw, is a death the spare takes over from."""
+    import threading
+
     first = InstanceLock(paths)
     looks = []
+    real_sleep = time.sleep
+    waiting = threading.Event()
 
     def sleep(seconds):                 # between two looks: the old image stops, the new one dies
+        if threading.current_thread() is not waiter:     # time.sleep is the process's: others sleep
+            return real_sleep(seconds)
         looks.append(seconds)
         if len(looks) == 1:
             fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
@@ -111,13 +118,18 @@ def test_a_holder_that_dies_between_two_looks_of_the_spare_is_taken_over(paths, 
 
     monkeypatch.setattr(instance_lock.time, "sleep", sleep)
     seen = []
-    import threading
-    waiter = threading.Thread(target=lambda: seen.append(instance_lock.wait_for_holder_death(paths, seen.append)))
+
+    def on_waiting(pid):
+        seen.append(pid)
+        waiting.set()
+
+    waiter = threading.Thread(target=lambda: seen.append(instance_lock.wait_for_holder_death(paths, on_waiting)),
+                              daemon=True)     # a failure must not hold the test process open
     waiter.start()
-    while not seen:
-        pass
+    assert waiting.wait(60)
     first.release()                     # a clean stop: the spare wakes and looks again
-    waiter.join(10)
+    waiter.join(60)
+    assert not waiter.is_alive()
     fd, dead = seen[-1]
     try:
         assert dead == os.getpid() and seen[0] == os.getpid()
