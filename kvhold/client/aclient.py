@@ -252,15 +252,10 @@ class AsyncClient:
         """Re-attach every open stream as soon as the socket has connected again."""
         while True:
             frames = await self._monitor.recv_multipart()
-            drops = self._reconnect.drops
-            again = self._reconnect.seen(frames)
-            if self._reconnect.drops != drops:
-                self._core.connection_lost()
-            if again:
-                resume, got = self._core.reconnected(time.monotonic())
-                if self._resume_on_reconnect:
-                    send_quietly(self._sock, resume)
-                self._woke(got)
+            resume, got = self._core.link_event(self._reconnect, frames, time.monotonic())
+            if self._resume_on_reconnect:
+                send_quietly(self._sock, resume)
+            self._woke(got)
 
     async def _receive_loop(self) -> None:
         while True:

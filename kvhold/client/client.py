@@ -280,15 +280,10 @@ class Client:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return failed
-            drops = self._reconnect.drops
-            again = self._reconnect.seen(frames)
-            if self._reconnect.drops != drops:
-                self._core.connection_lost()
-            if again:
-                resume, got = self._core.reconnected(time.monotonic())
-                if self._resume_on_reconnect:
-                    send_quietly(self._sock, resume)
-                failed = failed or bool(got.replies)
+            resume, got = self._core.link_event(self._reconnect, frames, time.monotonic())
+            if self._resume_on_reconnect:
+                send_quietly(self._sock, resume)
+            failed = failed or bool(got.replies)
 
 
 def wait_all(streams: list[Stream], on_event=None) -> list[GenerationResult]:

@@ -325,6 +325,15 @@ class ClientCore:
             return None
         return m.Resume(request_ids=ids, next_indices=[len(self.streams[r].token_ids) for r in ids])
 
+    def link_event(self, watch: ReconnectWatch, frames, now: float) -> tuple[m.Resume | None, Received]:
+        """One socket-monitor event, read by `watch`: a lost connection is noted
+        (`connection_lost`); a reconnect gives what `reconnected` does; anything else nothing."""
+        drops = watch.drops
+        again = watch.seen(frames)
+        if watch.drops != drops:
+            self.connection_lost()
+        return self.reconnected(now) if again else (None, Received())
+
     def connection_lost(self) -> None:
         """The socket lost its connection (socket monitor): what was sent before it is answered
         by that peer or never (a ROUTER drops what it sends to a client that is not connected)."""

@@ -4,6 +4,7 @@ them, and the sidecar's shared memory (tables and a KV region) made in process. 
 transformers are imported only where they are used."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from hypothesis import strategies as st
@@ -175,3 +176,30 @@ class ShmPool:
     def close(self):
         self.tables.unlink()
         self.region.unlink()
+
+
+@contextlib.contextmanager
+def uvicorn_in_a_thread(app, **options):
+    """`app` served by a real uvicorn on a free loopback port, on a thread of this process:
+    yields the port; stopped at the end."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)

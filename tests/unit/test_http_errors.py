@@ -3,18 +3,15 @@ bug in a backend is a 500 that keeps the keep-alive connection; a request the SD
 in one frame is a 413; a body over the limit is a 413 before it is read."""
 import http.client
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from kvhold.protocol.errors import ErrorCode, Overloaded, SidecarUnavailable
 from kvhold.protocol.wire import WireError
 from kvhold.serving.http_api import AppSettings, create_app
 from kvhold.serving.metrics import SidecarMetrics
 from kvhold.serving.openai_schema import MAX_BODY_BYTES
+from tests.unit.helpers import uvicorn_in_a_thread
 
 
 class _FailingBackend:
@@ -45,19 +42,8 @@ class _FailingBackend:
 def served():
     backend = _FailingBackend()
     app = create_app(AppSettings(endpoint="", model_dir=None, served_model_name="m", context_len=64), backend)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield port, backend
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_in_a_thread(app) as port:
+        yield port, backend
 
 
 def _post(conn, body: bytes):

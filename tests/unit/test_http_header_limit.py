@@ -4,13 +4,11 @@ arrives (in one read, complete; in pieces; pipelined after another request), and
 limit is served."""
 import re
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from kvhold.serving.http_guards import MAX_HEADER_BYTES, HttpGuards
+from tests.unit.helpers import uvicorn_in_a_thread
 
 
 async def _app(scope, receive, send):
@@ -22,20 +20,8 @@ async def _app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, log_level="critical",
-                                           **HttpGuards().uvicorn_options()))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_in_a_thread(_app, **HttpGuards().uvicorn_options()) as p:
+        yield p
 
 
 def _request(size: int) -> bytes:
