@@ -17,8 +17,9 @@ between is fine too: the sidecar started at boot finds the journal on disk.
 --timeout bounds the wait for the new pool and is the pause SDK clients are told to
 wait through (a longer hold makes them give up; their requests still finish and are
 kept for pickup). Exit codes: 0 done (or held, when not on a terminal); 1 the sidecar
-is not reachable or did not come back in time; 3 some requests could not be restored
-(listed with the reason).
+is not reachable, did not come back in time, or died during the drain and its spare
+re-adopted the old pool (nothing lost, the restart not done: run it again); 3 some
+requests could not be restored (listed with the reason).
 """
 from __future__ import annotations
 
@@ -121,8 +122,16 @@ def wait_for_new_pool(paths: InstancePaths, old_generation: int, timeout: float)
                 continue
             if status["generation"] > old_generation and _serving(status):
                 return status
+            if _interrupted(status, old_generation):
+                return status
             time.sleep(POLL_S)
     return None
+
+
+def _interrupted(status: dict, old_generation: int) -> dict | None:
+    """The drain of `old_generation` was dropped: its sidecar died and a spare re-adopted the pool."""
+    gone = (status.get("pool_restart") or {}).get("interrupted")
+    return gone if gone and gone.get("generation") == old_generation == status["generation"] else None
 
 
 def _serving(status: dict) -> bool:
@@ -158,6 +167,13 @@ def _report(paths: InstancePaths, args, old_generation: int) -> int:
     if status is None:
         print(f"kvhold pool-restart: no new pool generation within {args.timeout:.0f} s; see the "
               "sidecar's log and `kvhold status`", file=sys.stderr)
+        return 1
+    gone = _interrupted(status, old_generation)
+    if gone:
+        print(f"kvhold pool-restart: interrupted: the sidecar pid {gone['dead_pid']} died during the drain "
+              f"and pid {gone['readopted_by']} re-adopted the pool (generation {old_generation}, unchanged); "
+              "no request was lost and the pool serves as before. Run `kvhold pool-restart` again to "
+              "restart it", file=sys.stderr)
         return 1
     fig = figures(status)
     if args.json:

@@ -218,6 +218,7 @@ class FrontendProcess(ClientSide):
     def _serve_pool(self, stack: contextlib.ExitStack, hello: fl.OwnerHello, *, adopting: bool,
                     readmit: bool) -> None:
         cfg, shared = self.config, self.shared
+        self.owner_pid = hello.pid
         if shared is not None:
             self.tables = shared.tables
         else:
@@ -326,6 +327,8 @@ class FrontendProcess(ClientSide):
             return
         if msg.pid != self.owner_pid:
             log.info("connected to the sidecar pid %d (generation %d)", msg.pid, msg.generation)
+            if self.owner_pid:          # its spare re-adopted the pool: a drain under way is off
+                self.pool_restart.owner_died(self.owner_pid, msg.pid)
         self.owner_pid = msg.pid
         self._on_admissions_changed(fl.AdmissionsChanged(closed=msg.closed))
         for rid, slot, text in msg.failed:
@@ -450,7 +453,7 @@ class FrontendProcess(ClientSide):
                   **fe, "client_tcp": self.tcp.status() if self.tcp else None,
                   "client_peers": {**self.peers.status(),
                                    "http_server": self.peers.held_by(http_routing_id(self.paths.instance))},
-                  "pool_restart": pool_restart}
+                  "pool_restart": {**pool_restart, "interrupted": self.pool_restart.interrupted}}
         if self.shared is None:
             merged["frontend"] = {"pid": os.getpid(), "uptime_s": (now_ns() - self.started_ns) / 1e9,
                                   "owner_pid": self.owner_pid, "owner_answered": owner is not None,

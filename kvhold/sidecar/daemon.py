@@ -77,15 +77,22 @@ CLIENT_FACING_MODULES = ("tokenizers", "fastapi", "uvicorn", "starlette", "kvhol
                          "kvhold.frontend.frontend", "kvhold.frontend.admission", "kvhold.frontend")
 SHM_PARTS = ("tables", "kv", "weights")
 SPARE_FLAG = "--spare"                  # `kvhold sidecar --spare` (kvhold.cli.main)
-# a test's hold on a start at one of its parts (`parts_ms`: found, regions_back, components,
-# restored, sockets): the sidecar logs it and stops itself (SIGSTOP) there, so that a test can
-# kill it in that very window, e.g. a spare that has the regions back and no socket yet
+# a test's hold at a named point: a part of the start (`parts_ms`: found, regions_back,
+# components, restored, sockets) or of a pool restart (pool_restart_draining: the loop left, the
+# executors not stopped yet; pool_restart_drained: the requests on disk, the lock gone, the
+# re-exec next): the sidecar logs it and stops itself (SIGSTOP) there, so that a test can kill
+# it in that very window, e.g. a spare that has the regions back and no socket yet
 STOP_AT_ENV = "KVHOLD_SIDECAR_STOP_AT"
 
 
 def _reached(parts: dict, name: str) -> None:
     """Time a part of the start (the status's adoption.parts_ms); stop here if a test asks."""
     parts[name] = now_ns()
+    stop_if_asked(name)
+
+
+def stop_if_asked(name: str) -> None:
+    """SIGSTOP this process if a test named this point in STOP_AT_ENV."""
     if os.environ.get(STOP_AT_ENV) == name:
         log.warning("stopping at %s (%s)", name, STOP_AT_ENV)
         for handler in logging.getLogger().handlers:
@@ -474,6 +481,8 @@ class Sidecar:
         gc.freeze()
         while not self.loop.stop_requested and self.link.pool_restart is None:
             self.run_once()
+        if self.link.pool_restart is not None:
+            stop_if_asked("pool_restart_draining")
         log.info("stopping on request")      # close() stops executors, the frontend journals
 
     def run_once(self) -> None:
@@ -565,5 +574,6 @@ def run_sidecar(config: SidecarConfig, spare: bool = False, sidecar_class: type[
         sidecar.close()
     if sidecar.pool_restart is not None and sidecar.pool_restart.drained:
         # a spare that took over is the owner: its new image starts the pool, never waits as a spare
+        stop_if_asked("pool_restart_drained")
         return reexec(drop=(SPARE_FLAG,))   # returns only if the exec failed
     return 0

@@ -69,6 +69,23 @@ class PoolRestart:
         self.draining = False     # clients told: the loop stops, close() stops the executors
         self.drained = False      # every in-flight request is on disk: re-exec
         self.report: dict = {}
+        self.interrupted: dict | None = None    # the last drain whose sidecar died under it
+
+    def owner_died(self, dead_pid: int, new_pid: int) -> bool:
+        """The memory owner `dead_pid` died while this drain was asked or running, and `new_pid`
+        (its spare) re-adopted the pool, of the same generation: the restart did not happen.
+        The drain is dropped and admissions open again; the pool serves as it was, and the
+        operator runs the restart again. True if a drain was dropped."""
+        if self.request is None or self.drained:
+            return False
+        self.interrupted = {"generation": self.generation, "dead_pid": dead_pid, "readopted_by": new_pid,
+                            "in_flight": self.report.get("in_flight", 0), "unix_ns": time.time_ns()}
+        log.error("pool restart interrupted: the sidecar pid %d died during the drain and pid %d "
+                  "re-adopted the pool (generation %d, unchanged); admissions open again. Run "
+                  "`kvhold pool-restart` again to restart the pool", dead_pid, new_pid, self.generation)
+        self.request, self.draining, self.report = None, False, {}
+        self.frontend.open_admissions("pool_restart")
+        return True
 
     @property
     def due(self) -> bool:

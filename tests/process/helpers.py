@@ -157,8 +157,9 @@ class Server(ServeProcess):
     """`kvhold serve` of `model` with SERVE_FLAGS, then `flags`, healthy on return: with a
     standby ready, or none when `flags` set --standbys."""
 
-    def __init__(self, model, runtime_root, log_path, *flags, api_key=None):
-        super().__init__([*SERVE_FLAGS, *flags], runtime_root, model=model, log_path=log_path, api_key=api_key)
+    def __init__(self, model, runtime_root, log_path, *flags, api_key=None, env=None):
+        super().__init__([*SERVE_FLAGS, *flags], runtime_root, model=model, log_path=log_path, api_key=api_key,
+                         env=env)
         self.start(standbys=0 if "--standbys" in flags else 1)
 
 

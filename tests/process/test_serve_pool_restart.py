@@ -5,14 +5,17 @@ processes, real signals."""
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from kvhold.client.client import Client
+from kvhold.sidecar.daemon import STOP_AT_ENV
 from kvhold.serving.serve import SIDECAR_RESTARTS
 from tests.process.helpers import (SERVE_FLAGS, Events, Server, ServeProcess, alive, comparable, pool_restart_cli,
-                                   wait_until, whole)
+                                   wait_stopped, wait_until, whole)
 
 pytestmark = pytest.mark.slow      # a takeover and a pool restart: `pytest -m slow`
 
@@ -97,3 +100,43 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
         assert restored["requests_restored"] == 1 and not again.sidecar_status()["pool_restart"]["failed"]
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize("point", ["pool_restart_draining", "pool_restart_drained"])
+def test_a_sidecar_killed_during_a_pool_restart_leaves_the_instance_serving(tiny_model, tmp_path, point):
+    """The memory owner is SIGKILLed in the middle of a pool restart, with a stream in flight and
+    its spare waiting: while it drains (it holds the lock; its executors are not stopped yet) or
+    once the drain is done (the requests on disk, the lock gone, the re-exec next). It stops itself
+    at that point (KVHOLD_SIDECAR_STOP_AT), the test kills it there. Either way the instance serves
+    again: the stream in flight ends with the events of an uninterrupted run, /health is ok, a new
+    request is served, a spare waits again and serve is still up."""
+    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024",
+                 "--journal-dir", str(tmp_path / "journal"), env={STOP_AT_ENV: point})
+    try:
+        reference = whole(srv, "/v1/completions", COMPLETION)
+        owner = _spare_waiting(srv)["pid"]
+        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=180) as r:
+            assert r.status_code == 200
+            events = Events(r).read(5)
+            cli = subprocess.Popen([sys.executable, "-m", "kvhold", "pool-restart", "--instance", srv.instance,
+                                    "--runtime-root", str(tmp_path), "--continue", "--timeout", "20"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   stdin=subprocess.DEVNULL)
+            wait_stopped(owner, 60)                         # at the named point of the drain
+            os.kill(owner, signal.SIGKILL)
+            events.read()
+            _, err = cli.communicate(timeout=120)
+        if point == "pool_restart_draining":    # it held the lock: its spare re-adopted the old pool
+            assert cli.returncode == 1 and "interrupted" in err, err
+        else:                                   # the requests on disk: the restarted sidecar restores them
+            assert cli.returncode == 0, err
+        got = events.events
+        assert got[-1] == (None, "[DONE]") and comparable(got) == comparable(reference)
+        assert srv.wait_healthy(timeout=90)["status"] == "ok"
+        assert srv.sidecar_status()["pid"] != owner
+        assert comparable(whole(srv, "/v1/completions", COMPLETION)) == comparable(reference)
+        _spare_waiting(srv)
+        assert srv.proc.poll() is None
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
