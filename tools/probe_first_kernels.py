@@ -80,8 +80,11 @@ def triton_ops(dev) -> dict:
     checksum = TritonChecksum(pool)
     ids = torch.arange(1, 9, device=dev)
     counts = torch.full((8,), PAGE_TOKENS, device=dev)
+    slots = torch.arange(8, device=dev) % PAGE_TOKENS
     ops = {"triton_attention": lambda: paged_decode_attention(q, pool, 1, table, ctx, HEAD_DIM ** -0.5),
-           "triton_checksum": lambda: checksum.pages(ids, counts)}
+           # validation's and a tail's whole pages, and a decode commit's one slot a page
+           "triton_checksum": lambda: checksum.pages(ids, counts),
+           "triton_checksum_slots": lambda: checksum.slots(ids, slots)}
     try:            # the decoder layer's fused kernels, where this checkout has them
         from kvhold.executor.cuda import kernels as ck
     except ImportError:

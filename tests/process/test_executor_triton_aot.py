@@ -162,8 +162,9 @@ def test_on_the_gpu_a_zygote_child_launches_the_aot_kernels_bit_identical_to_the
     assert result["cuda_initialised_after_aot_prepare"] is False
     aot = result["aot"]
     assert "error" not in aot, aot["error"]
-    for name in ("kvhold.executor.cuda.attention._paged_decode_kernel", "kvhold.executor.cuda.checksum._range_hash_kernel"):
-        stats = aot["triton_aot_stats"][name]        # the probe launches these two, twice each
+    for name in ("kvhold.executor.cuda.attention._paged_decode_kernel", "kvhold.executor.cuda.checksum._pages_hash_kernel",
+                 "kvhold.executor.cuda.checksum._range_hash_kernel"):
+        stats = aot["triton_aot_stats"][name]        # the probe launches these three, twice each
         assert stats["aot_launches"] >= 2 and stats["jit_fallbacks"] == 0 and stats["broken"] is None, (name, stats)
     checks = aot["aot_checks"]
     assert checks["bit_identical_to_jit"] and all(checks["bit_identical_to_jit"].values()), checks
