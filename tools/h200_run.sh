@@ -37,6 +37,8 @@
 #                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
 #                  SERVE_KILL_C (32) streams; SERVE_ARGS: the serve flags (default: LOAD's batch and KV)
 #                                                                   -> serve_cuda.json (.png, .serve.log.gz)
+#   serve-budgets  the serve load (2 rounds, a kill at 64 streams) at each step token budget (--max-batch-tokens)
+#                  in SERVE_BUDGETS (default "8192 2112 1088 832 576")     -> serve_cuda_budget_B.json
 #   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), prefill tokens/s + MFU exact
 #                  on/off (Llama-3-8B's shapes, 8 layers)           -> exact_tests.txt, exact_prefill_cuda.json
 #   exact-gemm     the GEMM kernel's bits across tiles and its TFLOP/s against cuBLAS -> exact_gemm_cuda.json
@@ -160,6 +162,17 @@ for phase in "${@:-tests}"; do
         --concurrency ${SERVE_CONCURRENCY:-1,8,32,64} --rounds ${SERVE_ROUNDS:-2} --prompt-len 512 --max-tokens 128 \
         --kill-concurrency ${SERVE_KILL_C:-32} --serve-args "${SERVE_ARGS:---max-batch-tokens 8192 --kv-memory 24GiB --log-level INFO}" \
         --out "$OUT/serve_cuda.json" 2>&1 | tail -30
+    gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  serve-budgets)
+    # the serving load at each step token budget in SERVE_BUDGETS, with a kill at 64 streams
+    model_8b
+    for b in ${SERVE_BUDGETS:-8192 2112 1088 832 576}; do
+      timeout $(left) python3 -m tools.bench_serve --model /tmp/l8b --device cuda:0 --concurrency 1,8,32,64 \
+          --rounds 2 --prompt-len 512 --max-tokens 128 --kill-concurrency 64 \
+          --serve-args "--max-batch-tokens $b --kv-memory 24GiB --log-level INFO" \
+          --out "$OUT/serve_cuda_budget_$b.json" 2>&1 | tail -3
+    done
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   exact)

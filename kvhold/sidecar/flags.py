@@ -112,8 +112,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="largest text prompt accepted, in UTF-8 bytes, checked before tokenizing; a "
                         "larger one is refused (HTTP 413) (default 1MiB, at most 6MiB)")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences in one step")
-    p.add_argument("--max-batch-tokens", type=int, default=512,
-                   help="most tokens in one step; prefill is chunked to fit (default 512)")
+    p.add_argument("--max-batch-tokens", "--max-num-batched-tokens", dest="max_batch_tokens", type=int, default=512,
+                   help="most tokens in one step (vLLM's --max-num-batched-tokens): running decodes go "
+                        "first and prefill chunks share the rest, so this bounds how long a prompt can "
+                        "hold the streams already decoding; a larger budget prefills faster (default 512)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per sequence per step; chunks are cut at fixed positions "
                         "(default: --max-batch-tokens minus --max-batch; on CUDA at most 2048 with exact "

@@ -24,3 +24,8 @@ def test_flags_reach_their_sections():
     assert config.pool.kv_memory_bytes == 2**20 and not config.executors.spawn_executors
     assert config.health.source == "off" and config.registry.ttl_s == 9
     assert config.executors.restart_backoff_ms == (1, 2) and config.executors.workload == "idle"
+
+
+def test_vllms_name_for_the_step_token_budget():
+    config = sidecar_config_from_args(_parser().parse_args(["--max-num-batched-tokens", "832"]))
+    assert config.executors.max_batch_tokens == 832
