@@ -22,6 +22,10 @@ from kvhold.protocol.state_files import MAX_GENERATION, StateFileError, integer
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
 SHM_PREFIX = "kvhold"
 HOLD_FILE = "pool-restart.hold"
+# the unix sockets in an instance's runtime directory, and the most bytes a socket's path may
+# have (sun_path is 108 bytes with its terminating NUL)
+SOCKET_NAMES = ("client.sock", "control.sock", "fd.sock", "frontend-link.sock", "zygote.sock")
+MAX_SOCKET_PATH = 107
 log = logging.getLogger(__name__)
 
 
@@ -78,6 +82,17 @@ class InstancePaths:
         validate_instance(instance)
         root = runtime_root if runtime_root is not None else default_runtime_root()
         return cls(instance=instance, runtime_dir=Path(root) / instance)
+
+    def socket_path_problem(self) -> str | None:
+        """Why the instance's unix sockets cannot live in its runtime directory (a path too long
+        to bind), or None."""
+        longest = max((self.runtime_dir / name for name in SOCKET_NAMES), key=lambda p: len(os.fsencode(p)))
+        size = len(os.fsencode(longest))
+        if size <= MAX_SOCKET_PATH:
+            return None
+        return (f"the runtime directory {self.runtime_dir} is too deep for the instance's unix sockets: "
+                f"{longest} has {size} bytes, a socket path at most {MAX_SOCKET_PATH}; use a shorter "
+                f"--runtime-root (or $KVHOLD_RUNTIME_DIR) or instance name")
 
     def shm_name(self, what: str) -> str:
         return f"/{SHM_PREFIX}-{os.getuid()}-{self.instance}-{what}"

@@ -328,6 +328,8 @@ class SidecarConfig:
 
     def __post_init__(self):
         validate_instance(self.instance)
+        problem = self.paths.socket_path_problem()
+        _check(problem is None, str(problem), "runtime_root")
         _check(self.executors.workload not in ("engine", "vllm") or self.pool.model is not None,
                f"the {self.executors.workload} workload needs pool.model (a Hugging Face checkpoint "
                "directory)", "pool.model")
