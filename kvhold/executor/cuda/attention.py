@@ -387,12 +387,14 @@ def rope_prefill_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return out
 
 
-def prefill_launch_key(rows: int) -> tuple[bool, bool]:
+def prefill_launch_key(rows: int) -> tuple[bool, bool, bool]:
     """What decides which compiled kernels a prefill chunk of `rows` rows launches here, as
     kvhold.executor.cuda.runner stages its rows: Triton specialises the row count (a multiple
-    of 16 or not) and the 16-byte alignment of the int32 context lengths, zeros and block
-    table the runner packs one after another (aligned when rows is a multiple of 4)."""
-    return rows % 16 == 0, rows % 4 == 0
+    of 16 or not) and the 16-byte alignment of each pointer. The runner packs the int32 context
+    lengths, zeros and block table one after another (the zeros aligned when rows is a multiple
+    of 4, the table when it is even) and the int64 ids, positions, pages and slots as rows of
+    one tensor (positions and slots aligned when rows is even)."""
+    return rows % 16 == 0, rows % 4 == 0, rows % 2 == 0
 
 
 @triton_aot.warm_up
