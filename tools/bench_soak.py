@@ -71,8 +71,7 @@ from kvhold.client.client import Client
 from kvhold.protocol.errors import KvholdError
 from kvhold.protocol.naming import InstancePaths
 from kvhold.testing.serve_process import ServeProcess
-from kvhold.serving.serve import HEALTHY_RUN_S
-from tools.soak_owner_faults import OWNER_PLANS, OwnerFaults
+from tools.soak_owner_faults import OWNER_PLANS, OWNER_UPTIME_S, OwnerFaults
 
 EXECUTOR_PLANS = ("sigkill_with_standby", "sigkill_no_standby", "sigkill_during_takeover", "sigstop_hang")
 PLANS = EXECUTOR_PLANS + OWNER_PLANS
@@ -517,9 +516,9 @@ def parse_args(argv):
     p.add_argument("--lease-ms", type=int, default=1000,
                    help="the sidecar's heartbeat lease: how long a SIGSTOPped executor takes to be found "
                         "(default 1000)")
-    p.add_argument("--owner-uptime", type=float, default=HEALTHY_RUN_S + 1,
+    p.add_argument("--owner-uptime", type=float, default=OWNER_UPTIME_S,
                    help="sidecar_sigkill and frontend_sigkill wait until the process they kill has served "
-                        f"this long (default {HEALTHY_RUN_S + 1:.0f} s: kvhold serve treats closer deaths "
+                        f"this long (default {OWNER_UPTIME_S:.0f} s: kvhold serve treats closer deaths "
                         "as a crash loop: it stops after three deaths of its owner within a minute and "
                         "restarts the frontend after a growing backoff)")
     p.add_argument("--no-zygote", dest="zygote", action="store_false",

@@ -30,10 +30,12 @@ from collections import Counter
 from kvhold.serving.serve import HEALTHY_RUN_S
 
 OWNER_PLANS = ("sidecar_sigkill", "frontend_sigkill", "spare_sigkill", "pool_restart")
+# how long the owner or the frontend serves before a plan kills it: past kvhold serve's crash-loop window
+OWNER_UPTIME_S = HEALTHY_RUN_S + 1
 
 
 class OwnerFaults:
-    def __init__(self, obs, instance: str, runtime_root, timeout_s: float, owner_uptime_s: float = HEALTHY_RUN_S + 1):
+    def __init__(self, obs, instance: str, runtime_root, timeout_s: float, owner_uptime_s: float = OWNER_UPTIME_S):
         self.obs, self.instance, self.runtime_root, self.timeout_s = obs, instance, str(runtime_root), timeout_s
         self.owner_uptime_s = owner_uptime_s
         # when the process each of these plans kills started serving (the soak's start, then the
@@ -48,7 +50,7 @@ class OwnerFaults:
         """Whether `plan` can hit its process now: the frontend is connected to a serving owner,
         for the plans that take the spare (a SIGKILL of the owner or of the spare) one waits, and
         the owner and the frontend are killed only once they have served `owner_uptime_s` (default
-        HEALTHY_RUN_S + 1: `kvhold serve` stops after SIDECAR_RESTARTS deaths of its owner that
+        OWNER_UPTIME_S: `kvhold serve` stops after SIDECAR_RESTARTS deaths of its owner that
         close together, and restarts a frontend that dies sooner after a growing backoff: its
         guards against a crash loop)."""
         fe = st.get("frontend") or {}

@@ -132,9 +132,13 @@ POOL_RESTART_REQUESTS = [
 ]
 
 
+def pool_restart_cmd(instance, runtime_root, *args) -> list[str]:
+    return [sys.executable, "-m", "kvhold", "pool-restart", "--instance", instance,
+            "--runtime-root", str(runtime_root), *args]
+
+
 def pool_restart_cli(instance, runtime_root, *args, timeout=90):
-    return subprocess.run([sys.executable, "-m", "kvhold", "pool-restart", "--instance", instance,
-                           "--runtime-root", str(runtime_root), *args],
+    return subprocess.run(pool_restart_cmd(instance, runtime_root, *args),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 

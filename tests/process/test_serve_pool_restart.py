@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from kvhold.client.client import Client
 from kvhold.sidecar.daemon import STOP_AT_ENV
 from kvhold.serving.serve import SIDECAR_RESTARTS
 from tests.process.helpers import (SERVE_FLAGS, Events, Server, ServeProcess, alive, comparable, pool_restart_cli,
-                                   wait_stopped, wait_until, whole)
+                                   pool_restart_cmd, wait_stopped, wait_until, whole)
 
 pytestmark = pytest.mark.slow      # a takeover and a pool restart: `pytest -m slow`
 
@@ -118,8 +117,7 @@ def test_a_sidecar_killed_during_a_pool_restart_leaves_the_instance_serving(tiny
         with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=180) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
-            cli = subprocess.Popen([sys.executable, "-m", "kvhold", "pool-restart", "--instance", srv.instance,
-                                    "--runtime-root", str(tmp_path), "--continue", "--timeout", "20"],
+            cli = subprocess.Popen(pool_restart_cmd(srv.instance, tmp_path, "--continue", "--timeout", "20"),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    stdin=subprocess.DEVNULL)
             wait_stopped(owner, 60)                         # at the named point of the drain
