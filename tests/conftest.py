@@ -8,6 +8,32 @@ import os
 
 import pytest
 
+# Torch in the test processes computes on one thread: the tests' tensors are small, and a second
+# OpenMP thread only spins (it doubled the in-process engine tests' CPU time), taking a core from
+# the sidecars and executors the process tests start. Executors set their own thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+MAX_WORKERS = 4     # the process tests start sidecars and executors of their own: a worker needs a core
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, bounded by a cgroup CPU quota (a container's
+    `cpu.max`), which os.cpu_count() does not see."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the default, pyproject.toml): a worker per usable CPU, at most MAX_WORKERS."""
+    return min(MAX_WORKERS, usable_cpus())
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_in_dev_shm():

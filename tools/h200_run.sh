@@ -81,11 +81,11 @@ for phase in "${@:-tests}"; do
   echo "=== $phase ($(left) s left)"
   case "$phase" in
   tests)
-    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
+    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -n 0 -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
         2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
     ;;
   logprobs)
-    timeout $(( $(left) < 400 ? $(left) : 400 )) python3 -m pytest -q -p no:cacheprovider \
+    timeout $(( $(left) < 400 ? $(left) : 400 )) python3 -m pytest -q -n 0 -p no:cacheprovider \
         tests/gpu/test_gpu_logprobs.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu_logprobs.txt"
     ;;
   vmm)
@@ -176,7 +176,7 @@ for phase in "${@:-tests}"; do
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   exact)
-    timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -q -p no:cacheprovider -rs --durations=5 \
+    timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest -q -n 0 -p no:cacheprovider -rs --durations=5 \
         --tb=short tests/gpu/test_gpu_exact.py > "$OUT/exact_tests.txt" 2>&1
     tail -30 "$OUT/exact_tests.txt"
     timeout $(( $(left) < 60 ? $(left) : 60 )) python3 -m tools.probe_exact --prefill --synthetic-layers 8 --chunks 512 \
@@ -221,7 +221,7 @@ for phase in "${@:-tests}"; do
     keep=$(( ${SIDECAR_KILLS:-5} > 0 ? ${SIDECAR_BENCH_S:-330} : 0 ))
     t=$(( $(left) - keep )); t=$(( t > 300 ? 300 : t ))
     if [ "$t" -gt 30 ]; then
-      timeout $t python3 -m pytest -q -p no:cacheprovider -m gpu \
+      timeout $t python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu \
           tests/gpu/test_gpu_sidecar_crash.py 2>&1 | tail -40 | tee "$OUT/pytest_sidecar_crash.txt"
     else
       echo "sidecar-crash: no time for the GPU test ($(left) s left, $keep kept for the benchmark)"

@@ -10,7 +10,7 @@ import pytest
 def test_bench_recovery_tp_one_kill(tiny_model, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "tools.bench_recovery_tp", "--model", str(tiny_model),
-                           "--kills", "1", "--requests", "2", "--max-tokens", "600", "--out", str(out)],
+                           "--kills", "1", "--requests", "2", "--max-tokens", "60", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())

@@ -130,10 +130,10 @@ def test_a_stop_journals_the_in_flight_requests_through_the_frontend(tiny_model,
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_frontend_mid_stream_under_serve(tiny_model, tmp_path):
+def test_sigkill_of_the_frontend_mid_stream_under_serve(tiny_model, tmp_path, runtime_root):
     """`kvhold serve` restarts its frontend: an SDK stream and an HTTP stream started before the
     kill both end as in an uninterrupted run; executors, weights and the memory owner stay."""
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024")
     try:
         body = {"prompt": "The sidecar keeps the memory", "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

@@ -15,22 +15,22 @@ pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow`
 RUNTIME_FILES = ("client.sock", "control.sock", "fd.sock", "sidecar.json", "lock", "token")
 
 
-def test_a_second_serve_of_a_running_instance_is_refused_and_leaves_it_intact(tiny_model, tmp_path):
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log")
+def test_a_second_serve_of_a_running_instance_is_refused_and_leaves_it_intact(tiny_model, tmp_path, runtime_root):
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log")
     try:
-        rundir = tmp_path / srv.instance
+        rundir = runtime_root / srv.instance
         inodes = {name: os.stat(rundir / name).st_ino for name in RUNTIME_FILES}
         sidecar_pid = srv.sidecar_status()["pid"]
         second = subprocess.run(
             [sys.executable, "-m", "kvhold", "serve", "--model", str(tiny_model), "--port", str(free_port()),
-             "--instance", srv.instance, "--runtime-root", str(tmp_path), "--max-seq-len", "512",
+             "--instance", srv.instance, "--runtime-root", str(runtime_root), "--max-seq-len", "512",
              "--lease-ms", "3000"], capture_output=True, text=True, timeout=120)
         assert second.returncode != 0
         assert f"already served by sidecar pid {sidecar_pid}" in second.stderr
         # nothing of the running instance was removed or replaced
         assert {name: os.stat(rundir / name).st_ino for name in RUNTIME_FILES} == inodes
         status = subprocess.run([sys.executable, "-m", "kvhold", "status", "--instance", srv.instance,
-                                 "--runtime-root", str(tmp_path), "--json"],
+                                 "--runtime-root", str(runtime_root), "--json"],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert srv.sidecar_status()["pid"] == sidecar_pid
@@ -49,11 +49,11 @@ def test_a_second_serve_of_a_running_instance_is_refused_and_leaves_it_intact(ti
         srv.stop()
 
 
-def test_health_is_503_while_executors_crash_at_start_in_a_loop(tiny_model, tmp_path, monkeypatch):
+def test_health_is_503_while_executors_crash_at_start_in_a_loop(tiny_model, tmp_path, runtime_root, monkeypatch):
     armed = tmp_path / "fault-armed"
     monkeypatch.setenv("KVHOLD_FAULT", "attached:1:exit")    # every executor, while `armed` exists
     monkeypatch.setenv("KVHOLD_FAULT_IF", str(armed))
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--restart-backoff-ms", "50,400")
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--restart-backoff-ms", "50,400")
     try:
         body = srv.wait_healthy()
         assert srv.health().json()["reason"].startswith("active executor pid")
@@ -69,7 +69,7 @@ def test_health_is_503_while_executors_crash_at_start_in_a_loop(tiny_model, tmp_
         protection = srv.sidecar_status()["protection"]
         assert protection["ok"] is False and protection["deaths_since_ready"] >= 3
         shown = subprocess.run([sys.executable, "-m", "kvhold", "status", "--instance", srv.instance,
-                                "--runtime-root", str(tmp_path)], capture_output=True, text=True, timeout=60)
+                                "--runtime-root", str(runtime_root)], capture_output=True, text=True, timeout=60)
         assert "unprotected: executors in a respawn loop" in shown.stdout, shown.stdout + shown.stderr
         exits = [e for e in srv.sidecar_status()["events"] if e["kind"] == "exit" and e["exit_code"] == 3]
         assert exits, "the replacements died of the start-up fault"

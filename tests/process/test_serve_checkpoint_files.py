@@ -11,7 +11,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['cont
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
 
 
-def test_the_served_model_uses_its_template_file_and_every_end_id(tiny_model, tmp_path):
+def test_the_served_model_uses_its_template_file_and_every_end_id(tiny_model, tmp_path, runtime_root):
     ckpt = tmp_path / "model"
     shutil.copytree(tiny_model, ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -22,7 +22,7 @@ def test_the_served_model_uses_its_template_file_and_every_end_id(tiny_model, tm
                                                              "eos_token_id": ends}))
     (ckpt / "chat_template.jinja").write_text(TEMPLATE)
     log = tmp_path / "serve.log"
-    srv = Server(ckpt, tmp_path / "rt", log, "--standbys", "0", "--log-level", "INFO")
+    srv = Server(ckpt, runtime_root, log, "--standbys", "0", "--log-level", "INFO")
     try:
         body = {"prompt": "The sidecar keeps the memory", "max_tokens": 6, "temperature": 0}
         stopped = srv.post("/v1/completions", body).json()

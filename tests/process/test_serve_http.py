@@ -176,10 +176,10 @@ def test_32_concurrent_streams_with_a_kill_lose_nothing(server):
     assert streamed == reference
 
 
-def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path):
+def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path, runtime_root):
     # a stream long enough (1,000 tokens) to be in flight when the SIGTERM lands, however slowly this
     # client reads: a server that had already sent all of it would rightly exit at once
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--standbys", "0", "--max-seq-len", "1024")
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--standbys", "0", "--max-seq-len", "1024")
     try:
         sidecar_pid = srv.sidecar_status()["pid"]
         os.kill(srv.wait_healthy(standbys=0)["active_pid"], signal.SIGKILL)

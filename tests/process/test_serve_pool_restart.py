@@ -28,8 +28,8 @@ def _spare_waiting(srv) -> dict:
                       what="the spare sidecar waiting")
 
 
-def test_a_pool_restart_after_the_spare_took_over(tiny_model, tmp_path):
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024",
+def test_a_pool_restart_after_the_spare_took_over(tiny_model, tmp_path, runtime_root):
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024",
                  "--journal-dir", str(tmp_path / "journal"))
     try:
         reference = whole(srv, "/v1/completions", COMPLETION)
@@ -42,7 +42,7 @@ def test_a_pool_restart_after_the_spare_took_over(tiny_model, tmp_path):
         with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
-            cli = pool_restart_cli(srv.instance, tmp_path, "--continue", "--timeout", "60", "--json")
+            cli = pool_restart_cli(srv.instance, runtime_root, "--continue", "--timeout", "60", "--json")
             assert cli.returncode == 0, cli.stderr          # the new pool serves
             events.read()
         got = events.events
@@ -59,7 +59,7 @@ def test_a_pool_restart_after_the_spare_took_over(tiny_model, tmp_path):
     assert srv.proc.returncode == 0
 
 
-def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny_model, tmp_path):
+def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny_model, tmp_path, runtime_root):
     """The checkpoint's config.json is gone when the pool restarts: the new image cannot start.
     The spare does not take over a lock nobody died holding; the supervisor restarts the sidecar
     as after any death and, as it keeps failing, exits 1 naming the reason. The request in
@@ -69,7 +69,7 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
     shutil.copytree(tiny_model, model)
     journal = tmp_path / "journal"
     flags = ("--max-seq-len", "1024", "--journal-dir", str(journal))
-    srv = Server(model, tmp_path, tmp_path / "serve.log", *flags)
+    srv = Server(model, runtime_root, tmp_path / "serve.log", *flags)
     try:
         pids = _spare_waiting(srv)
         pids = [pids["pid"], *pids["spares"]]
@@ -77,7 +77,7 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
             assert r.status_code == 200
             part = Events(r).read(5)
             (model / "config.json").rename(tmp_path / "config.json")
-            with Client.for_instance(srv.instance, tmp_path, timeout=10) as client:
+            with Client.for_instance(srv.instance, runtime_root, timeout=10) as client:
                 assert client.pool_restart(hold=False, client_grace_s=60).in_flight == 1
             assert srv.proc.wait(90) == 1                # serve gives up, saying why
             part.read()
@@ -91,7 +91,7 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
     finally:
         srv.stop()
     (tmp_path / "config.json").rename(model / "config.json")        # the cause fixed
-    again = ServeProcess([*SERVE_FLAGS, *flags], tmp_path, model=model, instance=srv.instance,
+    again = ServeProcess([*SERVE_FLAGS, *flags], runtime_root, model=model, instance=srv.instance,
                          log_path=tmp_path / "again.log")
     try:
         again.start()                                              # serves again, the request back
@@ -102,14 +102,14 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
 
 
 @pytest.mark.parametrize("point", ["pool_restart_draining", "pool_restart_drained"])
-def test_a_sidecar_killed_during_a_pool_restart_leaves_the_instance_serving(tiny_model, tmp_path, point):
+def test_a_sidecar_killed_during_a_pool_restart_leaves_the_instance_serving(tiny_model, tmp_path, runtime_root, point):
     """The memory owner is SIGKILLed in the middle of a pool restart, with a stream in flight and
     its spare waiting: while it drains (it holds the lock; its executors are not stopped yet) or
     once the drain is done (the requests on disk, the lock gone, the re-exec next). It stops itself
     at that point (KVHOLD_SIDECAR_STOP_AT), the test kills it there. Either way the instance serves
     again: the stream in flight ends with the events of an uninterrupted run, /health is ok, a new
     request is served, a spare waits again and serve is still up."""
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024",
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024",
                  "--journal-dir", str(tmp_path / "journal"), env={STOP_AT_ENV: point})
     try:
         reference = whole(srv, "/v1/completions", COMPLETION)
@@ -117,7 +117,7 @@ def test_a_sidecar_killed_during_a_pool_restart_leaves_the_instance_serving(tiny
         with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=180) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
-            cli = subprocess.Popen(pool_restart_cmd(srv.instance, tmp_path, "--continue", "--timeout", "20"),
+            cli = subprocess.Popen(pool_restart_cmd(srv.instance, runtime_root, "--continue", "--timeout", "20"),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    stdin=subprocess.DEVNULL)
             wait_stopped(owner, 60)                         # at the named point of the drain

@@ -25,8 +25,8 @@ def executor_pids(status) -> set:
     return {e["pid"] for e in status["executors"]}
 
 
-def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path):
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")  # a long stream
+def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path, runtime_root):
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024")  # a long stream
     try:
         reference = {"/v1/completions": whole(srv, "/v1/completions", COMPLETION),
                      "/v1/chat/completions": whole(srv, "/v1/chat/completions", CHAT)}
@@ -76,11 +76,11 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path)
     assert srv.proc.returncode == 0
 
 
-def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path):
+def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path, runtime_root):
     # one request runs at a time: the second waits for the first, with no token sent yet when the
     # HTTP server dies, and starts once a new HTTP server (the same owner, which knows nothing
     # of it) is connected
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--unclaimed-cancel-s", "1.5",
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--unclaimed-cancel-s", "1.5",
                  "--max-seq-len", "1024", "--max-batch", "1")      # a first stream that outlasts the 1.5 s
     try:
         body = dict(COMPLETION, max_tokens=1000)
@@ -141,13 +141,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("spare", [True, False], ids=["spare", "no-spare"])
-def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path, spare):
+def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path, runtime_root, spare):
     """The memory owner dies mid-stream: its spare takes over (or, with --no-sidecar-spare, the
     supervisor starts a new sidecar) and re-adopts the executors (same pids) and the requests;
     the HTTP stream pauses and goes on to the same events as an uninterrupted run, with nothing
     recomputed and no weights loaded again."""
     extra = () if spare else ("--no-sidecar-spare",)
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024", *extra)
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024", *extra)
     try:
         body = dict(COMPLETION, max_tokens=300)
         reference = whole(srv, "/v1/completions", body)
@@ -188,11 +188,11 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path, spa
     assert srv.proc.returncode == 0
 
 
-def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model, tmp_path):
+def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model, tmp_path, runtime_root):
     """The HTTP server dies mid-stream, the request ends with no client (its result kept for
     pickup, its durable record and journal slot gone), then the frontend is SIGKILLed too: the
     restarted frontend still hands the result over to the client that resumes."""
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024",
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024",
                  "--journal-dir", str(tmp_path / "journal"))
     try:
         reference = whole(srv, "/v1/chat/completions", CHAT)
@@ -229,11 +229,11 @@ def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model,
         srv.stop()
 
 
-def test_after_a_restart_only_the_credential_that_started_a_stream_resumes_it(tiny_model, tmp_path):
+def test_after_a_restart_only_the_credential_that_started_a_stream_resumes_it(tiny_model, tmp_path, runtime_root):
     """Every client of the HTTP server is one owner to the sidecar: the HTTP server binds each
     stream to the credential that started it (here, without an API key, each client's bearer
     token), and its id is random, not the sidecar's sequential request id."""
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--max-seq-len", "1024")
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024")
     alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
     try:
         reference = whole(srv, "/v1/completions", COMPLETION)

@@ -102,8 +102,8 @@ def _with_instance(instance: str) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spare", [True, False], ids=["spare", "no-spare"])
-def test_sigkill_of_the_sidecar_mid_stream_under_serve_tp2(tiny_model, tmp_path, spare):
-    ref_srv = Server(tiny_model, tmp_path, tmp_path / "ref.log", "--standbys", "0", "--no-sidecar-spare")
+def test_sigkill_of_the_sidecar_mid_stream_under_serve_tp2(tiny_model, tmp_path, runtime_root, spare):
+    ref_srv = Server(tiny_model, runtime_root, tmp_path / "ref.log", "--standbys", "0", "--no-sidecar-spare")
     try:
         reference = [_whole(ref_srv, path, body) for path, body in STREAMS]     # TP=1, uninterrupted
     finally:
@@ -111,7 +111,7 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve_tp2(tiny_model, tmp_path,
     assert ref_srv.proc.returncode == 0
 
     extra = () if spare else ("--no-sidecar-spare",)
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", *TP_FLAGS, *extra)
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", *TP_FLAGS, *extra)
     ours: set[int] = {srv.proc.pid}
     try:
         before = wait_until(lambda: (st := srv.sidecar_status()) and len(st["executors"]) == 2

@@ -72,12 +72,12 @@ def test_neutral_values_of_vllm_extensions_are_accepted(server):
     assert r.status_code == 200, r.text
 
 
-def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path):
+def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path, runtime_root):
     import time
 
     from tests.process.helpers import ServeProcess
 
-    srv = ServeProcess(["--log-level", "WARNING"], tmp_path, model=tiny_model).spawn()
+    srv = ServeProcess(["--log-level", "WARNING"], runtime_root, model=tiny_model).spawn()
     port = srv.port
     seen = []
     try:
@@ -97,14 +97,14 @@ def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path
     assert seen.index((503, "starting")) < len(seen) - 1
 
 
-def test_a_paused_stream_gets_sse_keepalive_comments(tiny_model, tmp_path):
+def test_a_paused_stream_gets_sse_keepalive_comments(tiny_model, tmp_path, runtime_root):
     """The active executor frozen (SIGSTOP, within its lease): the stream is silent, and SSE
     comments keep its connection alive; it then goes on to the same text."""
     import os
     import signal
     import time
 
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "--sse-keepalive", "0.3", "--lease-ms", "30000",
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--sse-keepalive", "0.3", "--lease-ms", "30000",
                  "--max-seq-len", "1024")
     try:
         # long enough that the stream is still in flight when the stop lands, however fast it runs

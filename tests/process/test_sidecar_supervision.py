@@ -94,7 +94,9 @@ def test_fenced_process_that_wakes_up_exits_by_itself(start_sidecar):
 
 
 def test_clean_exit_is_replaced(start_sidecar):
-    sc = start_sidecar(IDLE)
+    # a lease the exit cannot outlast on a busy machine: a stop slower than 300 ms would be
+    # fenced as a hang before its exit is seen
+    sc = start_sidecar(IDLE + ["--lease-ms", "5000"])
     active = sc.wait_steady()
     os.kill(active["pid"], signal.SIGTERM)
     fence = _fence_of(sc, active["pid"])

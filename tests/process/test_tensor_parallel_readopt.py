@@ -65,8 +65,8 @@ def _sidecar_killed_mid_stream(tiny_model, runtime_root, tmp_path, spare: bool =
         first = SidecarProcess(flags, runtime_root=runtime_root, log_path=tmp_path / "first.log").start()
         stack.callback(first.stop, signal.SIGKILL)
         run = types.SimpleNamespace(first=first, successor=None)
+        _groups(first)              # both groups ready before the streams start: they end after the kill
         if spare:
-            _groups(first)
             run.successor = first.spare(log_path=tmp_path / "spare.log")
             stack.callback(run.successor.stop)
         client = stack.enter_context(first.new_client(timeout=120))

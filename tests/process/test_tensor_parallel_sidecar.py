@@ -104,12 +104,12 @@ def test_double_fault_a_follower_then_the_promoted_leader(tiny_model, reference,
 
 
 @pytest.mark.slow
-def test_serve_streams_over_http_across_a_rank_kill(tiny_model, tmp_path):
+def test_serve_streams_over_http_across_a_rank_kill(tiny_model, tmp_path, runtime_root):
     """`kvhold serve -tp 2`: an OpenAI stream crosses a SIGKILL of rank 1 with the same text as
     the uninterrupted completion."""
     from tests.process.helpers import KEY, Server
 
-    srv = Server(tiny_model, tmp_path, tmp_path / "serve.log", "-tp", "2", "--cpu-threads", "1",
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "-tp", "2", "--cpu-threads", "1",
                  api_key=KEY)
     try:
         kw = dict(model="tiny-v1", prompt="Never lose a stream", max_tokens=80, temperature=0.9, seed=11)
