@@ -54,7 +54,8 @@ def _run(model, world, prompts, max_new, standby, on_tick=None, step_delay_s=0.0
         owner = GroupOwner.create(d, model, world, prompts, max_new, standby=standby, hang_s=hang_s,
                                   step_delay_s=step_delay_s)
         t = time.monotonic()
-        out = owner.run(on_tick=on_tick, timeout_s=3600)
+        # the first kill may come early: the run starts once its standby group is ready
+        out = owner.run(on_tick=on_tick, timeout_s=3600, standby_first=standby)
         wall = time.monotonic() - t
         target = [len(p) + max_new for p in prompts]
         lost = int(sum(max(0, a - int(b)) for a, b in zip(target, owner.committed())))
@@ -92,8 +93,8 @@ def main(argv=None) -> int:
         return _sidecar_main(a, argv, rng)
     prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randint(4, 24))] for _ in range(a.requests)]
     gap = (8, 24)                                      # committed tokens between a resume and the next kill
-    # a standby group starts in seconds (a Python process importing torch per rank): the run
-    # must last long enough for a ready standby before every kill
+    # a standby group starts in seconds (a Python process importing torch per rank): the run waits
+    # for the first one, and must last long enough for the next one before every later kill
     max_new = a.max_tokens or 1900 - max(len(p) for p in prompts)
     world = a.tensor_parallel_size
 

@@ -296,12 +296,16 @@ class GroupOwner:
     def committed(self) -> np.ndarray:
         return committed(_tables(self.state, self.meta, "r"))
 
-    def run(self, on_tick=None, timeout_s: float = 300.0) -> list[list[int]]:
+    def run(self, on_tick=None, timeout_s: float = 300.0, standby_first: bool = False) -> list[list[int]]:
         """Run to completion through any faults; `on_tick(owner, active_group)` is called every
-        poll (a test's or benchmark's fault injector). Returns each sequence's output tokens."""
+        poll (a test's or benchmark's fault injector). With `standby_first`, the first group starts
+        once the standby group is ready too, so that a fault from the first token on finds a hot
+        standby however long the ranks take to start. Returns each sequence's output tokens."""
         epoch = int(_lease(self.state)[0]) + 1
         active = self._spawn(epoch)
         self.spare = spare = self._spawn(epoch + 1) if self.standby else None
+        if standby_first and spare is not None:
+            self._wait_ready(spare)
         self._activate(active)
         beats = _beats(self.state, self.meta, "r")
         target = np.array([len(p) + self.meta.max_new for p in self.meta.prompts])
