@@ -86,7 +86,11 @@ def test_a_maximum_size_prompt_is_tokenized_off_the_loop(tiny_model, start_sidec
     # The goal is no stall over 10 ms; on a shared 2-core machine one turn in a few hundred reaches
     # 10-12 ms of its own work (CPU wait excluded), so one such turn is tolerated and none may reach 25 ms.
     assert window["stalled"] <= 1 and all(t["ms"] - t["cpu_wait_ms"] < 25 for t in window["slow"]), window["slow"]
-    assert worst_ping < 0.25 and len(pinger.rtts) > 20
+    # A ping that waited out the tokenization would take as long as it; one that only waited for
+    # a CPU (the tokenizer's threads and, under a parallel test run, another worker's processes
+    # saturate both cores: 0.55 s was seen beside a 1.13 s tokenization) takes a fraction of it.
+    # The loop's own turns, CPU wait excluded, are held to 10-25 ms above.
+    assert worst_ping < max(0.25, 0.6 * tokenize_s) and len(pinger.rtts) > 20, (worst_ping, tokenize_s)
     # the stream went on: tokens kept arriving in separate deliveries, not one burst once the loop
     # was free (how many is the executor's pace, on CPUs it shares with the tokenizer and this test)
     assert len(during) >= 4 and sum(g > 0.002 for g in gaps) >= 1, (len(during), gaps)
