@@ -65,8 +65,14 @@ def _same_file(fd: int, path: Path) -> bool:
 SPARE_POLL_S = 0.05          # a spare's look for a holder while no sidecar runs
 
 
+def _first_line(data: str) -> str:
+    """The holder a lock file names: its first line. A rewrite (`_write_holder`) can leave the
+    tail of a longer previous pid after it for a moment."""
+    return data.split("\n", 1)[0].strip()
+
+
 def _holder(fd: int) -> str:
-    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    return _first_line(os.pread(fd, 32, 0).decode(errors="replace")) or "?"
 
 
 def _holder_pid(fd: int) -> int:
@@ -75,8 +81,13 @@ def _holder_pid(fd: int) -> int:
 
 
 def _write_holder(fd: int) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    """Name this process in the lock file, never leaving it empty: the new line is written over
+    the old one, then the file cut to it (`kvhold serve`, reading it as a spare takes over, saw
+    an empty file between a truncate and a write, took the takeover for a failure and started a
+    second sidecar)."""
+    data = f"{os.getpid()}\n".encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
 
 
 def wait_for_holder_death(paths: InstancePaths, on_waiting: Callable[[int], None] | None = None,
@@ -124,7 +135,7 @@ def spare_takes_over(paths: InstancePaths, spare_pid: int, dead_pid: int) -> boo
     except (FileNotFoundError, ValueError):
         waits_on = 0
     try:
-        holder = int(paths.lock_file.read_text().strip())
+        holder = int(_first_line(paths.lock_file.read_text()))
     except (FileNotFoundError, ValueError):
         return False
     return holder == spare_pid or (holder == dead_pid and waits_on == dead_pid)

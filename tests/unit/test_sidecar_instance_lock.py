@@ -96,6 +96,37 @@ def test_whether_a_spare_takes_over_is_read_from_the_lock_and_its_marker(paths):
     assert not takes_over(paths, 200, 100)                 # the lock names another sidecar
 
 
+def test_the_lock_file_never_reads_empty_while_a_new_holder_names_itself(paths, monkeypatch):
+    """A spare taking the lock over rewrites the holder's line in place, then cuts the file:
+    whenever `kvhold serve` reads it meanwhile it names the dead holder or the spare (the first
+    line), never nothing, so a takeover is never taken for a failed one."""
+    paths.runtime_dir.mkdir(parents=True)
+    paths.spare_file(200).write_text("1000001\n")
+    paths.lock_file.write_text("1000001\n")               # the dead holder: a longer pid
+    seen = []
+    real_pwrite, real_ftruncate = os.pwrite, os.ftruncate
+
+    def pwrite(fd, data, offset):
+        seen.append(paths.lock_file.read_text())
+        return real_pwrite(fd, data, offset)
+
+    def ftruncate(fd, length):
+        seen.append(paths.lock_file.read_text())
+        assert instance_lock.spare_takes_over(paths, os.getpid(), 1000001)
+        return real_ftruncate(fd, length)
+    monkeypatch.setattr(instance_lock.os, "pwrite", pwrite)
+    monkeypatch.setattr(instance_lock.os, "ftruncate", ftruncate)
+    fd = os.open(paths.lock_file, os.O_RDWR)
+    try:
+        instance_lock._write_holder(fd)
+        assert instance_lock._holder_pid(fd) == os.getpid()
+    finally:
+        os.close(fd)
+    assert seen == ["1000001\n", f"{os.getpid()}\n" + "1000001\n"[len(f"{os.getpid()}\n"):]]
+    assert all(instance_lock._first_line(text) for text in seen)
+    assert paths.lock_file.read_text() == f"{os.getpid()}\n"
+
+
 def test_a_holder_that_dies_between_two_looks_of_the_spare_is_taken_over(paths, monkeypatch):
     """A pool restart's new image (the same pid) locks a new file and dies before the spare,
     woken by the old image's clean stop, looks again: the file at the path, free and naming the
