@@ -8,10 +8,14 @@ import os
 
 import pytest
 
+from kvhold.executor import host_compute
+
 # Torch in the test processes computes on one thread: the tests' tensors are small, and a second
 # OpenMP thread only spins (it doubled the in-process engine tests' CPU time), taking a core from
 # the sidecars and executors the process tests start. Executors set their own thread count.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# and, as an executor does, keeps large blocks in malloc's heap (kvhold.executor.host_compute)
+host_compute.keep_large_blocks()
 
 MAX_WORKERS = 4     # the process tests start sidecars and executors of their own: a worker needs a core
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from kvhold.executor import faults, takeover_profile
+from kvhold.executor import faults, host_compute, takeover_profile
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
@@ -76,7 +76,7 @@ class EngineWorkload(WorkloadBase):
             torch.cuda.init()
             self._phase("cuda_context")
         if device.type == "cpu":
-            torch.set_num_threads(s.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
+            host_compute.setup(s.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
         spec = ModelSpec.from_dir(s.model)
         weights = self._weights(spec)
         self._phase("weights")

@@ -50,10 +50,9 @@ class KvCache:
 
     def gather(self, layer: int, pages: torch.Tensor, num_tokens: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first num_tokens positions of a sequence's pages."""
-        blocks = self.pool[pages, layer]                      # [n_pages, 2, T, H, D]
-        h, d = blocks.shape[-2:]
-        k = blocks[:, 0].reshape(-1, h, d)[:num_tokens]
-        v = blocks[:, 1].reshape(-1, h, d)[:num_tokens]
+        h, d = self.pool.shape[-2:]
+        k = self.pool[pages, layer, 0].view(-1, h, d)[:num_tokens]   # [n_pages * T, H, D], one copy
+        v = self.pool[pages, layer, 1].view(-1, h, d)[:num_tokens]
         return k.to(dtype), v.to(dtype)
 
     def copy_tokens(self, src: int, dst: int, num_tokens: int) -> None:

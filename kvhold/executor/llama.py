@@ -199,20 +199,21 @@ class LlamaModel:
         window = self.spec.window(layer)
         for s in step.seqs:
             k, v = kv.gather(layer, s.pages, s.context, self.dtype)
-            if self.group > 1:
-                k = k.repeat_interleave(self.group, dim=1)
-                v = v.repeat_interleave(self.group, dim=1)
+            if self.group > 1:      # each kv head repeated for its query heads (repeat_interleave, one copy)
+                k = k[:, :, None].expand(-1, -1, self.group, -1).reshape(s.context, -1, k.shape[-1])
+                v = v[:, :, None].expand(-1, -1, self.group, -1).reshape(s.context, -1, v.shape[-1])
             qs = q[s.start:s.start + s.n]                               # [n, heads, dim]
             scores = torch.einsum("qhd,khd->hqk", qs, k) * self.scale
             if (cap := self.spec.attn_logit_softcap) is not None:
                 scores = torch.tanh(scores / cap) * cap
-            first = s.context - s.n
-            keys = torch.arange(s.context, device=q.device)[None, :]
-            queries = (first + torch.arange(s.n, device=q.device))[:, None]
-            allowed = keys <= queries
-            if window is not None:
-                allowed &= keys > queries - window
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            if s.n > 1 or window is not None:   # a decode row without a window sees every key
+                first = s.context - s.n
+                keys = torch.arange(s.context, device=q.device)[None, :]
+                queries = (first + torch.arange(s.n, device=q.device))[:, None]
+                allowed = keys <= queries
+                if window is not None:
+                    allowed &= keys > queries - window
+                scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16)
                                   else scores, dim=-1).to(v.dtype)
             out[s.start:s.start + s.n] = torch.einsum("hqk,khd->qhd", probs, v)

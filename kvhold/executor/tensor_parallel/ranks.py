@@ -51,6 +51,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from kvhold.executor import host_compute
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import SeqSlice, StepInput
 from kvhold.executor.tensor_parallel.model import TensorParallelLlama
@@ -158,7 +159,7 @@ def start_group(ctx, spec, weights: dict[str, torch.Tensor], compute_dtype: str,
     plan = TpPlan(spec, world)
     # --cpu-threads per rank; by default the N ranks share half the cores, as one executor does
     threads = s.cpu_threads or max(1, (os.cpu_count() or 2) // (2 * world))
-    torch.set_num_threads(threads)
+    host_compute.setup(threads)
     # the rendezvous: a file in the instance's 0700 runtime directory (a TCPStore would listen on
     # every interface), removed once the warm-up step has run through every rank; gloo's pairs
     # on the loopback interface only, not the address the host name resolves to
@@ -213,7 +214,7 @@ def _follower(f) -> int:
     libc.prctl(1, signal.SIGKILL)             # PR_SET_PDEATHSIG: the group dies with its leader
     if os.getppid() != c["leader_pid"]:
         return 1                              # the leader died before the prctl
-    torch.set_num_threads(c["cpu_threads"])
+    host_compute.setup(c["cpu_threads"])
     rank, world = c["rank"], c["world"]
     spec = ModelSpec.from_dir(c["model"])
     plan = TpPlan(spec, world)
