@@ -11,7 +11,6 @@ the heap for the next step. The heap then holds at most TRIM_THRESHOLD of freed 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -23,11 +22,9 @@ TRIM_THRESHOLD = 128 << 20      # free memory the heap keeps at its top
 def keep_large_blocks() -> bool:
     """Raise glibc's mmap and trim thresholds in this process; False where the C library is
     not glibc (nothing changes there)."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = ctypes.CDLL(None).mallopt        # the C library this process runs on
+    except (OSError, AttributeError):
         return False
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if not ok:

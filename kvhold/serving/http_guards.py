@@ -28,9 +28,6 @@ import json
 import logging
 from dataclasses import dataclass
 
-
-from kvhold.serving.openai_schema import ApiError
-
 log = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
@@ -113,6 +110,8 @@ class BodyDeadline:
             client = scope.get("client")
             log.info("answered 408 to %s: request body not received within %.1f s",
                      "%s:%d" % tuple(client) if client else "?", self.timeout_s)
+            from kvhold.serving.openai_schema import ApiError   # pydantic: kept out of every CLI's start
+
             err = ApiError(408, f"The request body was not received within {self.timeout_s:g} s.",
                            code="request_timeout")
             body = json.dumps(err.body()).encode()

@@ -8,6 +8,7 @@ of a response. `stop` sends SIGTERM, waits for the drain, and kills what is left
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -20,6 +21,15 @@ import httpx
 
 from kvhold.client.client import Client
 from kvhold.testing.etcd_process import free_port
+
+
+@functools.cache
+def http_client() -> httpx.Client:
+    """The HTTP client of this process's polls and posts to servers. Making an httpx client
+    builds an SSL context (about 30 ms of CPU): `httpx.get` makes one per call, which a health
+    poll every 50 ms paid each time. Each request still opens a connection of its own (no
+    keep-alive), as `httpx.get` does, so a restarted server is never asked over a dead one."""
+    return httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 class ServeProcess:
@@ -95,7 +105,7 @@ class ServeProcess:
 
     # ------------------------------------------------------------------ HTTP
     def health(self) -> httpx.Response:
-        return httpx.get(self.base + "/health", timeout=5)
+        return http_client().get(self.base + "/health", timeout=5)
 
     def get_health(self) -> dict | None:
         """/health's body when it answers 200, else None (also when it does not answer)."""
@@ -119,7 +129,7 @@ class ServeProcess:
         raise TimeoutError(f"kvhold serve not healthy with {standbys} standbys in {timeout:.0f} s")
 
     def post(self, path: str, body, **kw) -> httpx.Response:
-        return httpx.post(self.base + path, json=body, headers=self.headers, timeout=60, **kw)
+        return http_client().post(self.base + path, json=body, headers=self.headers, timeout=60, **kw)
 
     def openai(self, timeout: float = 60.0):
         import openai

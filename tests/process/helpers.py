@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 from kvhold.testing.etcd_process import free_port  # noqa: F401 (re-exported for the tests)
-from kvhold.testing.serve_process import Events, ServeProcess, comparable  # noqa: F401 (re-exported)
+from kvhold.testing.serve_process import Events, ServeProcess, comparable, http_client  # noqa: F401 (re-exported)
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
 
 DATA = Path(__file__).resolve().parents[1] / "data"     # tests/data: recordings, AOT fixtures
@@ -187,6 +186,6 @@ def stream_request_id(srv: ServeProcess, event_id: str) -> int:
 
 def whole(srv: ServeProcess, path: str, body: dict) -> list:
     """Every event of a streamed POST, read to its end."""
-    with httpx.stream("POST", srv.base + path, json=body, timeout=120) as r:
+    with http_client().stream("POST", srv.base + path, json=body, timeout=120) as r:
         assert r.status_code == 200
         return Events(r).read().events

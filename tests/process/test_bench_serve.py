@@ -10,6 +10,7 @@ import pytest
 
 from kvhold.client.client import Client
 from kvhold.testing.make_model import build
+from kvhold.testing.serve_process import http_client
 from tools.bench_serve import Server, stream_one
 
 
@@ -36,7 +37,7 @@ def test_http_stream_is_one_chunk_per_token(server, llama3_tiny):
     with Client.for_instance(server.instance, server.root, timeout=60) as client:
         ids = client.generate(prompt, max_tokens=n, temperature=0.0, ignore_eos=True).result().token_ids
     assert len(ids) == n
-    model = httpx.get(server.base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = http_client().get(server.base + "/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+from kvhold.testing.serve_process import http_client
 import pytest
 
 from tests.process.helpers import free_port
@@ -31,7 +32,7 @@ def example_app(tiny_model, start_sidecar, runtime_root, tmp_path):
     while True:
         assert proc.poll() is None, (tmp_path / "example.log").read_text()
         try:
-            httpx.get(base + "/docs", timeout=2)
+            http_client().get(base + "/docs", timeout=2)
             break
         except httpx.TransportError:
             assert time.monotonic() < deadline
@@ -47,12 +48,12 @@ def test_example_app_generates_and_streams_across_a_crash(example_app):
     body = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0.9, "seed": 4}
     with sc.new_client() as client:
         expected = client.generate(body["prompt"], **{k: v for k, v in body.items() if k != "prompt"}).result()
-    full = httpx.post(base + "/generate", json=body, timeout=30).json()
+    full = http_client().post(base + "/generate", json=body, timeout=30).json()
     assert full["token_ids"] == expected.token_ids and full["text"] == expected.text
 
     active = sc.wait_steady()["pid"]
     ids = []
-    with httpx.stream("POST", base + "/stream", json=body, timeout=30) as r:
+    with http_client().stream("POST", base + "/stream", json=body, timeout=30) as r:
         for line in r.iter_lines():
             item = json.loads(line)
             if "token_id" in item:
@@ -63,5 +64,5 @@ def test_example_app_generates_and_streams_across_a_crash(example_app):
     # The stream may have been served ahead of the kill: wait for the death to be seen, then a new active.
     assert sc.wait_for(lambda st: [e for e in sc.executors(st, "active") if e["pid"] != active], timeout=60)
 
-    bad = httpx.post(base + "/generate", json={"prompt": "x", "temperature": -1}, timeout=10)
+    bad = http_client().post(base + "/generate", json={"prompt": "x", "temperature": -1}, timeout=10)
     assert bad.status_code == 400 and bad.json()["code"] == "INVALID_PARAMS"

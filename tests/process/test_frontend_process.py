@@ -9,10 +9,10 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
 from kvhold.testing.split_process import SplitProcesses
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import BAD, BAD_TOKEN, FLAGS, GOOD, Events, Server, comparable, wait_until, whole
 
 PROMPT = dict(prompt="The sidecar keeps the memory", max_tokens=120, temperature=0.0, ignore_eos=True)
@@ -146,7 +146,7 @@ def test_sigkill_of_the_frontend_mid_stream_under_serve(tiny_model, tmp_path, ru
         with Client.for_instance(srv.instance, srv.runtime_root, timeout=10) as client:
             sdk = client.generate(**SAMPLED)
             next(sdk)
-            with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
+            with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
                 assert r.status_code == 200
                 events = Events(r).read(5)
                 os.kill(frontend_pid, signal.SIGKILL)

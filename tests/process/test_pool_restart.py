@@ -7,13 +7,13 @@ import os
 import signal
 import threading
 
-import httpx
 import pytest
 
 from kvhold.client.client import Client, wait_all
 from kvhold.protocol.errors import NotFound
 from kvhold.sidecar.durable_journal import DurableJournal, decode_record, encode_record
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import (POOL_RESTART_FLAGS as FLAGS, POOL_RESTART_REQUESTS as REQUESTS, Server,
                                    pool_restart_cli)
 
@@ -26,7 +26,7 @@ def submit(client, requests=REQUESTS):
 
 
 def http_stream_text(base: str, body: dict, out: dict) -> None:
-    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
+    with http_client().stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
         out["status"] = r.status_code
         raw = r.read().decode()
     # each event's data line (an event also carries its id line: kvhold.serving.stream_resume)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kvhold.protocol.errors import RequestFailed
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import BAD, BAD_TOKEN, FLAGS, GOOD, Server
 
 pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
@@ -142,8 +143,7 @@ def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside
         tiny_model, runtime_root, tmp_path, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
-
+    
     monkeypatch.setenv("KVHOLD_FAULT", f"step:token={BAD_TOKEN}:segv")   # inherited by the server
     srv = Server(tiny_model, runtime_root, tmp_path / "serve.log")
     try:
@@ -153,7 +153,7 @@ def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside
 
         def stream_good():
             text = []
-            with httpx.stream("POST", srv.base + "/v1/completions", json={**good, "stream": True},
+            with http_client().stream("POST", srv.base + "/v1/completions", json={**good, "stream": True},
                               timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -166,7 +166,7 @@ def test_over_http_the_request_gets_a_4xx_naming_its_fault_and_the_stream_beside
         with ThreadPoolExecutor(1) as pool:
             streamed = pool.submit(stream_good)
             assert started.wait(60)
-            r = httpx.post(srv.base + "/v1/completions", timeout=120,
+            r = http_client().post(srv.base + "/v1/completions", timeout=120,
                            json={"model": "tiny-v1", "prompt": BAD["prompt_ids"], "max_tokens": 10})
             assert streamed.result(timeout=120) == reference
         assert r.status_code == 422, r.text

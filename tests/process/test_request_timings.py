@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from kvhold.protocol.naming import InstancePaths
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import FLAGS, ServeProcess, wait_until
 
 TOKENS = 40
@@ -41,10 +42,10 @@ def test_queue_time_holds_the_wait_for_a_step_and_reaches_metrics(tiny_model, st
     base, proc = srv.base, srv.proc
     try:
         wait_until(lambda: proc.poll() is None and _healthy(base), 60, 0.1, what="the HTTP server")
-        r = httpx.post(base + "/v1/completions", json={"model": tiny_model.name, "prompt": "Hello",
+        r = http_client().post(base + "/v1/completions", json={"model": tiny_model.name, "prompt": "Hello",
                                                       "max_tokens": 5, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-        text = httpx.get(base + "/metrics", timeout=5).text
+        text = http_client().get(base + "/metrics", timeout=5).text
     finally:
         srv.stop()
     name = f'{{model_name="{tiny_model.name}"}}'
@@ -61,7 +62,7 @@ def test_queue_time_holds_the_wait_for_a_step_and_reaches_metrics(tiny_model, st
 
 def _healthy(base):
     try:
-        return httpx.get(base + "/health", timeout=5).status_code == 200
+        return http_client().get(base + "/health", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 

@@ -8,7 +8,6 @@ import signal
 import tempfile
 from pathlib import Path
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
@@ -19,6 +18,7 @@ from schemathesis import GenerationMode  # noqa: E402
 from kvhold.protocol.checkpoint import build_manifest  # noqa: E402
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.testing.sidecar_process import SidecarProcess
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import FLAGS, KEY, Server
 from tests.unit.helpers import POISON, records, valid_record, write_record
 
@@ -140,7 +140,7 @@ def fuzz_server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server):
-    doc = httpx.get(fuzz_server.base + "/openapi.json", headers=fuzz_server.headers, timeout=10).json()
+    doc = http_client().get(fuzz_server.base + "/openapi.json", headers=fuzz_server.headers, timeout=10).json()
     assert {"CompletionRequest", "ChatRequest"} <= set(doc["components"]["schemas"])
     schema = schemathesis.openapi.from_dict(doc)
     schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

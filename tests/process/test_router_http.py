@@ -16,6 +16,7 @@ import pytest
 
 from kvhold.testing.etcd_process import free_port
 from kvhold.testing.sidecar_process import SidecarProcess, submit_requests
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import DATA
 
 pytestmark = [pytest.mark.etcd,
@@ -74,7 +75,7 @@ def wait_health(base, proc, predicate, timeout=30.0) -> dict:
     while time.monotonic() < deadline:
         assert proc is None or proc.poll() is None, f"router exited with {proc.returncode}"
         try:
-            r = httpx.get(base + "/health", timeout=2)
+            r = http_client().get(base + "/health", timeout=2)
             if predicate(r.json()):
                 return r.json()
         except httpx.TransportError:
@@ -86,7 +87,7 @@ def wait_health(base, proc, predicate, timeout=30.0) -> dict:
 def metric(base, name) -> dict[str, float]:
     """{sidecar label: value} for one of the router's per-sidecar counters."""
     out = {}
-    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+    for line in http_client().get(base + "/metrics", timeout=5).text.splitlines():
         if line.startswith(name + "{"):
             label, value = line[len(name) + 1:].split("}")
             out[label.split('"')[1]] = float(value)
@@ -141,7 +142,7 @@ def test_a_draining_sidecar_is_avoided(cluster, etcd, tmp_path):
     with drained:
         wait_health(base, None, lambda body: body["sidecars_registered"] == 3, timeout=10)
         texts = run_all(base, REQUESTS, [True, False] * (len(REQUESTS) // 2))
-        assert httpx.get(base + "/health", timeout=5).json()["sidecars_serving"] == 2
+        assert http_client().get(base + "/health", timeout=5).json()["sidecars_serving"] == 2
     assert texts == refs["short"]
     assert not any(f"rh{TAG}-drain" in k for k in metric(base, "kvhold_router_requests_routed_total"))
 

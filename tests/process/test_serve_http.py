@@ -11,6 +11,7 @@ import signal
 import time
 
 import httpx
+from kvhold.testing.serve_process import http_client
 import openai
 import pytest
 
@@ -45,7 +46,7 @@ def test_openai_package_completions_and_chat(server):
 
 def test_httpx_sse_framing_and_stop_strings(server):
     body = {"prompt": "The sidecar keeps the memory", "max_tokens": 30, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base + "/v1/completions", json=body, headers=server.headers,
+    with http_client().stream("POST", server.base + "/v1/completions", json=body, headers=server.headers,
                       timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -84,7 +85,7 @@ BAD = [
 @pytest.mark.parametrize("body,status,code,param", BAD)
 def test_bad_completion_requests(server, body, status, code, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(server.base + "/v1/completions", content=content, headers=server.headers, timeout=10)
+    r = http_client().post(server.base + "/v1/completions", content=content, headers=server.headers, timeout=10)
     err = r.json()["error"]
     assert (r.status_code, err["code"], err["param"]) == (status, code, param), err
     assert err["type"] and err["message"]
@@ -115,8 +116,8 @@ def test_api_key_on_every_v1_route(server):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base + "/v1", api_key="nope", max_retries=0).models.list()
-    assert httpx.get(server.base + "/health").status_code == 200         # probes need no key
-    assert httpx.get(server.base + "/metrics").status_code == 200
+    assert http_client().get(server.base + "/health").status_code == 200         # probes need no key
+    assert http_client().get(server.base + "/metrics").status_code == 200
 
 
 def test_a_stream_crosses_an_executor_sigkill(server):
@@ -132,7 +133,7 @@ def test_a_stream_crosses_an_executor_sigkill(server):
     assert server.wait_healthy()["active_pid"] != active
     deadline = time.monotonic() + 10   # the recovery record completes with its first-token time
     while True:
-        text = httpx.get(server.base + "/metrics").text
+        text = http_client().get(server.base + "/metrics").text
         if _metric(text, "kvhold_recovery_seconds_count") >= 1 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -194,7 +195,7 @@ def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path, runtime_
         assert seen_503 and seen_200_after
 
         body = {"prompt": "Drain me", "max_tokens": 1000, "temperature": 0, "stream": True}
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
             lines = (line for line in r.iter_lines() if not line.startswith("id: "))
             assert next(lines).startswith("data: {")
             srv.proc.send_signal(signal.SIGTERM)

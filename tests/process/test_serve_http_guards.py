@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from kvhold.serving.http_api import AppSettings, create_app
+from kvhold.testing.serve_process import http_client
 
 pytestmark = pytest.mark.slow     # real restarts and timeouts: `pytest -m slow` (CI runs it)
 
@@ -88,7 +89,7 @@ def _dribble_until_closed(sock, chunks, every_s=0.25, limit_s=15.0):
 
 def _served(srv):
     """Another client, meanwhile, gets a real completion."""
-    r = httpx.post(srv.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+    r = http_client().post(srv.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                    json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
 

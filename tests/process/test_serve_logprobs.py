@@ -3,14 +3,14 @@
 values both ways, and the 400s (above --max-logprobs, top_logprobs without logprobs)."""
 import json
 
-import httpx
+from kvhold.testing.serve_process import http_client
 import pytest
 
 PROMPT = "Once upon a time there was"
 
 
 def sse_chunks(srv, path, body):
-    with httpx.stream("POST", srv.base + path, json={**body, "stream": True}, headers=srv.headers,
+    with http_client().stream("POST", srv.base + path, json={**body, "stream": True}, headers=srv.headers,
                       timeout=60) as r:
         assert r.status_code == 200
         data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]

@@ -7,12 +7,12 @@ import shutil
 import signal
 import subprocess
 
-import httpx
 import pytest
 
 from kvhold.client.client import Client
 from kvhold.sidecar.daemon import STOP_AT_ENV
 from kvhold.serving.serve import SIDECAR_RESTARTS
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import (SERVE_FLAGS, Events, Server, ServeProcess, alive, comparable, pool_restart_cli,
                                    pool_restart_cmd, wait_stopped, wait_until, whole)
 
@@ -39,7 +39,7 @@ def test_a_pool_restart_after_the_spare_took_over(tiny_model, tmp_path, runtime_
         took_over = wait_until(lambda: (st := srv.sidecar_status()) and st["pid"] == spare_pid
                                and st.get("adoption") and st, 60, 0.1, what="the spare to take over")
         srv.wait_healthy(timeout=60)
-        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
             cli = pool_restart_cli(srv.instance, runtime_root, "--continue", "--timeout", "60", "--json")
@@ -73,7 +73,7 @@ def test_a_pool_restart_whose_new_sidecar_fails_stops_serve_with_the_reason(tiny
     try:
         pids = _spare_waiting(srv)
         pids = [pids["pid"], *pids["spares"]]
-        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as r:
             assert r.status_code == 200
             part = Events(r).read(5)
             (model / "config.json").rename(tmp_path / "config.json")
@@ -114,7 +114,7 @@ def test_a_sidecar_killed_during_a_pool_restart_leaves_the_instance_serving(tiny
     try:
         reference = whole(srv, "/v1/completions", COMPLETION)
         owner = _spare_waiting(srv)["pid"]
-        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=180) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=180) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
             cli = subprocess.Popen(pool_restart_cmd(srv.instance, runtime_root, "--continue", "--timeout", "20"),

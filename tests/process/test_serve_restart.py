@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-import httpx
+from kvhold.testing.serve_process import http_client
 import pytest
 
 from tests.process.helpers import Events, Server, comparable, http_child, stream_request_id, wait_until, whole
@@ -32,8 +32,8 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path,
                      "/v1/chat/completions": whole(srv, "/v1/chat/completions", CHAT)}
         before = srv.sidecar_status()
         old_http = http_child(srv)
-        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as a, \
-                httpx.stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as b:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=COMPLETION, timeout=120) as a, \
+                http_client().stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as b:
             assert a.status_code == b.status_code == 200
             parts = {"/v1/completions": Events(a).read(5), "/v1/chat/completions": Events(b).read(3)}
             os.kill(srv.proc.pid, signal.SIGSTOP)     # no restart until the chat has ended
@@ -54,7 +54,7 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path,
         for path, part in parts.items():
             last = part.events[-1][0]
             rid = last.split("-")[0]
-            with httpx.stream("GET", f"{srv.base}/v1/streams/{rid}", headers={"Last-Event-ID": last},
+            with http_client().stream("GET", f"{srv.base}/v1/streams/{rid}", headers={"Last-Event-ID": last},
                               timeout=120) as r:
                 assert r.status_code == 200, r.read()
                 rest = Events(r).read().events
@@ -85,8 +85,8 @@ def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path, runtime_root
     try:
         body = dict(COMPLETION, max_tokens=1000)
         sidecar_pid = srv.sidecar_status()["pid"]
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r, \
-                httpx.stream("POST", srv.base + "/v1/completions", json=dict(body, max_tokens=990),
+        with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r, \
+                http_client().stream("POST", srv.base + "/v1/completions", json=dict(body, max_tokens=990),
                              timeout=120) as queued:
             assert r.status_code == queued.status_code == 200, r.read()
             events = Events(r).read(3)
@@ -108,7 +108,7 @@ def test_a_stream_nobody_resumes_is_cancelled(tiny_model, tmp_path, runtime_root
         assert status["requests"]["finished"] == {"cancelled": 2}      # neither ran for nobody
         assert status["pool_restart"]["unclaimed_total"] == 0           # nor was kept for nobody
         srv.wait_healthy()
-        r = httpx.get(f"{srv.base}/v1/streams/{sid}", headers={"Last-Event-ID": last}, timeout=30)
+        r = http_client().get(f"{srv.base}/v1/streams/{sid}", headers={"Last-Event-ID": last}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
         assert "cancelled: no client claimed it" in r.json()["error"]["message"]
         assert f"request {rid:#x} was cancelled: no client claimed it" in (tmp_path / "serve.log").read_text()
@@ -159,7 +159,7 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve(tiny_model, tmp_path, run
             assert len(before["spares"]) == 1
         else:
             assert before["spares"] == []
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             events = Events(r).read(5)
             os.kill(before["pid"], signal.SIGKILL)        # the sidecar alone
@@ -198,7 +198,7 @@ def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model,
         reference = whole(srv, "/v1/chat/completions", CHAT)
         before = srv.sidecar_status()
         frontend_pid = before["frontend"]["pid"]
-        with httpx.stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as r:
+        with http_client().stream("POST", srv.base + "/v1/chat/completions", json=CHAT, timeout=120) as r:
             assert r.status_code == 200
             part = Events(r).read(3)
             os.kill(srv.proc.pid, signal.SIGSTOP)     # no restarts until both are dead
@@ -214,7 +214,7 @@ def test_a_result_kept_for_pickup_outlives_a_sigkill_of_the_frontend(tiny_model,
                 os.kill(srv.proc.pid, signal.SIGCONT)
         last = part.events[-1][0]
         srv.wait_healthy(timeout=60)
-        with httpx.stream("GET", f"{srv.base}/v1/streams/{last.split('-')[0]}", headers={"Last-Event-ID": last},
+        with http_client().stream("GET", f"{srv.base}/v1/streams/{last.split('-')[0]}", headers={"Last-Event-ID": last},
                           timeout=120) as r:
             assert r.status_code == 200, r.read()
             rest = Events(r).read().events
@@ -237,7 +237,7 @@ def test_after_a_restart_only_the_credential_that_started_a_stream_resumes_it(ti
     alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
     try:
         reference = whole(srv, "/v1/completions", COMPLETION)
-        with httpx.stream("POST", srv.base + "/v1/completions", json=COMPLETION, headers=alice, timeout=120) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=COMPLETION, headers=alice, timeout=120) as r:
             assert r.status_code == 200
             part = Events(r).read(5)
             os.kill(http_child(srv), signal.SIGKILL)
@@ -247,12 +247,12 @@ def test_after_a_restart_only_the_credential_that_started_a_stream_resumes_it(ti
         assert len(sid) == 32 and f"{rid:x}" not in sid
         srv.wait_healthy(timeout=60)
         for guess in (f"{rid:x}", f"cmpl-{rid:x}", f"{rid - 1:x}"):          # sequential ids name no stream
-            r = httpx.get(f"{srv.base}/v1/streams/{guess}", headers=mallory, timeout=30)
+            r = http_client().get(f"{srv.base}/v1/streams/{guess}", headers=mallory, timeout=30)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_stream_id", r.text
         for stranger in (mallory, {}, {"Authorization": "alice"}):          # the id alone is not enough
-            r = httpx.get(f"{srv.base}/v1/streams/{sid}", headers={**stranger, "Last-Event-ID": last}, timeout=30)
+            r = http_client().get(f"{srv.base}/v1/streams/{sid}", headers={**stranger, "Last-Event-ID": last}, timeout=30)
             assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found", r.text
-        with httpx.stream("GET", f"{srv.base}/v1/streams/{sid}", headers={**alice, "Last-Event-ID": last},
+        with http_client().stream("GET", f"{srv.base}/v1/streams/{sid}", headers={**alice, "Last-Event-ID": last},
                           timeout=120) as r:
             assert r.status_code == 200, r.read()
             rest = Events(r).read().events

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from kvhold.protocol.naming import InstancePaths
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import FLAGS, ServeProcess, free_port, http_child, wait_until
 
 COMPLETION = {"model": None, "prompt": "The sidecar keeps the memory", "max_tokens": 12, "temperature": 0,
@@ -19,13 +20,13 @@ COMPLETION = {"model": None, "prompt": "The sidecar keeps the memory", "max_toke
 
 def healthy(base):
     try:
-        return httpx.get(base + "/health", timeout=5).status_code == 200
+        return http_client().get(base + "/health", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 
 
 def complete(base, name):
-    r = httpx.post(base + "/v1/completions", json={**COMPLETION, "model": name}, timeout=60)
+    r = http_client().post(base + "/v1/completions", json={**COMPLETION, "model": name}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 12 and body["choices"][0]["text"]
@@ -42,7 +43,7 @@ def test_serve_in_front_of_a_running_sidecar(tiny_model, start_sidecar, runtime_
     base, proc = srv.base, srv.proc
     try:
         wait_until(lambda: proc.poll() is None and healthy(base), 60, 0.1, what="the HTTP server to serve")
-        models = httpx.get(base + "/v1/models", timeout=5).json()["data"]
+        models = http_client().get(base + "/v1/models", timeout=5).json()["data"]
         name = models[0]["id"]
         assert name == tiny_model.name and models[0]["max_model_len"] == 512   # the sidecar's --max-seq-len
         first = complete(base, name)
@@ -93,7 +94,7 @@ def test_a_second_serve_in_front_of_the_same_sidecar_is_refused_with_the_reason(
     first = ServeProcess(["--sidecar-endpoint", endpoint], runtime_root, log_path=tmp_path / "first.log").spawn()
     try:
         wait_until(lambda: first.proc.poll() is None and healthy(first.base), 60, 0.1, what="the first HTTP server")
-        name = httpx.get(first.base + "/v1/models", timeout=5).json()["data"][0]["id"]
+        name = http_client().get(first.base + "/v1/models", timeout=5).json()["data"][0]["id"]
         r = subprocess.run([sys.executable, "-m", "kvhold", "serve", "--sidecar-endpoint", endpoint,
                             "--port", str(free_port()), "--runtime-root", str(runtime_root)],
                            capture_output=True, text=True, timeout=120)

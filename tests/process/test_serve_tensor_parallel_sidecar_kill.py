@@ -18,6 +18,7 @@ import pytest
 
 from kvhold.executor.tensor_parallel.ranks import group_pids
 from kvhold.protocol.procfs import pid_alive
+from kvhold.testing.serve_process import http_client
 from tests.process.helpers import Events, Server, comparable, wait_until
 
 TP_FLAGS = ("-tp", "2", "--cpu-threads", "1")
@@ -38,7 +39,7 @@ def _body(body: dict) -> dict:
 
 
 def _whole(srv: Server, path: str, body: dict) -> list:
-    with httpx.stream("POST", srv.base + path, json=_body(body), timeout=120) as r:
+    with http_client().stream("POST", srv.base + path, json=_body(body), timeout=120) as r:
         assert r.status_code == 200
         return Events(r).read().events
 
@@ -52,7 +53,7 @@ def _finish(srv: Server, events: list) -> tuple[list, int]:
         assert resumes < 5, events[-3:]
         last = events[-1][0]
         resumes += 1
-        with httpx.stream("GET", f"{srv.base}/v1/streams/{last.split('-')[0]}",
+        with http_client().stream("GET", f"{srv.base}/v1/streams/{last.split('-')[0]}",
                           headers={"Last-Event-ID": last}, timeout=120) as r:
             assert r.status_code == 200, r.read()
             events = events + Events(r).read().events
@@ -168,7 +169,7 @@ def test_sigkill_of_the_sidecar_mid_stream_under_serve_tp2(tiny_model, tmp_path,
         # the re-adopted groups are watched: rank 1 of the active one killed mid-stream ends that
         # group, and the re-adopted standby group resumes the stream
         path, body = STREAMS[1]
-        with httpx.stream("POST", srv.base + path, json=_body(body), timeout=120) as r:
+        with http_client().stream("POST", srv.base + path, json=_body(body), timeout=120) as r:
             assert r.status_code == 200
             part = Events(r).read(3)
             os.kill(groups["active"][1], signal.SIGKILL)

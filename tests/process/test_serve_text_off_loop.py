@@ -5,7 +5,7 @@ tokenizes, before any of that work (kvhold.serving.text_work)."""
 import json
 import threading
 
-import httpx
+from kvhold.testing.serve_process import http_client
 import pytest
 
 from tests.process.helpers import KEY, Server
@@ -43,7 +43,7 @@ def test_health_and_a_new_stream_answer_while_a_large_body_is_tokenized(big, pat
         sent.set()                     # every byte of the body is written
 
     def large():
-        r = httpx.post(big.base + path, content=content(), headers=HEADERS, timeout=300)
+        r = http_client().post(big.base + path, content=content(), headers=HEADERS, timeout=300)
         note(("large", r.status_code))
 
     worker = threading.Thread(target=large)
@@ -51,10 +51,10 @@ def test_health_and_a_new_stream_answer_while_a_large_body_is_tokenized(big, pat
     try:
         assert sent.wait(120)
         # asked once the large body is in: answered before the large one's answer, or the loop was held
-        assert httpx.get(big.base + "/health", timeout=300).status_code == 200
+        assert http_client().get(big.base + "/health", timeout=300).status_code == 200
         note("health")
         stream = {"prompt": "The sidecar", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", big.base + "/v1/completions", json=stream, headers=HEADERS, timeout=300) as r:
+        with http_client().stream("POST", big.base + "/v1/completions", json=stream, headers=HEADERS, timeout=300) as r:
             assert r.status_code == 200
             first = next(line for line in r.iter_lines() if line.startswith("data: "))
             note("stream token")
@@ -73,8 +73,8 @@ def test_health_and_a_new_stream_answer_while_a_large_body_is_tokenized(big, pat
     ("/v1/completions", {"prompt": "x" * (LIMIT + 1), "max_tokens": 4}),
 ])
 def test_text_over_the_prompt_limit_is_413_on_every_route(big, path, body):
-    r = httpx.post(big.base + path, json=body, headers=HEADERS, timeout=300)
+    r = http_client().post(big.base + path, json=body, headers=HEADERS, timeout=300)
     assert r.status_code == 413, r.text[:300]
     assert r.json()["error"]["code"] == "prompt_too_large"
     assert "--max-prompt-bytes" in r.json()["error"]["message"]
-    assert httpx.get(big.base + "/health", timeout=60).status_code == 200
+    assert http_client().get(big.base + "/health", timeout=60).status_code == 200

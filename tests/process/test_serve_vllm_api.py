@@ -5,6 +5,7 @@ unless neutral (never accepted and ignored)."""
 import json
 
 import httpx
+from kvhold.testing.serve_process import http_client
 import openai
 import pytest
 
@@ -13,7 +14,7 @@ from tests.process.helpers import Server
 
 def test_version_and_model_retrieval(server):
     from kvhold import __version__
-    assert httpx.get(server.base + "/version", timeout=10).json() == {"version": __version__}
+    assert http_client().get(server.base + "/version", timeout=10).json() == {"version": __version__}
     client = server.openai()
     assert client.models.retrieve("tiny-v1").id == "tiny-v1"
     with pytest.raises(openai.NotFoundError):
@@ -32,11 +33,11 @@ def test_tokenize_round_trips_and_matches_usage(server):
     assert chat["count"] > 0
     assert server.post("/detokenize", {"tokens": [10**6]}).status_code == 400
     assert server.post("/tokenize", {}).status_code == 400
-    assert httpx.post(server.base + "/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
+    assert http_client().post(server.base + "/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
 
 
 def test_request_id_is_echoed(server):
-    r = httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+    r = http_client().post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                    headers={**server.headers, "X-Request-Id": "abc-123"}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
 
@@ -44,7 +45,7 @@ def test_request_id_is_echoed(server):
 def test_continuous_usage_stats_on_every_chunk(server):
     body = {"prompt": "Once upon a time", "max_tokens": 6, "stream": True, "temperature": 0,
             "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    with httpx.stream("POST", server.base + "/v1/completions", json=body, headers=server.headers,
+    with http_client().stream("POST", server.base + "/v1/completions", json=body, headers=server.headers,
                       timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
@@ -84,7 +85,7 @@ def test_the_port_answers_during_start_up_with_503_starting(tiny_model, tmp_path
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                r = http_client().get(f"http://127.0.0.1:{port}/health", timeout=5)
                 seen.append((r.status_code, r.json()["status"]))
                 if r.status_code == 200:
                     break
@@ -113,7 +114,7 @@ def test_a_paused_stream_gets_sse_keepalive_comments(tiny_model, tmp_path, runti
         reference = srv.post("/v1/completions", dict(body, stream=False)).json()["choices"][0]["text"]
         active = srv.wait_healthy()["active_pid"]
         comments, text = 0, []
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+        with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
@@ -148,7 +149,7 @@ def _one(server, prompt, **kw):
 
 def _streamed(server, body) -> tuple[dict, dict]:
     texts, usage = {}, None
-    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True},
+    with http_client().stream("POST", server.base + "/v1/completions", json={**body, "stream": True},
                       headers=server.headers, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
