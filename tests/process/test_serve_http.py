@@ -178,9 +178,9 @@ def test_32_concurrent_streams_with_a_kill_lose_nothing(server):
 
 
 def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path, runtime_root):
-    # a stream long enough (1,000 tokens) to be in flight when the SIGTERM lands, however slowly this
-    # client reads: a server that had already sent all of it would rightly exit at once
-    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--standbys", "0", "--max-seq-len", "1024")
+    # a stream long enough (2,000 tokens, seconds of decode) to be in flight when the SIGTERM lands,
+    # however slowly this client reads: the drain ends once the sidecar has generated every token
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--standbys", "0", "--max-seq-len", "2048")
     try:
         sidecar_pid = srv.sidecar_status()["pid"]
         os.kill(srv.wait_healthy(standbys=0)["active_pid"], signal.SIGKILL)
@@ -192,9 +192,10 @@ def test_health_during_failover_and_sigterm_drain(tiny_model, tmp_path, runtime_
                 assert "no active executor" in r.json()["reason"]
                 seen_503 = True
             seen_200_after = seen_503 and r.status_code == 200
+            time.sleep(0.01)
         assert seen_503 and seen_200_after
 
-        body = {"prompt": "Drain me", "max_tokens": 1000, "temperature": 0, "stream": True}
+        body = {"prompt": "Drain me", "max_tokens": 2000, "temperature": 0, "stream": True}
         with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
             lines = (line for line in r.iter_lines() if not line.startswith("id: "))
             assert next(lines).startswith("data: {")
