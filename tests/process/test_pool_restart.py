@@ -25,9 +25,11 @@ def submit(client, requests=REQUESTS):
     return submit_requests(client, requests)
 
 
-def http_stream_text(base: str, body: dict, out: dict) -> None:
+def http_stream_text(base: str, body: dict, out: dict, answered: threading.Event | None = None) -> None:
     with http_client().stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
         out["status"] = r.status_code
+        if answered is not None:
+            answered.set()          # the status is known: the request was admitted (200) or refused
         raw = r.read().decode()
     # each event's data line (an event also carries its id line: kvhold.serving.stream_resume)
     # (an SSE comment, a keepalive while the pool restarts, is no event)
@@ -47,8 +49,10 @@ def test_pool_restart_under_load_sdk_and_http(tiny_model, runtime_root, tmp_path
 
             http = {}
             streams = submit(client)
-            http_thread = threading.Thread(target=http_stream_text, args=(server.base, HTTP_REQUEST, http))
+            answered = threading.Event()
+            http_thread = threading.Thread(target=http_stream_text, args=(server.base, HTTP_REQUEST, http, answered))
             http_thread.start()
+            assert answered.wait(60)                # in flight before the drain starts, however fast it starts
             cli = pool_restart_cli(server.instance, runtime_root, "--continue", "--timeout", "60", "--json")
             results = wait_all(streams)
             http_thread.join(90)
