@@ -184,12 +184,14 @@ def test_an_outside_sigkill_isolates_nothing_and_a_crash_isolates_its_step(tiny_
     one step per stream. A crash (SIGSEGV) still isolates every request of its step."""
     import signal
 
-    sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"})
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--max-seq-len", "1024"],
+                       env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"})
     sc.wait_steady()
     with sc.new_client(timeout=60) as client:
-        # long enough to be mid-stream at the kill on a loaded machine: 100 tokens each after
-        # their first (a fixed sleep could outlast 40 tokens, and a kill between steps counts none)
-        streams = [client.generate(**dict(GOOD, seed=i, max_tokens=100, ignore_eos=True)) for i in range(4)]
+        # long enough to be mid-stream at the kill on a loaded machine, however far the engine runs
+        # ahead of this client: 500 tokens each after their first (a fixed sleep could outlast 40
+        # tokens, and a kill between steps counts none)
+        streams = [client.generate(**dict(GOOD, seed=i, max_tokens=500, ignore_eos=True)) for i in range(4)]
         sc.wait_for(lambda st: st["requests"]["in_flight"] == 4 and any(
             e["kind"] == "ready" for e in st["events"]), timeout=30)
         victim = sc.wait_steady()["pid"]
