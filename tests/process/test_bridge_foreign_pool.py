@@ -60,10 +60,12 @@ def test_sigkill_mid_stream_continues_identically(tiny_model, reference, start_s
 
 
 def test_damaged_mirror_page_recomputes_from_the_first_bad_block(tiny_model, reference, start_sidecar, tmp_path):
-    # The active executor stops itself at its 16th commit, its pages published and its tokens not
-    # yet: every request still runs then (the shortest has 24 tokens to decode after its prefill),
-    # however far the engine is ahead of this test's client. The replacement runs clean.
-    env = {"KVHOLD_FAULT": "commit_pages:16:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    # The active executor stops itself at its 24th commit, its pages published and its tokens not
+    # yet: every request still runs then (each has at least 26 steps to run after its admission:
+    # the shortest, 24 tokens after a 2-step prefill), however far the engine is ahead of this
+    # test's client, and a request admitted some steps late has its prompt's pages written. The
+    # replacement runs clean.
+    env = {"KVHOLD_FAULT": "commit_pages:24:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
     sc = start_sidecar(["--model", str(tiny_model), *FOREIGN, "--lease-ms", "5000"], env=env)
     pid = sc.wait_steady()["pid"]
     tables, words = _attach(sc)
