@@ -348,7 +348,7 @@ class FrontendProcess(ClientSide):
         if st is not None and st.failed:
             return                                  # told already (a hello repeats the list)
         if st is not None and st.awaiting_resume:   # an adopted stream: its client hears it on resuming
-            self.restore.failed_requests[msg.request_id] = msg.message
+            self.restore.failed_requests[msg.request_id] = (st.identity, msg.message)
             while len(self.restore.failed_requests) > 4096:
                 del self.restore.failed_requests[next(iter(self.restore.failed_requests))]
         self.frontend.fail_request(msg.request_id, msg.slot, msg.message)

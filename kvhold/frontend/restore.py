@@ -82,8 +82,9 @@ class Restore:
         self.cancelled: dict[int, str] = {}      # cancelled for want of a client -> why (the newest)
         self.num_cancelled = 0
         self._next_check_ns = 0
-        # failed (request_deaths) while its stream waited for its client: told when it resumes
-        self.failed_requests: dict[int, str] = {}
+        # failed (request_deaths) while its stream waited for its client: told when it resumes,
+        # even once its slot is released and its stream gone -> (its client's identity, why)
+        self.failed_requests: dict[int, tuple[bytes, str]] = {}
         directory = getattr(durable, "dir", None)      # results kept on disk: they outlive this process
         self.kept = KeptResults(Path(directory) / "results") if directory is not None else None
 
@@ -200,10 +201,11 @@ class Restore:
             return m.Error(code=ErrorCode.BAD_FIELD, message="request_ids and next_indices differ in length")
         resumed = []
         for rid, index in zip(msg.request_ids, msg.next_indices):
-            st = self.frontend.streams.get(rid)
-            if rid in self.failed_requests and st is not None and st.identity == identity:
+            failed = self.failed_requests.get(rid)
+            if failed is not None and failed[0] == identity:
+                del self.failed_requests[rid]
                 self.send_client(identity, m.Error(code=ErrorCode.REQUEST_FAILED, request_id=rid,
-                                                   message=self.failed_requests.pop(rid)))
+                                                   message=failed[1]))
                 continue
             error = self._resume_one(identity, rid, index)
             if error is None:
