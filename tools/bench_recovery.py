@@ -166,6 +166,8 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
         flags += ["--takeover", "wait-exit"]
     if tier == "zygote":
         flags += ["--zygote"]
+    elif tier == "cold":
+        flags += ["--no-zygote"]     # on CPU the zygote is on by default
     if args.device.startswith("cuda"):
         flags += ["--backend", "cuda"]
     if args.kv_memory:

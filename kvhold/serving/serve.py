@@ -292,7 +292,9 @@ def sidecar_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or value == action.default:
             continue
         flag = action.option_strings[-1]
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, argparse.BooleanOptionalAction):   # --flag / --no-flag
+            out.append(action.option_strings[0] if value else action.option_strings[1])
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             out.append(flag)
         else:
             out += [flag, str(value)]

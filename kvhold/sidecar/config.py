@@ -167,7 +167,8 @@ class ExecutorsConfig:
     cpu_threads: int | None = None
     token_file: Path | None = None
     restart_backoff_ms: tuple[int, int] = (50, 5000)
-    zygote: bool = False              # keep a torch-imported zygote to fork executors from
+    zygote: bool | None = None        # keep a torch-imported zygote to fork executors from; None:
+                                      # auto (SidecarConfig.uses_zygote)
     zygote_spare: str = "auto"        # the zygote keeps a child warmed ahead: auto (on CUDA), on, off
     takeover: str = "fast"            # fast: promote at once; wait-exit: after the dead process exits
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
@@ -335,12 +336,24 @@ class SidecarConfig:
                "directory)", "pool.model")
         if self.pool.tensor_parallel_size > 1:
             _check_tensor_parallel(self)
+        _check(self.executors.zygote in (None, True, False), "executors.zygote must be true, false "
+               f"or absent (auto), got {self.executors.zygote!r}", "executors.zygote")
         if self.executors.workload == "vllm":
             _check_vllm(self)
             if self.pool.compute_dtype is None:   # vLLM computes in the checkpoint's dtype
                 from kvhold.protocol.model_spec import ModelSpec
                 dtype = ModelSpec.from_dir(self.pool.model).dtype
                 object.__setattr__(self, "pool", dataclasses.replace(self.pool, compute_dtype=dtype))
+
+    def uses_zygote(self) -> bool:
+        """Whether executors are forked from a zygote. Asked for (`--zygote`) or refused
+        (`--no-zygote`); by default on where it costs nothing but host memory: the engine workload
+        on a CPU device with one executor per group. On CUDA the zygote keeps a spare child with a
+        CUDA context of its own (GPU memory), so it is asked for there."""
+        ex, pool = self.executors, self.pool
+        if ex.zygote is not None:
+            return ex.zygote
+        return ex.workload == "engine" and pool.device == "cpu" and pool.tensor_parallel_size == 1
 
     @property
     def paths(self) -> InstancePaths:
@@ -443,7 +456,7 @@ def _check_tensor_parallel(cfg: "SidecarConfig") -> None:
            f"workload only, not {ex.workload!r}", "pool.tensor_parallel_size", "executors.workload")
     _check(ex.kv_mode == "native", f"pool.tensor_parallel_size {n}: executor groups compute into kvhold's "
            "own pool: --kv-mode foreign is not supported", "pool.tensor_parallel_size", "executors.kv_mode")
-    _check(not ex.zygote, f"pool.tensor_parallel_size {n}: an executor group's ranks start cold: "
+    _check(ex.zygote is not True, f"pool.tensor_parallel_size {n}: an executor group's ranks start cold: "
            "--zygote is not supported", "pool.tensor_parallel_size", "executors.zygote")
 
 
@@ -458,7 +471,7 @@ def _check_vllm(cfg: "SidecarConfig") -> None:
            f"(vLLM's CPU attention blocks), got {pool.page_tokens}", "pool.page_tokens")
     _check(pool.compute_dtype != "float64", "the vllm workload computes in float32, bfloat16 or "
            "float16 (vLLM's CPU dtypes): --compute-dtype float64 is not supported", "pool.compute_dtype")
-    _check(not ex.zygote, "the vllm workload starts its executors cold: --zygote is not supported",
+    _check(ex.zygote is not True, "the vllm workload starts its executors cold: --zygote is not supported",
            "executors.zygote")
     _check(ex.cpu_threads is None, "the vllm workload leaves threads to vLLM "
            "(VLLM_CPU_OMP_THREADS_BIND): --cpu-threads is not supported", "executors.cpu_threads")

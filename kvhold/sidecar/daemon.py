@@ -242,7 +242,7 @@ class Sidecar:
     def _make_components(self) -> None:
         cfg = self.config
         zygote = None
-        if cfg.executors.zygote:
+        if cfg.uses_zygote():
             spare = cfg.executors.zygote_spare
             zygote = ZygoteKeeper(self.paths.runtime_dir / "zygote.sock", cfg.pool.device, self.loop,
                                   self.executor_settings, self.tables.geometry,

@@ -145,9 +145,13 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                         "admissions for a pool restart, or drain (env KVHOLD_HEALTH)")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between health polls (default 1.0)")
-    p.add_argument("--zygote", action="store_true", default=env("ZYGOTE") == "1",
+    p.add_argument("--zygote", action=argparse.BooleanOptionalAction,
+                   default={"1": True, "0": False}.get(env("ZYGOTE", "")),
                    help="keep a zygote (torch imported, no CUDA context) and fork executors from it "
-                        "instead of starting them cold (env KVHOLD_ZYGOTE=1)")
+                        "instead of starting them cold: a replacement then starts in a fraction of "
+                        "the time and CPU. Default: on for the engine workload on CPU with "
+                        "--tensor-parallel-size 1, off elsewhere (on CUDA it keeps a spare with a "
+                        "context of its own, see --zygote-spare) (env KVHOLD_ZYGOTE=1 or 0)")
     p.add_argument("--zygote-spare", default="auto", choices=("auto", "on", "off"),
                    help="the zygote keeps one child forked ahead, its CUDA context made and its "
                         "kernels and the sampler's loaded, and hands it the next request: a replacement "

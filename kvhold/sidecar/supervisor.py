@@ -68,6 +68,8 @@ from kvhold.sidecar.rank_watch import RankWatch
 from kvhold.sidecar.weights_keeper import WeightsKeeper
 from kvhold.sidecar.zygote_keeper import ZygoteKeeper
 
+ZYGOTE_POLL_NS = 10_000_000     # how often a sidecar's first spawn looks whether its zygote listens
+
 log = logging.getLogger(__name__)
 TAKEOVER_GRACE_NS = 2_000_000_000   # upper bound; the first step after `takeover_done`, or the active's fence, ends it sooner
 FIRST_STEP_GRACE = 10                # leases an active executor may take for its very first step
@@ -151,6 +153,7 @@ class Supervisor:
         self._last_ready_ns = 0
         self._spawn_error: str | None = None   # why the last spawn failed; None once one succeeds
         self.zygote: ZygoteKeeper | None = zygote
+        self._spawned_any = False
         self.context_faults: list[tuple[int, int]] = []   # (ns, pid) of executors whose CUDA context faulted
         self.deaths = deaths
         self.ranks = RankWatch(loop, self.handles, self.fence, launch)   # tensor-parallel groups' ranks
@@ -200,6 +203,7 @@ class Supervisor:
                 return None
             pid = popen.pid
         self._spawn_error = None
+        self._spawned_any = True
         pidfd = os.pidfd_open(pid)
         epoch = self.leases.grant(slot, pid)
         h = ExecutorHandle(slot=slot, pid=pid, epoch=epoch, pidfd=pidfd, popen=popen,
@@ -216,7 +220,7 @@ class Supervisor:
             return
         if self.zygote is not None:
             self.zygote.keep_alive(now)
-        if now < max(self._next_spawn_ns, self._takeover_until_ns):
+        if now < max(self._next_spawn_ns, self._takeover_until_ns) or self._waiting_for_zygote(now):
             return
         missing = self.target_executors() - len(self.live_handles())
         for _ in range(max(0, missing)):
@@ -227,6 +231,12 @@ class Supervisor:
             lo, hi = self.config.restart_backoff_ms
             delay_ms = min(hi, lo * 2 ** (len(recent) - 3))
             self._next_spawn_ns = now + int(delay_ms * 1e6)
+
+    def _waiting_for_zygote(self, now: int) -> bool:
+        """A sidecar's first executors (none spawned or adopted yet) are forked from its zygote
+        once it is ready rather than started cold beside it (ZygoteKeeper.starting)."""
+        return self.zygote is not None and not self.handles and not self._spawned_any \
+            and self.zygote.starting(now)
 
     # ------------------------------------------------------------------ attach
     def on_attach(self, identity: bytes, msg: m.Attach):
@@ -608,6 +618,8 @@ class Supervisor:
         for t in (self._next_spawn_ns, self._takeover_until_ns):
             if t:
                 deadline = min(deadline, t)
+        if self._waiting_for_zygote(now_ns()):
+            deadline = min(deadline, now_ns() + ZYGOTE_POLL_NS)   # spawn as soon as it listens
         return deadline
 
     # ------------------------------------------------------------------ shutdown

@@ -2,7 +2,9 @@
 
 The zygote is an optimisation, never a dependency: while it is starting (importing
 torch takes seconds), dead, or slow to answer, `fork()` returns None and the
-supervisor starts the executor cold instead. A zygote that dies is restarted,
+supervisor starts the executor cold instead. Only a sidecar's first executors wait
+for it (`starting`, at most FIRST_WAIT_NS): started cold beside it, each would import
+torch again, and the sidecar is ready no sooner. A zygote that dies is restarted,
 no sooner than `RESTART_DELAY_NS` after the previous start. The keeper gets the
 socket path, the device, the event loop (to watch the zygote's pidfd) and the
 settings and table geometry executors will run with (for the kernel shapes).
@@ -25,6 +27,7 @@ from kvhold.protocol.settings import KernelShapesRequest
 log = logging.getLogger(__name__)
 FORK_TIMEOUT_S = 1.0
 RESTART_DELAY_NS = 2_000_000_000
+FIRST_WAIT_NS = 30_000_000_000   # a sidecar's first executors wait this long at most for the zygote
 
 
 class ZygoteKeeper:
@@ -65,6 +68,13 @@ class ZygoteKeeper:
         self.started_ns = now
         self.restarts += 1
         log.info("started zygote pid %d", self.popen.pid)
+
+    def starting(self, now: int) -> bool:
+        """Whether the zygote is alive and still getting ready (importing torch, compiling kernels),
+        for at most FIRST_WAIT_NS since its start: a sidecar's first executors wait for it rather
+        than each importing torch themselves beside it."""
+        return (self.popen is not None and not os.path.exists(self.socket_path)
+                and now - self.started_ns < FIRST_WAIT_NS)
 
     def _kernel_shapes(self) -> str:
         """What executors will run their kernels at (kvhold.executor.cuda.kernel_shapes.from_settings), so

@@ -29,3 +29,23 @@ def test_flags_reach_their_sections():
 def test_vllms_name_for_the_step_token_budget():
     config = sidecar_config_from_args(_parser().parse_args(["--max-num-batched-tokens", "832"]))
     assert config.executors.max_batch_tokens == 832
+
+
+def test_the_zygote_is_on_by_default_for_the_engine_on_cpu_and_asked_for_elsewhere(tiny_model):
+    def zygote(*argv):
+        return sidecar_config_from_args(_parser().parse_args(["--model", str(tiny_model), *argv])).uses_zygote()
+
+    assert zygote() is True
+    assert zygote("--no-zygote") is False
+    assert zygote("--workload", "churn") is False and zygote("--workload", "churn", "--zygote") is True
+
+
+def test_serve_passes_both_forms_of_the_zygote_flag_to_its_sidecar():
+    from kvhold.serving.flags import add_serve_args
+    from kvhold.serving.serve import sidecar_argv
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert "--zygote" not in sidecar_argv(p.parse_args([])) and "--no-zygote" not in sidecar_argv(p.parse_args([]))
+    assert "--zygote" in sidecar_argv(p.parse_args(["--zygote"]))
+    assert "--no-zygote" in sidecar_argv(p.parse_args(["--no-zygote"]))
