@@ -54,6 +54,7 @@ class GenerationResult:
     completion_tokens: int
     preemptions: int = 0
     recomputed_tokens: int = 0
+    cached_tokens: int = 0            # prompt tokens whose KV came from the prefix cache
     queue_s: float | None = None      # the sidecar's: admitted -> first scheduled (None: not known)
     prefill_s: float | None = None    # first scheduled -> first token
     logprobs: list[TokenLogprob] | None = None          # one per generated token, with logprobs=k
@@ -84,7 +85,8 @@ class StreamState:
         return GenerationResult(request_id=self.request_id, token_ids=list(self.token_ids), text=done.text,
                                 finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                                 completion_tokens=done.completion_tokens, preemptions=done.preemptions,
-                                recomputed_tokens=done.recomputed_tokens, queue_s=done.queue_s,
+                                recomputed_tokens=done.recomputed_tokens, cached_tokens=done.cached_tokens,
+                                queue_s=done.queue_s,
                                 prefill_s=done.prefill_s,
                                 logprobs=list(self.logprobs) if self.logprobs and len(self.logprobs) == len(
                                     self.token_ids) else None,

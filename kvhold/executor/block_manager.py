@@ -6,6 +6,10 @@ entry, then the list length. Freeing shortens the journal list first, then
 clears the records. Recovery trusts a page only if the journal lists it and the
 record agrees (owner and logical index); anything else is an orphan.
 The free list itself is private (kvhold.executor.page_allocator) and rebuilt on takeover.
+With a prefix cache (kvhold.executor.prefix_cache), a sequence's full published pages enter it
+(`cache_full_pages`), a new sequence starts on the cached pages of its prompt (`attach_cached`),
+freeing a sequence releases only its own pages (cached ones lose a reference), and idle cached
+pages are evicted, least recently used first, when the free list runs short.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import math
 import numpy as np
 
 from kvhold.executor.page_allocator import PageAllocator
+from kvhold.executor.prefix_cache import PrefixCache
 from kvhold.executor.sequence import Sequence
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.page_table import PageTable
@@ -81,16 +86,36 @@ class BlockManager:
         self.epoch = epoch
         self.checksums = CommittedPages()      # page -> committed checksum (uint64 as int)
         self.counts = CommittedPages()         # page -> committed tokens
+        self.prefix: PrefixCache | None = None  # full pages shared by prompt (--enable-prefix-caching)
 
     def pages_needed(self, seq: Sequence, n: int) -> int:
         return max(0, math.ceil((seq.num_computed + n) / self.page_tokens) - len(seq.pages))
 
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation may take: the free ones and the idle cached ones."""
+        return self.allocator.num_free + (self.prefix.evictable if self.prefix is not None else 0)
+
     def can_allocate(self, n: int) -> bool:
-        return self.allocator.can_allocate(n)
+        return n <= self.num_available
+
+    def _make_room(self, n: int) -> None:
+        """Evict idle cached pages, least recently used first, until `n` pages are free."""
+        short = n - self.allocator.num_free
+        if short <= 0 or self.prefix is None:
+            return
+        pages = self.prefix.evict(short)
+        if pages:
+            self.page_table.release(pages)
+            self.allocator.free(pages)
+            for page in pages:
+                self.checksums.pop(page, None)
+                self.counts.pop(page, None)
 
     def allocate(self, seq: Sequence, n: int) -> None:
         if n <= 0:
             return
+        self._make_room(n)
         pages = self.allocator.allocate(n)
         first = len(seq.pages)
         self.page_table.assign(pages, seq.request_id, list(range(first, first + n)), self.epoch)
@@ -116,13 +141,71 @@ class BlockManager:
         self.checksums.adopt(pages, checksums, num_pages)
         self.counts.adopt(pages, counts, num_pages)
 
+    def start_on_cached_prefix(self, seq: Sequence) -> None:
+        """A sequence about to start (no pages) looks its full pages up in the prefix cache, once
+        per start; those found become its first pages. At least its last token is computed (its
+        logits give the next token). A request asking for its prompt's log-probs computes its
+        whole prompt (they come from its prefill's rows)."""
+        if self.prefix is None or seq.pages or seq.looked_up or seq.sampling.prompt_logprobs is not None:
+            return
+        seq.looked_up = True
+        n = (seq.num_tokens - 1) // self.page_tokens
+        pages = self.prefix.lookup(self.prefix.keys(seq.tokens, n, seq.page_keys) if n > 0 else (),
+                                   seq.num_tokens)
+        if pages:
+            self.attach_cached(seq, pages)
+
+    def attach_cached(self, seq: Sequence, pages: list[int]) -> None:
+        """A sequence starts on cached pages (PrefixCache.lookup referenced them): listed in its
+        journal row as its first pages, their KV computed."""
+        self.journal.set_pages(seq.slot, pages, 0)
+        seq.pages = list(pages)
+        seq.cached_upto = len(pages)
+        seq.num_computed = len(pages) * self.page_tokens
+        if not seq.num_cached:            # usage's cached_tokens: what its first start found
+            seq.num_cached = seq.num_computed
+            self.journal.set_cached_tokens(seq.slot, seq.num_cached)
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """The sequence's full pages whose count and checksum are published enter the prefix
+        cache, in order from its first page not looked at yet (a page whose key is cached
+        already stays the sequence's own). The caller has checked the lease."""
+        prefix, pt = self.prefix, self.page_tokens
+        full = min(seq.num_computed // pt, len(seq.pages))
+        start = seq.cached_upto
+        if prefix is None or full <= start:
+            return
+        counts = self.page_table.pages["num_tokens"][seq.pages[start:full]]
+        published = start + int(np.argmin(counts == pt)) if (counts != pt).any() else full
+        if published <= start:
+            return
+        keys = prefix.keys(seq.tokens, published, seq.page_keys)
+        new, new_keys = [], []
+        for k in range(start, published):
+            page = seq.pages[k]
+            if not prefix.is_cached(page) and prefix.insert(keys[k], page):
+                new.append(page)
+                new_keys.append(keys[k])
+        if new:
+            self.page_table.mark_cached(new, new_keys)
+        seq.cached_upto = published
+
     def free(self, seq: Sequence) -> None:
         if not seq.pages:
             return
+        if self.prefix is not None:
+            self.cache_full_pages(seq)          # what it computed stays for the next request
         self.journal.set_num_pages(seq.slot, 0)
-        self.page_table.release(seq.pages)
-        self.allocator.free(seq.pages)
-        for page in seq.pages:
+        own = seq.pages
+        if self.prefix is not None:
+            own = [p for p in seq.pages if not self.prefix.is_cached(p)]
+            self.prefix.unref([p for p in seq.pages if self.prefix.is_cached(p)])
+        if own:
+            self.page_table.release(own)
+            self.allocator.free(own)
+        for page in own:
             self.checksums.pop(page, None)
             self.counts.pop(page, None)
         seq.pages = []
+        seq.cached_upto = 0
+        seq.looked_up = False

@@ -24,6 +24,7 @@ from kvhold.executor.journal_tokens import JournalTokens
 from kvhold.executor.kv_cache import KvCache
 from kvhold.executor.llama import LlamaModel
 from kvhold.executor.page_allocator import PageAllocator
+from kvhold.executor.prefix_cache import PrefixCache
 from kvhold.executor.recovery import NativeTakeover
 from kvhold.executor.sampler import sample, token_logprobs
 from kvhold.executor.step_runner import CpuRunner
@@ -44,8 +45,11 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model: LlamaModel, kv: KvCache, tables: Tables, lease: Lease,
                  max_batch: int, max_batch_tokens: int, runner=None, checksum=None,
-                 prefill_chunk: int | None = None, protocol: type[CommitProtocol] = CommitProtocol):
-        """`protocol`: the commit protocol's class (kvhold.executor.commit.NoCommit in benchmarks)."""
+                 prefill_chunk: int | None = None, protocol: type[CommitProtocol] = CommitProtocol,
+                 prefix_salt: bytes | None = None):
+        """`protocol`: the commit protocol's class (kvhold.executor.commit.NoCommit in benchmarks);
+        `prefix_salt`: with a prefix cache (kvhold.executor.prefix_cache), what besides the tokens
+        makes a page's KV (the weights' fingerprint, the KV dtype); None: no prefix cache."""
         self.model = model
         self.kv = kv
         self.runner = runner or CpuRunner(model, kv)
@@ -61,6 +65,8 @@ class Engine:
         self.eos = frozenset(model.spec.eos_token_ids)
         self.blocks = BlockManager(PageAllocator([]), self.page_table, self.journal,
                                    self.page_tokens, lease.epoch)
+        if prefix_salt is not None:
+            self.blocks.prefix = PrefixCache(prefix_salt, self.page_tokens)
         self.scheduler = Scheduler(self.blocks, max_batch, max_batch_tokens, prefill_chunk)
         self.max_batch = max_batch
         self.seqs: dict[int, Sequence] = {}          # by journal slot
@@ -98,6 +104,15 @@ class Engine:
                 self.journal.finish(slot, done)
                 continue
             self.add(seq)
+
+    def _cache_published_pages(self) -> None:
+        """Running sequences' full pages published since the last step enter the prefix cache."""
+        pt = self.page_tokens
+        todo = [s for s in self.scheduler.running if s.num_computed // pt > s.cached_upto]
+        if todo:
+            self.lease.check()
+            for seq in todo:
+                self.blocks.cache_full_pages(seq)
 
     def add(self, seq: Sequence) -> None:
         seq.eos = self.eos                    # what min_tokens keeps from ending it early
@@ -168,6 +183,8 @@ class Engine:
         first = self._just_took_over
         t0 = now_ns()
         self.commits.before_schedule()
+        if self.blocks.prefix is not None:
+            self._cache_published_pages()
         plan = self.scheduler.schedule(decode_only=first)
         if self.isolated:
             plan = self._isolate(plan)

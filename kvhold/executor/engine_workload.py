@@ -135,7 +135,14 @@ class EngineWorkload(WorkloadBase):
 
     def _make_engine(self, model, kv, max_batch, max_tokens, runner, checksum, chunk) -> Engine:
         return Engine(model, kv, self.ctx.tables, self.ctx.lease, max_batch, max_tokens,
-                      runner=runner, checksum=checksum, prefill_chunk=chunk)
+                      runner=runner, checksum=checksum, prefill_chunk=chunk, prefix_salt=self._prefix_salt())
+
+    def _prefix_salt(self) -> bytes | None:
+        """What makes a cached page's KV besides its tokens: the weights and the KV dtype."""
+        s = self.ctx.settings
+        if not s.prefix_caching:
+            return None
+        return f"{self.ctx.attached.weights['fingerprint']}:{s.compute_dtype}".encode()
 
     def _weights(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         ctx = self.ctx

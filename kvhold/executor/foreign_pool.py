@@ -65,8 +65,17 @@ class PrivateBlocks:
     def pages_needed(self, seq: Sequence, n: int) -> int:
         return max(0, math.ceil((seq.num_computed + n) / self.page_tokens) - len(seq.pages))
 
+    prefix = None                               # no prefix cache over a private pool
+
+    @property
+    def num_available(self) -> int:
+        return self.allocator.num_free
+
     def can_allocate(self, n: int) -> bool:
         return self.allocator.can_allocate(n)
+
+    def start_on_cached_prefix(self, seq: Sequence) -> None:
+        """No prefix cache here: every prompt is computed."""
 
     def allocate(self, seq: Sequence, n: int) -> None:
         if n > 0:

@@ -58,6 +58,7 @@ class NativeTakeover:
         self.checked = self.bad = self.interrupted = 0
         self.realigned = self.dropped = 0
         self.tails: dict[int, Tail] = {}         # journal slot -> its tail
+        self.kept = None                         # mask over the pages: kept by the takeover (`clear`)
         self.marks: list[tuple[str, int]] = [("start", now_ns())]   # host timing (`trace`)
 
     def mark(self, label: str) -> None:
@@ -112,6 +113,9 @@ class NativeTakeover:
         # executor that dies in its takeover leaves lists whose pages still hold their KV
         ctx.journal.truncate_page_lists(_slots(plans), ends)
         kept = kept_mask(len(records), self.flat, self.lens, ends)
+        if ctx.blocks.prefix is not None:
+            kept[_idle_cache(ctx, records, kept)] = True
+        self.kept = kept
         hold, epochs = _clear_unkept(ctx, records, kept, pending)
         ctx.quarantined.update(zip(hold.tolist(), epochs.tolist()))
         ctx.blocks.allocator = PageAllocator.from_sorted(free_pages(kept, hold))
@@ -192,7 +196,25 @@ class NativeTakeover:
                 blocks.record((tail.page,), (tail.tokens,), (tail.checksum,))
             plan.seq.pages = own
             out.append(own)
+        if blocks.prefix is not None:
+            self._rebuild_cache(out)
         return out
+
+    def _rebuild_cache(self, lists: list[list[int]]) -> None:
+        """The prefix cache as the tables hold it: every kept page with the CACHED flag under its
+        key, referenced by the sequences that list it; a second page under a key that no
+        sequence lists is released."""
+        ctx, records, blocks = self.ctx, self.records, self.ctx.blocks
+        flags = records["flags"]
+        cached = np.flatnonzero(self.kept & ((flags & PageFlag.CACHED) != 0) & ((flags & PageFlag.BAD) == 0))
+        listed = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
+        left = blocks.prefix.rebuild(cached, records["owner"][cached], listed)
+        idle = np.setdiff1d(cached, listed)
+        blocks.record(idle.tolist(), [ctx.page_tokens] * len(idle), records["checksum"][idle].tolist())
+        unlisted = np.setdiff1d(np.asarray(left, dtype=np.int64), listed)
+        if len(unlisted):
+            ctx.page_table.release(unlisted)
+            blocks.allocator.free(unlisted.tolist())
 
     def figures(self) -> PageFigures:
         return PageFigures(checked=self.checked, bad=self.bad, quarantined=len(self.ctx.quarantined),
@@ -235,13 +257,16 @@ def _validate(ctx: TakeoverContext, records, plans: list[RequestPlan], page_toke
         sums = to_u64(prefetched[2])
     else:
         mark("sums_own")
-        sums = _checksums(ctx, idx, counts)
+        sums = _checksums_once(ctx, idx, counts)
     mark("sums")
     sub = records[idx]
     owners = np.repeat(np.fromiter((plan.entry.request_id for plan in plans), dtype=np.uint64,
                                    count=len(plans)), lens)
     logical = segment_positions(lens).astype(np.uint32)
-    fields_ok = ((sub["owner"] == owners) & (sub["logical"] == logical)
+    # a cached page (kvhold.executor.prefix_cache) is owned by its key, shared, and always full
+    cached = (sub["flags"] & PageFlag.CACHED) != 0
+    fields_ok = (np.where(cached, sub["num_tokens"] == page_tokens, sub["owner"] == owners)
+                 & (sub["logical"] == logical)
                  & ((sub["flags"] & PageFlag.BAD) == 0) & (sub["num_tokens"] <= page_tokens))
     sum_ok = sums == sub["checksum"]
     torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
@@ -260,12 +285,25 @@ def _validate(ctx: TakeoverContext, records, plans: list[RequestPlan], page_toke
         if f >= 0:
             plan.first_bad = f
     bad = int((~ok).sum())
+    checked = len(idx)
+    if ctx.blocks.prefix is not None:            # a cached page listed by many requests counts once
+        checked, bad = len(np.unique(idx)), len(np.unique(idx[~ok]))
     if bad:
         ctx.page_table.mark_bad(idx[~ok])
         # the copy too, so that the clear releases (or quarantines) a bad page no request keeps
         # even where its record has no owner
         records["flags"][idx[~ok]] |= records.dtype["flags"].type(PageFlag.BAD)
-    return len(idx), bad
+    return checked, bad
+
+
+def _checksums_once(ctx: TakeoverContext, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`_checksums`, each page hashed once however many requests list it (a cached page)."""
+    if ctx.blocks.prefix is None:
+        return _checksums(ctx, pages, counts)
+    uniq, first, inverse = np.unique(pages, return_index=True, return_inverse=True)
+    if len(uniq) == len(pages):
+        return _checksums(ctx, pages, counts)
+    return _checksums(ctx, uniq, counts[first])[inverse]
 
 
 def _checksums(ctx: TakeoverContext, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -348,6 +386,22 @@ def free_pages(kept: np.ndarray, quarantined) -> np.ndarray:
     free[:NULL_PAGE + 1] = False
     free[np.asarray(quarantined, dtype=np.int64)] = False
     return np.flatnonzero(free)
+
+
+def _idle_cache(ctx: TakeoverContext, records, kept: np.ndarray) -> np.ndarray:
+    """Cached pages no live request lists (the prefix cache's idle pages) that are whole and
+    intact: full, not being written, not flagged, their checksum matching (one pass). The
+    takeover keeps them; any other is released with the unkept pages."""
+    flags = records["flags"]
+    cand = np.flatnonzero(((flags & PageFlag.CACHED) != 0)
+                          & ((flags & (PageFlag.BAD | PageFlag.QUARANTINED)) == 0)
+                          & ((records["version"] & 1) == 0) & (records["owner"] != 0)
+                          & (records["num_tokens"] == ctx.page_tokens) & ~kept)
+    cand = cand[cand > NULL_PAGE]
+    if not len(cand):
+        return cand
+    sums = _checksums(ctx, cand, np.full(len(cand), ctx.page_tokens, dtype=np.int64))
+    return cand[sums == records["checksum"][cand]]
 
 
 def _clear_unkept(ctx: TakeoverContext, records, kept: np.ndarray, pending: set[int]) -> tuple[np.ndarray, np.ndarray]:

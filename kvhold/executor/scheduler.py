@@ -88,7 +88,7 @@ class Scheduler:
         decode away (used right after a takeover, to stream again as soon as possible)."""
         if decode_only:
             plan = [Scheduled(s, 1) for s in self.running[:self.max_batch]
-                    if s.num_uncomputed == 1 and self.blocks.pages_needed(s, 1) <= self.blocks.allocator.num_free]
+                    if s.num_uncomputed == 1 and self.blocks.pages_needed(s, 1) <= self.blocks.num_available]
             for p in plan:
                 self.blocks.allocate(p.seq, self.blocks.pages_needed(p.seq, 1))
             if plan:
@@ -115,6 +115,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(plan) < self.max_batch:
             seq = self.waiting[0]
+            self.blocks.start_on_cached_prefix(seq)     # a prefix cache's pages: fewer to compute
             n = self._chunk(seq)
             if n > budget:
                 break

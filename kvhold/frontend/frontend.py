@@ -493,7 +493,8 @@ class Frontend:
             done = m.Done(
                 request_id=st.request_id, finish_reason=reason.name.lower(),
                 prompt_tokens=st.prompt_len, completion_tokens=count - st.prefix, text="".join(st.text),
-                preemptions=preempted, recomputed_tokens=recomputed, queue_s=queue_s, prefill_s=prefill_s)
+                preemptions=preempted, recomputed_tokens=recomputed, queue_s=queue_s, prefill_s=prefill_s,
+                cached_tokens=self.journal.cached_tokens(st.slot))
             self._send(st, done)
             if st.awaiting_resume:
                 self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done,

@@ -127,6 +127,13 @@ class Journal:
         """Whether the client cancelled the request in `slot`."""
         return int(self.req["admit_state"][slot]) == AdmitState.CANCELLED
 
+    def cached_tokens(self, slot: int) -> int:
+        """Prompt tokens the request found in the prefix cache (its executor's write)."""
+        return int(self.req["num_cached"][slot])
+
+    def set_cached_tokens(self, slot: int, count: int) -> None:
+        self.req["num_cached"][slot] = count
+
     def recompute_counts(self, slot: int) -> tuple[int, int]:
         """(times preempted, tokens recomputed) of the request executing in `slot`."""
         return int(self.req["num_preempted"][slot]), int(self.req["num_recomputed"][slot])
@@ -223,6 +230,7 @@ class Journal:
         r["finish_reason"][slot] = FinishReason.NONE
         r["num_preempted"][slot] = 0
         r["num_recomputed"][slot] = 0
+        r["num_cached"][slot] = 0
         r["first_token_ns"][slot] = 0
         r["finished_ns"][slot] = 0
         r["scheduled_ns"][slot] = 0

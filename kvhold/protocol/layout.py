@@ -120,7 +120,10 @@ REQUEST_DTYPE = np.dtype([
     # admission half (sidecar-written), where the record had padding: generated tokens before a
     # stop id or EOS may end the request; 0, what tables of earlier builds hold there, is none
     ("min_tokens", "<u4"),
-    ("_pad", "<u8", (7,)),
+    # execution half, where the record had padding: prompt tokens whose KV the request found in
+    # the prefix cache when it started (kvhold.executor.prefix_cache); 0 in tables of earlier builds
+    ("num_cached", "<u4"),
+    ("_pad", "<u4", (13,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48
@@ -151,6 +154,7 @@ class PageFlag(enum.IntFlag):
     NONE = 0
     QUARANTINED = 1   # a fenced writer may still touch it; reuse after its exit
     BAD = 2           # failed validation
+    CACHED = 4        # in the prefix cache: owner is its key, shared by the requests listing it
 
 
 class AdmitState(enum.IntEnum):

@@ -211,6 +211,7 @@ class Done:
     text: str = ""
     preemptions: int = 0          # times the request lost its KV to memory pressure
     recomputed_tokens: int = 0    # tokens whose KV was recomputed after executor crashes
+    cached_tokens: int = 0        # prompt tokens whose KV came from the prefix cache
     queue_s: float | None = None    # admitted -> first in an executor's step (None: not known)
     prefill_s: float | None = None  # first in a step -> first token committed
 

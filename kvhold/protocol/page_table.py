@@ -76,6 +76,15 @@ class PageTable:
         self.pages["epoch"][idx] = epoch
         self._end(idx, v)
 
+    def mark_cached(self, idx, keys) -> None:
+        """Full, published pages enter the prefix cache (kvhold.executor.prefix_cache): their key
+        becomes the owner, CACHED is set; count, checksum, logical index and epoch stay."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        self.pages["owner"][idx] = np.asarray(keys, dtype=np.uint64)
+        self.pages["flags"][idx] |= self.pages.dtype["flags"].type(PageFlag.CACHED)
+        self._end(idx, v)
+
     def set_counts(self, idx, num_tokens) -> None:
         """Cut records to `num_tokens` committed rows, checksum and writer epoch unchanged: a
         takeover keeping the rows that a torn publish had committed before (their recorded

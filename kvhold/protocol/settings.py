@@ -48,6 +48,7 @@ class ExecutorSettings:
     exact_prefill: bool = True        # CUDA prefill rows on the decode kernels (kvhold.executor.cuda.runner)
     sidecar_wait_ms: int = 30_000     # a sidecar that dies: wait this long for one to re-adopt (0: exit)
     tensor_parallel_size: int = 1     # ranks of the executor group (kvhold.executor.tensor_parallel.ranks)
+    prefix_caching: bool = False      # share full KV pages by prompt (kvhold.executor.prefix_cache)
 
     def __post_init__(self):
         for name, allowed in _FIELD_TYPES.items():

@@ -215,4 +215,4 @@ class StreamLog:
             finish_reason=last.finish_reason if last else reason, prompt_tokens=self.prompt_tokens,
             completion_tokens=len(self.token_ids), preemptions=last.preemptions if last else 0,
             recomputed_tokens=last.recomputed_tokens if last else 0,
-            moves=tuple(self.moves), sidecars=tuple(self.sidecars))
+            cached_tokens=last.cached_tokens if last else 0, moves=tuple(self.moves), sidecars=tuple(self.sidecars))

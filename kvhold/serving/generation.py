@@ -63,6 +63,7 @@ class Generation:
         self.first_token_at: float | None = None
         self.token_times: list[float] = []      # when each token event arrived (time.monotonic())
         self.preemptions = 0
+        self.cached_tokens = 0                  # prompt tokens the prefix cache served (from its Done)
         self.queue_s: float | None = None       # the sidecar's, from its Done (None: not known)
         self.prefill_s: float | None = None
 
@@ -118,6 +119,7 @@ class Generation:
             yield self._echo()
         self.ended = True
         self.preemptions = result.preemptions
+        self.cached_tokens = result.cached_tokens
         self.queue_s, self.prefill_s = result.queue_s, result.prefill_s
         self.prompt_tokens = result.prompt_tokens     # a stream taken up again learns it here
         if result.finish_reason == "error":
@@ -132,11 +134,11 @@ class Generation:
 
     @property
     def usage(self) -> dict:
-        # no prompt prefix is served from a cache: every prompt token is computed (or its KV
-        # recovered from kvhold's pages after a crash, which is not a cache hit)
+        # cached_tokens: prompt tokens whose KV the prefix cache served (--enable-prefix-caching);
+        # KV recovered from kvhold's pages after a crash is not a cache hit
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def sse(payload, event_id: str | None = None) -> bytes:
@@ -282,14 +284,15 @@ async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, o
 def summed_usage(gens: list["Generation"], prompts_of: list[int]) -> dict:
     """The usage of several choices: each distinct prompt counted once (choices of one prompt
     share it, as OpenAI counts), completions summed."""
-    seen, prompt = set(), 0
+    seen, prompt, cached = set(), 0, 0
     for g, p in zip(gens, prompts_of):
         if p not in seen:
             seen.add(p)
             prompt += g.prompt_tokens or 0
+            cached += g.cached_tokens
     completion = sum(g.completion_tokens for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def multi_sse_body(gens: list["Generation"], prompts_of: list[int], shape: ResponseShape,

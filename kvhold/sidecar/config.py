@@ -174,6 +174,7 @@ class ExecutorsConfig:
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
     exact_prefill: bool = True        # CUDA: prefill computes each row as decode does (exact recompute)
+    prefix_caching: bool = False      # full KV pages shared by the requests whose prompts they hold
 
     def __post_init__(self):
         _check(self.workload in WORKLOADS, f"executors.workload must be one of {WORKLOADS}, "
@@ -336,6 +337,12 @@ class SidecarConfig:
                "directory)", "pool.model")
         if self.pool.tensor_parallel_size > 1:
             _check_tensor_parallel(self)
+        ex = self.executors
+        _check(not ex.prefix_caching or (ex.workload == "engine" and ex.kv_mode == "native"
+                                         and self.pool.tensor_parallel_size == 1),
+               "--enable-prefix-caching is supported for the engine workload with --kv-mode native "
+               f"and one executor per group, not workload {ex.workload!r}, --kv-mode {ex.kv_mode}, "
+               f"--tensor-parallel-size {self.pool.tensor_parallel_size}", "executors.prefix_caching")
         _check(self.executors.zygote in (None, True, False), "executors.zygote must be true, false "
                f"or absent (auto), got {self.executors.zygote!r}", "executors.zygote")
         if self.executors.workload == "vllm":
@@ -423,7 +430,8 @@ class SidecarConfig:
             prefill_chunk=ex.prefill_chunk or None,
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms,
-            exact_prefill=ex.exact_prefill, tensor_parallel_size=pool.tensor_parallel_size)
+            exact_prefill=ex.exact_prefill, tensor_parallel_size=pool.tensor_parallel_size,
+            prefix_caching=ex.prefix_caching)
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations

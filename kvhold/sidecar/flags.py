@@ -164,6 +164,12 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
                    help="native: the engine computes in kvhold's KV pages; foreign: it keeps a "
                         "private KV pool (as TensorRT-LLM does) protected by the KV mirror")
+    p.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="share full KV pages between requests whose prompts begin alike (a system "
+                        "prompt, a conversation so far): a request starts after the pages it finds, "
+                        "kept in the shared tables through executor and sidecar crashes; idle ones "
+                        "are evicted least recently used first (default off)")
     p.add_argument("--exact-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: prefill on the decode kernels instead of cuBLAS and SDPA, so that a "
                         "recomputed request (preemption, damaged pages, a pool restart) gives the tokens "
@@ -245,6 +251,7 @@ SETTINGS = {
     "executors.zygote_spare": "zygote_spare",
     "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
     "executors.sidecar_wait_ms": "sidecar_wait_ms", "executors.exact_prefill": "exact_prefill",
+    "executors.prefix_caching": "prefix_caching",
     "health.source": "health", "health.interval_s": "health_interval",
     "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",
     "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",
@@ -252,7 +259,8 @@ SETTINGS = {
     "journal.dir": "journal_dir", "journal.unclaimed_cancel_s": "unclaimed_cancel_s",
     "logs.stats_interval_s": "stats_interval",
 }
-_NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn"}   # store_false flags
+_NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn",   # store_false flags
+            "prefix_caching": "--enable-prefix-caching"}
 FLAGS = {path: _NEGATED.get(dest, "--" + dest.replace("_", "-")) for path, dest in SETTINGS.items()}
 
 

@@ -178,6 +178,106 @@ class ShmPool:
         self.region.unlink()
 
 
+# ---------------------------------------------------------------- engines in one process
+ENGINE_PAGE_TOKENS = 16
+ENGINE_MAX_SEQ = 128
+
+
+def float64_model(checkpoint, max_seq: int = ENGINE_MAX_SEQ):
+    """The checkpoint's model on CPU in float64, as an executor computes it there."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvhold.executor.llama import LlamaModel
+    from kvhold.protocol.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(checkpoint)
+    weights = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    weights = {k: v.to(torch.float64) for k, v in weights.items()}
+    return LlamaModel(spec, weights, torch.float64, torch.device("cpu"), max_seq)
+
+
+class EnginePool:
+    """One tables segment and one KV pool, as a sidecar would own them, for engines run in this
+    process: `engine()` leases the next slot (what attach does), `fence` replaces an epoch."""
+
+    def __init__(self, model, num_pages: int, num_slots: int = 16):
+        import os
+        import time
+
+        from kvhold.executor.kv_cache import KvCache
+        from kvhold.protocol.layout import KvGeometry, TableGeometry
+        from kvhold.protocol.leases import LeaseTable
+        from kvhold.protocol.tables import Tables
+
+        spec = model.spec
+        geometry = TableGeometry(kv=KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
+                                               ENGINE_PAGE_TOKENS),
+                                 num_pages=num_pages, num_slots=num_slots, max_seq_len=ENGINE_MAX_SEQ,
+                                 num_leases=4)
+        self.tables = Tables.create(f"/kvhold-test-inproc-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
+        self.kv = KvCache.private(geometry.kv, num_pages)
+        self.leases = LeaseTable(self.tables)
+        self.model = model
+        self.slot = 0
+
+    def engine(self, max_batch: int = 8, max_batch_tokens: int = 64, prefill_chunk: int = 32,
+               prefix_salt: bytes | None = None):
+        import os
+
+        from kvhold.executor.engine import Engine
+        from kvhold.protocol.leases import Lease
+
+        slot, self.slot = self.slot, self.slot + 1
+        lease = Lease(self.tables, slot, self.leases.grant(slot, os.getpid()))
+        return Engine(self.model, self.kv, self.tables, lease, max_batch, max_batch_tokens,
+                      prefill_chunk=prefill_chunk, prefix_salt=prefix_salt)
+
+    def started(self, requests, **kw):
+        """A first engine on the pool (empty journal) and the requests admitted (their ids)."""
+        from tools.bench_engine_setup import admit
+
+        engine = self.engine(**kw)
+        engine.take_over([], 0)
+        return engine, admit(self.tables, requests)
+
+    def fence(self, engine) -> int:
+        return self.leases.fence(engine.lease.slot)
+
+    def outputs(self, ids: list[int]) -> list[list[int]]:
+        from kvhold.protocol.journal import Journal
+        from kvhold.protocol.layout import ExecState
+
+        journal = Journal(self.tables)
+        req = self.tables.requests
+        out = []
+        for rid in ids:
+            slot = int((req["request_id"] == rid).nonzero()[0][0])
+            e = journal.entry(slot)
+            assert e.exec_state == ExecState.FINISHED
+            out.append(journal.generated(slot, 0, e.num_generated))
+        return out
+
+    def close(self):
+        self.tables.unlink()
+
+
+def decode_until(engine, generated: int) -> None:
+    """Step until every request has decoded `generated` tokens."""
+    while not engine.seqs or not all(s.num_generated >= generated for s in engine.seqs.values()):
+        engine.step()
+
+
+def run_to_end(engine, limit: int = 500) -> None:
+    for _ in range(limit):
+        if not engine.has_work:
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish its requests")
+
+
 @contextlib.contextmanager
 def uvicorn_in_a_thread(app, **options):
     """`app` served by a real uvicorn on a free loopback port, on a thread of this process:

@@ -49,3 +49,16 @@ def test_serve_passes_both_forms_of_the_zygote_flag_to_its_sidecar():
     assert "--zygote" not in sidecar_argv(p.parse_args([])) and "--no-zygote" not in sidecar_argv(p.parse_args([]))
     assert "--zygote" in sidecar_argv(p.parse_args(["--zygote"]))
     assert "--no-zygote" in sidecar_argv(p.parse_args(["--no-zygote"]))
+
+
+def test_prefix_caching_reaches_the_executors_and_is_refused_where_it_is_not_built(tiny_model):
+    import pytest
+
+    def config(*argv):
+        return sidecar_config_from_args(_parser().parse_args(["--model", str(tiny_model), *argv]))
+
+    assert config().executor_settings().prefix_caching is False
+    assert config("--enable-prefix-caching").executor_settings().prefix_caching is True
+    for extra in (["--kv-mode", "foreign"], ["--workload", "churn"]):
+        with pytest.raises(ValueError, match="^--enable-prefix-caching is supported for the engine workload"):
+            config("--enable-prefix-caching", *extra)

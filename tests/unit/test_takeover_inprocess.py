@@ -6,23 +6,12 @@ must equal an uninterrupted run's. Exact states, no timing: complements the real
 tests in test_recovery_e2e."""
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
-import torch
 
 from kvhold.executor import faults
 from kvhold.executor.commit import CommitProtocol, NativePages
-from kvhold.executor.engine import Engine
-from kvhold.executor.kv_cache import KvCache
-from kvhold.executor.llama import LlamaModel
-from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import ExecState, KvGeometry, TableGeometry
-from kvhold.protocol.leases import Lease, LeaseTable
-from kvhold.protocol.model_spec import ModelSpec
-from kvhold.protocol.tables import Tables
-from safetensors.torch import load_file
+from kvhold.protocol.layout import ExecState
+from tests.unit.helpers import EnginePool, decode_until, float64_model, run_to_end
 from tools.bench_engine_setup import admit
 
 PAGE_TOKENS = 16
@@ -31,74 +20,16 @@ MAX_SEQ = 128
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    spec = ModelSpec.from_dir(tiny_model)
-    weights = {}
-    for f in sorted(tiny_model.glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    weights = {k: v.to(torch.float64) for k, v in weights.items()}
-    return LlamaModel(spec, weights, torch.float64, torch.device("cpu"), MAX_SEQ)
+    return float64_model(tiny_model, MAX_SEQ)
 
 
-class Pool:
-    """One tables segment and one KV pool, as a sidecar would own them."""
-
-    def __init__(self, model, num_pages: int):
-        spec = model.spec
-        geometry = TableGeometry(kv=KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
-                                               PAGE_TOKENS),
-                                 num_pages=num_pages, num_slots=16, max_seq_len=MAX_SEQ, num_leases=4)
-        self.tables = Tables.create(f"/kvhold-test-inproc-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
-        self.kv = KvCache.private(geometry.kv, num_pages)
-        self.leases = LeaseTable(self.tables)
-        self.model = model
-        self.slot = 0
-
-    def engine(self, max_batch: int = 8, max_batch_tokens: int = 64, prefill_chunk: int = 32) -> Engine:
-        slot, self.slot = self.slot, self.slot + 1
-        lease = Lease(self.tables, slot, self.leases.grant(slot, os.getpid()))
-        return Engine(self.model, self.kv, self.tables, lease, max_batch, max_batch_tokens,
-                      prefill_chunk=prefill_chunk)
-
-    def started(self, **kw) -> tuple[Engine, list[int]]:
-        """A first engine on the pool (empty journal) and the REQUESTS admitted."""
-        engine = self.engine(**kw)
-        engine.take_over([], 0)
-        return engine, admit(self.tables, REQUESTS)
-
-    def fence(self, engine: Engine) -> int:
-        return self.leases.fence(engine.lease.slot)
-
-    def outputs(self, ids: list[int]) -> list[list[int]]:
-        journal = Journal(self.tables)
-        req = self.tables.requests
-        out = []
-        for rid in ids:
-            slot = int((req["request_id"] == rid).nonzero()[0][0])
-            e = journal.entry(slot)
-            assert e.exec_state == ExecState.FINISHED
-            out.append(journal.generated(slot, 0, e.num_generated))
-        return out
-
-    def close(self):
-        self.tables.unlink()
+class Pool(EnginePool):
+    def started(self, **kw):
+        return super().started(REQUESTS, **kw)
 
 
 REQUESTS = [dict(prompt_ids=[3 + (7 * i + j) % 500 for j in range(20 + 3 * i)], max_tokens=24,
                  temperature=(0.0, 0.8, 1.0)[i % 3], top_p=0.9, seed=11 + i) for i in range(3)]
-
-
-def decode_until(engine: Engine, generated: int) -> None:
-    """Step until every request has decoded `generated` tokens."""
-    while not engine.seqs or not all(s.num_generated >= generated for s in engine.seqs.values()):
-        engine.step()
-
-
-def run_to_end(engine: Engine, limit: int = 500) -> None:
-    for _ in range(limit):
-        if not engine.has_work:
-            return
-        engine.step()
-    raise AssertionError("the engine did not finish its requests")
 
 
 @pytest.fixture(scope="module")

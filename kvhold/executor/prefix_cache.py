@@ -1,0 +1,175 @@
+"""PrefixCache: full KV pages shared by the requests whose tokens they hold.
+
+A full page is known by a key chained over the pages before it: key(i) = H(key(i-1), the
+page's token ids), key(-1) = H(salt), where the salt is everything else that changes the KV
+(the weights' fingerprint and the KV dtype). H is BLAKE2b cut to 64 bits, never 0 (0 is a
+free page's owner). Two requests whose first k pages hold the same tokens have the same k keys,
+and the second one's prefill starts after the pages it finds.
+
+The index lives in the shared tables: a cached page's record (kvhold.protocol.page_table,
+`mark_cached`) has the CACHED flag, its key as owner, its place in the prefix as logical
+index, a full count and a published checksum. A request that uses it lists it in its journal
+page list like any page of its own; it never writes it again (a request writes only pages past
+its computed tokens). This class is the active executor's private view of that index, as
+PageAllocator is of the free list: key -> page, how many live sequences list each page, and the
+pages no sequence lists in least-recently-used order, which are evicted first when the pool
+needs room. A takeover rebuilds it from the records it validated (`rebuild`).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Iterable, Sequence
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+
+
+def root_key(salt: bytes) -> int:
+    return _key(hashlib.blake2b(salt, digest_size=8).digest())
+
+
+def _key(digest: bytes) -> int:
+    return int.from_bytes(digest, "little") or 1
+
+
+def chain_keys(parent: int, tokens: Sequence[int], page_tokens: int, n_pages: int) -> list[int]:
+    """The keys of `n_pages` full pages of `tokens` (page 0 is tokens[:page_tokens]), chained
+    from `parent` (the root key, or the key of the page before tokens[0])."""
+    data = np.asarray(tokens[:n_pages * page_tokens], dtype="<i4").tobytes()
+    step = page_tokens * 4
+    out = []
+    for i in range(n_pages):
+        h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+        h.update(data[i * step:(i + 1) * step])
+        parent = _key(h.digest())
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, salt: bytes, page_tokens: int):
+        self.root = root_key(salt)
+        self.page_tokens = page_tokens
+        self.by_key: dict[int, int] = {}                 # key -> page
+        self.key_of: dict[int, int] = {}                 # page -> key
+        self.refs: dict[int, int] = {}                   # page -> sequences listing it (cached pages)
+        self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()   # unreferenced, LRU first
+        self.queries = 0                                 # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0                                    # of those, found cached (prefix_cache_hits)
+
+    # ------------------------------------------------------------------ keys
+    def keys(self, tokens: Sequence[int], n_pages: int, known: list[int] | None = None) -> list[int]:
+        """The chained keys of the first `n_pages` full pages of `tokens`; `known`: keys already
+        computed for its first pages (extended in place and returned)."""
+        known = [] if known is None else known
+        if len(known) < n_pages:
+            parent = known[-1] if known else self.root
+            pt = self.page_tokens
+            known.extend(chain_keys(parent, tokens[len(known) * pt:], pt, n_pages - len(known)))
+        return known[:n_pages]
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, keys: Iterable[int], tokens: int) -> list[int]:
+        """The pages of the longest cached prefix of these keys (referenced: the caller lists
+        them); `tokens` is how many prompt tokens the lookup was for (the hit-rate figures)."""
+        pages = []
+        for key in keys:
+            page = self.by_key.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        self.queries += tokens
+        self.hits += len(pages) * self.page_tokens
+        self.ref(pages)
+        return pages
+
+    def is_cached(self, page: int) -> bool:
+        return page in self.key_of
+
+    def ref(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            self.refs[page] = self.refs.get(page, 0) + 1
+            self.idle.pop(page, None)
+
+    def unref(self, pages: Iterable[int]) -> None:
+        """A sequence no longer lists these cached pages: those no sequence lists become idle,
+        most recently used last."""
+        for page in pages:
+            n = self.refs[page] - 1
+            if n < 0:
+                raise RuntimeError(f"cached page {page} released more often than listed")
+            self.refs[page] = n
+            if n == 0:
+                self.idle[page] = None
+
+    def insert(self, key: int, page: int) -> bool:
+        """A full, published page of one sequence (which lists it: one reference) enters the index;
+        False if the key is cached already (the page stays that sequence's own)."""
+        if key in self.by_key or page in self.key_of:
+            return False
+        self.by_key[key] = page
+        self.key_of[page] = key
+        self.refs[page] = 1
+        return True
+
+    # ------------------------------------------------------------------ room
+    @property
+    def evictable(self) -> int:
+        return len(self.idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.key_of)
+
+    def evict(self, n: int) -> list[int]:
+        """Take the `n` least recently used idle pages out of the index (the caller frees them)."""
+        out = []
+        while self.idle and len(out) < n:
+            page, _ = self.idle.popitem(last=False)
+            out.append(page)
+            self._forget(page)
+        return out
+
+    def drop(self, pages: Iterable[int]) -> None:
+        """Pages that must not be found again (found damaged, reset): out of the index."""
+        for page in pages:
+            if page in self.key_of:
+                self.idle.pop(page, None)
+                self._forget(page)
+
+    def reset(self) -> list[int]:
+        """Every idle page out of the index (vLLM's reset_prefix_cache); referenced ones stay."""
+        return self.evict(len(self.idle))
+
+    def _forget(self, page: int) -> None:
+        del self.by_key[self.key_of.pop(page)]
+        self.refs.pop(page, None)
+
+    def rebuild(self, pages: np.ndarray, keys: np.ndarray, listed: np.ndarray) -> list[int]:
+        """After a takeover: the cached pages it kept (`pages`, their `keys`) and every page list
+        entry of the live sequences (`listed`, repeats included): the references. Returns the
+        pages left out of the index (a second page under a key: the caller frees those no
+        sequence lists; one that a sequence lists stays its own)."""
+        self.by_key.clear()
+        self.key_of.clear()
+        self.refs.clear()
+        self.idle.clear()
+        counts = collections.Counter(np.asarray(listed, dtype=np.int64).tolist())
+        left = []
+        for page, key in zip(np.asarray(pages, dtype=np.int64).tolist(), np.asarray(keys).tolist()):
+            key = int(key) & _MASK
+            if key in self.by_key:
+                left.append(page)
+                continue
+            self.by_key[key] = page
+            self.key_of[page] = key
+            self.refs[page] = counts.get(page, 0)
+            if not self.refs[page]:
+                self.idle[page] = None
+        return left
+
+    def stats(self) -> dict:
+        return {"queries": self.queries, "hits": self.hits, "cached_pages": self.num_cached,
+                "idle_pages": self.evictable}
