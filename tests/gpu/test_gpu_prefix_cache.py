@@ -1,0 +1,64 @@
+"""The prefix cache on the CUDA engine with exact prefill: requests that start on cached pages
+(the hit ending in the middle of a 64-token prefill chunk) give the tokens and log-probs of a
+sidecar without the cache, bit for bit, and so do they when the active executor is SIGKILLed
+mid-stream (stopped by a fault point first, so that every request is running)."""
+import os
+import signal
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FLAGS = ["--device", "cuda:0", "--backend", "cuda", "--max-seq-len", "512", "--max-batch", "16",
+         "--max-batch-tokens", "256", "--prefill-chunk", "64", "--log-level", "INFO",
+         "--restart-backoff-ms", "0,0", "--max-logprobs", "5", "--lease-ms", "5000"]
+SYSTEM = [3 + (17 * j) % 400 for j in range(160)]          # 10 full pages: the hit ends inside chunk 3
+WARM = dict(prompt_ids=SYSTEM + [5], max_tokens=4, temperature=0.0, ignore_eos=True)
+REQUESTS = [dict(prompt_ids=SYSTEM + [40 + (i * 7 + j) % 300 for j in range(5 + 23 * i)], max_tokens=150,
+                 temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True, logprobs=3) for i in range(8)]
+
+
+def outcome(results):
+    return [(r.token_ids, r.logprobs) for r in results]
+
+
+def test_cache_hits_are_bit_exact_on_the_gpu_and_survive_a_kill(tiny_model, tmp_path):
+    from kvhold.client.client import wait_all
+    from kvhold.testing.sidecar_process import SidecarProcess
+
+    base = ["--model", str(tiny_model), *FLAGS]
+    with SidecarProcess(base, log_path=tmp_path / "plain.log") as sc:
+        sc.wait_steady(timeout=600)
+        with sc.new_client(timeout=120) as client:
+            warm_ref = outcome(wait_all([client.generate(**WARM)]))
+            reference = outcome(wait_all([client.generate(**r) for r in REQUESTS]))
+    armed = tmp_path / "armed"
+    env = {"KVHOLD_FAULT": "commit_pages:1:stop", "KVHOLD_FAULT_IF": str(armed),
+           "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    with SidecarProcess([*base, "--enable-prefix-caching"], log_path=tmp_path / "cached.log", env=env) as sc:
+        sc.wait_steady(timeout=600)
+        with sc.new_client(timeout=120) as client:
+            assert outcome(wait_all([client.generate(**WARM)])) == warm_ref
+            hits = wait_all([client.generate(**r) for r in REQUESTS])       # no kill: the hits alone
+            assert outcome(hits) == reference
+            assert [r.cached_tokens for r in hits] == [160] * 8
+            pid = sc.wait_steady(timeout=600)["pid"]
+            streams = [client.generate(**r) for r in REQUESTS]
+            armed.touch()                 # the executor stops at its next publication, mid-stream
+            _wait_stopped(pid)
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+            assert outcome(wait_all(streams)) == reference
+        rec = sc.status()["recoveries"][-1]
+        assert rec["requests_lost"] == 0 and rec["pages_bad"] == 0
+
+
+def _wait_stopped(pid: int, timeout_s: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "T":
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.01)
