@@ -69,6 +69,7 @@ class Engine:
             self.blocks.prefix = PrefixCache(prefix_salt, self.page_tokens)
         self.scheduler = Scheduler(self.blocks, max_batch, max_batch_tokens, prefill_chunk)
         self.max_batch = max_batch
+        self._lp_rows = max_batch if self.device.type == "cuda" else 0   # token_logprobs' groups
         self.seqs: dict[int, Sequence] = {}          # by journal slot
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
@@ -242,7 +243,7 @@ class Engine:
             positions = [pos + 1 for _, pos in lp_rows]
             k = max(s.logprobs_at(q) for s, q in zip(seqs, positions))
             lp, ids, top = token_logprobs(self.runner.extra_logits,
-                                          [s.tokens[q] for s, q in zip(seqs, positions)], k)
+                                          [s.tokens[q] for s, q in zip(seqs, positions)], k, self._lp_rows)
             for s, q in zip(seqs, positions):
                 s.lp_done = max(s.lp_done, q + 1)
             known = (np.array([s.slot for s in seqs], dtype=np.int64), np.array(positions, dtype=np.int64),
@@ -252,7 +253,8 @@ class Engine:
         if want:
             seqs = [sampling[i] for i in want]
             k = max(s.sampling.logprobs for s in seqs)
-            lp, ids, top = token_logprobs(self.runner.sample_logits[want], [tokens[i] for i in want], k)
+            lp, ids, top = token_logprobs(self.runner.sample_logits[want], [tokens[i] for i in want], k,
+                                          self._lp_rows)
             positions = [s.num_tokens for s in seqs]              # where each sampled token goes
             for s, q in zip(seqs, positions):
                 s.lp_done = q + 1

@@ -113,15 +113,25 @@ def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
     return order.gather(1, choice[:, None]).squeeze(1)
 
 
-def token_logprobs(logits: torch.Tensor, targets: list[int], k: int):
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int, pad_rows: int = 0):
     """Log-probabilities of the model's raw distribution, as vLLM reports them by default
     (`logprobs_mode` raw_logprobs: log_softmax of the logits, before temperature, top-k or top-p):
     for each row of `logits` [R, V] the log-prob of `targets[i]`, and the ids and log-probs of
     its `k` most likely tokens, most likely first, ties broken by lower id (a stable sort).
     Computed in float64 on CPU, float32 on a GPU; returned as float32/int32 numpy arrays
-    ([R], [R, k], [R, k]), what the journal's logprob area holds."""
+    ([R], [R, k], [R, k]), what the journal's logprob area holds. `pad_rows`: as for `sample`,
+    on a GPU the softmax's reduction rounds by how many rows it reduces together, so rows go in
+    groups of exactly `pad_rows` (the last one padded): a row's log-probs never depend on how
+    many others are computed beside it (requests sampling in the same step)."""
     x = logits.to(torch.float64) if logits.device.type == "cpu" else logits.float()
-    lp = torch.log_softmax(x, dim=-1)
+    if x.device.type == "cpu" or pad_rows <= 0:
+        lp = torch.log_softmax(x, dim=-1)
+    else:
+        rows = x.shape[0]
+        groups = -(-rows // pad_rows)
+        padded = torch.cat([x, x.new_zeros(groups * pad_rows - rows, x.shape[1])])
+        lp = torch.cat([torch.log_softmax(padded[g * pad_rows:(g + 1) * pad_rows], dim=-1)
+                        for g in range(groups)])[:rows]
     idx = torch.tensor(targets, dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, idx[:, None]).squeeze(1)
     if k:

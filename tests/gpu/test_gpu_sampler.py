@@ -44,3 +44,18 @@ def test_a_rows_sampled_token_does_not_depend_on_the_rows_sampled_with_it(scale)
             part = sample(logits[:n], seqs[:n], 64)
             differ += [(position, n, i) for i in range(n) if part[i] != full[i]]
     assert not differ, f"{len(differ)} draws changed with the batch, e.g. (position, rows, row): {differ[:8]}"
+
+
+def test_a_rows_logprobs_do_not_depend_on_how_many_rows_are_computed_beside_it():
+    """The log-probs of requests that sample in one step: on a GPU the softmax rounds by how
+    many rows it reduces together, so they go in groups of the runner's batch (pad_rows)."""
+    from kvhold.executor.sampler import token_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(40, 32000, device="cuda", generator=g) * 4
+    targets = list(range(40))
+    alone = [token_logprobs(logits[r:r + 1], targets[r:r + 1], 5, pad_rows=16) for r in range(40)]
+    for n in (2, 7, 16, 17, 40):
+        lp, ids, top = token_logprobs(logits[:n], targets[:n], 5, pad_rows=16)
+        for r in range(n):
+            assert lp[r] == alone[r][0][0] and (ids[r] == alone[r][1][0]).all() and (top[r] == alone[r][2][0]).all()
