@@ -139,12 +139,15 @@ def test_sigkill_of_the_frontend_mid_stream_under_serve(tiny_model, tmp_path, ru
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         reference = whole(srv, "/v1/completions", body)
         from kvhold.client.client import Client
+        # the SDK stream starts first and must still run at the kill: 900 tokens, well past the
+        # HTTP stream's fifth (a Done the killed frontend had queued and not yet sent is lost)
+        sampled = dict(SAMPLED, max_tokens=900)
         with Client.for_instance(srv.instance, srv.runtime_root, timeout=10) as client:
-            sdk_reference = client.generate(**SAMPLED).result()
+            sdk_reference = client.generate(**sampled).result()
         before = srv.sidecar_status()
         frontend_pid = before["frontend"]["pid"]
         with Client.for_instance(srv.instance, srv.runtime_root, timeout=10) as client:
-            sdk = client.generate(**SAMPLED)
+            sdk = client.generate(**sampled)
             next(sdk)
             with http_client().stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
                 assert r.status_code == 200
