@@ -32,10 +32,11 @@ def test_queue_time_holds_the_wait_for_a_step_and_reaches_metrics(tiny_model, st
         ra, rb = a.result(), b.result()
     for r in (ra, rb):
         assert r.queue_s is not None and r.prefill_s is not None and r.queue_s >= 0 and r.prefill_s >= 0
-    # b is first scheduled after a finished: its queue time covers a's decode (less a's first
-    # token's commit, which comes after b's admission; the slack is for the client's clock reads)
-    assert rb.queue_s >= times[-1] - times[0] - 0.05 > 0
-    assert rb.queue_s > ra.queue_s
+    # b is first scheduled after a finished: its queue time covers a's prefill and decode, so the
+    # span over which this client received a's tokens too (the slack is for the client's clock
+    # reads; a client that reads late sees the tokens bunched: the span is then a weak bound)
+    assert rb.queue_s >= times[-1] - times[0] - 0.05
+    assert rb.queue_s > ra.queue_s + ra.prefill_s
 
     srv = ServeProcess(["--sidecar-endpoint", InstancePaths.for_instance(sc.instance, runtime_root).client_endpoint],
                        runtime_root, log_path=tmp_path / "serve.log").spawn()
