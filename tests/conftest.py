@@ -4,9 +4,7 @@ demo checkpoint and the sidecar's shared memory made in process (`pool`, of the 
 in tests/process/conftest.py), so unit tests run without ZeroMQ or sidecar processes."""
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -39,26 +37,6 @@ def usable_cpus() -> int:
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the default, pyproject.toml): a worker per usable CPU, at most MAX_WORKERS."""
     return min(MAX_WORKERS, usable_cpus())
-
-
-UNKNOWN_TEST_S = 0.5     # the seconds of a test tests/durations.json does not name
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """The longest test files first, by the seconds tests/durations.json records for the tests
-    selected (tools/test_durations.py writes it): pytest-xdist hands files out in this order
-    (`--dist loadfile --no-loadscope-reorder`, pyproject.toml), so the last file a worker takes is
-    a short one and the other workers do not wait long for it. A file's tests keep their order."""
-    try:
-        known = json.loads(Path(__file__).with_name("durations.json").read_text())
-    except (OSError, ValueError):
-        return
-    weight: dict[str, float] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        weight[module] = weight.get(module, 0.0) + float(known.get(item.nodeid, UNKNOWN_TEST_S))
-    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(scope="session", autouse=True)
