@@ -13,15 +13,14 @@ import torch
 
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import KvCache
-from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
+from kvhold.executor.llama import SeqSlice, StepInput
 from kvhold.protocol.errors import InvalidParams
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState, KvGeometry, TableGeometry
 from kvhold.protocol.leases import Lease, LeaseTable
-from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.tables import Tables
 from kvhold.protocol.sampling import SamplingParams
-from safetensors.torch import load_file
+from tests.unit.helpers import float64_model
 
 PAGE_TOKENS = 16
 MAX_SEQ = 128
@@ -30,12 +29,7 @@ K = 5
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    spec = ModelSpec.from_dir(tiny_model)
-    weights = {}
-    for f in sorted(tiny_model.glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    weights = {k: v.to(torch.float64) for k, v in weights.items()}
-    return LlamaModel(spec, weights, torch.float64, torch.device("cpu"), MAX_SEQ)
+    return float64_model(tiny_model, MAX_SEQ)
 
 
 _made: list = []      # the tables the test made, unlinked after it
