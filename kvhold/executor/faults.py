@@ -29,7 +29,9 @@ page publish (kvhold.protocol.page_table), the new counts written and not yet th
 Request-conditioned points fire on what is in a step rather than on a count:
 `<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt
 holds token id `<id>`, in every executor (a request that kills whichever executor runs it, a
-"query of death"), unless KVHOLD_FAULT_ONCE limits it to the first. The engine reaches the
+"query of death"), unless KVHOLD_FAULT_ONCE limits it to the first; `token=<id>@<n>` fires
+from the n-th such hit on, so a test can stop an executor a set number of steps into one
+request's life, whenever that request arrives. The engine reaches the
 `step` point once per step, after naming the step's requests in the journal and before the
 forward (kvhold.executor.engine), e.g. `KVHOLD_FAULT="step:token=7:kill"`.
 """
@@ -43,11 +45,11 @@ from kvhold.protocol import page_table
 
 _ACTIONS = ("kill", "segv", "stop", "spin", "exit", "cuda_illegal")
 _plan: dict[str, tuple[int, str]] = {}
-_on_token: dict[str, tuple[int, str]] = {}      # point -> (prompt token id, action)
+_on_token: dict[str, tuple[int, int, str]] = {}      # point -> (prompt token id, from hit n, action)
 _hits: dict[str, int] = {}
 
 
-def parse(spec: str) -> tuple[dict[str, tuple[int, str]], dict[str, tuple[int, str]]]:
+def parse(spec: str) -> tuple[dict[str, tuple[int, str]], dict[str, tuple[int, int, str]]]:
     """(counted points, request-conditioned points) of a KVHOLD_FAULT value."""
     plan, on_token = {}, {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -55,7 +57,8 @@ def parse(spec: str) -> tuple[dict[str, tuple[int, str]], dict[str, tuple[int, s
         if action not in _ACTIONS:
             raise ValueError(f"fault action {action!r} not one of {_ACTIONS}")
         if when.startswith("token="):
-            on_token[point] = (int(when[len("token="):]), action)
+            token, _, n = when[len("token="):].partition("@")
+            on_token[point] = (int(token), int(n or 1), action)
         else:
             plan[point] = (int(when), action)
     return plan, on_token
@@ -88,9 +91,12 @@ def batch_point(name: str, prompts) -> None:
     """A request-conditioned point: `prompts` are the prompt token ids of the step's requests."""
     if not _on_token or name not in _on_token:
         return
-    token, action = _on_token[name]
+    token, n, action = _on_token[name]
     if any(token in prompt for prompt in prompts):
-        _fire(name, action, None)
+        key = f"{name}:token"
+        _hits[key] = _hits.get(key, 0) + 1
+        if _hits[key] >= n:
+            _fire(name, action, None)
 
 
 def _fire(name: str, action: str, target) -> None:
