@@ -174,7 +174,8 @@ class ExecutorsConfig:
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
     exact_prefill: bool = True        # CUDA: prefill computes each row as decode does (exact recompute)
-    prefix_caching: bool = False      # full KV pages shared by the requests whose prompts they hold
+    prefix_caching: bool | None = None   # full KV pages shared by the requests whose prompts they
+                                         # hold; None: auto (SidecarConfig.uses_prefix_caching)
 
     def __post_init__(self):
         _check(self.workload in WORKLOADS, f"executors.workload must be one of {WORKLOADS}, "
@@ -338,8 +339,9 @@ class SidecarConfig:
         if self.pool.tensor_parallel_size > 1:
             _check_tensor_parallel(self)
         ex = self.executors
-        _check(not ex.prefix_caching or (ex.workload == "engine" and ex.kv_mode == "native"
-                                         and self.pool.tensor_parallel_size == 1),
+        _check(ex.prefix_caching in (None, True, False), "executors.prefix_caching must be true, "
+               f"false or absent (auto), got {ex.prefix_caching!r}", "executors.prefix_caching")
+        _check(ex.prefix_caching is not True or self._prefix_caching_supported(),
                "--enable-prefix-caching is supported for the engine workload with --kv-mode native "
                f"and one executor per group, not workload {ex.workload!r}, --kv-mode {ex.kv_mode}, "
                f"--tensor-parallel-size {self.pool.tensor_parallel_size}", "executors.prefix_caching")
@@ -351,6 +353,18 @@ class SidecarConfig:
                 from kvhold.protocol.model_spec import ModelSpec
                 dtype = ModelSpec.from_dir(self.pool.model).dtype
                 object.__setattr__(self, "pool", dataclasses.replace(self.pool, compute_dtype=dtype))
+
+    def _prefix_caching_supported(self) -> bool:
+        ex = self.executors
+        return ex.workload == "engine" and ex.kv_mode == "native" and self.pool.tensor_parallel_size == 1
+
+    def uses_prefix_caching(self) -> bool:
+        """Whether the engine shares full KV pages by prompt: asked for (`--enable-prefix-caching`,
+        refused where unsupported) or refused (`--no-enable-prefix-caching`); by default on
+        wherever it is supported."""
+        if self.executors.prefix_caching is not None:
+            return self.executors.prefix_caching
+        return self._prefix_caching_supported()
 
     def uses_zygote(self) -> bool:
         """Whether executors are forked from a zygote. Asked for (`--zygote`) or refused
@@ -431,7 +445,7 @@ class SidecarConfig:
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms,
             exact_prefill=ex.exact_prefill, tensor_parallel_size=pool.tensor_parallel_size,
-            prefix_caching=ex.prefix_caching)
+            prefix_caching=self.uses_prefix_caching())
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations

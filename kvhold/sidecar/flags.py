@@ -165,11 +165,13 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="native: the engine computes in kvhold's KV pages; foreign: it keeps a "
                         "private KV pool (as TensorRT-LLM does) protected by the KV mirror")
     p.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
-                   default=False,
+                   default=None,
                    help="share full KV pages between requests whose prompts begin alike (a system "
                         "prompt, a conversation so far): a request starts after the pages it finds, "
                         "kept in the shared tables through executor and sidecar crashes; idle ones "
-                        "are evicted least recently used first (default off)")
+                        "are evicted least recently used first. Default: on for the engine workload "
+                        "with --kv-mode native and one executor per group, off elsewhere (asking for "
+                        "it there is an error); --no-enable-prefix-caching turns it off")
     p.add_argument("--exact-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: prefill on the decode kernels instead of cuBLAS and SDPA, so that a "
                         "recomputed request (preemption, damaged pages, a pool restart) gives the tokens "

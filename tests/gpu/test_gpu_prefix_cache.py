@@ -38,7 +38,7 @@ def test_cache_hits_are_bit_exact_on_the_gpu_and_survive_a_kill(tiny_model, tmp_
         return [wait_all([client.generate(**r)])[0] for r in REQUESTS]
 
     base = ["--model", str(tiny_model), *FLAGS]
-    with SidecarProcess(base, log_path=tmp_path / "plain.log") as sc:
+    with SidecarProcess([*base, "--no-enable-prefix-caching"], log_path=tmp_path / "plain.log") as sc:
         sc.wait_steady(timeout=600)
         with sc.new_client(timeout=120) as client:
             warm_ref = outcome(wait_all([client.generate(**WARM)]))

@@ -21,7 +21,7 @@ LATER = dict(prompt_ids=SYSTEM + [9, 9, 9, 9], max_tokens=20, temperature=0.0, i
 
 
 def test_a_damaged_shared_page_and_a_sigkill_lose_nothing(tiny_model, start_sidecar, tmp_path):
-    plain = start_sidecar(["--model", str(tiny_model), *FLAGS, "--standbys", "0"])
+    plain = start_sidecar(["--model", str(tiny_model), *FLAGS, "--no-enable-prefix-caching", "--standbys", "0"])
     plain.wait_steady(standbys=0)
     with plain.new_client(timeout=60) as client:
         reference = [ids(wait_all(submit(client, requests))) for requests in ([WARM], REQUESTS, [LATER])]

@@ -57,8 +57,10 @@ def test_prefix_caching_reaches_the_executors_and_is_refused_where_it_is_not_bui
     def config(*argv):
         return sidecar_config_from_args(_parser().parse_args(["--model", str(tiny_model), *argv]))
 
-    assert config().executor_settings().prefix_caching is False
+    assert config().executor_settings().prefix_caching is True            # on by default
     assert config("--enable-prefix-caching").executor_settings().prefix_caching is True
+    assert config("--no-enable-prefix-caching").executor_settings().prefix_caching is False
     for extra in (["--kv-mode", "foreign"], ["--workload", "churn"]):
+        assert config(*extra).executor_settings().prefix_caching is False  # off where unsupported
         with pytest.raises(ValueError, match="^--enable-prefix-caching is supported for the engine workload"):
             config("--enable-prefix-caching", *extra)
