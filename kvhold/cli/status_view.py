@@ -36,5 +36,12 @@ def print_status(status: dict, console: Console | None = None) -> None:
     req = status.get("requests", {})
     console.print(f"requests: {req.get('in_flight', 0)} in flight, "
                   f"{req.get('admitted_total', 0)} admitted, finished {req.get('finished', {})}")
+    cache = status.get("prefix_cache")
+    if cache:
+        rate = cache.get("hit_rate")
+        console.print(f"prefix cache: hit rate {'-' if rate is None else f'{100 * rate:.1f}%'} "
+                      f"({cache.get('hits', 0)} of {cache.get('queries', 0)} prompt tokens of finished requests)")
+    elif "prefix_cache" in status:
+        console.print("prefix cache: off")
     for rec in status.get("recoveries", [])[-5:]:
         console.print("recovery: " + ", ".join(f"{k}={v}" for k, v in rec.items() if not k.endswith("_ns")))

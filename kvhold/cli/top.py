@@ -102,10 +102,18 @@ def load_line(status: dict, rates: Rates | None = None) -> Text:
     running = req.get("in_flight", 0) - (req.get("waiting") or 0)
     tps = rates.tokens_per_s if rates is not None else None
     ttft = req.get("first_token_ms_p50")
-    return Text.assemble(
+    line = Text.assemble(
         "throughput ", (f"{tps:.0f} tok/s" if tps is not None else "-", "bold"),
         "   first token P50 ", (f"{ttft:.0f} ms" if ttft is not None else "-", "bold"),
         "   running ", (str(running), "bold"), "   waiting ", (str(req.get("waiting", 0)), "bold"))
+    cache = status.get("prefix_cache")
+    if cache:
+        line.append_text(Text.assemble("   prefix cache hits ", (_percent(cache.get("hit_rate")), "bold")))
+    return line
+
+
+def _percent(rate) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
 def executors_table(status: dict) -> Table:

@@ -88,8 +88,12 @@ class BlockManager:
         self.counts = CommittedPages()         # page -> committed tokens
         self.prefix: PrefixCache | None = None  # full pages shared by prompt (--enable-prefix-caching)
 
-    def pages_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, math.ceil((seq.num_computed + n) / self.page_tokens) - len(seq.pages))
+    def pages_needed(self, seq: Sequence, n: int, start: int | None = None) -> int:
+        """New pages for `n` more tokens after its computed ones, or after `start` (a start
+        on `start // page_tokens` cached pages it does not hold yet)."""
+        held = len(seq.pages) if start is None else start // self.page_tokens
+        start = seq.num_computed if start is None else start
+        return max(0, math.ceil((start + n) / self.page_tokens) - held)
 
     @property
     def num_available(self) -> int:
@@ -141,22 +145,34 @@ class BlockManager:
         self.checksums.adopt(pages, checksums, num_pages)
         self.counts.adopt(pages, counts, num_pages)
 
-    def start_on_cached_prefix(self, seq: Sequence) -> None:
-        """A sequence about to start (no pages) looks its full pages up in the prefix cache, once
-        per start; those found become its first pages. At least its last token is computed (its
-        logits give the next token). A request asking for its prompt's log-probs computes its
-        whole prompt (they come from its prefill's rows)."""
-        if self.prefix is None or seq.pages or seq.looked_up or seq.sampling.prompt_logprobs is not None:
-            return
-        seq.looked_up = True
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached pages a sequence about to start (no pages) would start on: the longest
+        cached prefix of its full pages, all but its last token's (its logits give the next
+        token); none for a request asking for its prompt's log-probs (they come from its
+        prefill's rows). Nothing is taken: `start_on_cached_prefix` takes them once the
+        scheduler knows the sequence fits."""
+        if self.prefix is None or seq.pages or seq.sampling.prompt_logprobs is not None:
+            return []
         n = (seq.num_tokens - 1) // self.page_tokens
-        pages = self.prefix.lookup(self.prefix.keys(seq.tokens, n, seq.page_keys) if n > 0 else (),
-                                   seq.num_tokens)
-        if pages:
-            self.attach_cached(seq, pages)
+        return self.prefix.find(self.prefix.keys(seq.tokens, n, seq.page_keys)) if n > 0 else []
+
+    def can_start(self, cached: list[int], need: int) -> bool:
+        """Whether `need` new pages fit beside a start on `cached` (idle ones among them stop
+        being evictable once taken)."""
+        taken = self.prefix.num_idle(cached) if cached else 0
+        return need <= self.num_available - taken
+
+    def start_on_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """The sequence starts on the pages `cached_prefix` found (the hit-rate figures count
+        its prompt once per start)."""
+        if self.prefix is None:
+            return
+        self.prefix.use(cached, seq.num_tokens)
+        if cached:
+            self.attach_cached(seq, cached)
 
     def attach_cached(self, seq: Sequence, pages: list[int]) -> None:
-        """A sequence starts on cached pages (PrefixCache.lookup referenced them): listed in its
+        """A sequence starts on cached pages (PrefixCache.use referenced them): listed in its
         journal row as its first pages, their KV computed."""
         self.journal.set_pages(seq.slot, pages, 0)
         seq.pages = list(pages)
@@ -208,4 +224,3 @@ class BlockManager:
             self.counts.pop(page, None)
         seq.pages = []
         seq.cached_upto = 0
-        seq.looked_up = False

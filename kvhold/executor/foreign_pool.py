@@ -62,8 +62,12 @@ class PrivateBlocks:
         self.page_tokens = page_tokens
         self.on_free = on_free
 
-    def pages_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, math.ceil((seq.num_computed + n) / self.page_tokens) - len(seq.pages))
+    def pages_needed(self, seq: Sequence, n: int, start: int | None = None) -> int:
+        """New pages for `n` more tokens after its computed ones, or after `start` (a start
+        on `start // page_tokens` cached pages it does not hold yet)."""
+        held = len(seq.pages) if start is None else start // self.page_tokens
+        start = seq.num_computed if start is None else start
+        return max(0, math.ceil((start + n) / self.page_tokens) - held)
 
     prefix = None                               # no prefix cache over a private pool
 
@@ -74,8 +78,15 @@ class PrivateBlocks:
     def can_allocate(self, n: int) -> bool:
         return self.allocator.can_allocate(n)
 
-    def start_on_cached_prefix(self, seq: Sequence) -> None:
+    def cached_prefix(self, seq: Sequence) -> list[int]:
         """No prefix cache here: every prompt is computed."""
+        return []
+
+    def can_start(self, cached: list[int], need: int) -> bool:
+        return self.can_allocate(need)
+
+    def start_on_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """No prefix cache here."""
 
     def allocate(self, seq: Sequence, n: int) -> None:
         if n > 0:

@@ -71,19 +71,32 @@ class PrefixCache:
         return known[:n_pages]
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, keys: Iterable[int], tokens: int) -> list[int]:
-        """The pages of the longest cached prefix of these keys (referenced: the caller lists
-        them); `tokens` is how many prompt tokens the lookup was for (the hit-rate figures)."""
+    def find(self, keys: Iterable[int]) -> list[int]:
+        """The pages of the longest cached prefix of these keys; nothing is taken (`use` does)."""
         pages = []
         for key in keys:
             page = self.by_key.get(key)
             if page is None:
                 break
             pages.append(page)
+        return pages
+
+    def use(self, pages: list[int], tokens: int) -> None:
+        """A sequence starts on these found pages (referenced: it lists them); `tokens` is how
+        many prompt tokens it looked up (the hit-rate figures)."""
         self.queries += tokens
         self.hits += len(pages) * self.page_tokens
         self.ref(pages)
+
+    def lookup(self, keys: Iterable[int], tokens: int) -> list[int]:
+        """`find`, then `use` what it found."""
+        pages = self.find(keys)
+        self.use(pages, tokens)
         return pages
+
+    def num_idle(self, pages: Iterable[int]) -> int:
+        """How many of these pages are idle (an allocation could evict them)."""
+        return sum(1 for page in pages if page in self.idle)
 
     def is_cached(self, page: int) -> bool:
         return page in self.key_of

@@ -77,11 +77,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.blocks.journal.add_counter(seq.slot, "num_preempted", 1)
 
-    def _chunk(self, seq: Sequence) -> int:
-        """Tokens to compute next. Prefill chunks end at multiples of prefill_chunk (counted from
-        position 0), so a prompt is always cut the same way whatever else is running."""
+    def _chunk(self, seq: Sequence, start: int | None = None) -> int:
+        """Tokens to compute next, from `start` (default: its computed tokens). Prefill chunks
+        end at multiples of prefill_chunk (counted from position 0), so a prompt is always cut
+        the same way whatever else is running."""
         c = self.prefill_chunk
-        return min(seq.num_uncomputed, c - seq.num_computed % c)
+        start = seq.num_computed if start is None else start
+        return min(seq.num_tokens - start, c - start % c)
 
     def schedule(self, decode_only: bool = False) -> list[Scheduled]:
         """The next step's work. decode_only: just the sequences whose next token is one
@@ -115,14 +117,16 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(plan) < self.max_batch:
             seq = self.waiting[0]
-            self.blocks.start_on_cached_prefix(seq)     # a prefix cache's pages: fewer to compute
-            n = self._chunk(seq)
+            cached = self.blocks.cached_prefix(seq)     # a prefix cache's pages: fewer to compute
+            start = len(cached) * self.blocks.page_tokens
+            n = self._chunk(seq, start)
             if n > budget:
                 break
-            need = self.blocks.pages_needed(seq, n)
-            if not self.blocks.can_allocate(need):
-                break
+            need = self.blocks.pages_needed(seq, n, start)
+            if not self.blocks.can_start(cached, need):
+                break                      # a waiting sequence holds no page, cached or not
             self.waiting.popleft()
+            self.blocks.start_on_cached_prefix(seq, cached)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.blocks.allocate(seq, need)

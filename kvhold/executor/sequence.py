@@ -28,7 +28,6 @@ class Sequence:
     page_keys: list[int] = field(default_factory=list)   # prefix-cache keys of its full pages so far
     cached_upto: int = 0                # its first pages the prefix cache has looked at
     num_cached: int = 0                 # tokens it found in the prefix cache when it started
-    looked_up: bool = False             # it has looked its prompt up since it last held no pages
 
     @classmethod
     def from_journal(cls, entry: JournalEntry, tokens: list[int]) -> "Sequence":

@@ -109,12 +109,17 @@ class RestoredStreams(Protocol):
 class Frontend:
     def __init__(self, tables, spec, model_dir, *, runs_model: bool, durable, fingerprint: str,
                  timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20,
-                 unsupported: tuple[str, ...] = ()):
+                 unsupported: tuple[str, ...] = (), prefix_caching: bool = False):
         self.tables = tables
         self.journal = Journal(tables)
         self.spec = spec
         self.runs_model = runs_model        # the engine workload: executors serve requests
         self.unsupported = unsupported      # sampling fields its engine cannot honour (refused)
+        # the prefix cache's figures (vLLM's prefix_cache_queries and _hits), counted from finished
+        # requests: prompt tokens, and those whose KV the cache served (the journal's count)
+        self.prefix_caching = prefix_caching
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.durable = durable              # kvhold.sidecar.durable_journal.DurableJournal
         self.fingerprint = fingerprint
         self.timeline = timeline
@@ -490,11 +495,15 @@ class Frontend:
                 st.text.append(st.detok.flush())
             preempted, recomputed = self.journal.recompute_counts(st.slot)
             queue_s, prefill_s = self.journal.timings_s(st.slot)
+            cached = self.journal.cached_tokens(st.slot)
             done = m.Done(
                 request_id=st.request_id, finish_reason=reason.name.lower(),
                 prompt_tokens=st.prompt_len, completion_tokens=count - st.prefix, text="".join(st.text),
                 preemptions=preempted, recomputed_tokens=recomputed, queue_s=queue_s, prefill_s=prefill_s,
-                cached_tokens=self.journal.cached_tokens(st.slot))
+                cached_tokens=cached)
+            if self.prefix_caching:
+                self.prefix_cache_queries += st.prompt_len
+                self.prefix_cache_hits += cached
             self._send(st, done)
             if st.awaiting_resume:
                 self.restored.park(st, self.journal.generated(st.slot, st.prefix, count), done,
@@ -532,6 +541,14 @@ class Frontend:
         """Streams admitted with no token generated yet (queued, or in their prefill)."""
         return sum(st.sent == st.prefix for st in self.streams.values())
 
+    def prefix_cache_status(self) -> dict | None:
+        """None without a prefix cache; else its counts over the requests finished since this
+        frontend started, and the hit rate (None before the first prompt token)."""
+        if not self.prefix_caching:
+            return None
+        q, h = self.prefix_cache_queries, self.prefix_cache_hits
+        return {"queries": q, "hits": h, "hit_rate": h / q if q else None}
+
     def status(self) -> dict:
         ttft = sorted(self.first_token_ms)
         return {"requests": {"in_flight": len(self.streams), "admitted_total": self.num_admitted,
@@ -539,6 +556,7 @@ class Frontend:
                              "waiting": self.num_waiting(),
                              "tokens_total": self.num_tokens,
                              "first_token_ms_p50": ttft[len(ttft) // 2] if ttft else None},
+                "prefix_cache": self.prefix_cache_status(),
                 "recoveries": self.timeline.records(),
                 "admissions": {"open": not self.closed, "closed_by": dict(self.closed),
                                "tokenizing": len(self._tokenizing),

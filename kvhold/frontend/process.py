@@ -239,7 +239,8 @@ class FrontendProcess(ClientSide):
                                  fingerprint=fingerprint,
                                  timeline=shared.timeline if shared is not None else RecoveryTimeline(),
                                  host=self, max_prompt_bytes=cfg.pool.max_prompt_bytes,
-                                 unsupported=UNSUPPORTED_SAMPLING.get(cfg.executors.workload, ()))
+                                 unsupported=UNSUPPORTED_SAMPLING.get(cfg.executors.workload, ()),
+                                 prefix_caching=cfg.uses_prefix_caching())
         stack.callback(self._finish_pending)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,
@@ -512,7 +513,8 @@ class FrontendProcess(ClientSide):
             waiting = fe.num_waiting()
             self.stats_log.tick(now, prompt_tokens=fe.num_prompt_tokens, generated_tokens=fe.num_tokens,
                                 running=len(fe.streams) - waiting, waiting=waiting,
-                                pages_used=counts["total"] - counts["free"], pages_total=counts["total"] - 1,
+                                pages_used=counts["total"] - counts["free"] - counts["cached"],
+                                pages_total=counts["total"] - 1, prefix_cache=fe.prefix_cache_status(),
                                 recoveries=self.shared.timeline.num_recovered if self.shared is not None
                                 else self.recoveries_total)
 

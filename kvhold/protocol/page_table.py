@@ -39,6 +39,7 @@ between_count_and_checksum = None
 
 class PageTable:
     def __init__(self, tables: Tables):
+        self.tables = tables
         self.pages = tables.pages
         self.num_pages = len(tables.pages)
         self.page_tokens = tables.geometry.kv.page_tokens
@@ -165,19 +166,40 @@ class PageTable:
         return {int(e) for e in self.pages["epoch"][quarantined]}
 
     def counts(self) -> dict[str, int]:
+        """Pages by state; the states add up to `total`. `cached`: prefix-cache pages
+        (kvhold.executor.prefix_cache) that no live request lists, kept only to be found again
+        and evicted first when the pool needs room (vLLM counts such blocks as free); a cached
+        page that requests list is `committed`, once however many list it."""
         snap = self.snapshot()
         writing = (snap["version"] & 1).astype(bool)
         owned = snap["owner"] != 0
         bad = (snap["flags"] & PageFlag.BAD).astype(bool)
         quarantined = (snap["flags"] & PageFlag.QUARANTINED).astype(bool)
+        committed = owned & ~writing & ~bad & ~quarantined
+        cached = committed & (snap["flags"] & PageFlag.CACHED).astype(bool)
+        if cached.any():
+            cached[self.listed_pages()] = False
         return {
             "total": self.num_pages,
             "free": int((~owned & ~writing & ~quarantined).sum()),
-            "committed": int((owned & ~writing & ~bad & ~quarantined).sum()),
+            "committed": int((committed & ~cached).sum()),
+            "cached": int(cached.sum()),
             "writing": int(writing.sum()),
             "quarantined": int(quarantined.sum()),
             "bad": int(bad.sum()),
         }
+
+    def listed_pages(self) -> np.ndarray:
+        """Every page that a live request's journal page list holds (repeats included); read
+        without a lock, for counts."""
+        req = self.tables.requests
+        live = np.flatnonzero((req["request_id"] != 0) & (req["exec_request_id"] == req["request_id"]))
+        if not len(live):
+            return np.zeros(0, dtype=np.int64)
+        n = np.minimum(req["num_pages"][live].astype(np.int64), self.tables.page_lists.shape[1])
+        lists = self.tables.page_lists[live]
+        pages = lists[np.arange(lists.shape[1])[None, :] < n[:, None]].astype(np.int64)
+        return pages[(pages >= 0) & (pages < self.num_pages)]
 
     def interrupted_pages(self) -> np.ndarray:
         """Indices of pages whose last write did not finish (odd version)."""

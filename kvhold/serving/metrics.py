@@ -224,7 +224,8 @@ class _LiveCollector:
         total = counts.get("total", 0)
         yield GaugeMetricFamily("kvhold_kv_pool_pages", "KV pool pages in all (page 0, the null page, "
                                 "included)", value=total)
-        yield _usage(self.owner.model_name, total, counts.get("free", 0))
+        yield _usage(self.owner.model_name, total, counts.get("free", 0) + counts.get("cached", 0))
+        yield from _prefix_cache_metrics(self.owner.model_name, st.get("prefix_cache"))
         req = st.get("requests", {})
         yield GaugeMetricFamily("kvhold_requests_in_flight", "Requests admitted and not finished",
                                 value=req.get("in_flight", 0))
@@ -253,9 +254,23 @@ class _LiveCollector:
         yield from _health_metrics(st.get("health"))
 
 
+def _prefix_cache_metrics(model_name: str, cache: dict | None):
+    """vLLM's prefix_cache_queries and prefix_cache_hits, over the requests the frontend saw
+    finish (a frontend restart starts them again: a counter reset); absent without a cache."""
+    if not cache:
+        return
+    for name, what in (("queries", "Prompt tokens of finished requests, looked up in the prefix cache"),
+                       ("hits", "Prompt tokens of finished requests whose KV the prefix cache served")):
+        c = CounterMetricFamily(f"kvhold_prefix_cache_{name}", what, labels=["model_name"])
+        c.add_metric([model_name], cache.get(name, 0))
+        yield c
+
+
 def _usage(model_name: str, total: int, free: int) -> GaugeMetricFamily:
+    """`free` includes idle prefix-cache pages, which the pool evicts when it needs room (as
+    vLLM counts its cached blocks)."""
     g = GaugeMetricFamily("kvhold_kv_cache_usage_ratio", "KV pool pages in use, 0 to 1 (the null page "
-                          "left out)", labels=["model_name"])
+                          "left out; idle prefix-cache pages count as free)", labels=["model_name"])
     g.add_metric([model_name], (total - free) / max(1, total - 1) if total else 0.0)
     return g
 

@@ -217,11 +217,12 @@ def sidecar_snapshot(src: SnapshotSource, node: str, gpu: str) -> SidecarEntry:
     free_slots = Journal(src.tables).num_free_slots()
     tcp, public_key = _tcp_endpoint(src)
     model = os.path.basename(os.path.normpath(str(src.model))) if src.model else ""
+    pages = PageTable(src.tables).counts()
     return SidecarEntry(
         key="", node=node, instance=src.paths.instance, pid=os.getpid(), gpu=gpu, model=model,
         fingerprint=src.weights.fingerprint or "", generation=int(src.tables.generation),
         health=_health(src), in_flight=src.in_flight(),
-        free_pages=PageTable(src.tables).counts()["free"], free_slots=free_slots,
+        free_pages=pages["free"] + pages["cached"], free_slots=free_slots,   # idle cached pages: room
         endpoint=src.paths.client_endpoint, tcp_endpoint=tcp, curve_public_key=public_key,
         updated=round(time.time(), 3))
 

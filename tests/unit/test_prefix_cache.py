@@ -135,6 +135,32 @@ def test_idle_cached_pages_are_evicted_when_the_pool_needs_them(model):
         pool.close()
 
 
+@pytest.mark.parametrize("gaps", [(0, 2, 2, 0, 3, 3), (1, 0, 3, 2, 0, 1), (0, 0, 1, 3, 2, 3)])
+def test_preemption_in_a_small_pool_never_stalls_on_cached_pages(model, gaps):
+    """Requests arriving a few steps apart in a pool that holds about two of them: preempted
+    ones go back to the queue, their full pages cached. A waiting request holds no page, cached
+    or not, until it starts (one that took its cached pages while it could not start pinned
+    them, and the pool stalled with every page cached and referenced); every request finishes
+    as without a cache."""
+    requests = [dict(prompt_ids=[30 + 40 * i + j for j in range(8)], max_tokens=60, temperature=0.8,
+                     seed=i) for i in range(6)]
+    expected = uncached_outputs(model, requests)
+    pool = EnginePool(model, 13)
+    try:
+        engine = pool.engine(max_batch=8, max_batch_tokens=64, prefill_chunk=32, prefix_salt=SALT)
+        engine.take_over([], 0)
+        ids = []
+        for r, gap in zip(requests, gaps):
+            ids += admit(pool.tables, [r])
+            for _ in range(gap):
+                engine.step()
+        run_to_end(engine, limit=1000)
+        assert pool.outputs(ids) == expected
+        assert engine.scheduler.num_preemptions > 0
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("damage", [False, True])
 def test_a_takeover_keeps_the_cache_and_a_damaged_shared_page_is_recomputed(model, damage):
     """Eight requests share three cached pages; the executor dies mid-decode (abandoned, its exit

@@ -160,6 +160,23 @@ def test_seqlock_publish_and_snapshot(tables):
     assert pt.counts()["free"] == SMALL.num_pages
 
 
+def test_idle_cached_pages_are_counted_apart_and_listed_ones_once(tables):
+    pt = PageTable(tables)
+    pt.assign([1, 2, 3, 4], owner=42, logical=[0, 1, 2, 3], epoch=1)
+    pt.publish([1, 2, 3, 4], 16, 7, epoch=1)
+    pt.mark_cached([1, 2, 3], [101, 102, 103])
+    req = tables.requests
+    for slot in (0, 1):                       # two live requests list cached page 2
+        req["request_id"][slot] = req["exec_request_id"][slot] = 10 + slot
+        req["num_pages"][slot] = 1
+        tables.page_lists[slot, 0] = 2
+    req["request_id"][2] = 12                 # admitted, its execution half not yet written: no list
+    tables.page_lists[2, 0] = 3
+    c = pt.counts()
+    assert (c["cached"], c["committed"]) == (2, 2)        # pages 1 and 3 idle; pages 2 and 4
+    assert sum(v for k, v in c.items() if k != "total") == c["total"]
+
+
 def test_named_readers_of_the_header_pages_and_journal(tables):
     from kvhold.protocol.journal import Journal
     from kvhold.protocol.layout import WeightsState

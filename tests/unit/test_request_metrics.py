@@ -58,6 +58,23 @@ def test_no_pid_label_and_page_states_that_add_up():
     assert "total" not in states and sum(states.values()) == s[("kvhold_kv_pool_pages", ())] == 101
 
 
+def test_prefix_cache_counters_and_idle_cached_pages_counted_as_free():
+    m = SidecarMetrics("tiny-v1")
+    st = status()
+    st["pages"] = {"total": 101, "free": 56, "committed": 25, "cached": 20, "writing": 0, "quarantined": 0,
+                   "bad": 0}
+    st["prefix_cache"] = {"queries": 900, "hits": 600, "hit_rate": 2 / 3}
+    m.observe(st)
+    s = samples(m)
+    name = (("model_name", "tiny-v1"),)
+    assert s[("kvhold_prefix_cache_queries_total", name)] == 900
+    assert s[("kvhold_prefix_cache_hits_total", name)] == 600
+    assert s[("kvhold_kv_cache_usage_ratio", name)] == 0.25              # the 20 idle cached pages: free
+    assert s[("kvhold_kv_pages", (("state", "cached"),))] == 20
+    m.observe(status())                                                  # no cache: no series
+    assert not any(n.startswith("kvhold_prefix_cache") for n, _ in samples(m))
+
+
 def test_recovery_buckets_tell_5_from_50_ms():
     m = SidecarMetrics()
     m.recovery.observe(0.005)

@@ -69,3 +69,14 @@ def test_the_stats_line_reports_an_interval_and_stays_silent_when_idle():
                     "waiting 1, KV pages 25/100 (25.0% used), recoveries 1")
     assert stats.line(20 * 10**9, **dict(busy, running=0, waiting=0)) is None     # idle: silent
     assert not StatsLog(0).due(10**12)
+
+
+def test_the_stats_line_gives_the_prefix_cache_hit_rate_of_its_interval():
+    stats = StatsLog(10.0)
+    numbers = dict(prompt_tokens=0, generated_tokens=0, running=1, waiting=0, pages_used=0,
+                   pages_total=100, recoveries=0)
+    stats.line(0, **numbers, prefix_cache={"queries": 1000, "hits": 0, "hit_rate": 0.0})
+    text = stats.line(10 * 10**9, **numbers, prefix_cache={"queries": 1400, "hits": 300, "hit_rate": 0.21})
+    assert text.endswith(", prefix cache hit rate 75.0%")           # 300 of the interval's 400
+    assert "prefix cache" not in stats.line(20 * 10**9, **numbers, prefix_cache={"queries": 1400, "hits": 300})
+    assert "prefix cache" not in stats.line(30 * 10**9, **numbers)
