@@ -97,7 +97,7 @@ def run_mode(args, workload: dict, caching: bool, log_dir: Path) -> dict:
         argv += ["--kv-pages", str(args.kv_pages)]
     system, convs = workload["system"], workload["conversations"]
     mode = "on" if caching else "off"
-    with SidecarProcess(argv, log_path=log_dir / f"sidecar_{mode}.log") as sc:
+    with SidecarProcess(argv, log_path=log_dir / f"prefix_cache_{mode}.log") as sc:
         sc.wait_steady(timeout=900)
         with sc.new_client(timeout=600) as client:
             warm, _ = run_wave(client, [request(system, 1, dict(temperature=0.0))])
@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-memory", default=None, help="the sidecar's --kv-memory")
     p.add_argument("--kv-pages", type=int, default=None, help="the sidecar's --kv-pages")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the sidecars' logs here (default: dropped)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = args.device.split(":")[0]
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
             mode = "on" if caching else "off"
             print(f"prefix caching {mode}: {args.streams} streams, 2 turns, then a kill ...", file=sys.stderr,
                   flush=True)
-            results["runs"][mode] = run_mode(args, workload, caching, Path(tmp))
+            results["runs"][mode] = run_mode(args, workload, caching, args.log_dir or Path(tmp))
             args.out.write_text(json.dumps(results) + "\n")        # keep what we have
     results["summary"] = summarize(args, results["runs"])
     args.out.write_text(json.dumps(results) + "\n")

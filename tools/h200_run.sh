@@ -18,6 +18,10 @@
 #   takeover-profile  recovery as above (standby, PROFILE_KILLS, default 3) with KVHOLD_PROFILE_TAKEOVER:
 #                  the promoted executor's kernels in its takeover and first steps
 #                                                   -> takeover_profile_cuda.txt, recovery_cuda_profiled.json
+#   prefix-cache   the prefix cache against none, Llama-3-8B, 64 streams: a 2,048-token shared system prompt,
+#                  64-256-token first turns, 64-token follow-ups on the first answers, 64 tokens a turn,
+#                  then a SIGKILL of the active executor in the follow-ups (tools/bench_prefix_cache.py)
+#                                                                                  -> prefix_cache_cuda.json
 #   checksum       the validation pass's checksum kernel at Llama-3-8B page shapes against its bandwidth
 #                  floor and candidate kernels (tools/probe_checksum.py)          -> checksum_cuda.json
 #   takeover       a takeover's parts in one process, Llama-3-8B, 64 streams (512-2048-token prompts) in a
@@ -122,6 +126,14 @@ for phase in "${@:-tests}"; do
     model_8b
     KVHOLD_PROFILE_TAKEOVER="$OUT/takeover_profile_cuda.txt" timeout $(left) python3 -m tools.bench_recovery $LOAD \
         --kills ${PROFILE_KILLS:-3} --tiers standby --lease-ms 30000 --log-level INFO --out "$OUT/recovery_cuda_profiled.json" 2>&1 | tail -14
+    ;;
+  prefix-cache)
+    model_8b
+    timeout $(left) python3 -m tools.bench_prefix_cache --device cuda:0 --model /tmp/l8b --streams 64 \
+        --prefix-tokens 2048 --suffix-tokens 64,256 --follow-up-tokens 64 --max-tokens 64 --max-seq-len 2560 \
+        --max-batch-tokens 8192 --max-batch 64 --kv-memory 40GiB --log-dir "$OUT" \
+        --out "$OUT/prefix_cache_cuda.json" 2>&1 | tail -12
+    gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   checksum)
     timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m tools.probe_checksum --pages 5700 \

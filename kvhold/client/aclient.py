@@ -167,6 +167,12 @@ class AsyncClient:
         health action's closure first (local socket only; see `kvhold admissions`)."""
         return await self._request(lambda tag: m.Admissions(tag=tag, reopen=reopen))
 
+    async def reset_prefix_cache(self) -> None:
+        """Free every idle page of the sidecar's prefix cache (vLLM's reset_prefix_cache);
+        returns once the active executor has. Pages that running requests use stay theirs.
+        InvalidParams where the sidecar has no prefix cache."""
+        await self._request(lambda tag: m.ResetPrefixCache(tag=tag))
+
     @property
     def last_heard(self) -> float:
         """When (time.monotonic()) the last message from the sidecar came."""

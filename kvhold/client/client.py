@@ -214,6 +214,12 @@ class Client:
         health action's closure first (local socket only; see `kvhold admissions`)."""
         return self._ask(*self._core.request(lambda tag: m.Admissions(tag=tag, reopen=reopen)))
 
+    def reset_prefix_cache(self) -> None:
+        """Free every idle page of the sidecar's prefix cache (vLLM's reset_prefix_cache);
+        returns once the active executor has. Pages that running requests use stay theirs.
+        InvalidParams where the sidecar has no prefix cache."""
+        self._ask(*self._core.request(lambda tag: m.ResetPrefixCache(tag=tag)))
+
     @property
     def last_heard(self) -> float:
         """When (time.monotonic()) the last message from the sidecar came."""

@@ -303,6 +303,7 @@ class ClientCore:
     _HANDLERS = {m.Accepted: _on_accepted, m.Tokens: _on_tokens, m.Done: _on_done, m.Error: _on_error,
                  m.Cancelled: _on_reply, m.StatusReply: _on_reply, m.Pong: _on_reply,
                  m.PoolRestartReply: _on_reply, m.AdmissionsReply: _on_reply,
+                 m.ResetPrefixCacheReply: _on_reply,
                  m.Keepalive: _on_keepalive, m.Restarting: _on_restarting}
 
     # ------------------------------------------------------------------ silence and resumes

@@ -108,13 +108,26 @@ class BlockManager:
         short = n - self.allocator.num_free
         if short <= 0 or self.prefix is None:
             return
-        pages = self.prefix.evict(short)
-        if pages:
-            self.page_table.release(pages)
-            self.allocator.free(pages)
-            for page in pages:
-                self.checksums.pop(page, None)
-                self.counts.pop(page, None)
+        self._release(self.prefix.evict(short))
+
+    def reset_prefix_cache(self) -> int:
+        """Every idle cached page out of the index and freed (vLLM's reset_prefix_cache); the
+        pages running sequences list stay. The number freed."""
+        if self.prefix is None:
+            return 0
+        pages = self.prefix.reset()
+        self._release(pages)
+        return len(pages)
+
+    def _release(self, pages: list[int]) -> None:
+        """Pages no sequence lists any more back to the free list, their records cleared."""
+        if not pages:
+            return
+        self.page_table.release(pages)
+        self.allocator.free(pages)
+        for page in pages:
+            self.checksums.pop(page, None)
+            self.counts.pop(page, None)
 
     def allocate(self, seq: Sequence, n: int) -> None:
         if n <= 0:
@@ -216,11 +229,6 @@ class BlockManager:
         if self.prefix is not None:
             own = [p for p in seq.pages if not self.prefix.is_cached(p)]
             self.prefix.unref([p for p in seq.pages if self.prefix.is_cached(p)])
-        if own:
-            self.page_table.release(own)
-            self.allocator.free(own)
-        for page in own:
-            self.checksums.pop(page, None)
-            self.counts.pop(page, None)
+        self._release(own)
         seq.pages = []
         seq.cached_upto = 0

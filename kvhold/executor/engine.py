@@ -139,6 +139,23 @@ class Engine:
         return self.scheduler.has_work or self.commits.pending is not None or len(self.pending_admissions()) > 0
 
     # ------------------------------------------------------------------ takeover
+    def reset_prefix_cache_if_asked(self) -> int | None:
+        """Carry out the prefix-cache resets the frontend asked for in the tables' header
+        (POST /reset_prefix_cache) since the last one done: every idle cached page leaves the
+        index and is freed; pages that running requests list stay theirs. The number evicted,
+        or None with nothing asked. A reset asked of an executor that died first is the
+        successor's (the header keeps both counts)."""
+        if self.blocks.prefix is None:
+            return None
+        header = self.tables.header
+        asked = int(header["prefix_reset_asked"])
+        if asked == int(header["prefix_reset_done"]):
+            return None
+        self.lease.check()
+        evicted = self.blocks.reset_prefix_cache()
+        header["prefix_reset_done"] = asked
+        return evicted
+
     def take_over(self, pending_epochs, detect_ns: int = 0, isolate=()) -> RecoveryReport:
         """Continue every request a dead executor left (kvhold.executor.takeover). `isolate`:
         [request id, KV end] of requests that were in the step of a dead executor: the step of

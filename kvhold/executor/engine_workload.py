@@ -208,6 +208,12 @@ class EngineWorkload(WorkloadBase):
     def has_work(self) -> bool:
         return self.engine.has_work
 
+    def maintain(self) -> None:
+        reset = getattr(self.engine, "reset_prefix_cache_if_asked", None)   # an engine bridge's has none
+        evicted = reset() if reset is not None else None
+        if evicted is not None:
+            log.info("prefix cache reset: %d idle cached pages freed", evicted)
+
     def idle(self) -> None:
         ahead = getattr(self.engine, "tokens_ahead", None)     # an engine bridge's has none
         if ahead is not None:

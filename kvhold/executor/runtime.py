@@ -344,6 +344,8 @@ class ExecutorRuntime:
                 continue
             if not self.active:
                 workload.idle()
+            else:
+                workload.maintain()
             if self.active and workload.has_work():
                 slots = workload.step()
                 ctx.steps += 1

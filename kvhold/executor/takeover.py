@@ -213,6 +213,7 @@ def live_requests(journal, ahead=None) -> tuple[list[RequestPlan], int]:
 def _resume(engine, strategy: TakeoverStrategy, plans: list[RequestPlan]) -> None:
     """List the kept pages in the journal, then schedule each sequence (or finish it)."""
     if not plans:
+        strategy.attach([])       # no request, but the prefix cache's idle pages are indexed again
         return
     journal = engine.journal
     slots = np.fromiter((plan.entry.slot for plan in plans), dtype=np.int64, count=len(plans))

@@ -35,6 +35,8 @@ class Workload(Protocol):
 
     def on_wake(self) -> None: ...
 
+    def maintain(self) -> None: ...
+
     def idle(self) -> None: ...
 
     def on_reaped(self, epochs: list[int]) -> None: ...
@@ -72,6 +74,10 @@ class WorkloadBase:
 
     def on_wake(self) -> None:
         pass
+
+    def maintain(self) -> None:
+        """The active executor's loop turned (every step, and every heartbeat when idle):
+        work the tables ask for outside the requests (a prefix-cache reset)."""
 
     def idle(self) -> None:
         """A standby's loop woke with nothing to do (every heartbeat): work ahead of a takeover."""

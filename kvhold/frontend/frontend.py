@@ -120,6 +120,7 @@ class Frontend:
         self.prefix_caching = prefix_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._resets: list[tuple[bytes, int, int]] = []   # (client, tag, the count it waits for)
         self.durable = durable              # kvhold.sidecar.durable_journal.DurableJournal
         self.fingerprint = fingerprint
         self.timeline = timeline
@@ -139,7 +140,8 @@ class Frontend:
         self.num_finished = collections.Counter()
         self.closed: dict[str, str] = {}    # why admissions are closed, by who closed them
         self._handlers: dict[type, Callable] = {m.Generate: self.on_generate, m.Cancel: self.on_cancel,
-                                                m.Status: self.on_status, m.Ping: self.on_ping}
+                                                m.Status: self.on_status, m.Ping: self.on_ping,
+                                                m.ResetPrefixCache: self.on_reset_prefix_cache}
         self.records: dict[int, dict] = {}   # request id -> its durable journal record (admission)
         self.prompts = PromptTokenizer(self.tokenizer, max_prompt_bytes, tables.geometry.max_seq_len)
         self._tokenizing: dict[Future, tuple[bytes, int]] = {}   # -> (client, tag)
@@ -514,7 +516,34 @@ class Frontend:
             del self.streams[st.request_id]
             self.num_finished[reason.name.lower()] += 1
 
+    def on_reset_prefix_cache(self, identity: bytes, msg: m.ResetPrefixCache):
+        """Ask the active executor, through the tables' header, to free every idle cached page;
+        the reply goes when it has (`tick`). A reset asked while no executor runs is carried out
+        by the next one, and one asked of an executor that dies first by its successor."""
+        if not self.prefix_caching:
+            return m.Error(code=ErrorCode.INVALID_PARAMS, tag=msg.tag,
+                           message="this sidecar has no prefix cache (--no-enable-prefix-caching, or a "
+                                   "workload without one)")
+        header = self.tables.header
+        asked = int(header["prefix_reset_asked"]) + 1
+        header["prefix_reset_asked"] = asked
+        self._resets.append((identity, msg.tag, asked))
+        self.host.wake_executor()
+        return None
+
+    def _answer_resets(self) -> None:
+        done = int(self.tables.header["prefix_reset_done"])
+        still = []
+        for identity, tag, asked in self._resets:
+            if done >= asked:
+                self.host.send_client(identity, m.ResetPrefixCacheReply(tag=tag))
+            else:
+                still.append((identity, tag, asked))
+        self._resets = still
+
     def tick(self, now: int) -> None:
+        if self._resets:
+            self._answer_resets()
         self._admit_ready()
         if now >= self._next_pump_ns:  # safety net: the journal is the truth, not messages
             self._pump_all()
@@ -532,7 +561,7 @@ class Frontend:
     def next_deadline_ns(self) -> int:
         if self._ready:
             return 0          # admissions on disk wait for the next turn's slice
-        deadline = self._next_pump_ns if self.streams else now_ns() + 1_000_000_000
+        deadline = self._next_pump_ns if self.streams or self._resets else now_ns() + 1_000_000_000
         if self.streams:
             deadline = min(deadline, min(st.last_send_ns for st in self.streams.values()) + KEEPALIVE_NS)
         return deadline

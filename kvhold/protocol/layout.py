@@ -73,6 +73,10 @@ HEADER_DTYPE = np.dtype([
     # mutable, sidecar-written
     ("state", "<u4"), ("epoch_counter", "<u8"), ("request_counter", "<u8"),
     ("weights_state", "<u4"), ("weights_epoch", "<u4"), ("weights_fingerprint", "S32"),
+    # the prefix cache's resets (POST /reset_prefix_cache): asked, counted by the frontend (its
+    # one writer), and the last count the active executor carried out (its one writer); 0 in
+    # tables of earlier builds
+    ("prefix_reset_asked", "<u8"), ("prefix_reset_done", "<u8"),
 ])
 _CRC_END = HEADER_DTYPE.fields["geometry_crc"][1]
 

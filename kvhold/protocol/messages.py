@@ -295,7 +295,22 @@ class AdmissionsReply:
     closed_by: dict                 # who keeps admissions closed -> why (empty when open)
 
 
+# ------------------------------------------------------------------ prefix cache (kvhold.executor.prefix_cache)
+
+
+@message("reset_prefix_cache")
+class ResetPrefixCache:
+    """Client -> sidecar (vLLM's POST /reset_prefix_cache): free every idle cached page; the
+    reply comes once the active executor has."""
+    tag: int
+
+
+@message("reset_prefix_cache_reply")
+class ResetPrefixCacheReply:
+    tag: int
+
+
 CONTROL_IN = frozenset({"attach", "ready", "weights_loading", "weights_sealed", "step",
                         "recovered", "bye"})
 CLIENT_IN = frozenset({"generate", "cancel", "status", "ping", "pool_restart", "resume",
-                       "admissions"})
+                       "admissions", "reset_prefix_cache"})

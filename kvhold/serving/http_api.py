@@ -165,7 +165,10 @@ class _ApiMiddleware:
 
 
 def _guarded(path: str) -> bool:
-    return path.startswith(("/v1", "/docs/")) or path in _DESCRIPTION or path in _TOKENIZER
+    return path.startswith(("/v1", "/docs/")) or path in _DESCRIPTION or path in _TOKENIZER or path in _ADMIN
+
+
+_ADMIN = {"/reset_prefix_cache"}
 
 
 _TOKENIZER = {"/tokenize", "/detokenize"}
@@ -188,7 +191,7 @@ _RESUME_DOC = {
                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
 }
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
-              "/tokenize", "/detokenize", "/version"}
+              "/tokenize", "/detokenize", "/version", "/reset_prefix_cache"}
 MAX_REQUEST_ID = 256        # an X-Request-Id longer than this is not echoed
 
 
@@ -254,6 +257,9 @@ class SidecarBackend:
     async def render_metrics(self) -> bytes:
         await self.poll()
         return self.metrics.render()
+
+    async def reset_prefix_cache(self) -> None:
+        await self.client.reset_prefix_cache()
 
 
 class _Service:
@@ -651,6 +657,13 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
     @app.get("/v1/streams/{stream_id}", openapi_extra=_RESUME_DOC)
     async def resume_stream(stream_id: str, request: Request):
         return await svc.resume(stream_id, request.headers.get("last-event-id"), _owner(request))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: free every idle page of the prefix cache (behind the API key); 200 once the
+        active executor has, 400 where the sidecar has none."""
+        await svc.backend.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.get("/health")
     async def health():

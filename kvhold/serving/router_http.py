@@ -140,6 +140,12 @@ class RouterBackend:
     async def render_metrics(self) -> bytes:
         return self.metrics.render()
 
+    async def reset_prefix_cache(self) -> None:
+        from kvhold.serving.openai_schema import ApiError
+
+        raise ApiError(400, "kvhold router does not reset its sidecars' prefix caches: send POST "
+                            "/reset_prefix_cache to each sidecar's kvhold serve", code="unsupported")
+
 
 def run_router(config: RouterConfig) -> int:
     import uvicorn

@@ -8,6 +8,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.protocol.layout import PageFlag
@@ -65,3 +66,43 @@ def test_a_damaged_shared_page_and_a_sigkill_lose_nothing(tiny_model, start_side
         assert rec["pages_bad"] == 1 and rec["requests_damaged"] == 8 and rec["requests_lost"] == 0
         later = wait_all(submit(client, [LATER]))
         assert ids(later) == reference[2] and later[0].cached_tokens == 48
+
+
+def test_a_reset_asked_of_a_stopped_executor_is_carried_out_by_its_successor(tiny_model, start_sidecar):
+    """POST /reset_prefix_cache's path: the frontend asks in the tables' header and answers once
+    the active executor has freed every idle cached page. Asked of an executor that is stopped,
+    then SIGKILLed, the reset is its successor's: the reply comes, the idle pages are freed, and
+    the next request finds nothing cached."""
+    import threading
+
+    from kvhold.protocol.errors import InvalidParams
+
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--lease-ms", "5000"])
+    pid = sc.wait_steady()["pid"]
+    tables, _ = attach_pool(sc)
+    with sc.new_client(timeout=90) as client:
+        wait_all(submit(client, [WARM]))
+        assert sc.status()["pages"]["cached"] >= 3            # the shared prompt's pages, idle
+        os.kill(pid, signal.SIGSTOP)
+        wait_stopped(pid, 60)
+        done = {}
+        asker = threading.Thread(target=lambda: done.update(ok=client.reset_prefix_cache()), daemon=True)
+        asker.start()
+        wait_until(lambda: int(tables.header["prefix_reset_asked"]) == 1, 60, what="the reset to be asked")
+        assert int(tables.header["prefix_reset_done"]) == 0 and asker.is_alive()
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+        asker.join(90)
+        assert "ok" in done                                   # answered, by the successor
+        assert int(tables.header["prefix_reset_done"]) == 1
+        pages = sc.status()["pages"]
+        assert pages["cached"] == 0 and pages["committed"] == 0
+        later = wait_all(submit(client, [LATER]))
+        assert later[0].cached_tokens == 0                    # nothing left to find
+        again = wait_all(submit(client, [LATER]))
+        assert again[0].cached_tokens == 48 and ids(again) == ids(later)    # the cache fills again
+    plain = start_sidecar(["--model", str(tiny_model), *FLAGS, "--no-enable-prefix-caching", "--standbys", "0"])
+    plain.wait_steady(standbys=0)
+    with plain.new_client(timeout=30) as client:
+        with pytest.raises(InvalidParams, match="no prefix cache"):
+            client.reset_prefix_cache()

@@ -120,6 +120,26 @@ def test_api_key_on_every_v1_route(server):
     assert http_client().get(server.base + "/metrics").status_code == 200
 
 
+def test_reset_prefix_cache_behind_the_key(server):
+    prompt = [300 + (7 * j) % 200 for j in range(40)] + [5, 6, 7]       # two full pages, then a tail
+    body = {"model": "tiny-v1", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+
+    def cached() -> int:
+        r = server.post("/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() == 32                          # found the first request's two full pages
+    r = httpx.post(server.base + "/reset_prefix_cache", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert server.post("/reset_prefix_cache", None).status_code == 200
+    assert cached() == 0                           # the idle pages were freed
+    metrics = http_client().get(server.base + "/metrics").text
+    assert 'kvhold_prefix_cache_hits_total{model_name="tiny-v1"}' in metrics
+    assert 'kvhold_kv_pages{state="cached"}' in metrics
+
+
 def test_a_stream_crosses_an_executor_sigkill(server):
     kw = dict(prompt="Never lose a stream", max_tokens=80, temperature=0.9, seed=11)
     reference = completion(server, **kw).choices[0].text

@@ -135,6 +135,30 @@ def test_idle_cached_pages_are_evicted_when_the_pool_needs_them(model):
         pool.close()
 
 
+def test_a_reset_frees_the_idle_cached_pages_and_leaves_the_listed_ones(model):
+    requests = [request(i, max_tokens=40) for i in range(2)]
+    pool = EnginePool(model, 64)
+    try:
+        engine, ids = pool.started(requests[:1], prefix_salt=SALT)
+        run_to_end(engine)
+        ids += admit(pool.tables, requests[1:])
+        decode_until(engine, 2)                         # the second runs on the shared prompt's pages
+        cache, header = engine.blocks.prefix, pool.tables.header
+        idle, shared = cache.evictable, system_pages(cache)
+        assert idle > 0 and all(cache.refs[p] == 1 for p in shared)
+        assert engine.reset_prefix_cache_if_asked() is None            # nothing asked
+        header["prefix_reset_asked"] = 1
+        free = engine.blocks.allocator.num_free
+        assert engine.reset_prefix_cache_if_asked() == idle
+        assert int(header["prefix_reset_done"]) == 1 and engine.reset_prefix_cache_if_asked() is None
+        assert cache.evictable == 0 and engine.blocks.allocator.num_free == free + idle
+        assert all(cache.is_cached(p) for p in shared)                  # listed: kept, still found
+        run_to_end(engine)
+        assert pool.outputs(ids) == uncached_outputs(model, requests)
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("gaps", [(0, 2, 2, 0, 3, 3), (1, 0, 3, 2, 0, 1), (0, 0, 1, 3, 2, 3)])
 def test_preemption_in_a_small_pool_never_stalls_on_cached_pages(model, gaps):
     """Requests arriving a few steps apart in a pool that holds about two of them: preempted
@@ -157,6 +181,28 @@ def test_preemption_in_a_small_pool_never_stalls_on_cached_pages(model, gaps):
         run_to_end(engine, limit=1000)
         assert pool.outputs(ids) == expected
         assert engine.scheduler.num_preemptions > 0
+    finally:
+        pool.close()
+
+
+def test_a_takeover_with_no_request_running_keeps_the_idle_cache(model):
+    """An executor dies while idle, its cache warm: the successor indexes the idle pages again
+    (they are neither lost to it nor leaked out of the free list), and the next request finds them."""
+    pool = EnginePool(model, 32)
+    try:
+        dead, ids = pool.started([request(99)], prefix_salt=SALT)
+        run_to_end(dead)
+        idle = sorted(dead.blocks.prefix.idle)
+        free = dead.blocks.allocator.num_free
+        epoch = pool.fence(dead)
+        survivor = pool.engine(prefix_salt=SALT)
+        survivor.take_over([epoch], 0)
+        cache = survivor.blocks.prefix
+        assert sorted(cache.idle) == idle and survivor.blocks.allocator.num_free == free
+        ids += admit(pool.tables, [request(1)])
+        run_to_end(survivor)
+        assert survivor.blocks.prefix.hits == 3 * PT
+        assert pool.outputs(ids) == uncached_outputs(model, [request(99), request(1)])
     finally:
         pool.close()
 
