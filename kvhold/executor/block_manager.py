@@ -119,6 +119,13 @@ class BlockManager:
         self._release(pages)
         return len(pages)
 
+    def release_unverified(self, pages: list[int], intact: list[bool], checksums) -> None:
+        """The checks of idle cached pages a takeover kept (Engine.verify_cache): the intact
+        ones enter the index, idle, with their count and checksum; the others are freed."""
+        ok = [p for p, good in zip(pages, intact) if good]
+        self.record(ok, [self.page_tokens] * len(ok), [int(checksums[i]) for i, good in enumerate(intact) if good])
+        self._release(self.prefix.verified(pages, intact))
+
     def _release(self, pages: list[int]) -> None:
         """Pages no sequence lists any more back to the free list, their records cleared."""
         if not pages:

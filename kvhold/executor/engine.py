@@ -30,7 +30,7 @@ from kvhold.executor.sampler import sample, token_logprobs
 from kvhold.executor.step_runner import CpuRunner
 from kvhold.executor.scheduler import Scheduled, Scheduler
 from kvhold.executor.sequence import Sequence
-from kvhold.protocol.checksum import TorchChecksum
+from kvhold.protocol.checksum import TorchChecksum, to_u64
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import AdmitState, FinishReason
 from kvhold.protocol.leases import Lease, now_ns
@@ -40,6 +40,10 @@ from kvhold.protocol.sampling import SamplingParams
 from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
+
+# idle cached pages a takeover kept are checked this many at a time, between steps
+VERIFY_BATCH_CPU = 64
+VERIFY_BATCH_CUDA = 2048
 
 
 class Engine:
@@ -139,6 +143,26 @@ class Engine:
         return self.scheduler.has_work or self.commits.pending is not None or len(self.pending_admissions()) > 0
 
     # ------------------------------------------------------------------ takeover
+    def verify_cache(self, limit: int | None = None) -> int:
+        """Check the checksums of up to `limit` idle cached pages a takeover kept unchecked (so
+        that the recovery's path hashes only the pages requests list), once the first step after
+        it has run or there is nothing to run: those that match enter the index, the others are
+        freed. Returns how many were checked."""
+        prefix = self.blocks.prefix
+        if prefix is None or not prefix.unverified or (self._just_took_over and self.has_work):
+            return 0
+        limit = limit or (VERIFY_BATCH_CUDA if self.device.type == "cuda" else VERIFY_BATCH_CPU)
+        pages, expected = prefix.to_verify(limit)
+        self.lease.check()
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        sums = to_u64(self.checksum.pages(idx, torch.full_like(idx, self.page_tokens)))
+        intact = (sums == np.asarray(expected, dtype=np.uint64)).tolist()
+        if not all(intact):
+            log.warning("%d idle cached pages kept by the takeover failed their checksum: freed",
+                        intact.count(False))
+        self.blocks.release_unverified(pages, intact, sums)
+        return len(pages)
+
     def reset_prefix_cache_if_asked(self) -> int | None:
         """Carry out the prefix-cache resets the frontend asked for in the tables' header
         (POST /reset_prefix_cache) since the last one done: every idle cached page leaves the

@@ -210,9 +210,12 @@ class EngineWorkload(WorkloadBase):
 
     def maintain(self) -> None:
         reset = getattr(self.engine, "reset_prefix_cache_if_asked", None)   # an engine bridge's has none
-        evicted = reset() if reset is not None else None
+        if reset is None:
+            return
+        evicted = reset()
         if evicted is not None:
             log.info("prefix cache reset: %d idle cached pages freed", evicted)
+        self.engine.verify_cache()
 
     def idle(self) -> None:
         ahead = getattr(self.engine, "tokens_ahead", None)     # an engine bridge's has none

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -56,6 +57,9 @@ class PrefixCache:
         self.key_of: dict[int, int] = {}                 # page -> key
         self.refs: dict[int, int] = {}                   # page -> sequences listing it (cached pages)
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()   # unreferenced, LRU first
+        # idle pages a takeover kept but has not checked: page -> (key, recorded checksum); not
+        # found by lookups, evicted before any idle page, indexed by `verified`
+        self.unverified: dict[int, tuple[int, int]] = {}
         self.queries = 0                                 # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0                                    # of those, found cached (prefix_cache_hits)
 
@@ -130,7 +134,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ room
     @property
     def evictable(self) -> int:
-        return len(self.idle)
+        return len(self.idle) + len(self.unverified)
 
     @property
     def num_cached(self) -> int:
@@ -139,6 +143,9 @@ class PrefixCache:
     def evict(self, n: int) -> list[int]:
         """Take the `n` least recently used idle pages out of the index (the caller frees them)."""
         out = []
+        while self.unverified and len(out) < n:          # never checked: cheapest to lose
+            page, _ = self.unverified.popitem()
+            out.append(page)
         while self.idle and len(out) < n:
             page, _ = self.idle.popitem(last=False)
             out.append(page)
@@ -148,13 +155,45 @@ class PrefixCache:
     def drop(self, pages: Iterable[int]) -> None:
         """Pages that must not be found again (found damaged, reset): out of the index."""
         for page in pages:
+            self.unverified.pop(page, None)
             if page in self.key_of:
                 self.idle.pop(page, None)
                 self._forget(page)
 
     def reset(self) -> list[int]:
         """Every idle page out of the index (vLLM's reset_prefix_cache); referenced ones stay."""
-        return self.evict(len(self.idle))
+        return self.evict(self.evictable)
+
+    def hold_unverified(self, pages, keys, checksums) -> None:
+        """After a takeover: idle cached pages kept whole but not checked yet (kvhold.executor.
+        recovery), each with its key and its recorded checksum."""
+        for page, key, checksum in zip(np.asarray(pages, dtype=np.int64).tolist(), np.asarray(keys).tolist(),
+                                       np.asarray(checksums).tolist()):
+            self.unverified[page] = (int(key) & _MASK, int(checksum))
+
+    def to_verify(self, n: int) -> tuple[list[int], list[int]]:
+        """Up to `n` unverified pages and their recorded checksums (they stay unverified until
+        `verified`)."""
+        pages = list(itertools.islice(self.unverified, n))
+        return pages, [self.unverified[p][1] for p in pages]
+
+    def verified(self, pages: list[int], intact: list[bool]) -> list[int]:
+        """The checks of `to_verify`'s pages: an intact one is indexed, idle and most recently
+        used; returns the pages to free (damaged, or a second page under a key)."""
+        release = []
+        for page, ok in zip(pages, intact):
+            entry = self.unverified.pop(page, None)
+            if entry is None:
+                continue                               # evicted meanwhile
+            key = entry[0]
+            if not ok or key in self.by_key:
+                release.append(page)
+                continue
+            self.by_key[key] = page
+            self.key_of[page] = key
+            self.refs[page] = 0
+            self.idle[page] = None
+        return release
 
     def _forget(self, page: int) -> None:
         del self.by_key[self.key_of.pop(page)]
@@ -169,6 +208,7 @@ class PrefixCache:
         self.key_of.clear()
         self.refs.clear()
         self.idle.clear()
+        self.unverified.clear()
         counts = collections.Counter(np.asarray(listed, dtype=np.int64).tolist())
         left = []
         for page, key in zip(np.asarray(pages, dtype=np.int64).tolist(), np.asarray(keys).tolist()):
@@ -185,4 +225,4 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "cached_pages": self.num_cached,
-                "idle_pages": self.evictable}
+                "idle_pages": len(self.idle), "unverified_pages": len(self.unverified)}

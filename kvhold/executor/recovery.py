@@ -54,10 +54,12 @@ class NativeTakeover:
         self.ctx = ctx
         self.records = self.checksums = None
         self.flat = self.lens = None             # every plan's page list (`listing`)
-        self.prefetched = None                   # (pages, counts, their checksums on the device)
+        self.prefetched = None                   # (pages, counts, checksums on the device, and the
+                                                 # listing's index into them where pages repeat)
         self.checked = self.bad = self.interrupted = 0
         self.realigned = self.dropped = 0
         self.tails: dict[int, Tail] = {}         # journal slot -> its tail
+        self.unverified = np.zeros(0, dtype=np.int64)   # idle cached pages kept, not yet checked
         self.kept = None                         # mask over the pages: kept by the takeover (`clear`)
         self.marks: list[tuple[str, int]] = [("start", now_ns())]   # host timing (`trace`)
 
@@ -86,9 +88,14 @@ class NativeTakeover:
         if not len(flat) or flat.min() < 0 or flat.max() >= len(ctx.page_table.pages):
             return
         counts = np.minimum(ctx.page_table.pages["num_tokens"][flat], ctx.page_tokens).astype(np.int64)
+        pages, rows, inverse = flat, counts, None
+        if ctx.blocks.prefix is not None:    # a cached page many requests list is hashed once
+            uniq, first, inv = np.unique(flat, return_index=True, return_inverse=True)
+            if len(uniq) < len(flat):
+                pages, rows, inverse = uniq, counts[first], inv
         dev = ctx.device
-        sums = ctx.checksum.pages(torch.from_numpy(flat).to(dev), torch.from_numpy(counts).to(dev))
-        self.prefetched = (flat, counts, sums)
+        sums = ctx.checksum.pages(torch.from_numpy(pages).to(dev), torch.from_numpy(rows).to(dev))
+        self.prefetched = (flat, counts, sums, inverse)
 
     def validate(self, plans: list[RequestPlan], pending: set[int]) -> None:
         ctx = self.ctx
@@ -113,8 +120,10 @@ class NativeTakeover:
         # executor that dies in its takeover leaves lists whose pages still hold their KV
         ctx.journal.truncate_page_lists(_slots(plans), ends)
         kept = kept_mask(len(records), self.flat, self.lens, ends)
+        self.unverified = np.zeros(0, dtype=np.int64)
         if ctx.blocks.prefix is not None:
-            kept[_idle_cache(ctx, records, kept)] = True
+            self.unverified = _idle_cache(ctx, records, kept)
+            kept[self.unverified] = True
         self.kept = kept
         hold, epochs = _clear_unkept(ctx, records, kept, pending)
         ctx.quarantined.update(zip(hold.tolist(), epochs.tolist()))
@@ -206,11 +215,15 @@ class NativeTakeover:
         sequence lists is released."""
         ctx, records, blocks = self.ctx, self.records, self.ctx.blocks
         flags = records["flags"]
-        cached = np.flatnonzero(self.kept & ((flags & PageFlag.CACHED) != 0) & ((flags & PageFlag.BAD) == 0))
+        kept = self.kept.copy()
+        kept[self.unverified] = False            # indexed once their checksums are checked
+        cached = np.flatnonzero(kept & ((flags & PageFlag.CACHED) != 0) & ((flags & PageFlag.BAD) == 0))
         listed = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
         left = blocks.prefix.rebuild(cached, records["owner"][cached], listed)
         idle = np.setdiff1d(cached, listed)
         blocks.record(idle.tolist(), [ctx.page_tokens] * len(idle), records["checksum"][idle].tolist())
+        unverified = self.unverified
+        blocks.prefix.hold_unverified(unverified, records["owner"][unverified], records["checksum"][unverified])
         unlisted = np.setdiff1d(np.asarray(left, dtype=np.int64), listed)
         if len(unlisted):
             ctx.page_table.release(unlisted)
@@ -255,6 +268,8 @@ def _validate(ctx: TakeoverContext, records, plans: list[RequestPlan], page_toke
     if prefetched is not None and np.array_equal(prefetched[0], idx) and np.array_equal(prefetched[1], counts):
         mark("sums_prefetched")
         sums = to_u64(prefetched[2])
+        if prefetched[3] is not None:      # hashed once per page: one sum per listing
+            sums = sums[prefetched[3]]
     else:
         mark("sums_own")
         sums = _checksums_once(ctx, idx, counts)
@@ -389,19 +404,17 @@ def free_pages(kept: np.ndarray, quarantined) -> np.ndarray:
 
 
 def _idle_cache(ctx: TakeoverContext, records, kept: np.ndarray) -> np.ndarray:
-    """Cached pages no live request lists (the prefix cache's idle pages) that are whole and
-    intact: full, not being written, not flagged, their checksum matching (one pass). The
-    takeover keeps them; any other is released with the unkept pages."""
+    """Cached pages no live request lists (the prefix cache's idle pages) that look whole: full,
+    not being written, not flagged. The takeover keeps them out of the free list and out of the
+    index; the engine checks their checksums after the first resumed step (`Engine.verify_cache`),
+    off the recovery's path, and indexes those that match. Any other is released with the unkept
+    pages."""
     flags = records["flags"]
     cand = np.flatnonzero(((flags & PageFlag.CACHED) != 0)
                           & ((flags & (PageFlag.BAD | PageFlag.QUARANTINED)) == 0)
                           & ((records["version"] & 1) == 0) & (records["owner"] != 0)
                           & (records["num_tokens"] == ctx.page_tokens) & ~kept)
-    cand = cand[cand > NULL_PAGE]
-    if not len(cand):
-        return cand
-    sums = _checksums(ctx, cand, np.full(len(cand), ctx.page_tokens, dtype=np.int64))
-    return cand[sums == records["checksum"][cand]]
+    return cand[cand > NULL_PAGE]
 
 
 def _clear_unkept(ctx: TakeoverContext, records, kept: np.ndarray, pending: set[int]) -> tuple[np.ndarray, np.ndarray]:

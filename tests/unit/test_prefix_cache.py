@@ -185,23 +185,36 @@ def test_preemption_in_a_small_pool_never_stalls_on_cached_pages(model, gaps):
         pool.close()
 
 
-def test_a_takeover_with_no_request_running_keeps_the_idle_cache(model):
-    """An executor dies while idle, its cache warm: the successor indexes the idle pages again
-    (they are neither lost to it nor leaked out of the free list), and the next request finds them."""
+@pytest.mark.parametrize("damage", [False, True])
+def test_a_takeover_with_no_request_running_keeps_the_idle_cache(model, damage):
+    """An executor dies while idle, its cache warm: the successor keeps the idle pages (neither
+    lost to it nor leaked out of the free list) without hashing them on the recovery's path, then
+    checks them (`verify_cache`) and indexes the intact ones; a damaged one is freed, never
+    found. The next request finds what is left."""
     pool = EnginePool(model, 32)
     try:
         dead, ids = pool.started([request(99)], prefix_salt=SALT)
         run_to_end(dead)
         idle = sorted(dead.blocks.prefix.idle)
+        shared = system_pages(dead.blocks.prefix)
+        if damage:
+            pool.kv.pool[shared[2]].view(-1)[7] += 1.0
         free = dead.blocks.allocator.num_free
         epoch = pool.fence(dead)
         survivor = pool.engine(prefix_salt=SALT)
-        survivor.take_over([epoch], 0)
+        report = survivor.take_over([epoch], 0).to_dict()
         cache = survivor.blocks.prefix
-        assert sorted(cache.idle) == idle and survivor.blocks.allocator.num_free == free
+        assert report["pages_checked"] == 0 and not cache.idle            # none hashed on the way
+        assert sorted(cache.unverified) == idle and survivor.blocks.allocator.num_free == free
+        assert survivor.verify_cache() == len(idle) and not cache.unverified
+        if damage:
+            assert shared[2] not in cache.key_of and survivor.blocks.allocator.num_free == free + 1
+            assert sorted(cache.idle) == sorted(set(idle) - {shared[2]})
+        else:
+            assert sorted(cache.idle) == idle
         ids += admit(pool.tables, [request(1)])
         run_to_end(survivor)
-        assert survivor.blocks.prefix.hits == 3 * PT
+        assert survivor.blocks.prefix.hits == (2 if damage else 3) * PT
         assert pool.outputs(ids) == uncached_outputs(model, [request(99), request(1)])
     finally:
         pool.close()
