@@ -94,9 +94,9 @@ def admit(tables: Tables, requests: list[dict], slots: list[int] | None = None) 
             slots.append(slot)
         tables.header["request_counter"] += 1
         rid = (1 << 40) | int(tables.header["request_counter"])
-        journal.admit(slot, rid, r["prompt_ids"], SamplingParams(
-            max_tokens=r["max_tokens"], seed=r.get("seed", 0), temperature=r.get("temperature", 0.0),
-            top_p=r.get("top_p", 1.0), top_k=r.get("top_k", 0), min_tokens=r.get("min_tokens", 0),
-            stop_token_ids=tuple(r.get("stop_token_ids", ())), ignore_eos=r.get("ignore_eos", True)))
+        fields = {k: v for k, v in r.items() if k in SamplingParams.__dataclass_fields__}
+        fields = {"seed": 0, "temperature": 0.0, "ignore_eos": True, **fields,
+                  "stop_token_ids": tuple(r.get("stop_token_ids", ()))}
+        journal.admit(slot, rid, r["prompt_ids"], SamplingParams(**fields))
         ids.append(rid)
     return ids

@@ -13,6 +13,15 @@ request with `min_tokens` cannot end before that many generated tokens: until th
 tokens that would end it (`Sequence.masked_ids`: its stop ids, and EOS unless ignore_eos)
 get a logit of -inf, for greedy and sampled rows alike. The mask depends only on the
 request and the position, so a recomputation after a takeover picks the same tokens.
+
+Penalties are vLLM's, on the logits before temperature, for greedy and sampled rows alike:
+`repetition_penalty` r divides a positive logit by r and multiplies a negative one by r for
+every token in the prompt or generated so far; `frequency_penalty` f and `presence_penalty` p
+subtract f x (times the token was generated) + p x (1 if it was) . Then `min_p` (after
+temperature, before top-k and top-p) drops the tokens less likely than min_p times the most
+likely one. Each is a function of the request's tokens (the journal's: prompt and committed
+generated ones) and its params, per row, so a resumed request is penalized exactly as it
+would have been uninterrupted.
 """
 from __future__ import annotations
 
@@ -47,7 +56,7 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
         logits = logits.to(torch.float64)
     else:
         logits = logits.float()
-    logits = _mask(logits, seqs)
+    logits = _penalize(_mask(logits, seqs), seqs)
     tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
     rows = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
     if rows and (logits.device.type == "cpu" or pad_rows <= 0):
@@ -77,6 +86,29 @@ def _mask(logits: torch.Tensor, seqs) -> torch.Tensor:
     return logits
 
 
+def _penalize(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """`logits` with each penalized row's penalties applied (a copy when any row is)."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.penalized]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab, dev = logits.shape[-1], logits.device
+    for i in rows:
+        s, p = seqs[i], seqs[i].sampling
+        tokens = torch.tensor(s.tokens, dtype=torch.long, device=dev)
+        tokens = tokens[tokens < vocab]
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.unique(tokens)
+            x = row[seen]
+            row[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            generated = torch.tensor(s.tokens[s.prompt_len:], dtype=torch.long, device=dev)
+            counts = torch.bincount(generated[generated < vocab], minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
 class _Pad:
     """A padding row (its token is discarded)."""
     sampling = SamplingParams(temperature=1.0, seed=0)
@@ -97,6 +129,10 @@ def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
                      device=dev)
 
     scaled = logits / temps[:, None]
+    if any(p.min_p > 0 for p in params):   # p_i < min_p x p_max, as logits: below max + log(min_p)
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
+        floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)
     sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))

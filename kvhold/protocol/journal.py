@@ -405,6 +405,10 @@ def _write_sampling(r: np.ndarray, slot: int, p: SamplingParams) -> None:
     r["flags"][slot] = RequestFlag.IGNORE_EOS if p.ignore_eos else RequestFlag.NONE
     r["logprobs"][slot] = 0 if p.logprobs is None else p.logprobs + 1
     r["prompt_logprobs"][slot] = 0 if p.prompt_logprobs is None else p.prompt_logprobs + 1
+    r["presence_penalty"][slot] = p.presence_penalty
+    r["frequency_penalty"][slot] = p.frequency_penalty
+    r["repetition_penalty"][slot] = p.repetition_penalty
+    r["min_p"][slot] = p.min_p
 
 
 def _read_sampling(r: dict) -> SamplingParams:
@@ -415,7 +419,9 @@ def _read_sampling(r: dict) -> SamplingParams:
         temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=r["top_k"],
         stop_token_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
         ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),
-        logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]))
+        logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
+        presence_penalty=float(r["presence_penalty"]), frequency_penalty=float(r["frequency_penalty"]),
+        repetition_penalty=float(r["repetition_penalty"]) or 1.0, min_p=float(r["min_p"]))
 
 
 def _entry(slot: int, r: dict) -> JournalEntry:

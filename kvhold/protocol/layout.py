@@ -127,7 +127,11 @@ REQUEST_DTYPE = np.dtype([
     # execution half, where the record had padding: prompt tokens whose KV the request found in
     # the prefix cache when it started (kvhold.executor.prefix_cache); 0 in tables of earlier builds
     ("num_cached", "<u4"),
-    ("_pad", "<u4", (13,)),
+    # admission half, where the record had padding: vLLM's penalties and min_p (0 in tables of
+    # earlier builds: no penalty, and a repetition penalty of 0 is read as 1, none)
+    ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"), ("repetition_penalty", "<f4"),
+    ("min_p", "<f4"),
+    ("_pad", "<u4", (9,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48

@@ -77,8 +77,15 @@ LIMITS: dict[str, Limit] = {
     # --max-logprobs bounds it further (checked at admission)
     "logprobs": Limit(0, MAX_LOGPROBS),
     "prompt_logprobs": Limit(0, MAX_LOGPROBS),
+    # vLLM's (and OpenAI's) penalties, stored as float32
+    "presence_penalty": Limit(-2, 2, integer=False),
+    "frequency_penalty": Limit(-2, 2, integer=False),
+    "repetition_penalty": Limit(0, 100, integer=False, lo_open=True),
+    "min_p": Limit(0, 1, integer=False),
 }
-_NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)"}
+_NOTES = {"temperature": " (0 = greedy)", "top_k": " (0 = off)", "repetition_penalty": " (1 = off)",
+          "min_p": " (0 = off)"}
+_FLOAT32 = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 @nested
@@ -93,15 +100,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None         # each generated token's log-prob and this many top ones
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    # vLLM's penalties, on the raw logits before temperature (kvhold.executor.sampler): presence
+    # and frequency over the generated tokens, repetition over the prompt's and generated ones
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0     # 1 = off
+    min_p: float = 0.0                  # drop tokens below min_p x the most likely one's probability
 
     def __post_init__(self):
-        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k"):
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_p"):
             LIMITS[name].check(name, getattr(self, name), _NOTES.get(name, ""))
         if self.min_tokens > self.max_tokens:
             raise InvalidParams(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if np.float32(self.top_p) == 0:     # what the journal stores must still be above 0
-            raise InvalidParams(f"top_p must be {LIMITS['top_p'].describe()} and not 0 as a float32, "
-                                f"got {show(self.top_p)}")
+        for name in ("top_p", "repetition_penalty"):     # what the journal stores must still be above 0
+            if np.float32(getattr(self, name)) == 0:
+                raise InvalidParams(f"{name} must be {LIMITS[name].describe()} and not 0 as a float32, "
+                                    f"got {show(getattr(self, name))}")
         if self.seed is not None:
             LIMITS["seed"].check("seed", self.seed)
         for name in ("logprobs", "prompt_logprobs"):
@@ -160,10 +175,14 @@ class SamplingParams:
 
     def as_journaled(self, seed: int) -> "SamplingParams":
         """These params as the journal holds them: with `seed` (the client's, or the one the
-        sidecar picked) and temperature and top_p rounded to float32 (REQUEST_DTYPE), so that
+        sidecar picked) and the float fields rounded to float32 (REQUEST_DTYPE), so that
         the durable record, the shared-memory record and the sampler hold the same values."""
-        return dataclasses.replace(self, seed=seed, temperature=float(np.float32(self.temperature)),
-                                   top_p=float(np.float32(self.top_p)))
+        return dataclasses.replace(self, seed=seed, **{n: float(np.float32(getattr(self, n))) for n in _FLOAT32})
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (the sampler then reads the request's tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True, slots=True)

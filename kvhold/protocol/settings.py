@@ -27,7 +27,11 @@ from kvhold.protocol.wire import from_map, nested, to_map
 WORKLOADS = ("engine", "idle", "churn", "vllm")   # vllm: kvhold.vllm_bridge
 # sampling fields (kvhold.protocol.sampling.SamplingParams) a workload's engine cannot honour:
 # a request that sets one is refused at admission (INVALID_PARAMS), and by the bridge itself
-UNSUPPORTED_SAMPLING = {"vllm": ("min_tokens",)}
+# what an engine bridge cannot honour exactly across a takeover: its engine's own min_tokens
+# masks stops that are not kvhold's, and its penalties and min_p are not restored from kvhold's
+# journal (refused at admission)
+BRIDGE_UNSUPPORTED = ("min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+UNSUPPORTED_SAMPLING = {"vllm": BRIDGE_UNSUPPORTED}
 KV_MODES = ("native", "foreign")
 
 

@@ -2,15 +2,17 @@
 
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
-ignored: `best_of` above 1, non-zero penalties, `logit_bias`, `suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
-value (`repetition_penalty`, `min_p`, `length_penalty`, beam search, guided
+ignored: `best_of` above 1, `logit_bias`, `suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
+value (`length_penalty`, beam search, guided
 decoding, `include_stop_str_in_output`, `prompt_logprobs`: echo with logprobs gives them) and
 unknown `stream_options`. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
 layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
 are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
 one is a 400 naming it; formatted by kvhold.serving.logprobs), and the vLLM-style extensions
-top_k, stop_token_ids, ignore_eos, min_tokens (at most the request's max_tokens, else a 400).
+top_k, stop_token_ids, ignore_eos, min_tokens (at most the request's max_tokens, else a 400),
+and the penalties: presence_penalty and frequency_penalty (OpenAI's, in [-2, 2]), vLLM's
+repetition_penalty (> 0, 1 = off) and min_p (in [0, 1]).
 Numeric bounds are the protocol's (kvhold.protocol.sampling.LIMITS: what the sidecar accepts
 and its journal holds). A body's sampling fields go to the SDK by their SamplingParams names
 (`SAMPLING_FIELDS`), which checks them into the request's one record.
@@ -132,7 +134,7 @@ def _check_json(data) -> None:
                 stack.append((item, path + (key,), depth + 1))
 
 
-NEUTRAL_EXTENSIONS = {"repetition_penalty": 1.0, "min_p": 0.0, "length_penalty": 1.0,
+NEUTRAL_EXTENSIONS = {"length_penalty": 1.0,
                       "use_beam_search": False, "include_stop_str_in_output": False, "guided_json": None,
                       "guided_regex": None, "guided_choice": None, "guided_grammar": None,
                       "prompt_logprobs": None}
@@ -140,7 +142,8 @@ STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 MAX_CHOICES = 64            # prompts times n in one request
 # the body's fields that are SamplingParams fields of the same name, passed on as given (unless
 # None); max_tokens and the log-probs are the endpoint's own (`sampling`, `logprob_params`)
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "stop_token_ids", "ignore_eos", "min_tokens")
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "stop_token_ids", "ignore_eos", "min_tokens",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 class _Sampling(BaseModel):
@@ -155,8 +158,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     n: int = Field(1, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=LIMITS["presence_penalty"].lo, le=LIMITS["presence_penalty"].hi)
+    frequency_penalty: float = Field(0.0, ge=LIMITS["frequency_penalty"].lo, le=LIMITS["frequency_penalty"].hi)
     logit_bias: dict | None = None
     user: str | None = None
     # vLLM-style extensions backed by kvhold's sampling parameters
@@ -164,9 +167,9 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=LIMITS["min_tokens"].lo, le=LIMITS["min_tokens"].hi)
+    repetition_penalty: float = Field(1.0, gt=LIMITS["repetition_penalty"].lo, le=LIMITS["repetition_penalty"].hi)
+    min_p: float = Field(0.0, ge=LIMITS["min_p"].lo, le=LIMITS["min_p"].hi)
     # vLLM-style extensions kvhold does not implement: refused unless at their neutral value
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
     length_penalty: float = 1.0
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
@@ -192,9 +195,6 @@ class _Sampling(BaseModel):
         if self.n > 1 and self.temperature == 0:
             raise bad_request("n > 1 needs sampling (temperature > 0): greedy choices are all the "
                               "same", param="n", code="invalid_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported", param=name, code="unsupported_value")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias",
                               code="unsupported_value")

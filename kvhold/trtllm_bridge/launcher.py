@@ -49,7 +49,7 @@ from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
-from kvhold.protocol.settings import ExecutorSettings
+from kvhold.protocol.settings import BRIDGE_UNSUPPORTED, ExecutorSettings
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, install
 
 log = logging.getLogger(__name__)
@@ -174,11 +174,12 @@ def build_llm(kwargs: dict, weights):                    # pragma: no cover - ne
 
 class TrtllmWorkload(BridgeWorkload):
     """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring).
-    min_tokens is refused (finished with ERROR, logged): the sidecar, which spawns no executor
-    here, cannot know to refuse it at admission, and the bridge does not rely on TensorRT-LLM
-    masking exactly the stops kvhold ends a request on. `live` maps a journal slot to its `RequestOutput`."""
+    min_tokens, the penalties and min_p are refused (finished with ERROR, logged): the sidecar,
+    which spawns no executor here, cannot know to refuse them at admission; the bridge does not
+    rely on TensorRT-LLM masking exactly the stops kvhold ends a request on, nor restoring its
+    penalties' state from kvhold's journal. `live` maps a journal slot to its `RequestOutput`."""
 
-    unsupported = ("min_tokens",)
+    unsupported = BRIDGE_UNSUPPORTED
 
     def __init__(self, ctx, options: dict | None = None, head_major: bool = True):
         super().__init__(ctx)

@@ -43,7 +43,10 @@ def test_same_seed_same_output_and_stop_tokens(client):
     (dict(prompt="hi", temperature=-1.0), InvalidParams),
     (dict(prompt="hi", top_p=0.0), InvalidParams),
     (dict(prompt="hi", top_k=-1), InvalidParams),
-    (dict(prompt="hi", frequency_penalty=0.5), InvalidParams),
+    (dict(prompt="hi", frequency_penalty=2.5), InvalidParams),
+    (dict(prompt="hi", repetition_penalty=0.0), InvalidParams),
+    (dict(prompt="hi", min_p=1.5), InvalidParams),
+    (dict(prompt="hi", length_penalty=0.5), InvalidParams),        # not an option of kvhold's
 ])
 def test_bad_parameters_fail_fast_in_the_sdk(client, kwargs, exc):
     prompt = kwargs.pop("prompt")

@@ -56,7 +56,8 @@ def test_continuous_usage_stats_on_every_chunk(server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-@pytest.mark.parametrize("option", [{"repetition_penalty": 5}, {"min_p": 0.9},
+@pytest.mark.parametrize("option", [{"length_penalty": 0.5}, {"repetition_penalty": 0}, {"min_p": 1.5},
+                                    {"presence_penalty": 3}, {"logit_bias": {"5": 1}},
                                     {"use_beam_search": True}, {"guided_regex": "a+"},
                                     {"stream": True, "stream_options": {"bogus": 1}},
                                     {"stream_options": {"include_usage": True}}])
@@ -65,6 +66,20 @@ def test_unimplemented_options_are_refused_by_name(server, option):
     assert r.status_code == 400, r.text
     name = next(iter(option)) if "stream_options" not in option else "stream_options"
     assert r.json()["error"]["param"] == name
+
+
+def test_penalties_and_min_p_reach_the_sampler(server):
+    body = {"prompt": [40 + j for j in range(20)], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    def tokens(**extra):
+        r = server.post("/v1/completions", {**body, **extra, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    assert tokens(repetition_penalty=1.5) != plain
+    assert tokens(frequency_penalty=1.0, presence_penalty=0.5) != plain
+    assert tokens(min_p=0.5) == plain                      # greedy keeps the most likely token
 
 
 def test_neutral_values_of_vllm_extensions_are_accepted(server):
