@@ -40,7 +40,7 @@ def run_demo(args) -> int:
     console = Console(highlight=False)
     t_start = time.monotonic()
     console.print("[bold]kvhold demo[/]: an executor is SIGKILLed mid-generation; the service is not.\n")
-    model, built = ensure_demo_model(args.cache_dir)
+    model, built = ensure_demo_model(args.cache_dir, progress=True)
     console.print(f"model    {model}")
     console.print(f"         {'built now' if built else 'cached'}: Llama architecture, random weights, "
                   "local BPE tokenizer")

@@ -301,7 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _children_import_this_package() -> None:
+    """kvhold's child processes (`python -m kvhold ...`: the sidecar, the frontend, executors,
+    the zygote) put the working directory first on their import path: started from a folder
+    that holds a directory named `kvhold` (a clone, seen from its parent), they would import
+    that instead of this package. Unless this package is the one in the working directory, they
+    start with PYTHONSAFEPATH (Python 3.11 and later), which leaves the working directory out."""
+    import kvhold
+
+    here = Path(kvhold.__file__).resolve().parent.parent
+    if here != Path.cwd().resolve():
+        os.environ.setdefault("PYTHONSAFEPATH", "1")
+
+
 def main(argv=None) -> int:
+    _children_import_this_package()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:        # a bare `kvhold`: say what it can do

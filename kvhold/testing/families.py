@@ -78,3 +78,22 @@ def build_family(out: Path, model_type: str, preset: str = "tiny", seed: int = 0
     save_file({k: v.to(store).contiguous() for k, v in w.items()}, str(files[0]), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=FAMILIES, help="the model family's checkpoint to write")
+    parser.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write")
+    parser.add_argument("--preset", choices=sorted(make_model.PRESETS), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_family(args.out, args.family, args.preset, args.seed)
+    print(f"wrote a {args.family} checkpoint ({args.preset}) to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

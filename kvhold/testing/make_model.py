@@ -160,12 +160,21 @@ def random_weights(cfg: dict, seed: int, device: str = "cpu"):
 
 def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
           shard_bytes: int = 4 << 30, progress: bool = True) -> Path:
-    """Write a checkpoint to `out` atomically (a temp dir renamed at the end)."""
+    """Write a checkpoint to `out` atomically (a temp dir beside it, renamed at the end; its
+    parent folders are made first). `progress`: say on stderr what it does (the tokenizer's
+    training and the weights take tens of seconds on a small machine)."""
     from safetensors.torch import save_file
 
+    def say(text: str) -> None:
+        if progress:
+            print(text, file=sys.stderr, flush=True)
+
     out = Path(out)
-    tmp = Path(tempfile.mkdtemp(prefix=".kvhold-model-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".kvhold-model-", dir=out.parent))
     try:
+        say(f"  {preset}: training the BPE tokenizer" if not PRESETS[preset]["vocab_size"]
+            else f"  {preset}: making the tokenizer")
         tok = tokenizer_for(preset)
         bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
         cfg = make_config(preset, tok.get_vocab_size(), bos, eos)
@@ -177,6 +186,8 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
             {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast",
              "model_max_length": cfg["max_position_embeddings"]}) + "\n")
         shard, size, shards = {}, 0, []
+        say(f"  {preset}: drawing random weights ({cfg['num_hidden_layers']} layers, hidden size "
+            f"{cfg['hidden_size']}, vocabulary {cfg['vocab_size']}) on {device}")
         for name, tensor in random_weights(cfg, seed, device):
             shard[name] = tensor.cpu().contiguous()
             size += tensor.numel() * tensor.element_size()
@@ -188,8 +199,7 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
         for n, part in enumerate(shards):
             name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(part, str(tmp / name), metadata={"format": "pt"})
-            if progress:
-                print(f"  wrote {name}", file=sys.stderr)
+            say(f"  wrote {name}")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -203,13 +213,15 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KVHOLD_CACHE", Path.home() / ".cache" / "kvhold"))
 
 
-def ensure_demo_model(cache_dir: Path | None = None) -> tuple[Path, bool]:
+def ensure_demo_model(cache_dir: Path | None = None, progress: bool = False) -> tuple[Path, bool]:
     """The tiny demo checkpoint, built once. Returns (path, built_now)."""
     path = Path(cache_dir or default_cache_dir()) / DEMO_VERSION
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         return path, False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return build(path, "tiny", progress=False), True
+    if progress:
+        print(f"building the demo checkpoint in {path} (once; about half a minute on 2 cores)",
+              file=sys.stderr, flush=True)
+    return build(path, "tiny", progress=progress), True
 
 
 def main(argv=None) -> int:

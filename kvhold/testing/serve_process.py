@@ -42,7 +42,7 @@ class ServeProcess:
 
     def __init__(self, flags, runtime_root: Path, *, model: Path | None = None, instance: str | None = None,
                  api_key: str | None = None, log_path: Path | None = None, env: dict | None = None,
-                 new_session: bool = False, preexec_fn=None):
+                 new_session: bool = False, preexec_fn=None, cwd: Path | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.runtime_root = Path(runtime_root)
@@ -57,6 +57,7 @@ class ServeProcess:
         self.env = None if env is None else dict(os.environ, **env)
         self.new_session = new_session
         self.preexec_fn = preexec_fn
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -65,7 +66,8 @@ class ServeProcess:
         """Start the process and return at once."""
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=self._log, env=self.env,
-                                     start_new_session=self.new_session, preexec_fn=self.preexec_fn)
+                                     start_new_session=self.new_session, preexec_fn=self.preexec_fn,
+                                     cwd=self.cwd)
         return self
 
     def start(self, standbys: int = 1, timeout: float = 90.0) -> "ServeProcess":
