@@ -35,7 +35,7 @@ class TemplateError(ValueError):
     pass
 
 
-def _token_text(value) -> str:
+def token_text(value) -> str:
     if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
         return str(value.get("content", ""))
     return str(value or "")
@@ -49,6 +49,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self.template = env.from_string(source)
+        self.source = source
         self.bos_token, self.eos_token, self.is_plain = bos_token, eos_token, is_plain
         self.origin = origin
 
@@ -58,7 +59,7 @@ class ChatTemplate:
         path = Path(model_dir) / "tokenizer_config.json" if model_dir else None
         if path is not None and path.is_file():
             cfg = json.loads(path.read_text())
-        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
         named = _template_files(Path(model_dir)) if model_dir else {}
         if not named:
             source = cfg.get("chat_template")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -44,7 +45,7 @@ from kvhold.protocol.errors import KvholdError, NotFound
 from kvhold.protocol.sampling import RequestInput
 from kvhold.protocol.wire import WireError
 from kvhold.serving.backend import Backend, TokenStream
-from kvhold.serving.chat_template import ChatTemplate
+from kvhold.serving.chat_template import ChatTemplate, token_text
 from kvhold.serving.generation import (EventIds, Generation, ResponseShape, multi_sse_body, sse_body,
                                        summed_usage)
 from kvhold.serving.http_guards import BODY_TIMEOUT_S, BodyDeadline
@@ -171,7 +172,7 @@ def _guarded(path: str) -> bool:
 _ADMIN = {"/reset_prefix_cache"}
 
 
-_TOKENIZER = {"/tokenize", "/detokenize"}
+_TOKENIZER = {"/tokenize", "/detokenize", "/tokenizer_info"}
 
 
 _DESCRIPTION = {"/docs", "/redoc", "/openapi.json"}
@@ -191,7 +192,8 @@ _RESUME_DOC = {
                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}},
 }
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
-              "/tokenize", "/detokenize", "/version", "/reset_prefix_cache"}
+              "/tokenize", "/detokenize", "/version", "/reset_prefix_cache", "/tokenizer_info", "/ping",
+              "/load"}
 MAX_REQUEST_ID = 256        # an X-Request-Id longer than this is not echoed
 
 
@@ -283,6 +285,20 @@ class _Service:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.settings.served_model_name}'.", param="model",
                            code="model_not_found")
+
+    def tokenizer_info(self) -> dict:
+        cfg = {}
+        path = Path(self.settings.model_dir) / "tokenizer_config.json" if self.settings.model_dir else None
+        if path is not None and path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except (OSError, ValueError):
+                cfg = {}
+        cfg = cfg if isinstance(cfg, dict) else {}
+        return {**cfg, "tokenizer_class": cfg.get("tokenizer_class") or "PreTrainedTokenizerFast",
+                "bos_token": self.template.bos_token or None, "eos_token": self.template.eos_token or None,
+                "pad_token": token_text(cfg.get("pad_token")) or None,
+                "chat_template": self.template.source, "model_max_length": self.settings.context_len}
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -671,6 +687,23 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
             return JSONResponse({"status": "draining", "reason": "shutting down (SIGTERM)"}, 503)
         ok, body = await svc.backend.health()
         return JSONResponse(body, 200 if ok else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (and SageMaker's) liveness route: /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load():
+        """vLLM's server load: the requests this HTTP server is serving now."""
+        return {"server_load": sum(1 for g in svc.gate.active if not g.stream.finished)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the tokenizer's configuration (tokenizer_config.json) with the chat template
+        this server renders chats with; what lm-eval's remote tokenizer reads."""
+        svc._need_tokenizer()
+        return svc.tokenizer_info()
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -82,6 +82,19 @@ def test_penalties_and_min_p_reach_the_sampler(server):
     assert tokens(min_p=0.5) == plain                      # greedy keeps the most likely token
 
 
+def test_ping_load_and_tokenizer_info_as_vllm_serves_them(server):
+    get = lambda path: http_client().get(server.base + path, headers=server.headers, timeout=10)  # noqa: E731
+    assert get("/ping").status_code == 200
+    assert http_client().post(server.base + "/ping", headers=server.headers, timeout=10).status_code == 200
+    assert get("/load").json() == {"server_load": 0}
+    info = get("/tokenizer_info").json()
+    assert info["tokenizer_class"] and info["eos_token"] == "</s>" and info["bos_token"] == "<s>"
+    assert info["chat_template"] and info["model_max_length"] > 0
+    # lm-eval's remote tokenizer: the eos token's id through /tokenize
+    ids = server.post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1
+
+
 def test_neutral_values_of_vllm_extensions_are_accepted(server):
     r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.0,
                                         "min_p": 0.0, "min_tokens": 0})
