@@ -192,9 +192,6 @@ class _Sampling(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n > MAX_CHOICES:
             raise bad_request(f"n is at most {MAX_CHOICES}", param="n", code="invalid_value")
-        if self.n > 1 and self.temperature == 0:
-            raise bad_request("n > 1 needs sampling (temperature > 0): greedy choices are all the "
-                              "same", param="n", code="invalid_value")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias",
                               code="unsupported_value")

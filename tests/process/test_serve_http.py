@@ -74,7 +74,6 @@ BAD = [
     ({"prompt": "one two three " * 40, "max_tokens": 400}, 400, "context_length_exceeded", "max_tokens"),
     ({"prompt": [5] * MAX_SEQ}, 400, "context_length_exceeded", "prompt"),
     ({"prompt": "hi", "temperature": -0.5}, 400, "invalid_value", "temperature"),
-    ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "invalid_value", "n"),
     ({"prompt": "hi", "n": 65}, 400, "invalid_value", "n"),
     ({"prompt": "hi", "logprobs": 21}, 400, "invalid_value", None),      # above --max-logprobs
     ({"prompt": "hi", "top_p": 0}, 400, "invalid_value", "top_p"),
