@@ -26,6 +26,7 @@ import collections
 import functools
 import logging
 from concurrent.futures import Future
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class RestoredStreams(Protocol):
 class Frontend:
     def __init__(self, tables, spec, model_dir, *, runs_model: bool, durable, fingerprint: str,
                  timeline: RecoveryTimeline, host: FrontendHost, max_prompt_bytes: int = 1 << 20,
-                 unsupported: tuple[str, ...] = (), prefix_caching: bool = False):
+                 unsupported: tuple[str, ...] = (), prefix_caching: bool = False, seed: int | None = None):
         self.tables = tables
         self.journal = Journal(tables)
         self.spec = spec
@@ -118,6 +119,8 @@ class Frontend:
         # the prefix cache's figures (vLLM's prefix_cache_queries and _hits), counted from finished
         # requests: prompt tokens, and those whose KV the cache served (the journal's count)
         self.prefix_caching = prefix_caching
+        # --seed: the seeds of requests that give none, drawn in admission order (else at random)
+        self._seeds = random.Random(seed) if seed is not None else None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._resets: list[tuple[bytes, int, int]] = []   # (client, tag, the count it waits for)
@@ -235,7 +238,11 @@ class Frontend:
             return m.Error(code=ErrorCode.OVERLOADED, tag=msg.tag,
                            message=f"all {self.tables.geometry.num_slots} request slots are in use")
         request_id = self.journal.new_request_id()
-        params = params.as_journaled(params.seed if params.seed is not None else secrets.randbits(63))
+        if params.seed is None:
+            seed = self._seeds.getrandbits(63) if self._seeds is not None else secrets.randbits(63)
+        else:
+            seed = params.seed
+        params = params.as_journaled(seed)
         body = self._record(request_id, identity, prompt_ids, prefix, params)
         self.pending[request_id] = Pending(identity=identity, tag=msg.tag, request_id=request_id,
                                            prompt_ids=prompt_ids, prefix=prefix, params=params, body=body)

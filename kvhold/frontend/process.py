@@ -240,7 +240,7 @@ class FrontendProcess(ClientSide):
                                  timeline=shared.timeline if shared is not None else RecoveryTimeline(),
                                  host=self, max_prompt_bytes=cfg.pool.max_prompt_bytes,
                                  unsupported=UNSUPPORTED_SAMPLING.get(cfg.executors.workload, ()),
-                                 prefix_caching=cfg.uses_prefix_caching())
+                                 prefix_caching=cfg.uses_prefix_caching(), seed=cfg.pool.seed)
         stack.callback(self._finish_pending)
         self.restore = Restore(self.frontend, self.durable, fingerprint=fingerprint,
                                vocab_size=self.spec.vocab_size if self.spec else 0,

@@ -54,12 +54,16 @@ class ChatTemplate:
         self.origin = origin
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path | None) -> "ChatTemplate":
+    def for_checkpoint(cls, model_dir: Path | None, override: str | None = None) -> "ChatTemplate":
+        """The checkpoint's template, or `override` (--chat-template's text) with its tokens."""
         cfg = {}
         path = Path(model_dir) / "tokenizer_config.json" if model_dir else None
         if path is not None and path.is_file():
             cfg = json.loads(path.read_text())
         bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
+        if override is not None:
+            log.info("chat template: --chat-template")
+            return cls(override, bos, eos, origin="--chat-template")
         named = _template_files(Path(model_dir)) if model_dir else {}
         if not named:
             source = cfg.get("chat_template")

@@ -8,8 +8,19 @@ from kvhold.sidecar.flags import add_log_level_arg, add_registry_args, add_sidec
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", type=Path, default=None, metavar="MODEL",
+                   help="the checkpoint directory, as `vllm serve MODEL` takes it (the same as --model)")
     add_sidecar_args(p)  # --model also takes "demo": the tiny demo checkpoint, built once
     add_http_args(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template to render chats with, a file or the template itself "
+                        "(vLLM's); default: the checkpoint's (chat_template.jinja, or tokenizer_config.json's)")
+    p.add_argument("--uvicorn-log-level", type=str.lower, default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the HTTP server's uvicorn log level (vLLM's; default: --log-level)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's command lines: kvhold never logs requests' prompts or "
+                        "outputs (the access log, --no-access-log, has method, path and status only)")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds to wait for the sidecar to serve at start-up (default 300)")
     p.add_argument("--sidecar-endpoint", default=None, metavar="ENDPOINT",

@@ -77,6 +77,7 @@ class AppSettings:
     stream_dir: Path | None = None    # where resumable streams' records go (None: streams not resumable)
     sse_keepalive_s: float = 10.0     # a stream silent this long gets an SSE comment (0: never)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the sidecar's: text tokenized here is bounded alike
+    chat_template: str | None = None  # --chat-template's text (None: the checkpoint's)
 
 
 class Gate:
@@ -270,7 +271,7 @@ class _Service:
     def __init__(self, settings: AppSettings, backend: Backend):
         self.settings, self.backend, self.metrics = settings, backend, backend.metrics
         self.gate = Gate()
-        self.template = ChatTemplate.for_checkpoint(settings.model_dir)
+        self.template = ChatTemplate.for_checkpoint(settings.model_dir, settings.chat_template)
         self.text = TextWork(_load_tokenizer(settings.model_dir), self.template, settings.max_prompt_bytes)
         self.created = int(time.time())
         resumable = settings.stream_dir is not None and backend.resumes_streams

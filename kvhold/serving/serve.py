@@ -116,6 +116,8 @@ class ServeConfig:
     frontend_restart_backoff_s: tuple[float, float] = FRONTEND_BACKOFF_S
     sidecar_spare: bool = True            # a spare memory owner waits to take over (SidecarChild)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # the sidecar's; the HTTP server bounds its text alike
+    chat_template: str | None = None      # --chat-template's text (None: the checkpoint's)
+    uvicorn_log_level: str | None = None  # the HTTP server's uvicorn loggers (None: --log-level)
 
     @property
     def paths(self) -> InstancePaths:
@@ -141,7 +143,8 @@ class ServeConfig:
                            "access_log": self.access_log, "sse_keepalive_s": self.sse_keepalive_s,
                            "header_timeout_s": self.guards.header_timeout_s,
                            "body_timeout_s": self.guards.body_timeout_s,
-                           "sidecar_endpoint": self.sidecar_endpoint, "max_prompt_bytes": self.max_prompt_bytes})
+                           "sidecar_endpoint": self.sidecar_endpoint, "max_prompt_bytes": self.max_prompt_bytes,
+                           "chat_template": self.chat_template, "uvicorn_log_level": self.uvicorn_log_level})
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
@@ -157,6 +160,11 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     from kvhold.protocol.model_spec import ModelSpec
     from kvhold.sidecar.flags import sidecar_config_from_args
 
+    positional = getattr(args, "model_arg", None)
+    if positional is not None:             # `kvhold serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and Path(args.model) != Path(positional):
+            raise ValueError(f"the model is given twice: {positional} and --model {args.model}")
+        args.model = positional
     if str(args.model) == "demo":
         from kvhold.testing.make_model import ensure_demo_model
         args.model = ensure_demo_model()[0]
@@ -175,7 +183,31 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        log_level=args.log_level, access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
                        guards=HttpGuards.from_args(args), http_restart_backoff_s=tuple(args.http_restart_backoff_s),
                        frontend_restart_backoff_s=tuple(args.frontend_restart_backoff_s),
-                       sidecar_spare=args.sidecar_spare, max_prompt_bytes=sidecar_config.pool.max_prompt_bytes)
+                       sidecar_spare=args.sidecar_spare, max_prompt_bytes=sidecar_config.pool.max_prompt_bytes,
+                       **_http_extras(args))
+
+
+def _http_extras(args: argparse.Namespace) -> dict:
+    """--chat-template (a file, or the template itself) read and checked now; --uvicorn-log-level."""
+    extras = {"uvicorn_log_level": getattr(args, "uvicorn_log_level", None)}
+    text = getattr(args, "chat_template", None)
+    if text is not None:
+        path = Path(text)
+        try:
+            is_file = path.is_file()
+        except OSError:                     # a template too long to be a path
+            is_file = False
+        if is_file:
+            text = path.read_text()
+        elif not any(mark in text for mark in ("{{", "{%")):
+            raise ValueError(f"--chat-template {text[:80]!r}: neither a file nor a Jinja template")
+        from kvhold.serving.chat_template import ChatTemplate
+        try:
+            ChatTemplate(text, origin="--chat-template")
+        except Exception as exc:            # jinja2's syntax errors
+            raise ValueError(f"--chat-template: {exc}") from None
+        extras["chat_template"] = text
+    return extras
 
 
 # with --sidecar-endpoint, the sidecar flags that still mean something here; the others configure
@@ -189,9 +221,12 @@ def _front_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
     reference = argparse.ArgumentParser(add_help=False)
     add_sidecar_args(reference)
-    refused = [action.option_strings[0] for action in reference._actions
-               if action.option_strings and action.dest not in FRONT_SIDECAR_FLAGS
-               and getattr(args, action.dest, action.default) != action.default]
+    first: dict[str, argparse.Action] = {}        # each dest's own flag (not a shorthand of it)
+    for action in reference._actions:
+        if action.option_strings:
+            first.setdefault(action.dest, action)
+    refused = [action.option_strings[0] for dest, action in first.items()
+               if dest not in FRONT_SIDECAR_FLAGS and getattr(args, dest, action.default) != action.default]
     if refused:
         raise ValueError(f"{', '.join(refused)}: a flag of the sidecar that kvhold serve starts; with "
                          f"--sidecar-endpoint the running sidecar's own flags apply (give them to kvhold sidecar)")
@@ -211,7 +246,7 @@ def _front_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
                        access_log=args.access_log, sse_keepalive_s=args.sse_keepalive,
                        guards=HttpGuards.from_args(args), sidecar_endpoint=args.sidecar_endpoint,
-                       http_restart_backoff_s=tuple(args.http_restart_backoff_s))
+                       http_restart_backoff_s=tuple(args.http_restart_backoff_s), **_http_extras(args))
 
 
 def front_of_sidecar(config: ServeConfig) -> ServeConfig:
@@ -296,6 +331,8 @@ def sidecar_argv(args: argparse.Namespace) -> list[str]:
             out.append(action.option_strings[0] if value else action.option_strings[1])
         elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             out.append(flag)
+        elif isinstance(action, argparse._StoreConstAction):
+            continue        # a shorthand (--disable-log-stats): its dest's own flag carries the value
         else:
             out += [flag, str(value)]
     return out
@@ -686,8 +723,9 @@ def run_http(config: ServeConfig, fd: int) -> int:
                                  api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
                                  routing_id=config.routing_id, sse_keepalive_s=config.sse_keepalive_s,
                                  stream_dir=config.paths.runtime_dir / "http-streams",
-                                 max_prompt_bytes=config.max_prompt_bytes))
-    server = DrainingServer(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=config.access_log,
+                                 max_prompt_bytes=config.max_prompt_bytes, chat_template=config.chat_template))
+    level = (config.uvicorn_log_level or config.log_level).lower()
+    server = DrainingServer(uvicorn.Config(app, log_level=level, access_log=config.access_log,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),
                             app.state.service.gate, config.drain_timeout_s)
     def stop(sig, frame) -> None:          # uvicorn's own shutdown, without the drain

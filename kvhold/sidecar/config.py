@@ -43,10 +43,11 @@ class SettingError(ValueError):
         super().__init__(message)
         self.settings = settings
 
-    def renamed(self, name: Callable[[str], str]) -> str:
-        """The message with each setting path replaced by `name(path)`."""
+    def renamed(self, name: Callable[[str], str], paths=None) -> str:
+        """The message with each setting path (of `paths`, default the ones it names) replaced
+        by `name(path)`."""
         text = str(self)
-        for path in sorted(self.settings, key=len, reverse=True):
+        for path in sorted(set(self.settings) | set(paths or ()), key=len, reverse=True):
             text = re.sub(rf"(?<![\w.]){re.escape(path)}(?![\w])", lambda _: name(path), text)
         return text
 
@@ -84,6 +85,7 @@ class PoolConfig:
     max_logprobs: int = 20           # top log-probs a request may ask for per token (0: no log-probs)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # a text prompt's UTF-8 size, checked before tokenizing
     compute_dtype: str | None = None
+    seed: int | None = None          # the seeds of requests that give none drawn from it (None: at random)
     # geometry used when there is no model (workload idle/churn)
     synthetic_layers: int = 2
     synthetic_kv_heads: int = 2
@@ -95,6 +97,8 @@ class PoolConfig:
                "pool.backend")
         _check(self.model is None or Path(self.model).is_dir(), f"pool.model {self.model}: not a directory",
                "pool.model")
+        _check(self.seed is None or 0 <= self.seed < 2**63, f"pool.seed must be in [0, 2**63), got {self.seed}",
+               "pool.seed")
         _check(self.kv_pages is None or self.kv_pages > 0,
                f"pool.kv_pages must be positive, got {self.kv_pages}", "pool.kv_pages")
         _check(self.kv_memory_bytes is None or self.kv_memory_bytes > 0,
@@ -174,6 +178,7 @@ class ExecutorsConfig:
     kv_mode: str = "native"           # foreign: engine keeps a private KV pool, mirrored into kvhold's
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
     exact_prefill: bool = True        # CUDA: prefill computes each row as decode does (exact recompute)
+    cuda_graph: bool = True           # CUDA: the decode step replays a captured graph
     prefix_caching: bool | None = None   # full KV pages shared by the requests whose prompts they
                                          # hold; None: auto (SidecarConfig.uses_prefix_caching)
 
@@ -445,7 +450,7 @@ class SidecarConfig:
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms,
             exact_prefill=ex.exact_prefill, tensor_parallel_size=pool.tensor_parallel_size,
-            prefix_caching=self.uses_prefix_caching())
+            prefix_caching=self.uses_prefix_caching(), cuda_graph=ex.cuda_graph)
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations

@@ -93,7 +93,8 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                     help="size the KV pool from the GPU instead (CUDA only): this share of its memory, "
                          "less the weights and a 3 GiB reserve per executor (active and standbys), "
                          "as vLLM's flag of the same name")
-    p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--page-tokens", "--block-size", dest="page_tokens", type=int, default=16,
+                   help="tokens per KV page (vLLM's --block-size) (default 16)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="ranks one model is split across (vLLM's name; default 1). Checked against the "
                         "model (heads, KV heads and MLP width divide by N); N > 1 runs each executor as "
@@ -111,7 +112,8 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-bytes", type=parse_size, default=1 << 20,
                    help="largest text prompt accepted, in UTF-8 bytes, checked before tokenizing; a "
                         "larger one is refused (HTTP 413) (default 1MiB, at most 6MiB)")
-    p.add_argument("--max-batch", type=int, default=64, help="most sequences in one step")
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=64,
+                   help="most sequences in one step (vLLM's --max-num-seqs) (default %(default)s)")
     p.add_argument("--max-batch-tokens", "--max-num-batched-tokens", dest="max_batch_tokens", type=int, default=512,
                    help="most tokens in one step (vLLM's --max-num-batched-tokens): running decodes go "
                         "first and prefill chunks share the rest, so this bounds how long a prompt can "
@@ -179,6 +181,14 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                         "where the decode step is not on the batch-invariant kernels the executor logs why "
                         "and prefills on cuBLAS). --no-exact-prefill: cuBLAS and SDPA, faster prefill "
                         "(docs/BENCHMARKS.md gives the cost on the H200); the CPU engine is exact either way")
+    p.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
+                   help="CUDA: run the decode step eagerly, without capturing it in a CUDA graph (vLLM's name)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw the seeds of requests that give none from this seed, so that a server "
+                        "started again serves the same request order the same way (vLLM's --seed); "
+                        "default: each such request gets a random seed. Either way the seed is "
+                        "journaled, and a request continues exactly across crashes")
+    _add_vllm_flags(p)
     p.add_argument("--no-kill-fenced", dest="kill_fenced", action="store_false",
                    help="fence hung executors without SIGKILLing them")
     p.add_argument("--no-spawn", dest="spawn_executors", action="store_false",
@@ -197,6 +207,8 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="log a stats line (prompt and generation throughput, running and waiting "
                         "requests, KV pages in use) this often while there is work; 0: never "
                         "(default %(default)s)")
+    p.add_argument("--disable-log-stats", dest="stats_interval", action="store_const", const=0.0,
+                   help="no stats line (--stats-interval 0; vLLM's name)")
     add_tcp_args(p)
     add_registry_args(p)
 
@@ -232,6 +244,43 @@ def add_tcp_args(p: argparse.ArgumentParser) -> None:
                         "a network you fully trust")
 
 
+class _Refused(argparse.Action):
+    """A flag of vLLM's that kvhold has no counterpart for: refused, saying why and what kvhold
+    has instead. `accept`: the values that mean what kvhold does anyway (accepted, changing nothing)."""
+
+    def __init__(self, option_strings, dest, why: str, accept=(), nargs=None, **kwargs):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=nargs, default=argparse.SUPPRESS,
+                         help=f"vLLM's; {why}" + (f" (accepted: {', '.join(accept)})" if accept else ""))
+        self.why, self.accept = why, tuple(accept)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values in self.accept:
+            return
+        raise argparse.ArgumentError(self, self.why)
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM flags kvhold refuses, each with the reason and kvhold's nearest flag (its aliases
+    of vLLM's names are on the flags themselves: --max-model-len, --max-num-seqs, ...)."""
+    p.add_argument("--trust-remote-code", action=_Refused, nargs=0,
+                   why="kvhold never runs a checkpoint's own code: it runs the architectures it "
+                       "implements (Llama, Mistral, Qwen2, Qwen3, Phi-3) from their weights")
+    p.add_argument("--kv-cache-dtype", action=_Refused, accept=("auto",),
+                   why="kvhold keeps the KV cache in the compute dtype (--dtype); an FP8 KV cache is "
+                       "not built")
+    p.add_argument("--generation-config", action=_Refused, accept=("vllm",),
+                   why="kvhold does not take default sampling parameters from the checkpoint's "
+                       "generation_config.json: a request's unset fields get OpenAI's defaults, as "
+                       "vLLM's --generation-config vllm does")
+    p.add_argument("--tokenizer", action=_Refused,
+                   why="kvhold reads the tokenizer from the checkpoint directory (--model)")
+    p.add_argument("--quantization", "-q", action=_Refused,
+                   why="kvhold runs the checkpoint's weights in --dtype; quantized weights are not built")
+    p.add_argument("--swap-space", action=_Refused,
+                   why="kvhold preempts by recompute, never by swapping to host memory; size the KV "
+                       "pool with --kv-pages, --kv-memory or --gpu-memory-utilization")
+
+
 # setting path (kvhold.sidecar.config) -> the argparse dest of the flag that sets it; the
 # flag is "--" + dest with dashes, but for the negated ones (FLAGS). One table builds the
 # config and names the flags in its errors.
@@ -253,7 +302,8 @@ SETTINGS = {
     "executors.zygote_spare": "zygote_spare",
     "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
     "executors.sidecar_wait_ms": "sidecar_wait_ms", "executors.exact_prefill": "exact_prefill",
-    "executors.prefix_caching": "prefix_caching",
+    "executors.prefix_caching": "prefix_caching", "executors.cuda_graph": "cuda_graph",
+    "pool.seed": "seed",
     "health.source": "health", "health.interval_s": "health_interval",
     "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",
     "client_tcp.curve_authorized_keys": "curve_authorized_keys", "client_tcp.insecure": "insecure_tcp",
@@ -262,7 +312,7 @@ SETTINGS = {
     "logs.stats_interval_s": "stats_interval",
 }
 _NEGATED = {"kill_fenced": "--no-kill-fenced", "spawn_executors": "--no-spawn",   # store_false flags
-            "prefix_caching": "--enable-prefix-caching"}
+            "prefix_caching": "--enable-prefix-caching", "cuda_graph": "--enforce-eager"}
 FLAGS = {path: _NEGATED.get(dest, "--" + dest.replace("_", "-")) for path, dest in SETTINGS.items()}
 
 
@@ -271,7 +321,7 @@ def flag_message(exc: ValueError) -> str:
     from kvhold.sidecar.config import SettingError
 
     if isinstance(exc, SettingError):
-        return exc.renamed(lambda path: FLAGS.get(path, path))
+        return exc.renamed(lambda path: FLAGS.get(path, path), FLAGS)     # every setting it mentions
     return str(exc)
 
 

@@ -80,3 +80,68 @@ def test_the_stats_line_gives_the_prefix_cache_hit_rate_of_its_interval():
     assert text.endswith(", prefix cache hit rate 75.0%")           # 300 of the interval's 400
     assert "prefix cache" not in stats.line(20 * 10**9, **numbers, prefix_cache={"queries": 1400, "hits": 300})
     assert "prefix cache" not in stats.line(30 * 10**9, **numbers)
+
+
+def test_more_of_vllms_names_are_aliases_of_kvholds(tiny_model, tmp_path):
+    args = parse(str(tiny_model), "--max-num-seqs", "32", "--block-size", "32", "--enforce-eager",
+                 "--disable-log-stats", "--seed", "7", "--kv-cache-dtype", "auto", "--generation-config", "vllm",
+                 "--disable-log-requests", "--uvicorn-log-level", "warning")
+    assert (args.model_arg, args.max_batch, args.page_tokens, args.cuda_graph, args.stats_interval, args.seed) \
+        == (tiny_model, 32, 32, False, 0.0, 7)
+    from kvhold.serving.serve import serve_config_from_args
+    args.runtime_root = tmp_path
+    config = serve_config_from_args(args)
+    assert config.model == tiny_model and config.uvicorn_log_level == "warning"
+    cfg = sidecar_config_from_args(args)
+    assert (cfg.pool.seed, cfg.pool.page_tokens, cfg.logs.stats_interval_s) == (7, 32, 0.0)
+    assert cfg.executor_settings().cuda_graph is False and cfg.executors.max_batch == 32
+    again = parse(*sidecar_argv(args))              # what `kvhold serve` hands its sidecar
+    assert (again.max_batch, again.page_tokens, again.cuda_graph, again.stats_interval, again.seed) \
+        == (32, 32, False, 0.0, 7)
+    twice = parse(str(tiny_model), "--model", str(tmp_path))
+    twice.runtime_root = tmp_path
+    with pytest.raises(ValueError, match="given twice"):
+        serve_config_from_args(twice)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--trust-remote-code",), "never runs a checkpoint's own code"),
+    (("--kv-cache-dtype", "fp8"), "compute dtype"),
+    (("--generation-config", "auto"), "generation_config.json"),
+    (("--tokenizer", "some/tokenizer"), "checkpoint directory"),
+    (("--quantization", "awq"), "quantized weights are not built"),
+    (("--swap-space", "4"), "recompute"),
+])
+def test_vllm_flags_kvhold_has_no_counterpart_for_are_refused_saying_why(argv, match):
+    with pytest.raises(argparse.ArgumentError, match=match) as exc:
+        parse(*argv)
+    assert argv[0] in str(exc.value)                    # argparse names the flag
+
+
+def test_a_chat_template_file_or_text_and_a_bad_one(tiny_model, tmp_path):
+    from kvhold.serving.chat_template import ChatTemplate
+    from kvhold.serving.serve import serve_config_from_args
+
+    source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    (tmp_path / "t.jinja").write_text(source)
+    for given in (str(tmp_path / "t.jinja"), source):
+        args = parse("--model", str(tiny_model), "--chat-template", given)
+        args.runtime_root = tmp_path
+        config = serve_config_from_args(args)
+        assert config.chat_template == source
+        rendered = ChatTemplate.for_checkpoint(tiny_model, config.chat_template).render(
+            [{"role": "user", "content": "hi"}])
+        assert rendered == "<user>hi<assistant>"
+    for bad, match in (("no/such/file.jinja", "neither a file nor a Jinja template"),
+                       ("{% for m in messages %}", "--chat-template")):
+        args = parse("--model", str(tiny_model), "--chat-template", bad)
+        args.runtime_root = tmp_path
+        with pytest.raises(ValueError, match=match):
+            serve_config_from_args(args)
+
+
+def test_config_errors_name_flags_not_settings(tiny_model):
+    args = parse("--model", str(tiny_model), "--gpu-memory-utilization", "0.5")
+    with pytest.raises(ValueError) as exc:
+        sidecar_config_from_args(args)
+    assert "--kv-memory or --kv-pages" in str(exc.value) and "pool." not in str(exc.value)
