@@ -48,6 +48,8 @@ class BackendMetrics(Protocol):
 
     def observe_request(self, **request) -> None: ...
 
+    def observe_choices(self, n: int) -> None: ...
+
 
 class Backend(Protocol):
     metrics: BackendMetrics

@@ -351,8 +351,10 @@ class _Service:
         shape = ResponseShape(kind, sid, self.settings.served_model_name)
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
+        self.metrics.observe_choices(1)
+
         def on_end(g: Generation) -> None:
-            self._ended(g, t0, endpoint)
+            self._ended(g, t0, endpoint, max_tokens)
         if req.stream:
             ids = None
             if self.records is not None:   # what a resume needs and the sidecar does not keep
@@ -392,7 +394,7 @@ class _Service:
             return obj
         return completion
 
-    def _ended(self, g: Generation, received: float, endpoint: str) -> None:
+    def _ended(self, g: Generation, received: float, endpoint: str, max_tokens: int | None = None) -> None:
         """A generation is over (answered, streamed to its end, or cut off): count it."""
         self.gate.active.discard(g)
         if g.first_token_at is not None:
@@ -400,7 +402,8 @@ class _Service:
         self.metrics.observe_request(
             received=received, first_token=g.first_token_at, token_times=g.token_times, end=time.monotonic(),
             prompt_tokens=g.prompt_tokens or 0, generation_tokens=g.completion_tokens,
-            preemptions=g.preemptions, finish_reason=g.finish_reason, queue_s=g.queue_s, prefill_s=g.prefill_s)
+            preemptions=g.preemptions, finish_reason=g.finish_reason, queue_s=g.queue_s, prefill_s=g.prefill_s,
+            max_tokens=max_tokens)
 
     async def serve_choices(self, req, kind: str, prompts: list[dict], max_tokens: list[int]):
         """Several choices: each prompt of a batch, `req.n` times (choice j with seed + j), as
@@ -413,12 +416,13 @@ class _Service:
             raise bad_request("continuous_usage_stats is not supported with several choices",
                               param="stream_options", code="unsupported_value")
         t0 = time.monotonic()
-        gens, prompts_of = [], []
+        gens, prompts_of, limits = [], [], {}
         try:
             for p, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
                 for j in range(req.n):
                     stream = await self.backend.submit(_request(prompt, req.sampling(limit, choice=j)))
                     gens.append(self._generation(req, kind, prompt, stream))
+                    limits[id(gens[-1])] = limit
                     prompts_of.append(p)
         except BaseException:
             for g in gens:          # the choices admitted before one was refused go too
@@ -426,12 +430,14 @@ class _Service:
             raise
         for g in gens:
             self.gate.active.add(g)
+        for _ in prompts:
+            self.metrics.observe_choices(req.n)
         shape = ResponseShape(kind, stream_resume.new_stream_id(), self.settings.served_model_name)
 
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
         def on_end(g: Generation) -> None:
-            self._ended(g, t0, endpoint)
+            self._ended(g, t0, endpoint, limits.get(id(g)))
         if req.stream:
             return StreamingResponse(multi_sse_body(gens, prompts_of, shape, req.include_usage, on_end,
                                                     self.settings.sse_keepalive_s),

@@ -31,11 +31,19 @@ from kvhold.protocol.recovery_report import FENCE_REASONS, RECORD_CLASSES, RECOV
 
 RECOVERY_BUCKETS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075,
                     0.1, 0.15, 0.2, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)      # vLLM's time-to-first-token buckets, less the largest
-TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                     0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# Every bucket edge of vLLM's histogram of the same name is an edge of kvhold's (a dashboard's
+# histogram_quantile reads alike), with finer ones where kvhold's latencies live.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                          10.0, 20.0, 40.0, 80.0)
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LATENCY_BUCKETS = VLLM_TTFT_BUCKETS
+TOKEN_GAP_BUCKETS = tuple(sorted(set(VLLM_TOKEN_GAP_BUCKETS) | {0.001, 0.005, 0.015, 0.02, 0.03, 0.04}))
+REQUEST_LATENCY_BUCKETS = tuple(sorted(set(VLLM_REQUEST_LATENCY_BUCKETS) | set(VLLM_TTFT_BUCKETS)))
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)   # 1-2-5
+N_BUCKETS = (1, 2, 5, 10, 20)
 # recovery record field -> phase name (each measured from detect_ns); "fence" is the fence event's
 PHASES = {mark: phase for phase, mark in RECOVERY_PHASES.items() if phase != "fence"}
 CLASSES = RECORD_CLASSES
@@ -60,13 +68,21 @@ class RequestMetrics:
         self.token_gap = Histogram("kvhold_time_per_output_token_seconds", "Time between two tokens of "
                                    "one request (inter-token latency)", m, buckets=TOKEN_GAP_BUCKETS, registry=r)
         self.e2e = Histogram("kvhold_e2e_request_latency_seconds", "Request received to its last "
-                             "token", m, buckets=LATENCY_BUCKETS, registry=r)
+                             "token", m, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.decode = Histogram("kvhold_request_decode_time_seconds", "A request's first token to its "
-                                "last", m, buckets=LATENCY_BUCKETS, registry=r)
+                                "last", m, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("kvhold_request_queue_time_seconds", "A request's admission by the "
-                               "sidecar to its first step in an executor", m, buckets=LATENCY_BUCKETS, registry=r)
+                               "sidecar to its first step in an executor", m, buckets=REQUEST_LATENCY_BUCKETS,
+                               registry=r)
         self.prefill = Histogram("kvhold_request_prefill_time_seconds", "A request's first step to its "
-                                 "first token committed", m, buckets=LATENCY_BUCKETS, registry=r)
+                                 "first token committed", m, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram("kvhold_request_inference_time_seconds", "A request's first step to "
+                                   "its last token (prefill and decode)", m, buckets=REQUEST_LATENCY_BUCKETS,
+                                   registry=r)
+        self.params_max_tokens = Histogram("kvhold_request_params_max_tokens", "max_tokens of finished "
+                                           "requests", m, buckets=LENGTH_BUCKETS, registry=r)
+        self.params_n = Histogram("kvhold_request_params_n", "n (choices) of HTTP requests", m,
+                                  buckets=N_BUCKETS, registry=r)
         self.prompt_len = Histogram("kvhold_request_prompt_tokens", "Prompt length of finished "
                                     "requests", m, buckets=LENGTH_BUCKETS, registry=r)
         self.generation_len = Histogram("kvhold_request_generation_tokens", "Tokens generated per "
@@ -76,7 +92,11 @@ class RequestMetrics:
         self.finished = Counter("kvhold_request_success", "Finished requests by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
         Gauge("kvhold_build_info", "kvhold's version", ["version"], registry=r).labels(__version__).set(1)
-        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+        # every series exists from start-up, at zero (a dashboard's panels have data before the
+        # first request ends, and rate() counts that request)
+        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.request_ttft,
+                  self.token_gap, self.e2e, self.decode, self.queue, self.prefill, self.inference,
+                  self.prompt_len, self.generation_len, self.params_max_tokens, self.params_n):
             c.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(model_name, reason)
@@ -84,7 +104,7 @@ class RequestMetrics:
     def observe(self, *, received: float, first_token: float | None, token_times: list[float],
                 end: float, prompt_tokens: int, generation_tokens: int, preemptions: int,
                 finish_reason: str | None, queue_s: float | None = None,
-                prefill_s: float | None = None) -> None:
+                prefill_s: float | None = None, max_tokens: int | None = None) -> None:
         """One request as it ended (times: time.monotonic()); a request that produced nothing
         counts its length and reason only. `queue_s`/`prefill_s`: the sidecar's durations (None:
         not known, not observed)."""
@@ -103,6 +123,10 @@ class RequestMetrics:
             self.queue.labels(name).observe(max(0.0, queue_s))
         if prefill_s is not None:
             self.prefill.labels(name).observe(max(0.0, prefill_s))
+            if first_token is not None:
+                self.inference.labels(name).observe(max(0.0, prefill_s) + max(0.0, end - first_token))
+        if max_tokens is not None:
+            self.params_max_tokens.labels(name).observe(max_tokens)
         gap = self.token_gap.labels(name)
         for a, b in zip(token_times, token_times[1:]):
             gap.observe(max(0.0, b - a))
@@ -130,6 +154,8 @@ class SidecarMetrics:
         self.http = Counter("kvhold_http_requests", "HTTP API requests", ["endpoint", "code"], registry=r)
         self.ttft = Histogram("kvhold_http_time_to_first_token_seconds", "Request received to first "
                               "token", ["endpoint"], buckets=RECOVERY_BUCKETS, registry=r)
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            self.ttft.labels(endpoint)
         self.requests = RequestMetrics(r, model_name)
         # Every known label value exists from the first scrape, at zero: Prometheus's increase()
         # and rate() need a sample before the first event to count it.
@@ -150,6 +176,10 @@ class SidecarMetrics:
 
     def observe_request(self, **request) -> None:
         self.requests.observe(**request)
+
+    def observe_choices(self, n: int) -> None:
+        """An HTTP request's `n`."""
+        self.requests.params_n.labels(self.model_name).observe(n)
 
     def unavailable(self, reason: str) -> None:
         self.status, self.status_error = None, reason
@@ -226,6 +256,14 @@ class _LiveCollector:
                                 "included)", value=total)
         yield _usage(self.owner.model_name, total, counts.get("free", 0) + counts.get("cached", 0))
         yield from _prefix_cache_metrics(self.owner.model_name, st.get("prefix_cache"))
+        serving = st.get("serving") or {}
+        if serving.get("page_tokens"):
+            info = GaugeMetricFamily("kvhold_cache_config_info", "The KV cache's configuration, as "
+                                     "vLLM's cache_config_info: 1, its settings as labels",
+                                     labels=["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"])
+            info.add_metric([str(serving["page_tokens"]), str(max(0, total - 1)), str(serving.get("kv_dtype", "")),
+                             str(bool(serving.get("prefix_caching")))], 1)
+            yield info
         req = st.get("requests", {})
         yield GaugeMetricFamily("kvhold_requests_in_flight", "Requests admitted and not finished",
                                 value=req.get("in_flight", 0))

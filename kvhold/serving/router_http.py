@@ -104,6 +104,9 @@ class RouterMetrics:
     def observe_request(self, **request) -> None:
         self.requests.observe(**request)
 
+    def observe_choices(self, n: int) -> None:
+        self.requests.params_n.labels(self.requests.model_name).observe(n)
+
 
 class RouterBackend:
     """http_api's backend (kvhold.serving.backend.Backend) over a registry view: submit routes,

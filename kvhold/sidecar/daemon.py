@@ -529,6 +529,9 @@ class Sidecar:
                 "spares": [pid for pid in self.paths.spare_pids() if pid_alive(pid)],   # waiting now
                 # what an HTTP API in front of this sidecar needs (`kvhold serve --sidecar-endpoint`)
                 "serving": {"model": str(self.config.pool.model) if self.config.pool.model else None,
+                            "page_tokens": self.tables.geometry.kv.page_tokens,
+                            "kv_dtype": self.tables.geometry.kv.dtype,
+                            "prefix_caching": self.config.uses_prefix_caching(),
                             "max_seq_len": self.tables.geometry.max_seq_len,
                             "lease_ms": self.config.executors.lease_ms,
                             "max_prompt_bytes": self.config.pool.max_prompt_bytes}}

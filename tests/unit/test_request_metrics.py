@@ -75,6 +75,46 @@ def test_prefix_cache_counters_and_idle_cached_pages_counted_as_free():
     assert not any(n.startswith("kvhold_prefix_cache") for n, _ in samples(m))
 
 
+def test_every_series_exists_from_start_up_with_vllms_bucket_edges():
+    from kvhold.serving.metrics import (VLLM_REQUEST_LATENCY_BUCKETS, VLLM_TOKEN_GAP_BUCKETS,
+                                        VLLM_TTFT_BUCKETS)
+
+    m = SidecarMetrics("tiny-v1")
+    text = m.render().decode()
+    name = 'model_name="tiny-v1"'
+    for series in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                   "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+                   "request_params_max_tokens", "request_params_n"):
+        assert f"kvhold_{series}_count{{{name}}} 0.0" in text, series
+    assert 'kvhold_http_time_to_first_token_seconds_count{endpoint="/v1/completions"} 0.0' in text
+    for series, edges in (("time_to_first_token_seconds", VLLM_TTFT_BUCKETS),
+                          ("time_per_output_token_seconds", VLLM_TOKEN_GAP_BUCKETS),
+                          ("e2e_request_latency_seconds", VLLM_REQUEST_LATENCY_BUCKETS)):
+        for le in edges:
+            assert f'kvhold_{series}_bucket{{le="{float(le)}",{name}}} 0.0' in text, (series, le)
+
+
+def test_inference_time_max_tokens_n_and_the_cache_config():
+    m = SidecarMetrics("tiny-v1")
+    st = status()
+    st["serving"] = {"page_tokens": 16, "kv_dtype": "bfloat16", "prefix_caching": True}
+    m.observe(st)
+    m.observe_request(received=10.0, first_token=10.2, token_times=[10.2, 10.5], end=10.5, prompt_tokens=7,
+                      generation_tokens=2, preemptions=0, finish_reason="length", queue_s=0.05, prefill_s=0.12,
+                      max_tokens=64)
+    m.observe_choices(3)
+    s = samples(m)
+    name = (("model_name", "tiny-v1"),)
+    assert abs(s[("kvhold_request_inference_time_seconds_sum", name)] - 0.42) < 1e-9      # 0.12 + 0.3
+    assert s[("kvhold_request_params_max_tokens_sum", name)] == 64
+    assert s[("kvhold_request_params_n_sum", name)] == 3
+    info = {(n, labels): v for (n, labels), v in s.items() if n == "kvhold_cache_config_info"}
+    assert list(info.values()) == [1.0]
+    assert dict(next(iter(info))[1]) == {"block_size": "16", "num_gpu_blocks": "100", "cache_dtype": "bfloat16",
+                                         "enable_prefix_caching": "True"}
+
+
 def test_recovery_buckets_tell_5_from_50_ms():
     m = SidecarMetrics()
     m.recovery.observe(0.005)
