@@ -50,6 +50,8 @@ class BackendMetrics(Protocol):
 
     def observe_choices(self, n: int) -> None: ...
 
+    def observe_choices_ended(self, generated: list[int]) -> None: ...
+
 
 class Backend(Protocol):
     metrics: BackendMetrics

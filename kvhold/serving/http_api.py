@@ -355,6 +355,7 @@ class _Service:
 
         def on_end(g: Generation) -> None:
             self._ended(g, t0, endpoint, max_tokens)
+            self.metrics.observe_choices_ended([g.completion_tokens])
         if req.stream:
             ids = None
             if self.records is not None:   # what a resume needs and the sidecar does not keep
@@ -436,8 +437,15 @@ class _Service:
 
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
+        groups: dict[int, list[int]] = {}       # prompt -> its ended choices' generated tokens
+        prompt_of = {id(g): p for g, p in zip(gens, prompts_of)}
+
         def on_end(g: Generation) -> None:
             self._ended(g, t0, endpoint, limits.get(id(g)))
+            done = groups.setdefault(prompt_of[id(g)], [])
+            done.append(g.completion_tokens)
+            if len(done) == req.n:
+                self.metrics.observe_choices_ended(done)
         if req.stream:
             return StreamingResponse(multi_sse_body(gens, prompts_of, shape, req.include_usage, on_end,
                                                     self.settings.sse_keepalive_s),

@@ -83,6 +83,9 @@ class RequestMetrics:
                                            "requests", m, buckets=LENGTH_BUCKETS, registry=r)
         self.params_n = Histogram("kvhold_request_params_n", "n (choices) of HTTP requests", m,
                                   buckets=N_BUCKETS, registry=r)
+        self.max_generation = Histogram("kvhold_request_max_num_generation_tokens", "The most tokens one "
+                                        "choice of an HTTP request generated", m, buckets=LENGTH_BUCKETS,
+                                        registry=r)
         self.prompt_len = Histogram("kvhold_request_prompt_tokens", "Prompt length of finished "
                                     "requests", m, buckets=LENGTH_BUCKETS, registry=r)
         self.generation_len = Histogram("kvhold_request_generation_tokens", "Tokens generated per "
@@ -96,7 +99,8 @@ class RequestMetrics:
         # first request ends, and rate() counts that request)
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.request_ttft,
                   self.token_gap, self.e2e, self.decode, self.queue, self.prefill, self.inference,
-                  self.prompt_len, self.generation_len, self.params_max_tokens, self.params_n):
+                  self.prompt_len, self.generation_len, self.params_max_tokens, self.params_n,
+                  self.max_generation):
             c.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(model_name, reason)
@@ -180,6 +184,10 @@ class SidecarMetrics:
     def observe_choices(self, n: int) -> None:
         """An HTTP request's `n`."""
         self.requests.params_n.labels(self.model_name).observe(n)
+
+    def observe_choices_ended(self, generated: list[int]) -> None:
+        """An HTTP request's choices all ended, each having generated so many tokens."""
+        self.requests.max_generation.labels(self.model_name).observe(max(generated, default=0))
 
     def unavailable(self, reason: str) -> None:
         self.status, self.status_error = None, reason

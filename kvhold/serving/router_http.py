@@ -107,6 +107,9 @@ class RouterMetrics:
     def observe_choices(self, n: int) -> None:
         self.requests.params_n.labels(self.requests.model_name).observe(n)
 
+    def observe_choices_ended(self, generated: list[int]) -> None:
+        self.requests.max_generation.labels(self.requests.model_name).observe(max(generated, default=0))
+
 
 class RouterBackend:
     """http_api's backend (kvhold.serving.backend.Backend) over a registry view: submit routes,

@@ -33,9 +33,10 @@ def test_penalized_streams_continue_identically_after_a_sigkill(tiny_model, star
         streams = submit(client, REQUESTS)
         rids = [s.request_id for s in streams]
 
-        def decoding():
+        def decoding():          # the execution half is the request's own (not a slot's last occupant's)
             slots = [np.flatnonzero(req["request_id"] == rid) for rid in rids]
-            return all(len(s) and req["num_generated"][s[0]] >= 2 for s in slots)
+            return all(len(s) and req["exec_request_id"][s[0]] == rid and req["num_generated"][s[0]] >= 2
+                       for s, rid in zip(slots, rids))
         wait_until(decoding, 60, what="the requests to decode")
         armed.touch()                      # the executor kills itself at its next publication
         results = wait_all(streams)

@@ -46,8 +46,9 @@ def test_a_damaged_shared_page_and_a_sigkill_lose_nothing(tiny_model, start_side
             slots = [np.flatnonzero(req["request_id"] == rid) for rid in rids]
             if any(len(s) == 0 for s in slots):
                 return None
-            slots = [int(s[0]) for s in slots]
-            return slots if all(req["num_generated"][s] >= 2 for s in slots) else None
+            slots = [int(s[0]) for s in slots]        # the execution half is the request's own
+            return slots if all(req["exec_request_id"][s] == rid and req["num_generated"][s] >= 2
+                                for s, rid in zip(slots, rids)) else None
         slots = wait_until(slots_decoding, 60, what="the eight requests to decode")
         armed.touch()                               # the executor stops at its next publication
         wait_stopped(pid, 60)

@@ -85,7 +85,7 @@ def test_every_series_exists_from_start_up_with_vllms_bucket_edges():
     for series in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
                    "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                    "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-                   "request_params_max_tokens", "request_params_n"):
+                   "request_params_max_tokens", "request_params_n", "request_max_num_generation_tokens"):
         assert f"kvhold_{series}_count{{{name}}} 0.0" in text, series
     assert 'kvhold_http_time_to_first_token_seconds_count{endpoint="/v1/completions"} 0.0' in text
     for series, edges in (("time_to_first_token_seconds", VLLM_TTFT_BUCKETS),
