@@ -10,8 +10,8 @@ extends each conversation by its first answer and a new user turn (`--follow-up-
 One request with the system prompt alone runs first (a service's system prompt is hot in
 its cache); then the `--streams` first turns are sent at once, and when they have all
 finished, the `--streams` second turns. Then the second turns run again while the active
-executor is SIGKILLed halfway through their tokens (counted as the client receives them),
-`--kills` times.
+executor is SIGKILLed once every one of them has streamed a quarter of its tokens (all are
+decoding then, with the cache or without), `--kills` times.
 
 The same workload runs on a real sidecar with `--enable-prefix-caching` and on one with
 `--no-enable-prefix-caching`, one after the other. Per request: time to first token (the
@@ -115,18 +115,23 @@ def run_mode(args, workload: dict, caching: bool, log_dir: Path) -> dict:
 
 
 def kill_run(sc: SidecarProcess, client, requests: list[dict], reference: list[dict]) -> dict:
-    """The second turns again; the active executor SIGKILLed once half their tokens reached the client."""
+    """The second turns again; the active executor SIGKILLed once every one of them has streamed a
+    quarter of its tokens to the client (all of them decoding then, with caching or without, so
+    that both modes recover the same requests)."""
     sc.wait_steady(standbys=1, timeout=600)
-    threshold = sum(len(r["tokens"]) for r in reference) // 2
+    quarter = max(1, min(len(r["tokens"]) for r in reference) // 4)
     kill: dict = {}
-    seen = [0]
+    counts = [0] * len(requests)
+    behind = [len(requests)]
 
     def on_token(i, event):
-        seen[0] += 1
-        if seen[0] == threshold:
-            victim = sc.wait_steady(standbys=0)
-            kill.update(pid=victim["pid"], epoch=victim["epoch"], ns=time.monotonic_ns())
-            os.kill(victim["pid"], signal.SIGKILL)
+        counts[i] += 1
+        if counts[i] == quarter:
+            behind[0] -= 1
+            if behind[0] == 0:
+                victim = sc.wait_steady(standbys=0)
+                kill.update(pid=victim["pid"], epoch=victim["epoch"], ns=time.monotonic_ns())
+                os.kill(victim["pid"], signal.SIGKILL)
 
     results, wall = run_wave(client, requests, on_token)
 
@@ -136,7 +141,7 @@ def kill_run(sc: SidecarProcess, client, requests: list[dict], reference: list[d
 
     rec = sc.wait_for(find, timeout=600)
     ms = lambda ns: (ns - kill["ns"]) / 1e6  # noqa: E731
-    return {"results": results, "wall_s": wall, "streamed_before_kill": threshold,
+    return {"results": results, "wall_s": wall, "kill_after_tokens_each": quarter,
             "first_token_ms": ms(rec["first_token_ns"]),
             **{f"{k[:-3]}_ms": ms(rec[k]) for k in ("detect_ns", "promoted_ns", "validated_ns", "cleared_ns",
                                                      "tails_ns", "resumed_ns", "step_start_ns", "committed_ns")
