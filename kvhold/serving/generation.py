@@ -48,8 +48,9 @@ class Generation:
     the request asked for log-probs."""
 
     def __init__(self, stream: TokenStream, stops: list[str], echo: str | None = None,
-                 logprob_format=None):
+                 logprob_format=None, score_only: bool = False):
         self.stream = stream
+        self.score_only = score_only      # echo with max_tokens 0: the prompt scored, its one token dropped
         self.matcher = StopMatcher(stops)
         self.echo = echo
         self.logprob_format = logprob_format
@@ -93,7 +94,29 @@ class Generation:
         echo, self.echo = self.echo, None
         return echo
 
+    async def _scored(self):
+        """Score only: the echoed prompt and its log-probs, which come with the first token; that
+        token (the sidecar generates at least one) is neither shown nor counted."""
+        async for _ in self.stream:
+            break
+        if self.echo is not None:
+            yield self._echo()
+        if not self.stream.finished:
+            await self.stream.cancel()
+        result = await self.stream.result()
+        self.ended = True
+        self.preemptions, self.cached_tokens = result.preemptions, result.cached_tokens
+        self.queue_s, self.prefill_s = result.queue_s, result.prefill_s
+        self.prompt_tokens = result.prompt_tokens
+        if result.finish_reason == "error":
+            raise ApiError(500, "the request failed in the engine", type="server_error")
+        self.completion_tokens, self.finish_reason = 0, "length"
+
     async def _pieces(self):
+        if self.score_only:
+            async for piece in self._scored():
+                yield piece
+            return
         raw = []
         async for event in self.stream:
             if self.echo is not None:

@@ -381,7 +381,8 @@ class _Service:
             echo = prompt.get("prompt")
             if echo is None:
                 echo = self._need_tokenizer().decode(prompt["prompt_ids"], skip_special_tokens=False)
-        return Generation(stream, req.stop, echo, self._logprob_format(kind) if req.logprob_params() else None)
+        return Generation(stream, req.stop, echo, self._logprob_format(kind) if req.logprob_params() else None,
+                          score_only=getattr(req, "score_only", False))
 
     def _logprob_format(self, kind: str):
         fmt = LogprobFormat(self.tokenizer)

@@ -228,7 +228,7 @@ class _Sampling(BaseModel):
                               param="min_tokens", code="invalid_value")
         out: dict[str, Any] = {name: getattr(self, name) for name in SAMPLING_FIELDS
                                if getattr(self, name) is not None}
-        out["max_tokens"] = max_tokens
+        out["max_tokens"] = max(1, max_tokens)     # 0 (score only): one token generated, then dropped
         if choice and self.seed is not None:
             out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
         out.update(self.logprob_params())
@@ -244,6 +244,7 @@ def _check_ids(v: list) -> list:
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: int | None = Field(None, ge=0)          # 0 with echo: the prompt scored, nothing generated
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=LIMITS["logprobs"].hi)
@@ -263,8 +264,17 @@ class CompletionRequest(_Sampling):
         raise ValueError("must be a string, a list of strings, a list of token ids or a list of "
                          "lists of token ids")
 
+    @property
+    def score_only(self) -> bool:
+        """`echo` with `max_tokens: 0` (vLLM's): the prompt (and with `logprobs`, its
+        log-probs) scored, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens 0 generates nothing: it needs echo (the prompt scored)",
+                              param="max_tokens", code="invalid_value")
         for name, ok in (("suffix", not self.suffix), ("best_of", self.best_of in (None, 1))):
             if not ok:
                 raise bad_request(f"{name} is not supported", param=name, code="unsupported_value")

@@ -87,6 +87,26 @@ def test_echo_with_logprobs_scores_the_prompt(server):
     assert merged(parts) == lp
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(server):
+    body = {"prompt": PROMPT, "temperature": 0, "logprobs": 2, "echo": True}
+    one = server.post("/v1/completions", {**body, "max_tokens": 1}).json()
+    r = server.post("/v1/completions", {**body, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    p = usage["prompt_tokens"]
+    lp, lp_one = choice["logprobs"], one["choices"][0]["logprobs"]
+    assert lp["tokens"] == lp_one["tokens"][:p] and lp["token_logprobs"] == lp_one["token_logprobs"][:p]
+    assert lp["top_logprobs"] == lp_one["top_logprobs"][:p]
+    chunks = sse_chunks(server, "/v1/completions", {**body, "max_tokens": 0})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == PROMPT
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert merged(parts) == lp
+    refused = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_echo_of_token_ids_and_logprobs_zero(server):
     ids = [5, 17, 42, 9]
     r = server.post("/v1/completions", {"prompt": ids, "max_tokens": 2, "temperature": 0, "logprobs": 0,
