@@ -110,6 +110,12 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _cmd_failovers(args) -> int:
+    from kvhold.cli.failovers import cmd_failovers
+
+    return cmd_failovers(args)
+
+
 def cmd_top(args) -> int:
     from kvhold.cli.top import run_top
 
@@ -267,6 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("failovers", help="a picture of a running sidecar's failovers (SVG or HTML)",
+                       description="Draw the latency the clients saw around each executor failover "
+                                   "of a running sidecar: the largest inter-token gap per second "
+                                   "(the last ten minutes), each failover marked with its detection "
+                                   "-> first resumed token, and each failover's phases. All from "
+                                   "the sidecar's own records.")
+    add_instance_args(p)
+    p.add_argument("--out", default="failovers.svg",
+                   help="the file to write: .svg (the picture) or .html (the picture and a table) "
+                        "(default %(default)s)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    p.set_defaults(func=_cmd_failovers)
 
     p = sub.add_parser("top", help="live view of a running sidecar (executors, page pool, recoveries)",
                        description="A live view of one sidecar that fits the terminal (80x24 at the "

@@ -43,6 +43,7 @@ from kvhold.protocol.sampling import RequestInput, SamplingParams, check_token_i
 from kvhold.frontend import logprob_stream
 from kvhold.frontend.admission import Pending, PromptTokenizer
 from kvhold.frontend.detokenizer import IncrementalDetokenizer
+from kvhold.frontend.gap_series import TokenGaps
 from kvhold.sidecar.durable_journal import GroupCommit
 from kvhold.sidecar.timeline import RecoveryTimeline
 
@@ -61,6 +62,7 @@ class Stream:
     detok: IncrementalDetokenizer | None
     sent: int = 0                 # generated tokens streamed (or brought as a resumed prefix)
     last_send_ns: int = 0
+    last_token_ns: int = 0        # when its tokens last went out (a keepalive is not one)
     prefix: int = 0               # tokens a moved request brought: not streamed again
     text: list = field(default_factory=list)
     awaiting_resume: bool = False       # restored by a pool restart: silent until its client resumes
@@ -139,6 +141,7 @@ class Frontend:
         self.num_admitted = 0
         self.num_tokens = 0                                    # generated tokens streamed, in all
         self.num_prompt_tokens = 0                             # prompt tokens admitted, in all
+        self.token_gaps = TokenGaps()                          # the clients' inter-token gaps, per second
         self.first_token_ms: collections.deque = collections.deque(maxlen=256)   # the latest admissions'
         self.num_finished = collections.Counter()
         self.closed: dict[str, str] = {}    # why admissions are closed, by who closed them
@@ -475,8 +478,11 @@ class Frontend:
                                                     st.prompt_len, count, finished)
         if sendable > st.sent:
             count = sendable
+            now = now_ns()
             if st.sent == st.prefix and st.opened_ns:
-                self.first_token_ms.append((now_ns() - st.opened_ns) / 1e6)
+                self.first_token_ms.append((now - st.opened_ns) / 1e6)
+            self.token_gaps.note(now, now - st.last_token_ns if st.last_token_ns else None, count - st.sent)
+            st.last_token_ns = now
             self.num_tokens += count - st.sent
             ids = self.journal.generated(st.slot, st.sent, count, reads.prompt_len[k])
             if st.detok:
@@ -593,6 +599,7 @@ class Frontend:
                              "tokens_total": self.num_tokens,
                              "first_token_ms_p50": ttft[len(ttft) // 2] if ttft else None},
                 "prefix_cache": self.prefix_cache_status(),
+                "token_gaps": self.token_gaps.status(),
                 "recoveries": self.timeline.records(),
                 "admissions": {"open": not self.closed, "closed_by": dict(self.closed),
                                "tokenizing": len(self._tokenizing),
