@@ -110,10 +110,12 @@ def test_cancel_and_ownership(sidecar, client):
     assert result.finish_reason == "cancelled" and result.completion_tokens < 200
 
 
-def test_a_dead_sidecar_is_an_error_in_bounded_time(tiny_model):
+def test_a_dead_sidecar_is_an_error_in_bounded_time(tiny_model, tmp_path):
     from kvhold.testing.sidecar_process import SidecarProcess
 
-    sc = SidecarProcess(["--model", str(tiny_model), "--standbys", "0"]).start()
+    # the executor stops itself at its 5th commit: the stream cannot end before the sidecar's death
+    env = {"KVHOLD_FAULT": "commit_finish:5:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = SidecarProcess(["--model", str(tiny_model), "--standbys", "0", "--lease-ms", "30000"], env=env).start()
     try:
         sc.wait_steady(standbys=0)
         client = sc.new_client(timeout=2.0)

@@ -1,7 +1,7 @@
 """The dashboards against a real Prometheus scraping a real `kvhold serve`: every query of
 kvhold's own dashboard (deploy/grafana/kvhold.json), and every query of vLLM's example Grafana
 dashboard through the scrape job that renames kvhold's series to vLLM's names
-(deploy/prometheus/vllm-names.yaml), returns data once requests have run; the per-request
+(deploy/prometheus/scrape/vllm-names.yaml), returns data once requests have run; the per-request
 panels return numbers, not only NaN.
 
 Prometheus is Debian's `prometheus` package (.ci/run installs it); KVHOLD_REQUIRE_PROMTOOL=1
@@ -83,7 +83,7 @@ def prometheus(tmp_path):
     procs = []
 
     def start(target: str) -> str:
-        renaming = yaml.safe_load((ROOT / "deploy" / "prometheus" / "vllm-names.yaml").read_text())
+        renaming = yaml.safe_load((ROOT / "deploy" / "prometheus" / "scrape" / "vllm-names.yaml").read_text())
         as_vllm = renaming["scrape_configs"][0]
         as_vllm["static_configs"] = [{"targets": [target]}]
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
