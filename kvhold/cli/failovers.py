@@ -11,7 +11,6 @@ Every figure is the sidecar's own record, on CLOCK_MONOTONIC; nothing is estimat
 from __future__ import annotations
 
 import html
-import sys
 from pathlib import Path
 
 WIDTH, TOP_H, ROW_H, LEFT, RIGHT = 900, 260, 22, 70, 20
@@ -115,14 +114,10 @@ def render_html(status: dict) -> str:
 
 
 def cmd_failovers(args) -> int:
-    from kvhold.client.client import Client
-    from kvhold.protocol.errors import KvholdError
+    from kvhold.cli.status_view import fetch_status
 
-    try:
-        with Client.for_instance(args.instance, args.runtime_root, timeout=args.timeout) as client:
-            status = client.status()
-    except KvholdError as exc:
-        print(f"kvhold failovers: {exc}", file=sys.stderr)
+    status = fetch_status(args, "failovers")
+    if status is None:
         return 1
     out = Path(args.out)
     out.write_text(render_html(status) if out.suffix in (".html", ".htm") else render_svg(status))

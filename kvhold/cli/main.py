@@ -92,14 +92,10 @@ def cmd_executor(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from kvhold.client.client import Client
-    from kvhold.protocol.errors import KvholdError
+    from kvhold.cli.status_view import fetch_status
 
-    try:
-        with Client.for_instance(args.instance, args.runtime_root, timeout=args.timeout) as client:
-            status = client.status()
-    except KvholdError as exc:
-        print(f"kvhold status: {exc}", file=sys.stderr)
+    status = fetch_status(args, "status")
+    if status is None:
         return 1
     if args.json:
         json.dump(status, sys.stdout, indent=2, default=str)

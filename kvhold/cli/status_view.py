@@ -1,8 +1,24 @@
 """Human-readable rendering of a sidecar's status (kvhold status)."""
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
+
+
+def fetch_status(args, command: str) -> dict | None:
+    """The status of the sidecar `args` name (--instance, --runtime-root, --timeout); None, having
+    said why on stderr, when it does not answer."""
+    from kvhold.client.client import Client
+    from kvhold.protocol.errors import KvholdError
+
+    try:
+        with Client.for_instance(args.instance, args.runtime_root, timeout=args.timeout) as client:
+            return client.status()
+    except KvholdError as exc:
+        print(f"kvhold {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def print_status(status: dict, console: Console | None = None) -> None:

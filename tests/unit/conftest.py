@@ -1,4 +1,5 @@
-"""Fixtures of the unit tests: the sidecar's shared-memory tables made in process (`tables`),
+"""Fixtures of the unit tests: the sidecar's shared-memory tables made in process (`tables`, and
+their request `journal`),
 of the module's `table_geometry`, `table_generation` and `tables_name` where it sets them
 (`paths.shm_name("tables")`: the tables of a private instance, as its sidecar names them)."""
 from __future__ import annotations
@@ -41,3 +42,11 @@ def tables(tables_name, table_geometry, table_generation):
     t = Tables.create(tables_name, table_geometry, generation=table_generation)
     yield t
     t.unlink()
+
+
+@pytest.fixture
+def journal(tables):
+    """The request journal of `tables`."""
+    from kvhold.protocol.journal import Journal
+
+    return Journal(tables)

@@ -264,6 +264,17 @@ class EnginePool:
         self.tables.unlink()
 
 
+def outputs_alone(model, requests, num_pages: int = 96) -> list[list[int]]:
+    """The requests' tokens run to their end by one engine on a pool of their own."""
+    pool = EnginePool(model, num_pages)
+    try:
+        engine, ids = pool.started(requests)
+        run_to_end(engine)
+        return pool.outputs(ids)
+    finally:
+        pool.close()
+
+
 def decode_until(engine, generated: int) -> None:
     """Step until every request has decoded `generated` tokens."""
     while not engine.seqs or not all(s.num_generated >= generated for s in engine.seqs.values()):

@@ -1,10 +1,8 @@
 """min_tokens, vLLM's meaning: a request's stop ids and EOS (unless ignore_eos) cannot end it
 before min_tokens generated tokens. The sampler masks them, by the request and the position
 only; the field travels with the request's one record (wire, journal, durable record)."""
-import os
 
 import msgpack
-import numpy as np
 import pytest
 import torch
 
@@ -12,10 +10,7 @@ from kvhold.executor.sampler import sample
 from kvhold.executor.sequence import Sequence
 from kvhold.protocol import messages as m
 from kvhold.protocol.errors import ErrorCode, InvalidParams
-from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.sampling import SamplingParams
-from kvhold.protocol.tables import Tables
 from kvhold.protocol.wire import PROTOCOL_VERSION, WireError, decode, encode
 from kvhold.sidecar.durable_journal import decode_record, encode_record, record_sampling
 
@@ -89,14 +84,6 @@ def test_min_tokens_is_checked_with_the_other_fields():
     assert info.value.code == ErrorCode.INVALID_PARAMS
     msg = m.Generate(tag=1, params=SamplingParams(max_tokens=9, min_tokens=3, stop_token_ids=(4,)), prompt="x")
     assert decode(encode(msg)) == msg
-
-
-@pytest.fixture
-def journal():
-    geometry = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64)
-    tables = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", geometry, generation=1)
-    yield Journal(tables)
-    tables.unlink()
 
 
 def test_the_journal_and_the_durable_record_hold_min_tokens(journal):

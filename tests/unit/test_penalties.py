@@ -2,7 +2,6 @@
 reference of vLLM's formulas, per row whatever the batch; the fields checked with the others
 and held by the journal's record and the durable record; an engine run in this process and
 taken over mid-decode (its first executor abandoned) gives the uninterrupted tokens."""
-import os
 
 import numpy as np
 import pytest
@@ -11,12 +10,9 @@ import torch
 from kvhold.executor.sampler import _penalize, sample
 from kvhold.executor.sequence import Sequence
 from kvhold.protocol.errors import InvalidParams
-from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import KvGeometry, TableGeometry
 from kvhold.protocol.sampling import SamplingParams
-from kvhold.protocol.tables import Tables
 from kvhold.sidecar.durable_journal import decode_record, encode_record, record_sampling
-from tests.unit.helpers import EnginePool, decode_until, float64_model, run_to_end
+from tests.unit.helpers import EnginePool, decode_until, float64_model, outputs_alone, run_to_end
 
 VOCAB = 12
 PROMPT = [3, 4, 4, 9]
@@ -85,14 +81,6 @@ def test_out_of_range_values_are_refused_by_name(field, value):
         SamplingParams(**{field: value})
 
 
-@pytest.fixture
-def journal():
-    geometry = TableGeometry(kv=KvGeometry(2, 2, 8, "float32", 4), num_pages=16, num_slots=4, max_seq_len=64)
-    tables = Tables.create(f"/kvhold-test-{os.getpid()}-{np.random.randint(1 << 30)}", geometry, generation=1)
-    yield Journal(tables)
-    tables.unlink()
-
-
 def test_the_journal_and_the_durable_record_hold_the_penalties(journal):
     p = SamplingParams(max_tokens=20, temperature=0.5, seed=3, presence_penalty=0.25, frequency_penalty=-1.5,
                        repetition_penalty=1.25, min_p=0.125)
@@ -121,17 +109,9 @@ def test_penalized_requests_continue_exactly_after_a_takeover(model):
                                             dict(temperature=0.9, seed=4, min_p=0.1, presence_penalty=1.0),
                                             dict(temperature=0.0)])]
 
-    def uninterrupted(reqs):
-        pool = EnginePool(model, 64)
-        try:
-            engine, ids = pool.started(reqs)
-            run_to_end(engine)
-            return pool.outputs(ids)
-        finally:
-            pool.close()
-
-    expected = uninterrupted(requests)
-    plain = uninterrupted([{k: v for k, v in r.items() if "penalty" not in k and k != "min_p"} for r in requests])
+    expected = outputs_alone(model, requests, 64)
+    plain = outputs_alone(model, [{k: v for k, v in r.items() if "penalty" not in k and k != "min_p"}
+                                  for r in requests], 64)
     assert [a != b for a, b in zip(expected, plain)][:3] == [True, True, True]   # the penalties matter
     pool = EnginePool(model, 64)
     try:

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from kvhold.executor.prefix_cache import PrefixCache, chain_keys, root_key
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import PageFlag
-from tests.unit.helpers import ENGINE_PAGE_TOKENS as PT, EnginePool, decode_until, float64_model, run_to_end
+from tests.unit.helpers import (ENGINE_PAGE_TOKENS as PT, EnginePool, decode_until, float64_model,
+                                outputs_alone, run_to_end)
 from tools.bench_engine_setup import admit
 
 SALT = b"weights-fingerprint:float64"
@@ -34,13 +35,7 @@ def system_pages(cache: PrefixCache) -> list[int]:
 
 
 def uncached_outputs(model, requests) -> list[list[int]]:
-    pool = EnginePool(model, 96)
-    try:
-        engine, ids = pool.started(requests)
-        run_to_end(engine)
-        return pool.outputs(ids)
-    finally:
-        pool.close()
+    return outputs_alone(model, requests)
 
 
 # ---------------------------------------------------------------- the index alone
