@@ -69,6 +69,20 @@ def wait_until(cond, timeout_s: float = 10.0, interval_s: float = 0.01, what: st
     return value
 
 
+def unique_prompt_token(model_dir, requests, index: int) -> int:
+    """A token id of request `index`'s prompt (text, tokenized as the frontend does, or ids) that
+    no other request's prompt holds: the fault point `step:token=<id>@<n>` then counts the steps of
+    that one request."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def prompt(r):
+        return set(r["prompt_ids"]) if "prompt_ids" in r else set(tokenizer.encode(r["prompt"]).ids)
+    others = set().union(*(prompt(r) for i, r in enumerate(requests) if i != index))
+    return max(prompt(requests[index]) - others)
+
+
 def wait_stopped(pid: int, timeout_s: float = 20.0) -> None:
     """Until `pid` is in the stopped state (after SIGSTOP), as /proc shows it."""
     wait_until(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "T",

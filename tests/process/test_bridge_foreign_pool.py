@@ -11,7 +11,7 @@ import torch
 from kvhold.client.client import wait_all
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import submit_requests
-from tests.process.helpers import attach_pool as _attach, ids, run_with_fault, wait_stopped
+from tests.process.helpers import attach_pool as _attach, ids, run_with_fault, unique_prompt_token, wait_stopped
 
 FLAGS = ["--kv-pages", "128", "--max-seq-len", "256", "--max-batch-tokens", "64", "--max-batch", "16",
          "--log-level", "INFO"]
@@ -59,21 +59,12 @@ def test_sigkill_mid_stream_continues_identically(tiny_model, reference, start_s
         assert rec["tokens_recomputed"] == 0 and rec["tokens_kept"] > 0 and rec["pages_bad"] == 0
 
 
-def _unique_token(tiny_model) -> int:
-    """A token id of the 100-token prompt that no text prompt holds."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
-    taken = {t for r in REQUESTS if "prompt" in r for t in tokenizer.encode(r["prompt"]).ids}
-    return max(set(REQUESTS[2]["prompt_ids"]) - taken)
-
-
 def test_damaged_mirror_page_recomputes_from_the_first_bad_block(tiny_model, reference, start_sidecar, tmp_path):
     # The active executor stops itself at the 4th step that holds the 100-token prompt, before
     # its forward: that request's prompt is computed then (at most 2 chunks of 64-token steps)
     # and its pages published, with 20 of its 24 tokens still to come, however late it arrived
     # and however far the engine is ahead of this test's client. The replacement runs clean.
-    env = {"KVHOLD_FAULT": f"step:token={_unique_token(tiny_model)}@4:stop",
+    env = {"KVHOLD_FAULT": f"step:token={unique_prompt_token(tiny_model, REQUESTS, 2)}@4:stop",
            "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
     sc = start_sidecar(["--model", str(tiny_model), *FOREIGN, "--lease-ms", "5000"], env=env)
     pid = sc.wait_steady()["pid"]

@@ -157,14 +157,20 @@ def test_a_sigkilled_sidecar_s_requests_move_and_complete(cluster):
             os.killpg(victim.proc.pid, signal.SIGKILL)       # the sidecar and its executors
             killed.append(True)
 
+    # streams long enough that the victim's cannot end before the kill, however far its engine
+    # runs ahead of this client (with the prompts cached by the earlier tests, a 60-token stream
+    # could)
+    long = [dict(r, max_tokens=400, ignore_eos=True) for r in REQUESTS]
+    with sidecars[0].new_client() as client:
+        long_reference = [r.token_ids for r in client_wait_all(submit(client, long))]
     assert view.wait_until(lambda es: not any(e.in_flight for e in es), 5)
     with RoutedClient(view) as router:
-        streams = submit(router)
+        streams = submit(router, long)
         assert sum(s.sidecars[0] == key for s in streams) >= 2
         results = wait_all(streams, on_event)
         moved = [r for r in results if r.moves]
         assert killed and moved and all(r.moves[0]["from"] == key for r in moved)
-        assert [r.token_ids for r in results] == reference
+        assert [r.token_ids for r in results] == long_reference
         assert view.wait_until(lambda es: all(e.key != key for e in es), 8)   # lease expired
         assert [r.token_ids for r in wait_all(submit(router))] == reference
     victim.proc.wait(5)
