@@ -62,15 +62,21 @@ def test_a_hardware_fault_closes_admissions_and_in_flight_requests_finish(
         last_token_ns[0] = time.monotonic_ns()
 
     with sc.new_client(timeout=60) as client:
-        while True:       # keep long requests in flight until admissions close under them
+        # keep long requests in flight until admissions close under them: each pair is admitted
+        # before the one before it is awaited, so that the refused admission finds the last
+        # admitted pair (admitted before the event) still streaming
+        pending = []
+        while True:
             try:
                 streams = [client.generate(f"Keep going {i}", max_tokens=400, temperature=0.0,
                                            ignore_eos=True) for i in range(2)]
             except ShuttingDown as exc:
                 assert "not admitting" in str(exc)
                 break
-            results += wait_all(streams, on_event)
+            results += wait_all(pending, on_event)
+            pending = streams
             assert len(results) < 400, "the replayed signal never arrived"
+        results += wait_all(pending, on_event)
         st = sc.status()
     assert st["health"]["action"] == action and not st["admissions"]["open"]
     event_ns = st["health"]["events"][0]["ns"]
