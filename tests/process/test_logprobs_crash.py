@@ -67,7 +67,8 @@ def test_sigkill_mid_prefill_and_mid_stream_keeps_every_logprob(tiny_model, lp_r
     with sc.new_client(timeout=60) as client:
         # 1. during the long prompt's prefill: some of its prompt log-probs are in the table, not all
         streams = submit(client, LP_REQUESTS)
-        slot = wait_until(lambda: _slot_of(tables, len(LONG_PROMPT)), what="the long prompt admitted")
+        wait_until(lambda: _slot_of(tables, len(LONG_PROMPT)) is not None, what="the long prompt admitted")
+        slot = _slot_of(tables, len(LONG_PROMPT))          # (slot 0 is falsy: not waited on directly)
         r = tables.requests
         done = wait_until(lambda: 1 < int(r["lp_done"][slot]) < len(LONG_PROMPT)
                           and int(r["exec_request_id"][slot]) == int(r["request_id"][slot])
