@@ -704,9 +704,14 @@ def _install_routes(app: FastAPI, svc: _Service) -> None:
         ok, body = await svc.backend.health()
         return JSONResponse(body, 200 if ok else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
         """vLLM's (and SageMaker's) liveness route: /health's answer."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post():
+        """/ping by POST, as vLLM also serves it."""
         return await health()
 
     @app.get("/load")

@@ -107,7 +107,12 @@ class ServeProcess:
 
     # ------------------------------------------------------------------ HTTP
     def health(self) -> httpx.Response:
-        return http_client().get(self.base + "/health", timeout=5)
+        try:
+            return http_client().get(self.base + "/health", timeout=5)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # a kept-alive connection the server closed meanwhile (a drain closes the idle ones):
+            # asked again on a connection of its own
+            return httpx.get(self.base + "/health", timeout=5)
 
     def get_health(self) -> dict | None:
         """/health's body when it answers 200, else None (also when it does not answer)."""
