@@ -30,8 +30,9 @@ Request-conditioned points fire on what is in a step rather than on a count:
 `<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt
 holds token id `<id>`, in every executor (a request that kills whichever executor runs it, a
 "query of death"), unless KVHOLD_FAULT_ONCE limits it to the first; `token=<id>@<n>` fires
-from the n-th such hit on, so a test can stop an executor a set number of steps into one
-request's life, whenever that request arrives. The engine reaches the
+from the n-th such hit on (counted while KVHOLD_FAULT_IF's file exists, where it is set), so a
+test can stop an executor a set number of steps into one request's life, whenever that request
+arrives. The engine reaches the
 `step` point once per step, after naming the step's requests in the journal and before the
 forward (kvhold.executor.engine), e.g. `KVHOLD_FAULT="step:token=7:kill"`.
 """
@@ -92,6 +93,9 @@ def batch_point(name: str, prompts) -> None:
     if not _on_token or name not in _on_token:
         return
     token, n, action = _on_token[name]
+    only_if = os.environ.get("KVHOLD_FAULT_IF")
+    if only_if and not os.path.exists(only_if):
+        return                         # disarmed: steps are counted from the arming on
     if any(token in prompt for prompt in prompts):
         key = f"{name}:token"
         _hits[key] = _hits.get(key, 0) + 1

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvhold.testing.make_model import train_tokenizer  # noqa: E402
-from tests.process.helpers import FLAGS  # noqa: E402
+from tests.process.helpers import FLAGS, wait_stopped  # noqa: E402
 from tests.unit.helpers import CASES, build_checkpoint, hf_greedy  # noqa: E402
 
 NEW = 160
@@ -30,21 +30,26 @@ def gemma(tmp_path_factory):
 
 
 @pytest.mark.slow      # a real kill and takeover: `pytest -m slow`
-def test_gemma_served_and_taken_over_token_for_token(gemma, start_sidecar):
+def test_gemma_served_and_taken_over_token_for_token(gemma, start_sidecar, tmp_path):
     path, prompt, want = gemma
     assert len(prompt) + NEW > 2 * 8               # past the sliding window
-    sc = start_sidecar(["--model", str(path), *FLAGS, "--max-seq-len", "256"])
+    # once armed, the executor stops itself at the 6th step of the second run (a few tokens in,
+    # most of its 160 to come, however far the engine runs ahead of this client), then is SIGKILLed
+    armed = tmp_path / "armed"
+    env = {"KVHOLD_FAULT": f"step:token={prompt[-1]}@6:stop", "KVHOLD_FAULT_IF": str(armed),
+           "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(path), *FLAGS, "--max-seq-len", "256"], env=env)
     sc.wait_steady()
     with sc.new_client(timeout=60) as client:
         got = client.generate(prompt_ids=prompt, max_tokens=NEW, temperature=0.0, ignore_eos=True).result()
         assert got.token_ids == want
         active = sc.wait_steady()["pid"]
+        armed.touch()
         stream = client.generate(prompt_ids=prompt, max_tokens=NEW, temperature=0.0, ignore_eos=True)
-        seen = []
-        for event in stream:
-            seen.append(event.token_id)
-            if len(seen) == 5:
-                os.kill(active, signal.SIGKILL)
+        wait_stopped(active, 60)
+        os.kill(active, signal.SIGKILL)
+        os.kill(active, signal.SIGCONT)
+        seen = [event.token_id for event in stream]
         assert seen == want
     assert sc.wait_steady()["pid"] != active
     rec = sc.wait_for(lambda st: st["recoveries"] and st["recoveries"][-1], 30)
