@@ -11,7 +11,8 @@ import time
 from kvhold.testing.serve_process import http_client
 import pytest
 
-from tests.process.helpers import Events, Server, comparable, http_child, stream_request_id, wait_until, whole
+from tests.process.helpers import (Events, Server, comparable, http_child, stream_request_id, unique_prompt_token,
+                                   wait_stopped, wait_until, whole)
 
 pytestmark = pytest.mark.slow      # two servers, real kills and restarts: `pytest -m slow`
 
@@ -28,7 +29,17 @@ def executor_pids(status) -> set:
 
 
 def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path, runtime_root):
-    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024")  # a long stream
+    # Once the HTTP server is dead, the executor stops itself 450 steps of the completion later:
+    # the chat (400 tokens) has ended by then and the completion (1000) has not, and it stays
+    # unfinished until its client is back, however long the new HTTP server takes to start (the
+    # lease outlasts the stop, so the executor is neither fenced nor replaced).
+    armed, fired = tmp_path / "armed", tmp_path / "fired"
+    token = unique_prompt_token(tiny_model, [{"prompt": COMPLETION["prompt"]}, {"prompt": "user: Hello\nassistant:"}], 0)
+    env = {"KVHOLD_FAULT": f"step:token={token}@450:stop", "KVHOLD_FAULT_IF": str(armed),
+           "KVHOLD_FAULT_ONCE": str(fired)}
+    srv = Server(tiny_model, runtime_root, tmp_path / "serve.log", "--max-seq-len", "1024",  # a long stream
+                 "--lease-ms", "600000", env=env)
+    stopped = None
     try:
         reference = {"/v1/completions": whole(srv, "/v1/completions", COMPLETION),
                      "/v1/chat/completions": whole(srv, "/v1/chat/completions", CHAT)}
@@ -41,11 +52,15 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path,
             os.kill(srv.proc.pid, signal.SIGSTOP)     # no restart until the chat has ended
             try:
                 os.kill(old_http, signal.SIGKILL)
+                armed.touch()
                 for p in parts.values():
                     p.read()                          # to the broken connection
                 chat_rid = stream_request_id(srv, parts["/v1/chat/completions"].events[-1][0])
                 comp_rid = stream_request_id(srv, parts["/v1/completions"].events[-1][0])
-                # the chat ends with no HTTP server up: its result waits for pickup in the sidecar
+                stopped = int(wait_until(lambda: fired.exists() and fired.read_text().split(), 60, 0.05,
+                                         what="the executor to stop itself")[0])
+                wait_stopped(stopped)
+                # the chat ended with no HTTP server up: its result waits for pickup in the sidecar
                 status = wait_until(lambda: (st := srv.sidecar_status()) and chat_rid in [
                     u["request_id"] for u in st["pool_restart"]["unclaimed"]] and st, 60, 0.1,
                     what="the chat to finish unclaimed")
@@ -59,6 +74,9 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path,
             with http_client().stream("GET", f"{srv.base}/v1/streams/{rid}", headers={"Last-Event-ID": last},
                               timeout=120) as r:
                 assert r.status_code == 200, r.read()
+                if stopped is not None:       # the completion is taken up again: let it go on
+                    os.kill(stopped, signal.SIGCONT)
+                    stopped = None
                 rest = Events(r).read().events
             got = part.events + rest
             assert rest[-1] == (None, "[DONE]")
@@ -74,6 +92,8 @@ def test_sigkill_of_the_http_server_mid_stream_then_resume(tiny_model, tmp_path,
         assert f"request {chat_rid:#x} finished with no client attached" in log      # served from the sidecar
         assert f"request {comp_rid:#x} finished with no client attached" not in log  # resumed while live
     finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
         srv.stop()
     assert srv.proc.returncode == 0
 
