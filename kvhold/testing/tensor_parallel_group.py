@@ -376,4 +376,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: gloo's threads, still connected to a peer that may be exiting at
+    # the same moment, would abort the process (std::terminate) while it destroys them
+    os._exit(code)
