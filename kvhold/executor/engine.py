@@ -19,6 +19,7 @@ import torch
 
 from kvhold.executor import faults, takeover
 from kvhold.executor.block_manager import BlockManager
+from kvhold.executor.grammar import Grammars
 from kvhold.executor.commit import CommitProtocol, NativePages, finish_reason
 from kvhold.executor.journal_tokens import JournalTokens
 from kvhold.executor.kv_cache import KvCache
@@ -75,6 +76,7 @@ class Engine:
         self.max_batch = max_batch
         self._lp_rows = max_batch if self.device.type == "cuda" else 0   # token_logprobs' groups
         self.seqs: dict[int, Sequence] = {}          # by journal slot
+        self.grammars: Grammars | None = None        # structured output (the workload sets it)
         self.quarantined: dict[int, int] = {}        # page -> epoch of a writer not yet reaped
         self.num_steps = 0
         self.num_steps_run = 0                       # steps started (the lease's open_step numbers)
@@ -121,6 +123,11 @@ class Engine:
 
     def add(self, seq: Sequence) -> None:
         seq.eos = self.eos                    # what min_tokens keeps from ending it early
+        if seq.sampling.structured is not None and seq.grammar is None:
+            if self.grammars is None:
+                raise RuntimeError(f"request {seq.request_id:#x} asks for structured output and this "
+                                   f"executor has no tokenizer for its grammar")
+            seq.grammar = self.grammars.state(seq.sampling.structured, seq.request_id)
         self.seqs[seq.slot] = seq
         self.scheduler.add(seq)
 

@@ -19,6 +19,7 @@ import torch
 
 from kvhold.executor import faults, host_compute, takeover_profile
 from kvhold.executor.engine import Engine
+from kvhold.executor.grammar import Grammars
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import LlamaModel, SeqSlice, StepInput
 from kvhold.executor.weights import WeightsRegion, wait_until_sealed
@@ -113,6 +114,11 @@ class EngineWorkload(WorkloadBase):
         self.runner = runner
         self.engine = self._make_engine(model, kv, max_batch, max_tokens, runner, checksum, chunk)
         self._phase("engine")
+        if geometry.max_extra_bytes:      # structured output: the grammars' tokenizer, built ahead
+            self.engine.grammars = Grammars.for_model(s.model, spec.vocab_size, spec.eos_token_ids)
+            if self.engine.grammars is not None:
+                self.engine.grammars.warm()
+                self._phase("grammar_tokenizer")
         self.engine.warm_up_sampler()
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -22,6 +22,9 @@ temperature, before top-k and top-p) drops the tokens less likely than min_p tim
 likely one. Each is a function of the request's tokens (the journal's: prompt and committed
 generated ones) and its params, per row, so a resumed request is penalized exactly as it
 would have been uninterrupted.
+
+Structured output (kvhold.executor.grammar) comes last: each constrained row keeps only the
+tokens its grammar allows after its generated tokens, for greedy and sampled rows alike.
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
         logits = logits.to(torch.float64)
     else:
         logits = logits.float()
-    logits = _penalize(_mask(logits, seqs), seqs)
+    logits = _constrain(_penalize(_mask(logits, seqs), seqs), logits, seqs)
     tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
     rows = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
     if rows and (logits.device.type == "cpu" or pad_rows <= 0):
@@ -83,6 +86,25 @@ def _mask(logits: torch.Tensor, seqs) -> torch.Tensor:
     rows = [i for i, ids in masked for t in ids if t < vocab]
     cols = [t for _, ids in masked for t in ids if t < vocab]
     logits[rows, cols] = float("-inf")
+    return logits
+
+
+def _constrain(logits: torch.Tensor, raw: torch.Tensor, seqs) -> torch.Tensor:
+    """`logits` with the tokens each constrained row's grammar does not allow at -inf (a copy
+    when any row is constrained). The grammar wins over min_tokens: when it allows only what
+    min_tokens masks (EOS, once the output is complete), those come from `raw`, the logits
+    before the masks."""
+    rows = [(i, allowed) for i, s in enumerate(seqs) if (allowed := s.allowed_ids()) is not None]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i, allowed in rows:
+        keep = torch.from_numpy(allowed[:logits.shape[-1]]).to(logits.device)
+        row = logits[i].masked_fill(~keep, float("-inf"))
+        if not torch.isfinite(row).any():
+            row = raw[i].masked_fill(~keep, float("-inf"))
+        if torch.isfinite(row).any():          # a model without EOS keeps its row as it was
+            logits[i] = row
     return logits
 
 
@@ -113,6 +135,9 @@ class _Pad:
     """A padding row (its token is discarded)."""
     sampling = SamplingParams(temperature=1.0, seed=0)
     num_generated = 0
+
+    def allowed_ids(self):
+        return None
 
 
 _PAD = _Pad()

@@ -28,6 +28,7 @@ class Sequence:
     page_keys: list[int] = field(default_factory=list)   # prefix-cache keys of its full pages so far
     cached_upto: int = 0                # its first pages the prefix cache has looked at
     num_cached: int = 0                 # tokens it found in the prefix cache when it started
+    grammar: object | None = None       # its structured output's matcher (kvhold.executor.grammar)
 
     @classmethod
     def from_journal(cls, entry: JournalEntry, tokens: list[int]) -> "Sequence":
@@ -49,6 +50,11 @@ class Sequence:
     def logprobs_at(self, position: int) -> int | None:
         """Top log-probs the request asks for at token `position` (None: no log-probs there)."""
         return self.sampling.prompt_logprobs if position < self.prompt_len else self.sampling.logprobs
+
+    def allowed_ids(self):
+        """With structured output, which token ids (a bool numpy row over the vocabulary) may
+        come next; None without."""
+        return self.grammar.allowed(self.tokens[self.prompt_len:]) if self.grammar is not None else None
 
     def masked_ids(self) -> tuple[int, ...]:
         """Token ids the sampler may not pick next: before `min_tokens` generated tokens, the

@@ -40,6 +40,8 @@ from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import RequestInput, SamplingParams, check_token_ids
+from kvhold.protocol import structured as structured_output
+from kvhold.protocol.structured import EXTRAS_OVERHEAD, pack_extras
 from kvhold.frontend import logprob_stream
 from kvhold.frontend.admission import Pending, PromptTokenizer
 from kvhold.frontend.detokenizer import IncrementalDetokenizer
@@ -347,6 +349,18 @@ class Frontend:
         name = params.first_set(self.unsupported)
         if name is not None:
             raise InvalidParams(f"{name} is not supported by this sidecar's engine")
+        if params.structured is not None:
+            room = self.tables.geometry.max_extra_bytes
+            if not room:
+                raise InvalidParams("structured output: this server takes none (--max-grammar-bytes 0, "
+                                    "or a workload other than the engine)")
+            if self.tokenizer is None:
+                raise InvalidParams("structured output: the checkpoint has no tokenizer.json to match "
+                                    "a grammar with")
+            if len(pack_extras(params.structured)) > room:
+                raise InvalidParams(f"the structured output's {params.structured[0]} exceeds this "
+                                    f"server's limit of {room - EXTRAS_OVERHEAD} bytes (--max-grammar-bytes)")
+            structured_output.check(params.structured)
         vocab = self.spec.vocab_size
         for t in params.stop_token_ids:
             if t >= vocab:

@@ -23,6 +23,7 @@ from kvhold.protocol.layout import MAX_STOP_IDS, REQUEST_DTYPE, AdmitState, Exec
 from kvhold.protocol.errors import InvalidParams
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import TOKEN_ID_MAX, SamplingParams, check_token_ids
+from kvhold.protocol.structured import EXTRAS_OVERHEAD, pack_extras, unpack_extras
 from kvhold.protocol.tables import Tables
 
 
@@ -93,6 +94,13 @@ class Journal:
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of "
                                     f"{max(limit, 0)} (--max-logprobs)" if limit >= 0 else
                                     f"{name}: this server keeps no log-probs (--max-logprobs 0)")
+        extras = pack_extras(sampling.structured)
+        room = self.tables.geometry.max_extra_bytes
+        if len(extras) > room:
+            raise InvalidParams("structured output: this server takes none (--max-grammar-bytes 0)"
+                                if not room else f"the structured output's spec ({len(extras)} bytes with "
+                                f"its framing) exceeds this server's limit of {room - EXTRAS_OVERHEAD} "
+                                f"bytes (--max-grammar-bytes)")
         prompt, prefix = _token_row(prompt_ids, "prompt_ids"), _token_row(prefix_ids, "prefix_ids")
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
@@ -109,6 +117,9 @@ class Journal:
         r["admitted_ns"][slot] = now_ns()
         r["prompt_len"][slot] = len(prompt)
         _write_sampling(r, slot, sampling)
+        if extras:
+            self.tables.extras[slot, :len(extras)] = np.frombuffer(extras, np.uint8)
+        r["extra_len"][slot] = len(extras)
         r["admit_state"][slot] = AdmitState.ADMITTED          # publication
 
     def cancel(self, slot: int) -> None:
@@ -145,7 +156,15 @@ class Journal:
         """The entries of `slots`, from one copy of their records."""
         slots = np.asarray(slots, dtype=np.int64)
         rows = self.req[slots].tolist()            # a copy, as tuples of plain Python values
-        return [_entry(slot, dict(zip(_REQUEST_FIELDS, row))) for slot, row in zip(slots.tolist(), rows)]
+        return [_entry(slot, r, self._extras(slot, r["extra_len"]))
+                for slot, r in ((slot, dict(zip(_REQUEST_FIELDS, row))) for slot, row in zip(slots.tolist(), rows))]
+
+    def _extras(self, slot: int, length: int) -> dict:
+        """The variable-length fields of the request in `slot` (kvhold.protocol.structured)."""
+        area = self.tables.extras
+        if not length or area is None or length > area.shape[1]:
+            return unpack_extras(b"")
+        return unpack_extras(area[slot, :length].tobytes())
 
     def is_free(self, slot: int) -> bool:
         """The slot holds no request (released, or never admitted)."""
@@ -411,8 +430,8 @@ def _write_sampling(r: np.ndarray, slot: int, p: SamplingParams) -> None:
     r["min_p"][slot] = p.min_p
 
 
-def _read_sampling(r: dict) -> SamplingParams:
-    """The SamplingParams of one record's fields as plain Python values."""
+def _read_sampling(r: dict, extras: dict) -> SamplingParams:
+    """The SamplingParams of one record's fields as plain Python values, and of its extras."""
     n_stop = min(r["num_stop"], MAX_STOP_IDS)
     return SamplingParams.from_record(
         max_tokens=r["max_tokens"], min_tokens=r["min_tokens"], seed=r["seed"],
@@ -421,15 +440,16 @@ def _read_sampling(r: dict) -> SamplingParams:
         ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),
         logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
         presence_penalty=float(r["presence_penalty"]), frequency_penalty=float(r["frequency_penalty"]),
-        repetition_penalty=float(r["repetition_penalty"]) or 1.0, min_p=float(r["min_p"]))
+        repetition_penalty=float(r["repetition_penalty"]) or 1.0, min_p=float(r["min_p"]),
+        structured=extras["structured"])
 
 
-def _entry(slot: int, r: dict) -> JournalEntry:
-    """A JournalEntry from one record's fields as plain Python values."""
+def _entry(slot: int, r: dict, extras: dict) -> JournalEntry:
+    """A JournalEntry from one record's fields as plain Python values, and its extras."""
     taken = r["exec_request_id"] == r["request_id"] and r["request_id"] != 0
     return JournalEntry(
         slot=slot, request_id=r["request_id"], admit_state=AdmitState(r["admit_state"]),
-        prompt_len=r["prompt_len"], sampling=_read_sampling(r),
+        prompt_len=r["prompt_len"], sampling=_read_sampling(r, extras),
         taken=taken, exec_state=ExecState(r["exec_state"]) if taken else ExecState.NONE,
         num_generated=r["num_generated"] if taken else 0,
         num_pages=r["num_pages"] if taken else 0, num_prefix=r["num_prefix"],

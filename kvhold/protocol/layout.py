@@ -16,6 +16,9 @@ One POSIX shm segment per instance, little-endian, every section 64-byte aligned
                                    and the max_logprobs most likely tokens (ids, log-probs)
                                    under the distribution that produced it; no bytes when
                                    max_logprobs is 0 (the area is off)
+    off_extras      journal extras num_slots x max_extra_bytes: per request, the options of
+                                   variable length (a structured-output grammar) as msgpack,
+                                   `extra_len` bytes of it; none when max_extra_bytes is 0
 
 Single writer per field. The sidecar writes the header, the lease fields other
 than heartbeat/steps, and the admission half of each journal record (fields above
@@ -40,7 +43,7 @@ import numpy as np
 from kvhold.protocol.checksum import check_page_shape
 
 MAGIC = b"KVHOLDT1"
-LAYOUT_VERSION = 4           # 4: page checksums mix 64-bit words (kvhold.protocol.checksum)
+LAYOUT_VERSION = 5           # 5: the extras area (options of variable length)
 HEADER_BYTES = 4096
 LIVENESS_BYTES = 64
 ALIGN = 64
@@ -53,6 +56,7 @@ MAX_SEQ_LEN = 1 << 20
 MAX_PAGE_TOKENS = 1024
 MAX_TABLE_BYTES = 1 << 34
 MAX_LOGPROBS = 1024          # top log-probs per position the logprob area can hold
+MAX_EXTRA_BYTES = 1 << 24    # bytes per request the extras area can hold
 
 KV_DTYPES = {1: "float32", 2: "bfloat16", 3: "float16", 4: "float64"}
 KV_DTYPE_CODES = {v: k for k, v in KV_DTYPES.items()}
@@ -69,6 +73,7 @@ HEADER_DTYPE = np.dtype([
     ("off_leases", "<u8"), ("off_liveness", "<u8"), ("off_pages", "<u8"), ("off_requests", "<u8"),
     ("off_tokens", "<u8"), ("off_page_lists", "<u8"),
     ("max_logprobs", "<u4"), ("off_logprobs", "<u8"),
+    ("max_extra_bytes", "<u4"), ("off_extras", "<u8"),
     ("geometry_crc", "<u4"),
     # mutable, sidecar-written
     ("state", "<u4"), ("epoch_counter", "<u8"), ("request_counter", "<u8"),
@@ -131,7 +136,9 @@ REQUEST_DTYPE = np.dtype([
     # earlier builds: no penalty, and a repetition penalty of 0 is read as 1, none)
     ("presence_penalty", "<f4"), ("frequency_penalty", "<f4"), ("repetition_penalty", "<f4"),
     ("min_p", "<f4"),
-    ("_pad", "<u4", (9,)),
+    # admission half: bytes of the request's record in the extras area (0: none)
+    ("extra_len", "<u4"),
+    ("_pad", "<u4", (8,)),
 ])
 
 assert LEASE_DTYPE.itemsize == 64 and PAGE_DTYPE.itemsize == 48
@@ -255,6 +262,7 @@ class TableGeometry:
     max_seq_len: int = 4096
     num_leases: int = 8
     max_logprobs: int = 0       # top log-probs per position; 0: no logprob area
+    max_extra_bytes: int = 0    # bytes of variable-length options per request; 0: no extras area
 
     def __post_init__(self):
         limits = {"num_pages": MAX_PAGES, "num_slots": MAX_SLOTS,
@@ -264,6 +272,8 @@ class TableGeometry:
                 raise ValueError(f"table geometry: {name}={getattr(self, name)} not in 1..{hi}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"table geometry: max_logprobs={self.max_logprobs} not in 0..{MAX_LOGPROBS}")
+        if not 0 <= self.max_extra_bytes <= MAX_EXTRA_BYTES:
+            raise ValueError(f"table geometry: max_extra_bytes={self.max_extra_bytes} not in 0..{MAX_EXTRA_BYTES}")
 
     @property
     def logprob_bytes(self) -> int:
@@ -284,10 +294,11 @@ class TableGeometry:
         off_tokens = _align(off_requests + self.num_slots * REQUEST_DTYPE.itemsize)
         off_page_lists = _align(off_tokens + self.num_slots * self.max_seq_len * 4)
         off_logprobs = _align(off_page_lists + self.num_slots * self.max_pages_per_seq * 4)
-        total = _align(off_logprobs + self.logprob_bytes)
+        off_extras = _align(off_logprobs + self.logprob_bytes)
+        total = _align(off_extras + self.num_slots * self.max_extra_bytes)
         return {"off_leases": off_leases, "off_liveness": off_liveness, "off_pages": off_pages, "off_requests": off_requests,
                 "off_tokens": off_tokens, "off_page_lists": off_page_lists, "off_logprobs": off_logprobs,
-                "total_bytes": total}
+                "off_extras": off_extras, "total_bytes": total}
 
     @property
     def total_bytes(self) -> int:
@@ -327,6 +338,7 @@ def fill_header(header: np.ndarray, geometry: TableGeometry, generation: int,
     header["kv_dtype"] = KV_DTYPE_CODES[kv.dtype]
     header["page_bytes"] = kv.page_bytes
     header["max_logprobs"] = geometry.max_logprobs
+    header["max_extra_bytes"] = geometry.max_extra_bytes
     for key, value in geometry.offsets().items():
         header[key] = value
     header["geometry_crc"] = header_crc(header)
@@ -344,7 +356,8 @@ def geometry_from_header(header: np.ndarray) -> TableGeometry:
                              num_slots=int(header["num_slots"]),
                              max_seq_len=int(header["max_seq_len"]),
                              num_leases=int(header["num_leases"]),
-                             max_logprobs=int(header["max_logprobs"]))
+                             max_logprobs=int(header["max_logprobs"]),
+                             max_extra_bytes=int(header["max_extra_bytes"]))
     if int(header["page_bytes"]) != kv.page_bytes:
         raise ValueError("page_bytes disagrees with the KV geometry")
     for key, value in geometry.offsets().items():

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvhold.protocol import structured as structured_output
 from kvhold.protocol.errors import InvalidParams, InvalidTokenId, PromptTooLarge
 from kvhold.protocol.layout import MAX_LOGPROBS, MAX_SEQ_LEN, MAX_STOP_IDS, REQUEST_DTYPE
 from kvhold.protocol.wire import nested
@@ -106,6 +107,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0     # 1 = off
     min_p: float = 0.0                  # drop tokens below min_p x the most likely one's probability
+    # what the output must match: (kind, spec), kvhold.protocol.structured; None: free text
+    structured: tuple[str, ...] | None = None     # a pair
 
     def __post_init__(self):
         for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "presence_penalty",
@@ -131,6 +134,7 @@ class SamplingParams:
         check_token_ids(self.stop_token_ids, "stop_token_ids", label="stop token id", error=InvalidParams)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParams("ignore_eos must be true or false")
+        object.__setattr__(self, "structured", structured_output.check_shape(self.structured))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -155,6 +159,8 @@ class SamplingParams:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.structured is not None:
+            d["structured"] = list(self.structured)
         return d
 
     @classmethod

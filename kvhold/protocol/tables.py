@@ -48,6 +48,9 @@ class Tables:
         # per token position: its log-prob and the top ones (None when the area is off)
         self.logprobs = (np.ndarray((g.num_slots, g.max_seq_len), logprob_dtype(g.max_logprobs), buffer=buf,
                                     offset=off["off_logprobs"]) if g.max_logprobs else None)
+        # per slot: its request's variable-length options (None when the area is off)
+        self.extras = (np.ndarray((g.num_slots, g.max_extra_bytes), "u1", buffer=buf, offset=off["off_extras"])
+                       if g.max_extra_bytes else None)
 
     # ------------------------------------------------------------------ creation
     @classmethod

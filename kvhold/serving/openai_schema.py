@@ -2,10 +2,13 @@
 
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
-ignored: `best_of` above 1, `logit_bias`, `suffix`, tools, non-text response formats, vLLM's extensions at anything but their neutral
-value (`length_penalty`, beam search, guided
-decoding, `include_stop_str_in_output`, `prompt_logprobs`: echo with logprobs gives them) and
-unknown `stream_options`. Supported: max_tokens (or
+ignored: `best_of` above 1, `logit_bias`, `suffix`, tools, vLLM's extensions at anything but
+their neutral value (`length_penalty`, beam search, `include_stop_str_in_output`,
+`prompt_logprobs`: echo with logprobs gives them) and unknown `stream_options`. Structured
+output (kvhold.protocol.structured) is one of: `response_format` json_object or json_schema,
+vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or its
+`structured_outputs` with one of json, regex, choice, grammar, json_object; a spec that does
+not compile is a 400 naming the field and the problem. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
 layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
 are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
@@ -29,9 +32,11 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvhold.protocol.errors import ErrorCode
+from kvhold.protocol import structured as structured_output
+from kvhold.protocol.errors import ErrorCode, InvalidParams
 from kvhold.protocol.layout import MAX_STOP_IDS
 from kvhold.protocol.sampling import LIMITS, TOKEN_ID_MAX, check_text, show
+from kvhold.protocol.structured import ANY_OBJECT
 from kvhold.protocol.wire import MAX_FRAME_BYTES, WireError
 
 MAX_BODY_BYTES = MAX_FRAME_BYTES        # a larger request could not reach the sidecar in one frame
@@ -135,9 +140,11 @@ def _check_json(data) -> None:
 
 
 NEUTRAL_EXTENSIONS = {"length_penalty": 1.0,
-                      "use_beam_search": False, "include_stop_str_in_output": False, "guided_json": None,
-                      "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                      "use_beam_search": False, "include_stop_str_in_output": False,
                       "prompt_logprobs": None}
+# vLLM's guided decoding fields (and the keys of its `structured_outputs`) -> kvhold's kinds
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 MAX_CHOICES = 64            # prompts times n in one request
 # the body's fields that are SamplingParams fields of the same name, passed on as given (unless
@@ -173,11 +180,15 @@ class _Sampling(BaseModel):
     length_penalty: float = 1.0
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None      # vLLM's separate prompt log-probs: use echo with logprobs
+    # structured output (kvhold.protocol.structured): OpenAI's response_format, vLLM's guided_*
+    # fields and its structured_outputs; at most one of them
+    response_format: dict | None = None
     guided_json: Any = None
     guided_regex: str | None = None
-    guided_choice: list | None = None
+    guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    prompt_logprobs: int | None = None      # vLLM's separate prompt log-probs: use echo with logprobs
+    structured_outputs: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -206,6 +217,53 @@ class _Sampling(BaseModel):
                               code="unsupported_value")
         if self.stream_options and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+        self.structured()
+
+    def structured(self) -> tuple[str, str] | None:
+        """The (kind, spec) of structured output the body asks for, checked (it compiles), or
+        None; a 400 naming the field for a spec that does not compile, or for two at once."""
+        asked = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                asked.append(("response_format", ("json", ANY_OBJECT)))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format json_schema needs json_schema.schema, a JSON "
+                                      "schema object", param="response_format", code="invalid_value")
+                asked.append(("response_format", ("json", json.dumps(schema))))
+            elif kind != "text":
+                raise bad_request(f"response_format type {str(kind)[:40]!r} is not supported (text, "
+                                  f"json_object, json_schema)", param="response_format", code="unsupported_value")
+        for name, kind in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, (kind, _spec_text(kind, value, name))))
+        so = self.structured_outputs
+        if so is not None:
+            keys = [k for k, v in so.items() if v not in (None, False)] if isinstance(so, dict) else None
+            if keys is None or len(keys) != 1 or (keys[0] not in STRUCTURED_OUTPUTS and keys[0] != "json_object"):
+                raise bad_request(f"structured_outputs must set exactly one of "
+                                  f"{', '.join([*STRUCTURED_OUTPUTS, 'json_object'])}",
+                                  param="structured_outputs", code="invalid_value")
+            key = keys[0]
+            asked.append(("structured_outputs", ("json", ANY_OBJECT) if key == "json_object" else
+                          (STRUCTURED_OUTPUTS[key], _spec_text(STRUCTURED_OUTPUTS[key], so[key],
+                                                               f"structured_outputs.{key}"))))
+        if len(asked) > 1:
+            raise bad_request(f"ask for one structured output, not {asked[0][0]} and {asked[1][0]}",
+                              param=asked[1][0], code="invalid_value")
+        if not asked:
+            return None
+        param, pair = asked[0]
+        try:
+            structured_output.check(pair)
+        except InvalidParams as exc:
+            raise bad_request(str(exc), param=param, code="invalid_value") from None
+        return pair
 
     @property
     def include_usage(self) -> bool:
@@ -229,10 +287,25 @@ class _Sampling(BaseModel):
         out: dict[str, Any] = {name: getattr(self, name) for name in SAMPLING_FIELDS
                                if getattr(self, name) is not None}
         out["max_tokens"] = max(1, max_tokens)     # 0 (score only): one token generated, then dropped
+        structured = self.structured()
+        if structured is not None:
+            out["structured"] = list(structured)
         if choice and self.seed is not None:
             out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
         out.update(self.logprob_params())
         return out
+
+
+def _spec_text(kind: str, value, param: str) -> str:
+    """A guided field's value as the spec's text: a JSON schema or a list of choices may come as
+    JSON values, a regex and a grammar as strings."""
+    if kind in ("json", "choice") and not isinstance(value, str):
+        if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
+            raise bad_request(f"{param} must be a list of strings", param=param, code="invalid_value")
+        return json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param=param, code="invalid_value")
+    return value
 
 
 def _check_ids(v: list) -> list:
@@ -332,7 +405,6 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=LIMITS["logprobs"].hi)
     tools: list | None = None
-    response_format: dict | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -341,9 +413,6 @@ class ChatRequest(_Sampling):
                               code="invalid_value")
         if self.tools:
             raise bad_request("tools are not supported", param="tools", code="unsupported_value")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only the text response_format is supported", param="response_format",
-                              code="unsupported_value")
 
     def logprob_params(self) -> dict:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}

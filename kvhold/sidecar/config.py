@@ -28,6 +28,7 @@ from typing import Callable
 
 from kvhold.protocol.layout import KV_DTYPE_CODES, MAX_LOGPROBS, KvGeometry, TableGeometry
 from kvhold.protocol.naming import InstancePaths, validate_instance
+from kvhold.protocol.structured import MAX_GRAMMAR_BYTES, extra_bytes_for
 from kvhold.protocol.settings import KV_MODES, WORKLOADS, ExecutorSettings  # the executors' definitions
 
 BACKENDS = ("host", "cuda")
@@ -83,6 +84,9 @@ class PoolConfig:
     max_seq_len: int | None = None
     max_requests: int = 256
     max_logprobs: int = 20           # top log-probs a request may ask for per token (0: no log-probs)
+    # a request's structured-output spec (JSON schema, regex, choices, grammar), in UTF-8 bytes
+    # (0: no structured output); sizes the journal's extras area
+    max_grammar_bytes: int = 65536
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # a text prompt's UTF-8 size, checked before tokenizing
     compute_dtype: str | None = None
     seed: int | None = None          # the seeds of requests that give none drawn from it (None: at random)
@@ -117,6 +121,9 @@ class PoolConfig:
                "pool.page_tokens")
         _check(0 <= self.max_logprobs <= MAX_LOGPROBS,
                f"pool.max_logprobs must be in 0..{MAX_LOGPROBS}, got {self.max_logprobs}", "pool.max_logprobs")
+        _check(0 <= self.max_grammar_bytes <= MAX_GRAMMAR_BYTES,
+               f"pool.max_grammar_bytes must be in 0..{MAX_GRAMMAR_BYTES}, got {self.max_grammar_bytes}",
+               "pool.max_grammar_bytes")
         _check(1 <= self.max_requests <= 65536,
                f"pool.max_requests must be in 1..65536, got {self.max_requests}", "pool.max_requests")
         _check(1024 <= self.max_prompt_bytes <= 6 << 20,   # the wire's 8 MiB frame holds the rest
@@ -416,9 +423,11 @@ class SidecarConfig:
         # only kvhold's engine computes log-probs: other workloads get no logprob area, so a
         # request asking for them is refused at admission
         max_logprobs = pool.max_logprobs if self.executors.workload == "engine" else 0
+        # nor structured output (kvhold.executor.grammar): no extras area elsewhere
+        grammar = pool.max_grammar_bytes if self.executors.workload == "engine" else 0
         return TableGeometry(kv=kv, num_pages=pages, num_slots=pool.max_requests,
                              max_seq_len=max_seq, num_leases=self.executors.num_leases,
-                             max_logprobs=max_logprobs)
+                             max_logprobs=max_logprobs, max_extra_bytes=extra_bytes_for(grammar))
 
     def kv_bytes_for_utilization(self, spec, total_bytes: int | None = None) -> int:
         """The KV pool that `pool.gpu_memory_utilization` of the device leaves: that share of

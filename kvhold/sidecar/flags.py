@@ -109,6 +109,11 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                         "prompt_logprobs), as vLLM's flag; sizes the journal's logprob area, "
                         "max-requests x max-seq-len x (4 + 8 x this) bytes; 0: no log-probs "
                         "(default 20)")
+    p.add_argument("--max-grammar-bytes", type=parse_size, default=65536,
+                   help="largest structured-output spec a request may carry (response_format's JSON "
+                        "schema, guided_json, guided_regex, guided_choice, guided_grammar), in UTF-8 "
+                        "bytes; sizes the journal's extras area, max-requests x about this many bytes; "
+                        "0: structured output is refused (default 64 KiB)")
     p.add_argument("--max-prompt-bytes", type=parse_size, default=1 << 20,
                    help="largest text prompt accepted, in UTF-8 bytes, checked before tokenizing; a "
                         "larger one is refused (HTTP 413) (default 1MiB, at most 6MiB)")
@@ -290,7 +295,7 @@ SETTINGS = {
     "pool.tensor_parallel_size": "tensor_parallel_size",
     "pool.gpu_memory_utilization": "gpu_memory_utilization",
     "pool.max_seq_len": "max_seq_len", "pool.max_requests": "max_requests",
-    "pool.max_logprobs": "max_logprobs",
+    "pool.max_logprobs": "max_logprobs", "pool.max_grammar_bytes": "max_grammar_bytes",
     "pool.max_prompt_bytes": "max_prompt_bytes",
     "pool.compute_dtype": "compute_dtype",
     "executors.workload": "workload", "executors.standbys": "standbys", "executors.lease_ms": "lease_ms",

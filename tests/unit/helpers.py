@@ -203,7 +203,7 @@ class EnginePool:
     """One tables segment and one KV pool, as a sidecar would own them, for engines run in this
     process: `engine()` leases the next slot (what attach does), `fence` replaces an epoch."""
 
-    def __init__(self, model, num_pages: int, num_slots: int = 16):
+    def __init__(self, model, num_pages: int, num_slots: int = 16, grammars=None):
         import os
         import time
 
@@ -216,11 +216,12 @@ class EnginePool:
         geometry = TableGeometry(kv=KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
                                                ENGINE_PAGE_TOKENS),
                                  num_pages=num_pages, num_slots=num_slots, max_seq_len=ENGINE_MAX_SEQ,
-                                 num_leases=4)
+                                 num_leases=4, max_extra_bytes=4096)
         self.tables = Tables.create(f"/kvhold-test-inproc-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
         self.kv = KvCache.private(geometry.kv, num_pages)
         self.leases = LeaseTable(self.tables)
         self.model = model
+        self.grammars = grammars      # structured output (kvhold.executor.grammar.Grammars)
         self.slot = 0
 
     def engine(self, max_batch: int = 8, max_batch_tokens: int = 64, prefill_chunk: int = 32,
@@ -232,8 +233,10 @@ class EnginePool:
 
         slot, self.slot = self.slot, self.slot + 1
         lease = Lease(self.tables, slot, self.leases.grant(slot, os.getpid()))
-        return Engine(self.model, self.kv, self.tables, lease, max_batch, max_batch_tokens,
-                      prefill_chunk=prefill_chunk, prefix_salt=prefix_salt)
+        engine = Engine(self.model, self.kv, self.tables, lease, max_batch, max_batch_tokens,
+                        prefill_chunk=prefill_chunk, prefix_salt=prefix_salt)
+        engine.grammars = self.grammars
+        return engine
 
     def started(self, requests, **kw):
         """A first engine on the pool (empty journal) and the requests admitted (their ids)."""
@@ -264,9 +267,9 @@ class EnginePool:
         self.tables.unlink()
 
 
-def outputs_alone(model, requests, num_pages: int = 96) -> list[list[int]]:
+def outputs_alone(model, requests, num_pages: int = 96, grammars=None) -> list[list[int]]:
     """The requests' tokens run to their end by one engine on a pool of their own."""
-    pool = EnginePool(model, num_pages)
+    pool = EnginePool(model, num_pages, grammars=grammars)
     try:
         engine, ids = pool.started(requests)
         run_to_end(engine)

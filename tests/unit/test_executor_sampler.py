@@ -22,6 +22,9 @@ class S:
     def masked_ids(self) -> tuple[int, ...]:
         return ()
 
+    def allowed_ids(self):
+        return None
+
 
 def test_uniform_depends_only_on_seed_and_position():
     assert uniform(1, 5) == uniform(1, 5)

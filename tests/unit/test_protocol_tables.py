@@ -70,12 +70,12 @@ def test_attach_rejects_inconsistent_headers(tables, field, value):
 def test_segments_of_the_32_bit_word_checksum_are_refused(tables):
     """Layout 3 checksummed pages one mix per 32-bit word: its pages must not be validated
     with the 64-bit definition, so the whole segment is refused by its version."""
-    assert LAYOUT_VERSION == 4
+    assert LAYOUT_VERSION >= 4
     buf = bytearray(tables._mm[:])
     header = np.ndarray((), tables.header.dtype, buffer=buf)
     header["layout_version"] = 3
     header["geometry_crc"] = header_crc(header)
-    with pytest.raises(TableFormatError, match="layout version 3, this build reads 4"):
+    with pytest.raises(TableFormatError, match=f"layout version 3, this build reads {LAYOUT_VERSION}"):
         Tables.attach(buf)
 
 

@@ -1,0 +1,117 @@
+"""Structured output: what a request's generated text must match, and how it is journaled.
+
+A request's `SamplingParams.structured` is `(kind, spec)`:
+
+    json      a JSON schema (the text of one JSON object); `{"type": "object"}` is any object
+    regex     a regular expression the whole output matches
+    choice    a JSON list of strings: the output is one of them
+    grammar   a context-free grammar, Lark or GBNF (llama.cpp's), as vLLM's guided_grammar
+
+llguidance (a well-kept grammar engine, no dependencies) compiles it into the grammar its
+matcher runs (`grammar_of`). JSON is compact unless the schema's `x-guidance` says otherwise
+(no whitespace between tokens), so a model cannot spend its tokens on spaces. `check` compiles
+a spec and turns any problem into InvalidParams naming it: the HTTP API and the sidecar's
+admission call it before a request is journaled, so an executor only ever meets grammars that
+compile.
+
+The spec is of variable length, so the journal keeps it in its extras area (one row of
+`max_extra_bytes` per slot, kvhold.protocol.layout) as msgpack: `pack_extras` / `unpack_extras`.
+The executor's matcher state is never journaled: it is a function of the grammar and the
+request's committed generated tokens, so a takeover rebuilds it exactly (kvhold.executor.grammar).
+"""
+from __future__ import annotations
+
+import json
+
+import msgpack
+
+from kvhold.protocol.errors import InvalidParams
+
+KINDS = ("json", "regex", "choice", "grammar")
+MAX_GRAMMAR_BYTES = 1 << 20          # the most --max-grammar-bytes may be
+EXTRAS_OVERHEAD = 64                 # msgpack framing around a spec of the limit's size
+JSON_DEFAULTS = {"whitespace_flexible": False}     # compact JSON unless the schema says otherwise
+ANY_OBJECT = '{"type": "object"}'    # response_format json_object
+
+
+def extra_bytes_for(max_grammar_bytes: int) -> int:
+    """The journal's extras row (layout.TableGeometry.max_extra_bytes) for specs of up to
+    `max_grammar_bytes` bytes; 0 (no area) for none."""
+    return max_grammar_bytes + EXTRAS_OVERHEAD if max_grammar_bytes else 0
+
+
+def check_shape(value) -> tuple[str, str] | None:
+    """`value` (None, or a (kind, spec) pair as a tuple or a wire list) as the params hold it;
+    InvalidParams for anything else. Cheap: the spec is not compiled here (see `check`)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise InvalidParams("structured must be a pair [kind, spec]")
+    kind, spec = value
+    if kind not in KINDS:
+        raise InvalidParams(f"structured output kind must be one of {', '.join(KINDS)}, got {str(kind)[:40]!r}")
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidParams(f"the {kind} of structured output must be a non-empty string")
+    if len(spec) > MAX_GRAMMAR_BYTES:
+        raise InvalidParams(f"the {kind} of structured output has {len(spec)} characters, more than "
+                            f"{MAX_GRAMMAR_BYTES}")
+    return (kind, spec)
+
+
+def grammar_of(structured: tuple[str, str]) -> str:
+    """llguidance's grammar for a (kind, spec) pair; InvalidParams when the spec cannot be
+    read (not JSON where JSON is due, a GBNF grammar that does not parse)."""
+    import llguidance
+
+    kind, spec = structured
+    if kind == "json":
+        schema = _json(spec, "JSON schema")
+        if not isinstance(schema, dict):
+            raise InvalidParams("the JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        choices = _json(spec, "list of choices")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise InvalidParams("the choices must be a non-empty list of non-empty strings")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    try:
+        return llguidance.grammar_from("grammar", spec)
+    except ValueError as exc:
+        raise InvalidParams(f"the grammar does not parse: {exc}") from None
+
+
+def check(structured: tuple[str, str] | None) -> None:
+    """InvalidParams, naming the problem, unless the spec compiles."""
+    if structured is None:
+        return
+    import llguidance
+
+    grammar = grammar_of(structured)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidParams(f"invalid {_NAMES[structured[0]]}: {error.strip()[:500]}")
+
+
+def pack_extras(structured: tuple[str, str] | None) -> bytes:
+    """A request's row in the journal's extras area (b"" when it has nothing there)."""
+    return msgpack.packb({"structured": list(structured)}) if structured is not None else b""
+
+
+def unpack_extras(blob: bytes) -> dict:
+    """The fields `pack_extras` wrote: {"structured": (kind, spec) | None}."""
+    d = msgpack.unpackb(blob) if blob else {}
+    s = d.get("structured")
+    return {"structured": tuple(s) if s is not None else None}
+
+
+_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",
+          "grammar": "grammar"}
+
+
+def _json(spec: str, what: str):
+    try:
+        return json.loads(spec)
+    except ValueError as exc:
+        raise InvalidParams(f"the {what} is not valid JSON: {exc}") from None
