@@ -23,6 +23,7 @@ likely one. Each is a function of the request's tokens (the journal's: prompt an
 generated ones) and its params, per row, so a resumed request is penalized exactly as it
 would have been uninterrupted.
 
+`logit_bias` (OpenAI's) is added to the raw logits first, before any of these.
 Structured output (kvhold.executor.grammar) comes last: each constrained row keeps only the
 tokens its grammar allows after its generated tokens, for greedy and sampled rows alike.
 """
@@ -59,7 +60,7 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
         logits = logits.to(torch.float64)
     else:
         logits = logits.float()
-    logits = _constrain(_penalize(_mask(logits, seqs), seqs), logits, seqs)
+    logits = _constrain(_penalize(_mask(_bias(logits, seqs), seqs), seqs), logits, seqs)
     tokens = torch.argmax(logits, dim=-1)              # greedy rows, first maximum wins
     rows = [i for i, s in enumerate(seqs) if s.sampling.temperature > 0]
     if rows and (logits.device.type == "cpu" or pad_rows <= 0):
@@ -73,6 +74,22 @@ def sample(logits: torch.Tensor, seqs, pad_rows: int = 0) -> list[int]:
             picked = _sample_rows(hot, [seqs[i] for i in group] + [_PAD] * (pad_rows - len(group)))
             tokens[group] = picked[:len(group)]
     return tokens.tolist()
+
+
+def _bias(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """`logits` with each row's `logit_bias` added (a copy when any row has one): OpenAI's, the
+    first change to the logits."""
+    biased = [(i, s.sampling.logit_bias) for i, s in enumerate(seqs) if s.sampling.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    rows = [i for i, pairs in biased for t, _ in pairs if t < vocab]
+    cols = [t for _, pairs in biased for t, _ in pairs if t < vocab]
+    add = torch.tensor([b for _, pairs in biased for t, b in pairs if t < vocab], dtype=logits.dtype,
+                       device=logits.device)
+    logits[rows, cols] += add
+    return logits
 
 
 def _mask(logits: torch.Tensor, seqs) -> torch.Tensor:

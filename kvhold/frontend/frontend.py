@@ -41,7 +41,7 @@ from kvhold.protocol.layout import ExecState
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import RequestInput, SamplingParams, check_token_ids
 from kvhold.protocol import structured as structured_output
-from kvhold.protocol.structured import EXTRAS_OVERHEAD, pack_extras
+from kvhold.protocol.structured import grammar_room
 from kvhold.frontend import logprob_stream
 from kvhold.frontend.admission import Pending, PromptTokenizer
 from kvhold.frontend.detokenizer import IncrementalDetokenizer
@@ -350,17 +350,25 @@ class Frontend:
         if name is not None:
             raise InvalidParams(f"{name} is not supported by this sidecar's engine")
         if params.structured is not None:
-            room = self.tables.geometry.max_extra_bytes
+            room = grammar_room(self.tables.geometry.max_extra_bytes)
             if not room:
                 raise InvalidParams("structured output: this server takes none (--max-grammar-bytes 0, "
                                     "or a workload other than the engine)")
             if self.tokenizer is None:
                 raise InvalidParams("structured output: the checkpoint has no tokenizer.json to match "
                                     "a grammar with")
-            if len(pack_extras(params.structured)) > room:
-                raise InvalidParams(f"the structured output's {params.structured[0]} exceeds this "
-                                    f"server's limit of {room - EXTRAS_OVERHEAD} bytes (--max-grammar-bytes)")
+            size = len(params.structured[1].encode("utf-8", "surrogatepass"))
+            if size > room:
+                raise InvalidParams(f"the structured output's {params.structured[0]} ({size} bytes) exceeds "
+                                    f"this server's limit of {room} bytes (--max-grammar-bytes)")
             structured_output.check(params.structured)
+        if params.logit_bias:
+            if not self.tables.geometry.max_extra_bytes:
+                raise InvalidParams("logit_bias: this server takes none (a workload other than the engine)")
+            bad = next((t for t, _ in params.logit_bias if t >= self.spec.vocab_size), None)
+            if bad is not None:
+                raise InvalidTokenId(f"logit_bias token id {bad} is outside the vocabulary "
+                                     f"(size {self.spec.vocab_size})")
         vocab = self.spec.vocab_size
         for t in params.stop_token_ids:
             if t >= vocab:

@@ -23,7 +23,7 @@ from kvhold.protocol.layout import MAX_STOP_IDS, REQUEST_DTYPE, AdmitState, Exec
 from kvhold.protocol.errors import InvalidParams
 from kvhold.protocol.leases import now_ns
 from kvhold.protocol.sampling import TOKEN_ID_MAX, SamplingParams, check_token_ids
-from kvhold.protocol.structured import EXTRAS_OVERHEAD, pack_extras, unpack_extras
+from kvhold.protocol.structured import pack_extras, unpack_extras
 from kvhold.protocol.tables import Tables
 
 
@@ -94,13 +94,13 @@ class Journal:
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of "
                                     f"{max(limit, 0)} (--max-logprobs)" if limit >= 0 else
                                     f"{name}: this server keeps no log-probs (--max-logprobs 0)")
-        extras = pack_extras(sampling.structured)
+        extras = pack_extras(sampling.structured, sampling.logit_bias)
         room = self.tables.geometry.max_extra_bytes
         if len(extras) > room:
-            raise InvalidParams("structured output: this server takes none (--max-grammar-bytes 0)"
-                                if not room else f"the structured output's spec ({len(extras)} bytes with "
-                                f"its framing) exceeds this server's limit of {room - EXTRAS_OVERHEAD} "
-                                f"bytes (--max-grammar-bytes)")
+            raise InvalidParams("structured output and logit_bias: this server's journal has no room for "
+                                "them (a workload other than the engine)" if not room else
+                                f"the structured output's spec and logit_bias ({len(extras)} bytes with their "
+                                f"framing) exceed this server's room of {room} bytes (--max-grammar-bytes)")
         prompt, prefix = _token_row(prompt_ids, "prompt_ids"), _token_row(prefix_ids, "prefix_ids")
         if not 0 < len(prompt) < self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit slot rows of {self.max_seq_len}")
@@ -441,7 +441,7 @@ def _read_sampling(r: dict, extras: dict) -> SamplingParams:
         logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
         presence_penalty=float(r["presence_penalty"]), frequency_penalty=float(r["frequency_penalty"]),
         repetition_penalty=float(r["repetition_penalty"]) or 1.0, min_p=float(r["min_p"]),
-        structured=extras["structured"])
+        structured=extras["structured"], logit_bias=extras["logit_bias"])
 
 
 def _entry(slot: int, r: dict, extras: dict) -> JournalEntry:

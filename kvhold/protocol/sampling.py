@@ -28,6 +28,7 @@ import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,8 @@ class SamplingParams:
     min_p: float = 0.0                  # drop tokens below min_p x the most likely one's probability
     # what the output must match: (kind, spec), kvhold.protocol.structured; None: free text
     structured: tuple[str, ...] | None = None     # a pair
+    # OpenAI's logit_bias: (token id, bias) pairs, sorted by id; added to the logits first
+    logit_bias: tuple[Any, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
         for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "presence_penalty",
@@ -135,6 +138,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParams("ignore_eos must be true or false")
         object.__setattr__(self, "structured", structured_output.check_shape(self.structured))
+        object.__setattr__(self, "logit_bias", structured_output.check_logit_bias(self.logit_bias))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -161,6 +165,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         if self.structured is not None:
             d["structured"] = list(self.structured)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod

@@ -28,10 +28,10 @@ WORKLOADS = ("engine", "idle", "churn", "vllm")   # vllm: kvhold.vllm_bridge
 # sampling fields (kvhold.protocol.sampling.SamplingParams) a workload's engine cannot honour:
 # a request that sets one is refused at admission (INVALID_PARAMS), and by the bridge itself
 # what an engine bridge cannot honour exactly across a takeover: its engine's own min_tokens
-# masks stops that are not kvhold's, and its penalties, min_p and grammars are not restored from kvhold's
+# masks stops that are not kvhold's, and its penalties, min_p, grammars and logit_bias are not restored from kvhold's
 # journal (refused at admission)
 BRIDGE_UNSUPPORTED = ("min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                      "structured")
+                      "structured", "logit_bias")
 UNSUPPORTED_SAMPLING = {"vllm": BRIDGE_UNSUPPORTED}
 KV_MODES = ("native", "foreign")
 

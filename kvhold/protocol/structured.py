@@ -15,7 +15,9 @@ admission call it before a request is journaled, so an executor only ever meets 
 compile.
 
 The spec is of variable length, so the journal keeps it in its extras area (one row of
-`max_extra_bytes` per slot, kvhold.protocol.layout) as msgpack: `pack_extras` / `unpack_extras`.
+`max_extra_bytes` per slot, kvhold.protocol.layout) as msgpack: `pack_extras` / `unpack_extras`,
+with the request's other option of variable length, `logit_bias` (OpenAI's: token id -> a bias
+in [-100, 100] added to its logit; up to MAX_LOGIT_BIAS entries, LOGIT_BIAS_BYTES of the row).
 The executor's matcher state is never journaled: it is a function of the grammar and the
 request's committed generated tokens, so a takeover rebuilds it exactly (kvhold.executor.grammar).
 """
@@ -30,14 +32,49 @@ from kvhold.protocol.errors import InvalidParams
 KINDS = ("json", "regex", "choice", "grammar")
 MAX_GRAMMAR_BYTES = 1 << 20          # the most --max-grammar-bytes may be
 EXTRAS_OVERHEAD = 64                 # msgpack framing around a spec of the limit's size
+MAX_LOGIT_BIAS = 1024                # entries of a request's logit_bias
+LOGIT_BIAS_BYTES = 16 * 1024         # their room in the row (an entry packs to at most 15 bytes)
+LOGIT_BIAS_LIMIT = 100.0             # |bias|, as OpenAI's
 JSON_DEFAULTS = {"whitespace_flexible": False}     # compact JSON unless the schema says otherwise
 ANY_OBJECT = '{"type": "object"}'    # response_format json_object
 
 
 def extra_bytes_for(max_grammar_bytes: int) -> int:
     """The journal's extras row (layout.TableGeometry.max_extra_bytes) for specs of up to
-    `max_grammar_bytes` bytes; 0 (no area) for none."""
-    return max_grammar_bytes + EXTRAS_OVERHEAD if max_grammar_bytes else 0
+    `max_grammar_bytes` bytes, and a logit_bias."""
+    return max_grammar_bytes + LOGIT_BIAS_BYTES + EXTRAS_OVERHEAD
+
+
+def grammar_room(max_extra_bytes: int) -> int:
+    """The spec bytes an extras row of `max_extra_bytes` takes (0: no structured output)."""
+    return max(0, max_extra_bytes - LOGIT_BIAS_BYTES - EXTRAS_OVERHEAD)
+
+
+def check_logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A logit_bias (a map of token id, or its decimal string, to a bias; or (id, bias) pairs,
+    as the wire and the journal hold it) as sorted (id, bias) pairs; InvalidParams otherwise.
+    Token ids are bounded by the vocabulary at admission."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple, type({}.items()))):
+        raise InvalidParams("logit_bias must be a map of token ids to biases")
+    out = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise InvalidParams("logit_bias must be a map of token ids to biases")
+        key, bias = item
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**31:
+            raise InvalidParams(f"logit_bias keys must be token ids, got {str(key)[:40]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise InvalidParams(f"logit_bias values must be numbers in [-100, 100], got {str(bias)[:40]!r} "
+                                f"for token {key}")
+        out[key] = float(bias)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise InvalidParams(f"logit_bias has {len(out)} entries, more than {MAX_LOGIT_BIAS}")
+    return tuple(sorted(out.items()))
 
 
 def check_shape(value) -> tuple[str, str] | None:
@@ -94,16 +131,22 @@ def check(structured: tuple[str, str] | None) -> None:
         raise InvalidParams(f"invalid {_NAMES[structured[0]]}: {error.strip()[:500]}")
 
 
-def pack_extras(structured: tuple[str, str] | None) -> bytes:
+def pack_extras(structured: tuple[str, str] | None, logit_bias=()) -> bytes:
     """A request's row in the journal's extras area (b"" when it has nothing there)."""
-    return msgpack.packb({"structured": list(structured)}) if structured is not None else b""
+    d = {}
+    if structured is not None:
+        d["structured"] = list(structured)
+    if logit_bias:
+        d["logit_bias"] = [list(pair) for pair in logit_bias]
+    return msgpack.packb(d) if d else b""
 
 
 def unpack_extras(blob: bytes) -> dict:
-    """The fields `pack_extras` wrote: {"structured": (kind, spec) | None}."""
+    """The fields `pack_extras` wrote: {"structured": (kind, spec) | None, "logit_bias": pairs}."""
     d = msgpack.unpackb(blob) if blob else {}
     s = d.get("structured")
-    return {"structured": tuple(s) if s is not None else None}
+    return {"structured": tuple(s) if s is not None else None,
+            "logit_bias": tuple((int(t), float(b)) for t, b in d.get("logit_bias", ()))}
 
 
 _NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",

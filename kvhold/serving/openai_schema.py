@@ -2,13 +2,14 @@
 
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
-ignored: `best_of` above 1, `logit_bias`, `suffix`, tools, vLLM's extensions at anything but
+ignored: `best_of` above 1, `suffix`, tools, vLLM's extensions at anything but
 their neutral value (`length_penalty`, beam search, `include_stop_str_in_output`,
 `prompt_logprobs`: echo with logprobs gives them) and unknown `stream_options`. Structured
 output (kvhold.protocol.structured) is one of: `response_format` json_object or json_schema,
 vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or its
 `structured_outputs` with one of json, regex, choice, grammar, json_object; a spec that does
-not compile is a 400 naming the field and the problem. Supported: max_tokens (or
+not compile is a 400 naming the field and the problem. `logit_bias` (token id -> bias in
+[-100, 100], OpenAI's) is added to the logits before anything else. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
 layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
 are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
@@ -203,9 +204,10 @@ class _Sampling(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n > MAX_CHOICES:
             raise bad_request(f"n is at most {MAX_CHOICES}", param="n", code="invalid_value")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias",
-                              code="unsupported_value")
+        try:
+            structured_output.check_logit_bias(self.logit_bias)
+        except InvalidParams as exc:
+            raise bad_request(str(exc), param="logit_bias", code="invalid_value") from None
         for name, neutral in NEUTRAL_EXTENSIONS.items():
             if getattr(self, name) != neutral:
                 raise bad_request(f"{name} is not supported (only {neutral!r}, which changes nothing)",
@@ -290,6 +292,8 @@ class _Sampling(BaseModel):
         structured = self.structured()
         if structured is not None:
             out["structured"] = list(structured)
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
         if choice and self.seed is not None:
             out["seed"] = (self.seed + choice) % (LIMITS["seed"].hi + 1)
         out.update(self.logprob_params())

@@ -423,11 +423,11 @@ class SidecarConfig:
         # only kvhold's engine computes log-probs: other workloads get no logprob area, so a
         # request asking for them is refused at admission
         max_logprobs = pool.max_logprobs if self.executors.workload == "engine" else 0
-        # nor structured output (kvhold.executor.grammar): no extras area elsewhere
-        grammar = pool.max_grammar_bytes if self.executors.workload == "engine" else 0
+        # nor structured output and logit_bias (kvhold.protocol.structured): no extras area elsewhere
+        extras = extra_bytes_for(pool.max_grammar_bytes) if self.executors.workload == "engine" else 0
         return TableGeometry(kv=kv, num_pages=pages, num_slots=pool.max_requests,
                              max_seq_len=max_seq, num_leases=self.executors.num_leases,
-                             max_logprobs=max_logprobs, max_extra_bytes=extra_bytes_for(grammar))
+                             max_logprobs=max_logprobs, max_extra_bytes=extras)
 
     def kv_bytes_for_utilization(self, spec, total_bytes: int | None = None) -> int:
         """The KV pool that `pool.gpu_memory_utilization` of the device leaves: that share of

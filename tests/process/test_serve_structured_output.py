@@ -1,7 +1,8 @@
 """Structured output through `kvhold serve`, as the openai SDK and vLLM's clients ask for it:
 response_format json_schema and json_object, vLLM's guided_json, guided_regex, guided_choice,
 guided_grammar and structured_outputs; streamed and not; a spec that does not compile, two at
-once or one over --max-grammar-bytes is a 400 naming the field, and costs no other request."""
+once or one over --max-grammar-bytes is a 400 naming the field, and costs no other request;
+logit_bias forces and bans tokens."""
 import json
 import re
 
@@ -73,6 +74,24 @@ def test_a_bad_spec_is_a_400_naming_it_and_the_server_serves_on(server, body, pa
     else:
         assert "--max-grammar-bytes" in error["message"], error
     assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_logit_bias_forces_and_bans_tokens(server):
+    body = {"prompt": "The sidecar keeps", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+
+    def tokens(**extra):
+        r = server.post("/v1/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    forced = server.post("/tokenize", {"prompt": " memory", "add_special_tokens": False}).json()["tokens"][-1]
+    text = server.post("/detokenize", {"tokens": [forced]}).json()["prompt"]
+    assert tokens(logit_bias={str(forced): 100}) == [text] * 6 != plain
+    first = server.post("/tokenize", {"prompt": plain[0], "add_special_tokens": False}).json()["tokens"]
+    assert len(first) == 1 and tokens(logit_bias={str(first[0]): -100})[0] != plain[0]
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        server.openai().completions.create(model="tiny-v1", prompt="hi", max_tokens=2, logit_bias={"999999": 1})
 
 
 def test_the_sdk_surfaces_the_400(server):

@@ -57,7 +57,7 @@ def test_continuous_usage_stats_on_every_chunk(server):
 
 
 @pytest.mark.parametrize("option", [{"length_penalty": 0.5}, {"repetition_penalty": 0}, {"min_p": 1.5},
-                                    {"presence_penalty": 3}, {"logit_bias": {"5": 1}},
+                                    {"presence_penalty": 3}, {"logit_bias": {"5": 101}},
                                     {"use_beam_search": True}, {"response_format": {"type": "structural_tag"}},
                                     {"stream": True, "stream_options": {"bogus": 1}},
                                     {"stream_options": {"include_usage": True}}])

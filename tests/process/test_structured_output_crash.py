@@ -1,5 +1,5 @@
-"""Structured output across a real crash: requests constrained by a JSON schema, a regex and a
-grammar stream through a sidecar; the active executor SIGKILLs itself at a commit once every one
+"""Structured output and logit_bias across a real crash: requests constrained by a JSON schema, a
+regex and a grammar, and one with a logit_bias, stream through a sidecar; the active executor SIGKILLs itself at a commit once every one
 of them is mid-output (a fault point armed by this test), and every output equals the
 uninterrupted run's (the replacement's matchers rebuilt from the committed tokens), which differs
 from the same requests unconstrained."""
@@ -20,8 +20,10 @@ REQUESTS = [
     dict(prompt_ids=PROMPT[::-1], max_tokens=400, temperature=0.9, seed=8, structured=("regex", "[a-z ]{600}")),
     dict(prompt_ids=PROMPT[5:], max_tokens=400, temperature=0.0,
          structured=("grammar", 'root ::= item{60}\nitem ::= [a-z] [a-z] [a-z] ","')),
+    dict(prompt_ids=PROMPT[9:], max_tokens=200, temperature=0.8, seed=3, ignore_eos=True,
+         logit_bias={str(t): -100 if t % 2 else 3 for t in range(2, 400, 3)}),
 ]
-FREE = [{k: v for k, v in r.items() if k != "structured"} for r in REQUESTS]
+FREE = [{k: v for k, v in r.items() if k not in ("structured", "logit_bias")} for r in REQUESTS]
 
 
 def test_constrained_streams_continue_identically_after_a_sigkill(tiny_model, start_sidecar, tmp_path):
@@ -35,7 +37,7 @@ def test_constrained_streams_continue_identically_after_a_sigkill(tiny_model, st
     with sc.new_client(timeout=90) as client:
         reference = ids(wait_all(submit(client, REQUESTS)))
         free = ids(wait_all(submit(client, FREE)))
-        assert all(a != b for a, b in zip(reference, free))        # the grammars change every output
+        assert all(a != b for a, b in zip(reference, free))        # the grammars and the bias change every output
         streams = submit(client, REQUESTS)
         rids = [s.request_id for s in streams]
 
@@ -49,4 +51,4 @@ def test_constrained_streams_continue_identically_after_a_sigkill(tiny_model, st
     assert ids(results) == reference
     rec = sc.status()["recoveries"]
     assert len(rec) == 1 and rec[0]["requests_lost"] == 0
-    assert rec[0]["requests_resumable"] + rec[0]["requests_damaged"] == 3      # all three ran at the kill
+    assert rec[0]["requests_resumable"] + rec[0]["requests_damaged"] == 4      # all four ran at the kill

@@ -72,13 +72,19 @@ def test_outputs_match_their_schema_regex_and_choices_and_end_at_eos(model, gram
     assert compact == json.dumps(doc, separators=(",", ":"))     # no whitespace by default
 
 
-def test_constrained_requests_continue_exactly_after_a_takeover(model, grammars):
+BIAS = tuple((t, -100.0 if t % 3 else 4.0) for t in range(20, 200, 7))
+
+
+def test_constrained_and_biased_requests_continue_exactly_after_a_takeover(model, grammars):
     requests = [request(0, "json", json.dumps(SCHEMA)), request(1, "regex", WORD),
                 request(2, "regex", "[a-z ]{40}", temperature=0.9, seed=11),
-                dict(prompt_ids=list(range(40, 47)), max_tokens=40, temperature=0.0)]
+                dict(prompt_ids=list(range(40, 47)), max_tokens=40, temperature=0.0, logit_bias=BIAS),
+                dict(prompt_ids=list(range(50, 57)), max_tokens=40, temperature=0.7, seed=2, logit_bias=BIAS),
+                dict(prompt_ids=list(range(60, 67)), max_tokens=40, temperature=0.0)]
     expected = outputs_alone(model, requests, grammars=grammars)
-    free = outputs_alone(model, [{k: v for k, v in r.items() if k != "structured"} for r in requests])
-    assert all(a != b for a, b in zip(expected[:3], free[:3]))        # the grammars matter
+    free = outputs_alone(model, [{k: v for k, v in r.items() if k not in ("structured", "logit_bias")}
+                                 for r in requests])
+    assert all(a != b for a, b in zip(expected[:5], free[:5]))        # the grammars and biases matter
     pool = EnginePool(model, 96, grammars=grammars)
     try:
         dead, ids = pool.started(requests)
@@ -109,26 +115,46 @@ def tables_with_extras(max_extra_bytes: int) -> ShmPool:
                                  num_leases=2, max_extra_bytes=max_extra_bytes))
 
 
-def test_the_journal_holds_the_spec_and_refuses_what_does_not_fit():
+def test_the_journal_holds_the_spec_and_the_bias_and_refuses_what_does_not_fit():
     pool = tables_with_extras(structured.extra_bytes_for(256))
     try:
         j = Journal(pool.tables)
         spec = json.dumps(SCHEMA)
-        j.admit(1, 7, [1, 2, 3], SamplingParams(seed=3, structured=("json", spec)))
+        j.admit(1, 7, [1, 2, 3], SamplingParams(seed=3, structured=("json", spec), logit_bias={"5": -2, 9: 1.5}))
         j.admit(2, 8, [1, 2, 3], SamplingParams(seed=3))
         assert j.entry(1).sampling.structured == ("json", spec)
-        assert j.entry(2).sampling.structured is None
+        assert j.entry(1).sampling.logit_bias == ((5, -2.0), (9, 1.5))
+        assert j.entry(2).sampling.structured is None and j.entry(2).sampling.logit_bias == ()
         with pytest.raises(InvalidParams, match="--max-grammar-bytes"):
-            j.admit(3, 9, [1, 2], SamplingParams(seed=3, structured=("regex", "a" * 300)))
+            j.admit(3, 9, [1, 2], SamplingParams(seed=3, structured=("regex", "a" * 20000)))
         assert j.is_free(3)
     finally:
         pool.close()
     pool = tables_with_extras(0)
     try:
-        with pytest.raises(InvalidParams, match="takes none"):
+        with pytest.raises(InvalidParams, match="no room"):
             Journal(pool.tables).admit(0, 7, [1, 2], SamplingParams(seed=3, structured=("regex", "a+")))
     finally:
         pool.close()
+
+
+def test_logit_bias_forces_and_bans_tokens_for_greedy_and_sampled_rows():
+    logits = torch.zeros(3, 50, dtype=torch.float64)
+    logits[:, 7] = 5.0
+    rows = [Sequence(slot=i, request_id=i, prompt_len=1, tokens=[1], sampling=p) for i, p in enumerate([
+        SamplingParams(seed=1, temperature=0.0, logit_bias={"7": -100}),
+        SamplingParams(seed=1, temperature=0.0, logit_bias={"30": 100}),
+        SamplingParams(seed=1, temperature=1.0, logit_bias={str(t): -100 for t in range(50) if t != 12})])]
+    got = sample(logits, rows)
+    assert got[0] != 7 and got[1] == 30 and got[2] == 12
+    assert logits[0, 7] == 5.0                                  # the caller's logits stay
+
+
+@pytest.mark.parametrize("value", [{"x": 1}, {"5": 101}, {"5": "1"}, [[1]], {"-1": 0}, 5,
+                                   {str(t): 1 for t in range(structured.MAX_LOGIT_BIAS + 1)}])
+def test_a_bad_logit_bias_is_invalid_params(value):
+    with pytest.raises(InvalidParams, match="logit_bias"):
+        SamplingParams(logit_bias=value)
 
 
 @pytest.mark.parametrize("pair, message", [
@@ -148,8 +174,9 @@ def test_the_pair_is_checked_with_the_other_params(value):
 
 
 def test_the_wire_and_durable_forms_keep_the_pair():
-    p = SamplingParams(seed=2, structured=["regex", "a+"])
-    assert p.structured == ("regex", "a+")
+    p = SamplingParams(seed=2, structured=["regex", "a+"], logit_bias={"3": 1, "2": -1})
+    assert p.structured == ("regex", "a+") and p.logit_bias == ((2, -1.0), (3, 1.0))
     assert SamplingParams.from_dict(p.to_dict()) == p
-    assert structured.unpack_extras(structured.pack_extras(p.structured)) == {"structured": ("regex", "a+")}
+    assert structured.unpack_extras(structured.pack_extras(p.structured, p.logit_bias)) == {
+        "structured": ("regex", "a+"), "logit_bias": ((2, -1.0), (3, 1.0))}
     assert np.frombuffer(structured.pack_extras(None), np.uint8).size == 0

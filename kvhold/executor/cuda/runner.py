@@ -414,10 +414,10 @@ class CudaRunner:
             after_forward(plan)          # queued behind the forward; the read-back waits for it too
         host = out.cpu()
         greedy, hashes = host[0].tolist(), host[1]
-        # rows that sample with a temperature, whose min_tokens masks tokens, that are penalized or
-        # constrained by a grammar, on their logits
+        # rows that sample with a temperature, whose min_tokens masks tokens, that are penalized,
+        # biased or constrained by a grammar, on their logits
         hot = [i for i, p in enumerate(plan) if p.samples and (p.seq.sampling.temperature > 0 or p.seq.masked_ids()
-                                                                or p.seq.sampling.penalized
+                                                                or p.seq.sampling.penalized or p.seq.sampling.logit_bias
                                                                 or p.seq.grammar is not None)]
         if hot:
             for i, token in zip(hot, sample(logits[hot], [plan[i].seq for i in hot], self.max_batch)):
