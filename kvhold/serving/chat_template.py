@@ -6,8 +6,8 @@ tokenizer_config.json, and named ones under `additional_chat_templates/`), and o
 when there is none, the `chat_template` of `tokenizer_config.json` (a string, or a list
 of named templates). Of named templates "default" is used (else the first listed).
 The one chosen is logged with where it came from. It is rendered in a sandboxed Jinja
-environment with `messages`, `bos_token`, `eos_token`, `add_generation_prompt=True` and
-`raise_exception`, like transformers. A checkpoint without any gets the documented plain
+environment with `messages`, `bos_token`, `eos_token`, `add_generation_prompt=True`, `tools`
+and `raise_exception`, like transformers. A checkpoint without any gets the documented plain
 template below, with a warning. The text is tokenized with no special tokens added: the
 template writes the BOS token itself.
 """
@@ -22,7 +22,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Used when the checkpoint defines no chat template:
 #   <bos>system: ...\nuser: ...\nassistant: ...\nassistant:
-PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+# with tools, a first line `tools: [...]` (their JSON), and an assistant's calls after its
+# content as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the hermes form, which
+# kvhold.serving.tool_calls reads back)
+PLAIN_TEMPLATE = ("{{ bos_token }}{% if tools %}{{ 'tools: ' + (tools | tojson) + '\\n' }}{% endif %}"
+                  "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                  "{% for c in (m['tool_calls'] or []) %}<tool_call>{{ {'name': c['function']['name'], "
+                  "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}{{ '\\n' }}"
                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
@@ -81,10 +87,12 @@ class ChatTemplate:
         log.info("chat template: %s%s", origin, "" if "default" in named else " (none is named default)")
         return cls(source, bos, eos, origin=origin)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's tool definitions, passed as transformers' apply_chat_template passes
+        them (None: none, as transformers renders a template without)."""
         try:
             return self.template.render(messages=messages, bos_token=self.bos_token,
-                                        eos_token=self.eos_token, add_generation_prompt=True)
+                                        eos_token=self.eos_token, add_generation_prompt=True, tools=tools)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template rejected the messages: {exc}") from None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvhold.serving.tool_calls import PARSERS
 from kvhold.sidecar.flags import add_log_level_arg, add_registry_args, add_sidecar_args, env
 
 
@@ -15,6 +16,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template to render chats with, a file or the template itself "
                         "(vLLM's); default: the checkpoint's (chat_template.jinja, or tokenizer_config.json's)")
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *PARSERS),
+                   help="how chat's tool_choice auto reads tool calls in the output (vLLM's flag): "
+                        "hermes (Hermes, Qwen: <tool_call>...</tool_call>), llama3_json (Llama 3.x), "
+                        "mistral ([TOOL_CALLS]); auto: by the chat template (hermes for kvhold's plain "
+                        "one) (default auto)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: kvhold always answers tool_choice auto, "
+                        "with --tool-call-parser")
     p.add_argument("--uvicorn-log-level", type=str.lower, default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="the HTTP server's uvicorn log level (vLLM's; default: --log-level)")

@@ -15,6 +15,7 @@ import time
 
 from kvhold.serving.backend import TokenStream
 from kvhold.serving.openai_schema import ApiError, api_error_for
+from kvhold.serving.tool_calls import ToolCall, ToolMode, ToolOutput, call_id
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 _background: set[asyncio.Task] = set()
@@ -48,8 +49,11 @@ class Generation:
     the request asked for log-probs."""
 
     def __init__(self, stream: TokenStream, stops: list[str], echo: str | None = None,
-                 logprob_format=None, score_only: bool = False):
+                 logprob_format=None, score_only: bool = False, tools: ToolMode | None = None):
         self.stream = stream
+        # chat's tools (kvhold.serving.tool_calls): the output read as tool calls, once it ends
+        self.tools = ToolOutput(tools) if tools is not None and tools.mode != "none" else None
+        self.tool_calls: list[ToolCall] = []
         self.score_only = score_only      # echo with max_tokens 0: the prompt scored, its one token dropped
         self.matcher = StopMatcher(stops)
         self.echo = echo
@@ -72,8 +76,15 @@ class Generation:
         """Yield text pieces; finish_reason and usage are set once this ends."""
         try:
             async for piece in self._pieces():
+                if self.tools is not None:
+                    piece = self.tools.push(piece)
                 if piece:
                     yield piece
+            if self.tools is not None:
+                rest, self.tool_calls = self.tools.finish()
+                self.finish_reason = self.tools.finish_reason(self.tool_calls, self.finish_reason)
+                if rest:
+                    yield rest
         finally:
             if self.finish_reason is None and not self.stream.finished:
                 task = asyncio.get_running_loop().create_task(self.stream.cancel())
@@ -206,14 +217,30 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, text: str, finish_reason: str, index: int = 0, logprobs=None) -> dict:
+    def choice(self, text: str, finish_reason: str, index: int = 0, logprobs=None,
+               tool_calls: list[ToolCall] = ()) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": self.tool_calls(tool_calls, index)}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def full(self, text: str, finish_reason: str, usage: dict, logprobs=None) -> dict:
-        return self.full_choices([self.choice(text, finish_reason, logprobs=logprobs)], usage)
+    def full(self, text: str, finish_reason: str, usage: dict, logprobs=None, tool_calls=()) -> dict:
+        return self.full_choices([self.choice(text, finish_reason, logprobs=logprobs, tool_calls=tool_calls)],
+                                 usage)
+
+    def tool_calls(self, calls: list[ToolCall], index: int = 0, delta: bool = False) -> list[dict]:
+        """A choice's calls as OpenAI lists them (`delta`: in a chunk, each with its index)."""
+        return [{**({"index": i} if delta else {}), "id": call_id(f"{self.id}-{index}", i), "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+
+    def tool_chunk(self, calls: list[ToolCall], index: int = 0) -> dict:
+        """A chunk that carries a choice's tool calls, each whole."""
+        choice = {"index": index, "delta": {"tool_calls": self.tool_calls(calls, index, delta=True)},
+                  "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def full_choices(self, choices: list[dict], usage: dict) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
@@ -290,6 +317,8 @@ async def sse_body(gen: Generation, shape: ResponseShape, include_usage: bool, o
                 yield KEEPALIVE
             elif out := event(shape.chunk(piece, logprobs=gen.logprob_chunk())):
                 yield out
+        if gen.tool_calls and (out := event(shape.tool_chunk(gen.tool_calls))):
+            yield out
         if out := event(shape.chunk(None, gen.finish_reason, logprobs=gen.logprob_chunk())):
             yield out
         if include_usage and (out := event(shape.usage_chunk(gen.usage))):
@@ -331,6 +360,8 @@ async def multi_sse_body(gens: list["Generation"], prompts_of: list[int], shape:
                 await queue.put(("chunk", shape.chunk(None, first=True, index=i)))
             async for piece in gen.deltas():
                 await queue.put(("chunk", shape.chunk(piece, index=i, logprobs=gen.logprob_chunk())))
+            if gen.tool_calls:
+                await queue.put(("chunk", shape.tool_chunk(gen.tool_calls, index=i)))
             await queue.put(("chunk", shape.chunk(None, gen.finish_reason, index=i,
                                                   logprobs=gen.logprob_chunk())))
         except Exception as exc:  # noqa: BLE001 - reported in-band, as one choice's error

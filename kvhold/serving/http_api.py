@@ -56,6 +56,7 @@ from kvhold.serving.openai_schema import (MAX_BODY_BYTES, ApiError, ChatRequest,
                                           DetokenizeRequest, TokenizeRequest, api_error_for, bad_request,
                                           from_validation_errors, too_large)
 from kvhold.serving.text_work import TextWork
+from kvhold.serving.tool_calls import ToolMode, parser_for_template
 from kvhold.sidecar.config import DEFAULT_MAX_PROMPT_BYTES
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class AppSettings:
     sse_keepalive_s: float = 10.0     # a stream silent this long gets an SSE comment (0: never)
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # the sidecar's: text tokenized here is bounded alike
     chat_template: str | None = None  # --chat-template's text (None: the checkpoint's)
+    tool_call_parser: str = "auto"    # tool_choice auto's (kvhold.serving.tool_calls); auto: by the template
 
 
 class Gate:
@@ -319,9 +321,15 @@ class _Service:
     async def chat_prompt_ids(self, req: ChatRequest) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat is unavailable", param="messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        return await self.text.chat_ids(messages)
+        messages = [m.for_template() for m in req.messages]
+        return await self.text.chat_ids(messages, req.tools or None)
+
+    def tool_mode(self, req) -> ToolMode | None:
+        """A chat request's tool mode (kvhold.serving.tool_calls); None for completions."""
+        if not isinstance(req, ChatRequest):
+            return None
+        parser = self.settings.tool_call_parser
+        return req.tool_mode(parser_for_template(self.template.source) if parser == "auto" else parser)
 
     def max_tokens(self, requested: int | None, prompt_len: int | None, default: int | None,
                    prompt_param: str = "prompt") -> int:
@@ -364,14 +372,16 @@ class _Service:
                     "kind": kind, "stop": list(req.stop or []), "include_usage": req.include_usage,
                     "continuous_usage": req.continuous_usage,
                     "created": shape.created, "prompt_tokens": stream.prompt_tokens,
-                    "echo": gen.echo, "logprobs": gen.logprob_format is not None})
+                    "echo": gen.echo, "logprobs": gen.logprob_format is not None,
+                    "tools": gen.tools.tool.to_record() if gen.tools is not None else None})
                 ids = EventIds(sid)
             return self.stream_response(gen, shape, req.include_usage, on_end, ids, req.continuous_usage)
         try:
             text = "".join([piece async for piece in gen.deltas()])
         finally:
             on_end(gen)
-        return JSONResponse(shape.full(text, gen.finish_reason, gen.usage, gen.logprob_chunk(empty=True)))
+        return JSONResponse(shape.full(text, gen.finish_reason, gen.usage, gen.logprob_chunk(empty=True),
+                                       gen.tool_calls))
 
     def _generation(self, req, kind: str, prompt: dict, stream) -> Generation:
         """The Generation of one choice: its stop strings, the echoed prompt (completions'
@@ -382,7 +392,7 @@ class _Service:
             if echo is None:
                 echo = self._need_tokenizer().decode(prompt["prompt_ids"], skip_special_tokens=False)
         return Generation(stream, req.stop, echo, self._logprob_format(kind) if req.logprob_params() else None,
-                          score_only=getattr(req, "score_only", False))
+                          score_only=getattr(req, "score_only", False), tools=self.tool_mode(req))
 
     def _logprob_format(self, kind: str):
         fmt = LogprobFormat(self.tokenizer)
@@ -459,7 +469,7 @@ class _Service:
             finally:
                 on_end(g)
         texts = await asyncio.gather(*(collect(g) for g in gens))
-        choices = [shape.choice(text, g.finish_reason, i, g.logprob_chunk(empty=True))
+        choices = [shape.choice(text, g.finish_reason, i, g.logprob_chunk(empty=True), g.tool_calls)
                    for i, (text, g) in enumerate(zip(texts, gens))]
         return JSONResponse(shape.full_choices(choices, summed_usage(gens, prompts_of)))
 
@@ -499,7 +509,8 @@ class _Service:
             raise ApiError(409, f"stream {sid} is being sent on another connection",
                            code="stream_in_use") from None
         gen = Generation(stream, record["stop"], record.get("echo"),
-                         self._logprob_format(record["kind"]) if record.get("logprobs") else None)
+                         self._logprob_format(record["kind"]) if record.get("logprobs") else None,
+                         tools=ToolMode.from_record(record.get("tools")))
         gen.prompt_tokens = record["prompt_tokens"]
         self.gate.active.add(gen)
         shape = ResponseShape(record["kind"], sid, self.settings.served_model_name)

@@ -2,14 +2,15 @@
 
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
-ignored: `best_of` above 1, `suffix`, tools, vLLM's extensions at anything but
+ignored: `best_of` above 1, `suffix`, vLLM's extensions at anything but
 their neutral value (`length_penalty`, beam search, `include_stop_str_in_output`,
 `prompt_logprobs`: echo with logprobs gives them) and unknown `stream_options`. Structured
 output (kvhold.protocol.structured) is one of: `response_format` json_object or json_schema,
 vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or its
 `structured_outputs` with one of json, regex, choice, grammar, json_object; a spec that does
 not compile is a 400 naming the field and the problem. `logit_bias` (token id -> bias in
-[-100, 100], OpenAI's) is added to the logits before anything else. Supported: max_tokens (or
+[-100, 100], OpenAI's) is added to the logits before anything else. Chat's `tools` and
+`tool_choice` are read by kvhold.serving.tool_calls. Supported: max_tokens (or
 max_completion_tokens), temperature, top_p, seed, stop (strings, applied by the HTTP
 layer), log-probs (completions: `logprobs` k and `echo`, with the prompt's log-probs when both
 are given; chat: `logprobs` and `top_logprobs`; the sidecar's --max-logprobs bounds k, a larger
@@ -38,6 +39,7 @@ from kvhold.protocol.errors import ErrorCode, InvalidParams
 from kvhold.protocol.layout import MAX_STOP_IDS
 from kvhold.protocol.sampling import LIMITS, TOKEN_ID_MAX, check_text, show
 from kvhold.protocol.structured import ANY_OBJECT
+from kvhold.serving.tool_calls import ToolMode, named_schema, required_schema
 from kvhold.protocol.wire import MAX_FRAME_BYTES, WireError
 
 MAX_BODY_BYTES = MAX_FRAME_BYTES        # a larger request could not reach the sidecar in one frame
@@ -389,6 +391,34 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None            # a tool message: the call it answers
+
+    def for_template(self) -> dict:
+        """The message as a chat template sees it (transformers' form): text content, and an
+        assistant's tool calls with their arguments as objects, as vLLM passes them."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad_request("each tool call needs function.name", param="messages", code="invalid_value")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args or "{}")
+                    except ValueError:
+                        raise bad_request(f"the arguments of tool call {fn['name']!r} are not JSON",
+                                          param="messages", code="invalid_value") from None
+                calls.append({"id": call.get("id"), "type": "function",
+                              "function": {"name": fn["name"], "arguments": args}})
+            out["tool_calls"] = calls
+        return out
 
     def text(self) -> str:
         """The content as text; list content may hold only text parts."""
@@ -408,15 +438,62 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=LIMITS["logprobs"].hi)
-    tools: list | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool = True
+
+    def tool_mode(self, parser: str) -> ToolMode:
+        """What the output is for tools (kvhold.serving.tool_calls), checked: a 400 naming the
+        field for tools of no shape, a choice of none of them, or one without tools."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", param="tool_choice", code="invalid_value")
+            return ToolMode("none")
+        names = []
+        for t in self.tools:
+            fn = t.get("function") if t.get("type", "function") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise bad_request("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                  "\"parameters\": {...}}}", param="tools", code="invalid_value")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise bad_request(f"the parameters of tool {fn['name']!r} must be a JSON schema object",
+                                  param="tools", code="invalid_value")
+            names.append(fn["name"])
+        if choice is None or choice == "auto":
+            return ToolMode("auto", parser=parser)
+        if choice in ("none", "required"):
+            return ToolMode(choice)
+        fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        if not isinstance(fn, dict) or fn.get("name") not in names:
+            raise bad_request(f"tool_choice must be none, auto, required or {{\"type\": \"function\", "
+                              f"\"function\": {{\"name\": one of {names}}}}}", param="tool_choice",
+                              code="invalid_value")
+        return ToolMode("named", fn["name"])
+
+    def structured(self) -> tuple[str, str] | None:
+        """With tool_choice required or a named function, the output's grammar (a JSON schema
+        of the calls); otherwise the body's structured output, if any."""
+        mode = self.tool_mode("hermes")
+        if mode.mode in ("required", "named"):
+            if super().structured() is not None:
+                raise bad_request("tool_choice required or a named function fixes the output's form: "
+                                  "it cannot be combined with structured output", param="tool_choice",
+                                  code="invalid_value")
+            schema = required_schema(self.tools) if mode.mode == "required" else named_schema(self.tools, mode.name)
+            pair = ("json", json.dumps(schema))
+            try:
+                structured_output.check(pair)
+            except InvalidParams as exc:
+                raise bad_request(f"the tools' parameters: {exc}", param="tools", code="invalid_value") from None
+            return pair
+        return super().structured()
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs",
                               code="invalid_value")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools", code="unsupported_value")
 
     def logprob_params(self) -> dict:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}

@@ -118,6 +118,7 @@ class ServeConfig:
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # the sidecar's; the HTTP server bounds its text alike
     chat_template: str | None = None      # --chat-template's text (None: the checkpoint's)
     uvicorn_log_level: str | None = None  # the HTTP server's uvicorn loggers (None: --log-level)
+    tool_call_parser: str = "auto"        # chat's tool_choice auto (kvhold.serving.tool_calls)
 
     @property
     def paths(self) -> InstancePaths:
@@ -144,7 +145,8 @@ class ServeConfig:
                            "header_timeout_s": self.guards.header_timeout_s,
                            "body_timeout_s": self.guards.body_timeout_s,
                            "sidecar_endpoint": self.sidecar_endpoint, "max_prompt_bytes": self.max_prompt_bytes,
-                           "chat_template": self.chat_template, "uvicorn_log_level": self.uvicorn_log_level})
+                           "chat_template": self.chat_template, "uvicorn_log_level": self.uvicorn_log_level,
+                           "tool_call_parser": self.tool_call_parser})
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
@@ -189,7 +191,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def _http_extras(args: argparse.Namespace) -> dict:
     """--chat-template (a file, or the template itself) read and checked now; --uvicorn-log-level."""
-    extras = {"uvicorn_log_level": getattr(args, "uvicorn_log_level", None)}
+    extras = {"uvicorn_log_level": getattr(args, "uvicorn_log_level", None),
+              "tool_call_parser": getattr(args, "tool_call_parser", "auto")}
     text = getattr(args, "chat_template", None)
     if text is not None:
         path = Path(text)
@@ -723,7 +726,8 @@ def run_http(config: ServeConfig, fd: int) -> int:
                                  api_key=config.api_key, body_timeout_s=config.guards.body_timeout_s,
                                  routing_id=config.routing_id, sse_keepalive_s=config.sse_keepalive_s,
                                  stream_dir=config.paths.runtime_dir / "http-streams",
-                                 max_prompt_bytes=config.max_prompt_bytes, chat_template=config.chat_template))
+                                 max_prompt_bytes=config.max_prompt_bytes, chat_template=config.chat_template,
+                                 tool_call_parser=config.tool_call_parser))
     level = (config.uvicorn_log_level or config.log_level).lower()
     server = DrainingServer(uvicorn.Config(app, log_level=level, access_log=config.access_log,
                                            timeout_graceful_shutdown=5, **config.guards.uvicorn_options()),

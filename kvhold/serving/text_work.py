@@ -47,14 +47,14 @@ class TextWork:
         check_prompt_size(text, self.max_prompt_bytes, exact=False)
         return await self.run(self._encode, text, add_special_tokens)
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The token ids of `messages` through the chat template (no special tokens added: the
-        template writes them)."""
-        chars = sum(len(m["content"]) for m in messages)
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` (and `tools`) through the chat template (no special tokens
+        added: the template writes them)."""
+        chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         if chars > self.max_prompt_bytes:
             raise PromptTooLarge(f"the messages have {chars} characters, more than the limit of "
                                  f"{self.max_prompt_bytes} bytes (--max-prompt-bytes)")
-        return await self.run(self._chat_ids, messages)
+        return await self.run(self._chat_ids, messages, tools)
 
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self._decode, ids)
@@ -71,9 +71,9 @@ class TextWork:
         check_prompt_size(text, self.max_prompt_bytes, exact=True)
         return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            text = self.template.render(messages)
+            text = self.template.render(messages, tools)
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
         return self._encode(text, add_special_tokens=False)
