@@ -34,6 +34,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None      # 1: the most likely token there (None: not known, a prompt's first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,8 +373,8 @@ def take_tokens(st: StreamState, msg: m.Tokens, now: float) -> bool:
     skip = have - msg.start
     if msg.prompt_ids is not None and st.prompt_logprobs is None:
         st.prompt_logprobs = [TokenLogprob(msg.prompt_ids[0], None)] + _logprobs(
-            msg.prompt_ids[1:], msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs)
-    lps = (_logprobs(msg.ids, msg.logprobs, msg.top_ids, msg.top_logprobs) if msg.logprobs is not None
+            msg.prompt_ids[1:], msg.prompt_logprobs, msg.prompt_top_ids, msg.prompt_top_logprobs, msg.prompt_ranks)
+    lps = (_logprobs(msg.ids, msg.logprobs, msg.top_ids, msg.top_logprobs, msg.ranks) if msg.logprobs is not None
            else [None] * len(msg.ids))
     for offset, (tid, text, lp) in enumerate(zip(msg.ids[skip:], msg.texts[skip:], lps[skip:])):
         st.pending.append(TokenEvent(index=have + offset, token_id=tid, text=text, logprob=lp))
@@ -383,7 +384,9 @@ def take_tokens(st: StreamState, msg: m.Tokens, now: float) -> bool:
     return True
 
 
-def _logprobs(ids, logprobs, top_ids, top_logprobs) -> list[TokenLogprob]:
-    if logprobs is None or len(logprobs) != len(ids):
+def _logprobs(ids, logprobs, top_ids, top_logprobs, ranks=None) -> list[TokenLogprob]:
+    if logprobs is None or len(logprobs) != len(ids) or (ranks is not None and len(ranks) != len(ids)):
         raise ProtocolError("a tokens message's log-probs do not match its tokens")
-    return [TokenLogprob(t, lp, tuple(zip(ti, tl))) for t, lp, ti, tl in zip(ids, logprobs, top_ids, top_logprobs)]
+    ranks = ranks if ranks is not None else [None] * len(ids)
+    return [TokenLogprob(t, lp, tuple(zip(ti, tl)), r)
+            for t, lp, ti, tl, r in zip(ids, logprobs, top_ids, top_logprobs, ranks)]

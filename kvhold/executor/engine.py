@@ -290,24 +290,25 @@ class Engine:
             seqs = [plan[i].seq for i, _ in lp_rows]
             positions = [pos + 1 for _, pos in lp_rows]
             k = max(s.logprobs_at(q) for s, q in zip(seqs, positions))
-            lp, ids, top = token_logprobs(self.runner.extra_logits,
-                                          [s.tokens[q] for s, q in zip(seqs, positions)], k, self._lp_rows)
+            lp, rank, ids, top = token_logprobs(self.runner.extra_logits,
+                                                [s.tokens[q] for s, q in zip(seqs, positions)], k, self._lp_rows,
+                                                with_rank=True)
             for s, q in zip(seqs, positions):
                 s.lp_done = max(s.lp_done, q + 1)
             known = (np.array([s.slot for s in seqs], dtype=np.int64), np.array(positions, dtype=np.int64),
-                     lp, ids, top, np.array([s.lp_done for s in seqs], dtype=np.uint32))
+                     lp, ids, top, np.array([s.lp_done for s in seqs], dtype=np.uint32), rank)
         want = [i for i, s in enumerate(sampling) if s.sampling.logprobs is not None]
         sampled = None
         if want:
             seqs = [sampling[i] for i in want]
             k = max(s.sampling.logprobs for s in seqs)
-            lp, ids, top = token_logprobs(self.runner.sample_logits[want], [tokens[i] for i in want], k,
-                                          self._lp_rows)
+            lp, rank, ids, top = token_logprobs(self.runner.sample_logits[want], [tokens[i] for i in want], k,
+                                                self._lp_rows, with_rank=True)
             positions = [s.num_tokens for s in seqs]              # where each sampled token goes
             for s, q in zip(seqs, positions):
                 s.lp_done = q + 1
             sampled = (np.array([s.slot for s in seqs], dtype=np.int64), np.array(positions, dtype=np.int64),
-                       lp, ids, top, np.array([q + 1 for q in positions], dtype=np.uint32))
+                       lp, ids, top, np.array([q + 1 for q in positions], dtype=np.uint32), rank)
         return None if known is None and sampled is None else (known, sampled)
 
     def _isolate(self, plan: list[Scheduled]) -> list[Scheduled]:

@@ -191,7 +191,7 @@ def _sample_rows(logits: torch.Tensor, seqs) -> torch.Tensor:
     return order.gather(1, choice[:, None]).squeeze(1)
 
 
-def token_logprobs(logits: torch.Tensor, targets: list[int], k: int, pad_rows: int = 0):
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int, pad_rows: int = 0, with_rank: bool = False):
     """Log-probabilities of the model's raw distribution, as vLLM reports them by default
     (`logprobs_mode` raw_logprobs: log_softmax of the logits, before temperature, top-k or top-p):
     for each row of `logits` [R, V] the log-prob of `targets[i]`, and the ids and log-probs of
@@ -200,7 +200,8 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], k: int, pad_rows: i
     ([R], [R, k], [R, k]), what the journal's logprob area holds. `pad_rows`: as for `sample`,
     on a GPU the softmax's reduction rounds by how many rows it reduces together, so rows go in
     groups of exactly `pad_rows` (the last one padded): a row's log-probs never depend on how
-    many others are computed beside it (requests sampling in the same step)."""
+    many others are computed beside it (requests sampling in the same step). `with_rank`: also
+    each target's rank (1 + the tokens strictly more likely, vLLM's), second of four arrays."""
     x = logits.to(torch.float64) if logits.device.type == "cpu" else logits.float()
     if x.device.type == "cpu" or pad_rows <= 0:
         lp = torch.log_softmax(x, dim=-1)
@@ -212,11 +213,14 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], k: int, pad_rows: i
                         for g in range(groups)])[:rows]
     idx = torch.tensor(targets, dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, idx[:, None]).squeeze(1)
+    rank = (lp > chosen[:, None]).sum(dim=-1) + 1 if with_rank else None
     if k:
         vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
         vals, ids = vals[:, :k], ids[:, :k]
     else:
         vals = lp.new_zeros(len(targets), 0)
         ids = idx.new_zeros(len(targets), 0)
-    return (chosen.float().cpu().numpy(), ids.to(torch.int32).cpu().numpy(),
-            vals.float().cpu().numpy())
+    out = (chosen.float().cpu().numpy(), ids.to(torch.int32).cpu().numpy(), vals.float().cpu().numpy())
+    if with_rank:
+        return out[0], rank.to(torch.int32).cpu().numpy(), out[1], out[2]
+    return out

@@ -102,8 +102,8 @@ class KeptResults:
 # the log-prob fields a kept result may hold (kvhold.frontend.logprob_stream.fields), and which
 # of them have one entry per generated token
 LOGPROB_FIELDS = ("logprobs", "top_ids", "top_logprobs", "prompt_ids", "prompt_logprobs",
-                  "prompt_top_ids", "prompt_top_logprobs")
-PER_TOKEN = ("logprobs", "top_ids", "top_logprobs")
+                  "prompt_top_ids", "prompt_top_logprobs", "ranks", "prompt_ranks")
+PER_TOKEN = ("logprobs", "top_ids", "top_logprobs", "ranks")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

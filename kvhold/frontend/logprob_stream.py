@@ -42,16 +42,18 @@ def fields(journal, slot: int, prompt_len: int, start: int, end: int,
     if logprobs is not None:
         out["logprobs"], out["top_ids"], out["top_logprobs"] = journal.logprobs_at(
             slot, prompt_len + start, prompt_len + end, logprobs)
+        out["ranks"] = journal.ranks_at(slot, prompt_len + start, prompt_len + end)
     if prompt_logprobs is not None and start == 0:
         out["prompt_ids"] = journal.all_tokens(slot, prompt_len).tolist()
         out["prompt_logprobs"], out["prompt_top_ids"], out["prompt_top_logprobs"] = journal.logprobs_at(
             slot, 1, prompt_len, prompt_logprobs)
+        out["prompt_ranks"] = journal.ranks_at(slot, 1, prompt_len)
     return out
 
 
 def sliced(f: dict, start: int) -> dict:
     """`f` (fields of tokens from 0) for the tokens from `start` on (the prompt's only from 0)."""
-    out = {k: f[k][start:] for k in ("logprobs", "top_ids", "top_logprobs") if k in f}
+    out = {k: f[k][start:] for k in ("logprobs", "ranks", "top_ids", "top_logprobs") if k in f}
     if start == 0:
         out.update({k: v for k, v in f.items() if k.startswith("prompt_")})
     return out

@@ -238,6 +238,10 @@ class Journal:
         return (rows["logprob"].tolist(), rows["top_ids"][:, :k].tolist(),
                 rows["top_logprobs"][:, :k].tolist())
 
+    def ranks_at(self, slot: int, start: int, end: int) -> list[int]:
+        """The rank of the token at each position of [start, end) (1: the most likely)."""
+        return self.tables.logprobs["rank"][slot, start:end].tolist()
+
     def all_tokens(self, slot: int, num_tokens: int) -> np.ndarray:
         return self.tokens[slot, :num_tokens].copy()
 
@@ -277,11 +281,15 @@ class Journal:
         self.req["num_generated"][slot] = len(gen)
 
     def write_logprobs(self, slots: np.ndarray, positions: np.ndarray, logprobs: np.ndarray,
-                       top_ids: np.ndarray, top_logprobs: np.ndarray, lp_done: np.ndarray) -> None:
-        """Store log-probs at absolute positions (the top lists' width at most the area's), then
-        publish each slot's new `lp_done` (the slots' last values win)."""
+                       top_ids: np.ndarray, top_logprobs: np.ndarray, lp_done: np.ndarray,
+                       ranks: np.ndarray | None = None) -> None:
+        """Store log-probs (and the tokens' ranks, when given) at absolute positions (the top
+        lists' width at most the area's), then publish each slot's new `lp_done` (the slots' last
+        values win)."""
         area, k = self.tables.logprobs, top_ids.shape[1]
         area["logprob"][slots, positions] = logprobs
+        if ranks is not None:
+            area["rank"][slots, positions] = ranks
         if k:
             area["top_ids"][slots, positions, :k] = top_ids
             area["top_logprobs"][slots, positions, :k] = top_logprobs

@@ -12,8 +12,8 @@ One POSIX shm segment per instance, little-endian, every section 64-byte aligned
     off_tokens      journal tokens num_slots  x max_seq_len    int32
     off_page_lists  journal pages  num_slots  x max_pages_per_seq int32
     off_logprobs    journal logprobs num_slots x max_seq_len x logprob_dtype(max_logprobs):
-                                   per token position, the log-probability of the token there
-                                   and the max_logprobs most likely tokens (ids, log-probs)
+                                   per token position, the log-probability of the token there,
+                                   its rank and the max_logprobs most likely tokens (ids, log-probs)
                                    under the distribution that produced it; no bytes when
                                    max_logprobs is 0 (the area is off)
     off_extras      journal extras num_slots x max_extra_bytes: per request, the options of
@@ -205,9 +205,10 @@ class RequestFlag(enum.IntFlag):
 
 
 def logprob_dtype(max_logprobs: int) -> np.dtype:
-    """One position of the logprob area: the log-probability of the token at that position and
-    the `max_logprobs` most likely tokens there, most likely first (ties: lower id first)."""
-    return np.dtype([("logprob", "<f4"), ("top_ids", "<i4", (max_logprobs,)),
+    """One position of the logprob area: the log-probability of the token at that position, its
+    rank there (1: the most likely; 1 + the tokens strictly more likely) and the `max_logprobs`
+    most likely tokens there, most likely first (ties: lower id first)."""
+    return np.dtype([("logprob", "<f4"), ("rank", "<i4"), ("top_ids", "<i4", (max_logprobs,)),
                      ("top_logprobs", "<f4", (max_logprobs,))])
 
 

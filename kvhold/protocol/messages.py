@@ -200,6 +200,8 @@ class Tokens:
     prompt_logprobs: list[float] | None = None
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    ranks: list[int] | None = None          # each token's rank (1: the most likely), with logprobs
+    prompt_ranks: list[int] | None = None   # the same for the prompt's tokens after the first
 
 
 @message("done")

@@ -227,9 +227,15 @@ class ResponseShape:
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def full(self, text: str, finish_reason: str, usage: dict, logprobs=None, tool_calls=()) -> dict:
-        return self.full_choices([self.choice(text, finish_reason, logprobs=logprobs, tool_calls=tool_calls)],
-                                 usage)
+    def full(self, text: str, finish_reason: str, usage: dict, logprobs=None, tool_calls=(),
+             prompt_logprobs=None) -> dict:
+        choice = self.choice(text, finish_reason, logprobs=logprobs, tool_calls=tool_calls)
+        if prompt_logprobs is not None and not self.chat:
+            choice["prompt_logprobs"] = prompt_logprobs
+        out = self.full_choices([choice], usage)
+        if prompt_logprobs is not None and self.chat:
+            out["prompt_logprobs"] = prompt_logprobs       # vLLM's place for chat
+        return out
 
     def tool_calls(self, calls: list[ToolCall], index: int = 0, delta: bool = False) -> list[dict]:
         """A choice's calls as OpenAI lists them (`delta`: in a chunk, each with its index)."""

@@ -381,7 +381,13 @@ class _Service:
         finally:
             on_end(gen)
         return JSONResponse(shape.full(text, gen.finish_reason, gen.usage, gen.logprob_chunk(empty=True),
-                                       gen.tool_calls))
+                                       gen.tool_calls, self._prompt_logprobs(req, gen)))
+
+    def _prompt_logprobs(self, req, gen: Generation) -> list | None:
+        """vLLM's prompt_logprobs of a choice, when the request asked for them."""
+        if req.prompt_logprobs is None:
+            return None
+        return LogprobFormat(self.tokenizer).prompt(gen.stream.prompt_logprobs or [])
 
     def _generation(self, req, kind: str, prompt: dict, stream) -> Generation:
         """The Generation of one choice: its stop strings, the echoed prompt (completions'
@@ -391,7 +397,8 @@ class _Service:
             echo = prompt.get("prompt")
             if echo is None:
                 echo = self._need_tokenizer().decode(prompt["prompt_ids"], skip_special_tokens=False)
-        return Generation(stream, req.stop, echo, self._logprob_format(kind) if req.logprob_params() else None,
+        asked = "logprobs" in req.logprob_params()        # the generated tokens' (and echo's)
+        return Generation(stream, req.stop, echo, self._logprob_format(kind) if asked else None,
                           score_only=getattr(req, "score_only", False), tools=self.tool_mode(req))
 
     def _logprob_format(self, kind: str):
@@ -471,7 +478,14 @@ class _Service:
         texts = await asyncio.gather(*(collect(g) for g in gens))
         choices = [shape.choice(text, g.finish_reason, i, g.logprob_chunk(empty=True), g.tool_calls)
                    for i, (text, g) in enumerate(zip(texts, gens))]
-        return JSONResponse(shape.full_choices(choices, summed_usage(gens, prompts_of)))
+        prompt_lps = [self._prompt_logprobs(req, g) for g in gens]
+        if kind == "completion" and req.prompt_logprobs is not None:
+            for choice, lps in zip(choices, prompt_lps):
+                choice["prompt_logprobs"] = lps
+        out = shape.full_choices(choices, summed_usage(gens, prompts_of))
+        if kind == "chat" and req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_lps[0]          # one prompt
+        return JSONResponse(out)
 
     def stream_response(self, gen, shape, include_usage, on_end, ids, continuous_usage=False) -> StreamingResponse:
         def ended(g: Generation) -> None:

@@ -12,6 +12,8 @@ server has no tokenizer (vLLM's --return-tokens-as-token-ids form); `bytes` are 
   `text_offset` is each token's offset in the choice's text, counted over the token texts.
 * chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}, ...]}]}`, `top_logprobs` the k most likely, most likely first.
+* vLLM's `prompt_logprobs` (a completion choice's, a chat response's): per prompt token, None
+  for the first, then {token id: {"logprob", "rank", "decoded_token"}}.
 """
 from __future__ import annotations
 
@@ -58,6 +60,22 @@ class LogprobFormat:
             return {"token": s, "logprob": _num(lp), "bytes": list(s.encode("utf-8"))}
         return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries]}
+
+
+    def prompt(self, entries) -> list:
+        """vLLM's `prompt_logprobs`: None for the first token, then for each token a map of token
+        id to {"logprob", "rank", "decoded_token"}: the token itself and the k most likely there
+        (ranks 1..k)."""
+        out = []
+        for e in entries:
+            if e.logprob is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": _num(lp), "rank": r, "decoded_token": self.text(t)}
+                 for r, (t, lp) in enumerate(e.top, 1)}
+            d[str(e.token_id)] = {"logprob": _num(e.logprob), "rank": e.rank, "decoded_token": self.text(e.token_id)}
+            out.append(d)
+        return out
 
 
 def _num(x: float) -> float:

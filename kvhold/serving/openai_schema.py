@@ -3,8 +3,9 @@
 Requests are pydantic models that ignore unknown fields (clients send many), but an
 option kvhold cannot honour is refused with a 400 naming it rather than silently
 ignored: `best_of` above 1, `suffix`, vLLM's extensions at anything but
-their neutral value (`length_penalty`, beam search, `include_stop_str_in_output`,
-`prompt_logprobs`: echo with logprobs gives them) and unknown `stream_options`. Structured
+their neutral value (`length_penalty`, beam search, `include_stop_str_in_output`) and unknown
+`stream_options`. vLLM's `prompt_logprobs` k (not streamed, as vLLM's) gives each prompt token
+after the first its log-prob, rank and the k most likely tokens there. Structured
 output (kvhold.protocol.structured) is one of: `response_format` json_object or json_schema,
 vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or its
 `structured_outputs` with one of json, regex, choice, grammar, json_object; a spec that does
@@ -143,8 +144,7 @@ def _check_json(data) -> None:
 
 
 NEUTRAL_EXTENSIONS = {"length_penalty": 1.0,
-                      "use_beam_search": False, "include_stop_str_in_output": False,
-                      "prompt_logprobs": None}
+                      "use_beam_search": False, "include_stop_str_in_output": False}
 # vLLM's guided decoding fields (and the keys of its `structured_outputs`) -> kvhold's kinds
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -183,7 +183,8 @@ class _Sampling(BaseModel):
     length_penalty: float = 1.0
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None      # vLLM's separate prompt log-probs: use echo with logprobs
+    # vLLM's: each prompt token's log-prob, rank and the k most likely there (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=LIMITS["prompt_logprobs"].hi)
     # structured output (kvhold.protocol.structured): OpenAI's response_format, vLLM's guided_*
     # fields and its structured_outputs; at most one of them
     response_format: dict | None = None
@@ -221,6 +222,9 @@ class _Sampling(BaseModel):
                               code="unsupported_value")
         if self.stream_options and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available with stream: true (as vLLM's)",
+                              param="prompt_logprobs", code="invalid_value")
         self.structured()
 
     def structured(self) -> tuple[str, str] | None:
@@ -354,15 +358,20 @@ class CompletionRequest(_Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise bad_request("max_tokens 0 generates nothing: it needs echo (the prompt scored)",
                               param="max_tokens", code="invalid_value")
+        if self.echo and None not in (self.logprobs, self.prompt_logprobs) and self.logprobs != self.prompt_logprobs:
+            raise bad_request("echo with logprobs gives the prompt's log-probs with logprobs' k: "
+                              "prompt_logprobs, if given too, must be the same k", param="prompt_logprobs",
+                              code="invalid_value")
         for name, ok in (("suffix", not self.suffix), ("best_of", self.best_of in (None, 1))):
             if not ok:
                 raise bad_request(f"{name} is not supported", param=name, code="unsupported_value")
 
     def logprob_params(self) -> dict:
-        """logprobs k: each token's log-prob and the k most likely; with echo, the prompt's too."""
-        if self.logprobs is None:
-            return {}
-        return {"logprobs": self.logprobs, **({"prompt_logprobs": self.logprobs} if self.echo else {})}
+        """logprobs k: each token's log-prob and the k most likely; with echo, the prompt's too;
+        vLLM's prompt_logprobs k: the prompt's (echo's k is then the larger of the two)."""
+        out = {} if self.logprobs is None else {"logprobs": self.logprobs}
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return {**out, "prompt_logprobs": max(ks)} if ks else out
 
     def prompt_inputs(self) -> list[dict]:
         """Each prompt as {'prompt': str} or {'prompt_ids': [...]}: one, or a batch (a list of
@@ -496,7 +505,8 @@ class ChatRequest(_Sampling):
                               code="invalid_value")
 
     def logprob_params(self) -> dict:
-        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+        out = {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+        return {**out, "prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else out
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -97,7 +97,7 @@ def test_bad_completion_requests(server, body, status, code, param):
     ({"messages": [{"role": "user", "content": "x " * 600}]}, "context_length_exceeded", "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
      "context_length_exceeded", "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "unsupported_value", "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "invalid_value", "tools"),
 ])
 def test_bad_chat_requests_and_the_server_keeps_serving(server, body, code, param):
     r = server.post("/v1/chat/completions", body)

@@ -220,3 +220,26 @@ def test_n_choices_sample_with_seed_plus_their_index(server):
     greedy = server.post("/v1/completions", {**body, "temperature": 0}).json()["choices"]
     assert len(greedy) == 3 and len({c["text"] for c in greedy}) == 1      # identical, as vLLM's
     assert server.post("/v1/completions", {**body, "n": 65}).status_code == 400
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server):
+    body = {"prompt": "The sidecar keeps the memory", "max_tokens": 2, "temperature": 0}
+    r = server.post("/v1/completions", {**body, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    lps = r.json()["choices"][0]["prompt_logprobs"]
+    ids = server.post("/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+    assert len(lps) == len(ids) and lps[0] is None
+    echo = server.post("/v1/completions", {**body, "echo": True, "logprobs": 2}).json()["choices"][0]["logprobs"]
+    for pos, (tid, entry) in enumerate(zip(ids[1:], lps[1:]), 1):
+        mine = entry[str(tid)]
+        assert mine["logprob"] == echo["token_logprobs"][pos]
+        ranks = sorted(v["rank"] for v in entry.values())
+        if mine["rank"] <= 2:                 # one of the two most likely: two entries
+            assert ranks == [1, 2]
+        else:                                 # the two most likely, and the token itself
+            assert ranks == [1, 2, mine["rank"]]
+    chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "prompt_logprobs": 1})
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None, chat.text
+    refused = server.post("/v1/completions", {**body, "prompt_logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -94,6 +94,7 @@ def reference(model, tokens):
 def check_row(area, ref_row, token, k):
     """One position of the area against the reference distribution that produced `token`."""
     assert area["logprob"] == np.float32(ref_row[token].item())
+    assert area["rank"] == int((ref_row > ref_row[token]).sum()) + 1       # vLLM's rank
     vals, ids = torch.sort(ref_row, descending=True, stable=True)
     assert area["top_ids"][:k].tolist() == ids[:k].tolist()
     assert area["top_logprobs"][:k].tolist() == vals[:k].float().tolist()
