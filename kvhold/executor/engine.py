@@ -42,6 +42,9 @@ from kvhold.protocol.tables import Tables
 
 log = logging.getLogger(__name__)
 
+# steps' token counts kept for the next StepDone (the rest of a long run of steps without one is
+# not counted)
+STEP_TOKENS_KEPT = 4096
 # idle cached pages a takeover kept are checked this many at a time, between steps
 VERIFY_BATCH_CPU = 64
 VERIFY_BATCH_CUDA = 2048
@@ -82,6 +85,7 @@ class Engine:
         self.num_steps_run = 0                       # steps started (the lease's open_step numbers)
         self.isolated: dict[int, int] = {}           # slot -> KV position its step must reach alone
         self.tokens_generated = 0
+        self.step_tokens: list[int] = []             # tokens of each step since the runtime took them
         self._just_took_over = False
         self.takeover_trace = ""             # host timing marks of the last takeover (NativeTakeover.trace)
         self.first_step_marks: dict[str, int] = {}
@@ -252,6 +256,8 @@ class Engine:
         logprobs = self._logprobs(plan, sampling, tokens, lp_rows)
         t1, t2 = self.runner.queued_ns, now_ns()
         self.num_steps += 1
+        if len(self.step_tokens) < STEP_TOKENS_KEPT:
+            self.step_tokens.append(sum(p.n for p in plan))
         finished = self.commits.commit(plan, sampling, tokens, slot_hashes,   # a takeover's first step: at once
                                        may_defer=decode_only and not first and not lp_rows, logprobs=logprobs)
         for seq, _ in finished:

@@ -166,6 +166,9 @@ class BridgeWorkload(EngineWorkload):
     def take_marks(self) -> dict:
         return {}                 # the engine's step is not split into kvhold's parts
 
+    def take_step_tokens(self) -> list[int]:
+        return []                 # the engine's scheduler is its own
+
     def on_reaped(self, epochs) -> None:
         with self.mirror_lock():
             released = self.bridge.mirror.release_quarantined(epochs)

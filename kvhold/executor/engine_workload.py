@@ -246,6 +246,11 @@ class EngineWorkload(WorkloadBase):
         """Publish what the last step left pending (a graceful stop)."""
         return self.engine.flush() if self.engine is not None else []
 
+    def take_step_tokens(self) -> list[int]:
+        """The tokens of each step since the last call (vLLM's iteration tokens)."""
+        counts, self.engine.step_tokens = self.engine.step_tokens, []
+        return counts
+
     def take_marks(self) -> dict:
         """The first step after a takeover: its parts (ns), once."""
         marks, self.engine.first_step_marks = self.engine.first_step_marks, {}

@@ -353,7 +353,8 @@ class ExecutorRuntime:
                     ctx.lease.mark_warm()
                 if slots:
                     ctx.channel.send(m.StepDone(slot=ctx.attached.slot, epoch=ctx.epoch, slots=slots,
-                                                marks=workload.take_marks()))
+                                                marks=workload.take_marks(),
+                                                step_tokens=workload.take_step_tokens()))
 
     def _flush(self, ctx: ExecutorContext, workload: Workload) -> None:
         """On a graceful stop, publish the commit the last step left pending (kvhold.executor.commit)

@@ -5,7 +5,7 @@ The runtime calls, in order: `prepare()` once as a standby-to-be (then reports
 returned report, if any, goes to the sidecar as Recovered; unless `cold_first_step`,
 the lease is marked warm at once, else after the first step); then, while active,
 `step()` whenever `has_work()`, sending the returned journal slots (and
-`take_marks()`) as StepDone; `flush()` on a graceful stop; `on_wake()` and
+`take_marks()`, `take_step_tokens()`) as StepDone; `flush()` on a graceful stop; `on_wake()` and
 `on_reaped(epochs)` on those sidecar messages. Every workload implements this
 protocol; `WorkloadBase` gives the optional parts their defaults.
 """
@@ -32,6 +32,8 @@ class Workload(Protocol):
     def flush(self) -> list[int]: ...
 
     def take_marks(self) -> dict: ...
+
+    def take_step_tokens(self) -> list[int]: ...
 
     def on_wake(self) -> None: ...
 
@@ -66,6 +68,10 @@ class WorkloadBase:
 
     def flush(self) -> list[int]:
         """Publish what the last step left pending (a graceful stop); the slots it finished."""
+        return []
+
+    def take_step_tokens(self) -> list[int]:
+        """The tokens each step since the last call computed (none known: [])."""
         return []
 
     def take_marks(self) -> dict:

@@ -66,11 +66,13 @@ class WeightsSealed:
 
 @message("step")
 class StepDone:
-    """Tokens were committed to the journal for these journal slots."""
+    """Tokens were committed to the journal for these journal slots. `step_tokens`: the tokens
+    each step since the last StepDone computed (prefill and decode), vLLM's iteration tokens."""
     slot: int
     epoch: int
     slots: list[int]
     marks: dict = dataclasses.field(default_factory=dict)   # first step after a takeover: its parts (ns)
+    step_tokens: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("recovered")

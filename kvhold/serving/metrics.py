@@ -25,7 +25,7 @@ import time
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvhold.protocol.recovery_report import FENCE_REASONS, RECORD_CLASSES, RECOVERY_PHASES
 
@@ -264,6 +264,7 @@ class _LiveCollector:
                                 "included)", value=total)
         yield _usage(self.owner.model_name, total, counts.get("free", 0) + counts.get("cached", 0))
         yield from _prefix_cache_metrics(self.owner.model_name, st.get("prefix_cache"))
+        yield from _iteration_tokens(self.owner.model_name, st.get("iteration_tokens"))
         serving = st.get("serving") or {}
         if serving.get("page_tokens"):
             info = GaugeMetricFamily("kvhold_cache_config_info", "The KV cache's configuration, as "
@@ -310,6 +311,22 @@ def _prefix_cache_metrics(model_name: str, cache: dict | None):
         c = CounterMetricFamily(f"kvhold_prefix_cache_{name}", what, labels=["model_name"])
         c.add_metric([model_name], cache.get(name, 0))
         yield c
+
+
+def _iteration_tokens(model_name: str, hist: dict | None):
+    """vLLM's iteration_tokens_total: the tokens (prefill and decode) of each engine step, as the
+    memory owner counted them since its start (kvhold.sidecar.iteration_tokens)."""
+    if not hist or len(hist.get("counts", ())) != len(hist.get("buckets", ())) + 1:
+        return
+    h = HistogramMetricFamily("kvhold_iteration_tokens_total", "Tokens computed by each engine step "
+                              "(prefill and decode), since the sidecar started", labels=["model_name"])
+    cumulative, buckets = 0, []
+    for le, n in zip(hist["buckets"], hist["counts"]):
+        cumulative += n
+        buckets.append((str(float(le)), cumulative))
+    buckets.append(("+Inf", cumulative + hist["counts"][-1]))
+    h.add_metric([model_name], buckets, sum_value=hist.get("sum", 0))
+    yield h
 
 
 def _usage(model_name: str, total: int, free: int) -> GaugeMetricFamily:

@@ -55,6 +55,7 @@ from kvhold.protocol.router_socket import bind_router, decode, drain, reply, unl
 from kvhold.protocol.state_files import read_generation
 from kvhold.protocol.tables import Tables
 from kvhold.sidecar import adoption, hand_back
+from kvhold.sidecar.iteration_tokens import IterationTokens
 from kvhold.sidecar.config import SidecarConfig
 from kvhold.sidecar.durable_journal import DurableJournal
 from kvhold.sidecar.event_loop import EventLoop
@@ -117,6 +118,7 @@ class Sidecar:
         self.registrar = None             # kvhold.sidecar.registry.Registrar with --registry
         self.pool_restart: PoolRestart | None = None
         self.timeline = RecoveryTimeline()
+        self.iteration_tokens = IterationTokens()      # the engine's steps' token counts (StepDone)
         self.started_ns = now_ns()
         self._stack = contextlib.ExitStack()
         self._started = False     # a start refused (instance busy) made nothing to clean up
@@ -468,6 +470,7 @@ class Sidecar:
         # marks a recovery's first resumed token
         self.link.committed(msg.slots, self.timeline.num_recovered)
         self.timeline.step_done(h.epoch, msg.marks, received_ns)
+        self.iteration_tokens.observe(msg.step_tokens)
 
     def _on_recovered(self, h, msg) -> None:
         self.timeline.recovered(h.pid, h.epoch, msg.report)
@@ -524,6 +527,7 @@ class Sidecar:
                 "events": self.timeline.events(),
                 "loop": self.loop.stats(),
                 "request_deaths": self.deaths.status(),
+                "iteration_tokens": self.iteration_tokens.status(),
                 "adoption": self.adoption,
                 "spare": self.spare,            # this sidecar took over as a spare: whom it followed
                 "spares": [pid for pid in self.paths.spare_pids() if pid_alive(pid)],   # waiting now

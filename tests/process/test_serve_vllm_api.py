@@ -243,3 +243,23 @@ def test_prompt_logprobs_as_vllm_returns_them(server):
     assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None, chat.text
     refused = server.post("/v1/completions", {**body, "prompt_logprobs": 1, "stream": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_iteration_tokens_count_the_engine_steps(server):
+    """vLLM's iteration_tokens_total: each engine step's tokens, prefill and decode."""
+    import re
+
+    from tests.process.helpers import wait_until
+
+    def steps() -> tuple[float, float]:
+        text = http_client().get(server.base + "/metrics", timeout=10).text
+        count = re.search(r'^kvhold_iteration_tokens_total_count\{model_name="[^"]+"\} (\S+)$', text, re.M)
+        total = re.search(r'^kvhold_iteration_tokens_total_sum\{model_name="[^"]+"\} (\S+)$', text, re.M)
+        return (float(count.group(1)), float(total.group(1))) if count and total else (0.0, 0.0)
+    before = steps()
+    prompt = [499 - j for j in range(30)]           # no other test's: nothing of it is in the prefix cache
+    r = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    # 8 steps at least (a prefill that samples the first token, then 7 decodes), 30 + 7 tokens
+    after = wait_until(lambda: (s := steps())[0] >= before[0] + 8 and s, 30, 0.2, what="the steps counted")
+    assert after[1] - before[1] >= 37
