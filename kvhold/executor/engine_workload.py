@@ -117,8 +117,12 @@ class EngineWorkload(WorkloadBase):
         if geometry.max_extra_bytes:      # structured output: the grammars' tokenizer, built ahead
             self.engine.grammars = Grammars.for_model(s.model, spec.vocab_size, spec.eos_token_ids)
             if self.engine.grammars is not None:
-                self.engine.grammars.warm()
-                self._phase("grammar_tokenizer")
+                try:
+                    self.engine.grammars.warm()
+                    self._phase("grammar_tokenizer")
+                except ImportError:       # the frontend refuses structured output alike
+                    log.warning("llguidance is not installed: no structured output (pip install llguidance)")
+                    self.engine.grammars = None
         self.engine.warm_up_sampler()
         if device.type == "cuda":
             torch.cuda.synchronize()

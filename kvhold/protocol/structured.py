@@ -95,10 +95,19 @@ def check_shape(value) -> tuple[str, str] | None:
     return (kind, spec)
 
 
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise InvalidParams("structured output: this server has no grammar engine (pip install "
+                            "llguidance, part of kvhold[engine])") from None
+    return llguidance
+
+
 def grammar_of(structured: tuple[str, str]) -> str:
     """llguidance's grammar for a (kind, spec) pair; InvalidParams when the spec cannot be
     read (not JSON where JSON is due, a GBNF grammar that does not parse)."""
-    import llguidance
+    llguidance = _llguidance()
 
     kind, spec = structured
     if kind == "json":
@@ -123,8 +132,7 @@ def check(structured: tuple[str, str] | None) -> None:
     """InvalidParams, naming the problem, unless the spec compiles."""
     if structured is None:
         return
-    import llguidance
-
+    llguidance = _llguidance()
     grammar = grammar_of(structured)
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
