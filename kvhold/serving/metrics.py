@@ -318,7 +318,7 @@ def _iteration_tokens(model_name: str, hist: dict | None):
     memory owner counted them since its start (kvhold.sidecar.iteration_tokens)."""
     if not hist or len(hist.get("counts", ())) != len(hist.get("buckets", ())) + 1:
         return
-    h = HistogramMetricFamily("kvhold_iteration_tokens_total", "Tokens computed by each engine step "
+    h = HistogramMetricFamily("kvhold_iteration_tokens", "Tokens computed by each engine step "
                               "(prefill and decode), since the sidecar started", labels=["model_name"])
     cumulative, buckets = 0, []
     for le, n in zip(hist["buckets"], hist["counts"]):

@@ -253,8 +253,8 @@ def test_iteration_tokens_count_the_engine_steps(server):
 
     def steps() -> tuple[float, float]:
         text = http_client().get(server.base + "/metrics", timeout=10).text
-        count = re.search(r'^kvhold_iteration_tokens_total_count\{model_name="[^"]+"\} (\S+)$', text, re.M)
-        total = re.search(r'^kvhold_iteration_tokens_total_sum\{model_name="[^"]+"\} (\S+)$', text, re.M)
+        count = re.search(r'^kvhold_iteration_tokens_count\{model_name="[^"]+"\} (\S+)$', text, re.M)
+        total = re.search(r'^kvhold_iteration_tokens_sum\{model_name="[^"]+"\} (\S+)$', text, re.M)
         return (float(count.group(1)), float(total.group(1))) if count and total else (0.0, 0.0)
     before = steps()
     prompt = [499 - j for j in range(30)]           # no other test's: nothing of it is in the prefix cache

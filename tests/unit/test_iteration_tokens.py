@@ -13,9 +13,9 @@ def test_steps_fall_in_vllms_buckets_and_render_cumulatively():
     assert st["counts"][:2] == [1, 2] and st["counts"][2] == 1 and st["counts"][-1] == 1
     [family] = list(_iteration_tokens("m", st))
     samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
-    assert samples[("kvhold_iteration_tokens_total_bucket", "1.0")] == 1
-    assert samples[("kvhold_iteration_tokens_total_bucket", "8.0")] == 3
-    assert samples[("kvhold_iteration_tokens_total_bucket", "16384.0")] == 5
-    assert samples[("kvhold_iteration_tokens_total_bucket", "+Inf")] == 6
-    assert samples[("kvhold_iteration_tokens_total_count", None)] == 6
+    assert samples[("kvhold_iteration_tokens_bucket", "1.0")] == 1
+    assert samples[("kvhold_iteration_tokens_bucket", "8.0")] == 3
+    assert samples[("kvhold_iteration_tokens_bucket", "16384.0")] == 5
+    assert samples[("kvhold_iteration_tokens_bucket", "+Inf")] == 6
+    assert samples[("kvhold_iteration_tokens_count", None)] == 6
     assert list(_iteration_tokens("m", None)) == []
