@@ -331,9 +331,13 @@ def advance(plan, sampling: list[Sequence], tokens: list[int], eos,
 def finish_reason(req, token: int, eos, max_seq_len: int) -> FinishReason | None:
     """kvhold's rule for ending a request after its latest token `token` (`req`: a Sequence or
     a journal entry, counted with that token): a stop id, EOS unless ignore_eos, max_tokens,
-    then the context length. Every engine kvhold drives ends requests by it. A request's
-    min_tokens needs no rule here: its sampler never picks a stop id or EOS before then."""
+    then the context length; a request whose grammar matcher failed ends with ERROR. Every engine
+    kvhold drives ends requests by it. A request's min_tokens needs no rule here: its sampler
+    never picks a stop id or EOS before then."""
     p = req.sampling
+    grammar = getattr(req, "grammar", None)
+    if grammar is not None and grammar.error:      # its matcher failed (kvhold.executor.grammar)
+        return FinishReason.ERROR
     if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
         return FinishReason.STOP
     if req.num_generated >= p.max_tokens:

@@ -19,7 +19,7 @@ import torch
 
 from kvhold.executor import faults, takeover
 from kvhold.executor.block_manager import BlockManager
-from kvhold.executor.grammar import Grammars
+from kvhold.executor.grammar import Grammars, GrammarState
 from kvhold.executor.commit import CommitProtocol, NativePages, finish_reason
 from kvhold.executor.journal_tokens import JournalTokens
 from kvhold.executor.kv_cache import KvCache
@@ -128,10 +128,8 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         seq.eos = self.eos                    # what min_tokens keeps from ending it early
         if seq.sampling.structured is not None and seq.grammar is None:
-            if self.grammars is None:
-                raise RuntimeError(f"request {seq.request_id:#x} asks for structured output and this "
-                                   f"executor has no tokenizer for its grammar")
-            seq.grammar = self.grammars.state(seq.sampling.structured, seq.request_id)
+            seq.grammar = (self.grammars.state(seq.sampling.structured, seq.request_id) if self.grammars
+                           else GrammarState(None, None, seq.request_id, "this executor has no grammar engine"))
         self.seqs[seq.slot] = seq
         self.scheduler.add(seq)
 

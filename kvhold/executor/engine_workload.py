@@ -120,8 +120,9 @@ class EngineWorkload(WorkloadBase):
                 try:
                     self.engine.grammars.warm()
                     self._phase("grammar_tokenizer")
-                except ImportError:       # the frontend refuses structured output alike
-                    log.warning("llguidance is not installed: no structured output (pip install llguidance)")
+                except Exception as exc:  # noqa: BLE001 - no llguidance, a tokenizer it cannot read
+                    log.warning("no structured output in this executor (%s: %s); constrained requests "
+                                "end with an error", type(exc).__name__, str(exc)[:200])
                     self.engine.grammars = None
         self.engine.warm_up_sampler()
         if device.type == "cuda":

@@ -11,8 +11,10 @@ the next mask, and so the next token, are those of an uninterrupted run. A recom
 
 Once the grammar is complete (the matcher stopped, or it accepts and nothing else may follow)
 only EOS is allowed, which ends the request unless it ignores EOS. A matcher in an error state
-(tokens the grammar does not allow: never from kvhold's own sampling) allows only EOS too, and
-says so in the log: the request ends rather than generate unconstrained text.
+(a grammar that compiled at admission but exceeds the matcher's limits on this vocabulary, or
+tokens the grammar does not allow) allows only EOS, records `error`, and the finish rule
+(kvhold.executor.commit.finish_reason) ends the request with ERROR at that token, never
+with unconstrained text or a silent `stop`; the same tokens fail the same way after a takeover.
 
 The tokenizer llguidance needs is built once per executor, at warm-up, from the checkpoint's
 tokenizer.json, with the model's vocabulary size (logit rows may be wider than the tokenizer's
@@ -61,26 +63,31 @@ class Grammars:
     def state(self, structured: tuple[str, str], request_id: int) -> "GrammarState":
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(structured), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(structured), log_level=0)
+        except Exception as exc:      # noqa: BLE001 - the request fails, never the executor
+            return GrammarState(None, self, request_id, f"{type(exc).__name__}: {str(exc)[:300]}")
         return GrammarState(matcher, self, request_id)
 
 
 class GrammarState:
     """One request's matcher and the generated tokens it has consumed."""
 
-    __slots__ = ("matcher", "grammars", "request_id", "consumed", "_warned")
+    __slots__ = ("matcher", "grammars", "request_id", "consumed", "error")
 
-    def __init__(self, matcher, grammars: Grammars, request_id: int):
+    def __init__(self, matcher, grammars: Grammars, request_id: int, error: str = ""):
         self.matcher = matcher
         self.grammars = grammars
         self.request_id = request_id
         self.consumed = 0
-        self._warned = False
+        self.error = error           # the matcher's failure (the request then ends with ERROR)
 
     def allowed(self, generated: list[int]) -> np.ndarray:
         """Which token ids (a bool row of the model's vocabulary) may follow `generated`, the
         request's generated tokens so far."""
         m = self.matcher
+        if m is None:                               # it could not be built: the first token ends it
+            return self.eos_only() if self.grammars is not None else None
         if self.consumed > len(generated):          # fewer tokens than consumed: start again
             m.reset()
             self.consumed = 0
@@ -91,12 +98,14 @@ class GrammarState:
         self.consumed = len(generated)
         vocab = self.grammars.vocab_size
         if m.is_error() or m.is_stopped():
-            if m.is_error() and not self._warned:
-                self._warned = True
-                log.warning("request %#x: its grammar matcher failed (%s): only EOS is allowed",
-                            self.request_id, m.get_error())
+            if m.is_error() and not self.error:
+                self.error = m.get_error()[:300] or "failed"
+                log.warning("request %#x: its grammar matcher failed (%s): the request ends with an error",
+                            self.request_id, self.error)
             return self.eos_only()
         bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        if m.is_error():
+            return self.allowed(generated)         # records the error, allows EOS
         row = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
         if len(row) < vocab:
             row = np.concatenate([row, np.zeros(vocab - len(row), bool)])

@@ -111,7 +111,7 @@ class SamplingParams:
     # what the output must match: (kind, spec), kvhold.protocol.structured; None: free text
     structured: tuple[str, ...] | None = None     # a pair
     # OpenAI's logit_bias: (token id, bias) pairs, sorted by id; added to the logits first
-    logit_bias: tuple[Any, ...] = field(default_factory=tuple)
+    logit_bias: tuple[Any, ...] = ()       # a plain default: first_set compares with it
 
     def __post_init__(self):
         for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "presence_penalty",

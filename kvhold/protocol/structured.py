@@ -64,7 +64,7 @@ def check_logit_bias(value) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise InvalidParams("logit_bias must be a map of token ids to biases")
         key, bias = item
-        if isinstance(key, str) and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**31:
             raise InvalidParams(f"logit_bias keys must be token ids, got {str(key)[:40]!r}")

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal, Union
 
 import json
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from kvhold.protocol import structured as structured_output
 from kvhold.protocol.errors import ErrorCode, InvalidParams
@@ -158,6 +158,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "stop_token_ids", "i
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    _structured_checked: bool = PrivateAttr(default=False)
+    _structured_pair: Any = PrivateAttr(default=None)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -229,7 +231,14 @@ class _Sampling(BaseModel):
 
     def structured(self) -> tuple[str, str] | None:
         """The (kind, spec) of structured output the body asks for, checked (it compiles), or
-        None; a 400 naming the field for a spec that does not compile, or for two at once."""
+        None; a 400 naming the field for a spec that does not compile, or for two at once.
+        Compiled once per request body, however many choices it has."""
+        if not self._structured_checked:
+            self._structured_pair = self._structured()
+            self._structured_checked = True
+        return self._structured_pair
+
+    def _structured(self) -> tuple[str, str] | None:
         asked = []
         rf = self.response_format
         if rf is not None:
@@ -470,9 +479,9 @@ class ChatRequest(_Sampling):
                                   param="tools", code="invalid_value")
             names.append(fn["name"])
         if choice is None or choice == "auto":
-            return ToolMode("auto", parser=parser)
+            return ToolMode("auto", parser=parser, parallel=self.parallel_tool_calls)
         if choice in ("none", "required"):
-            return ToolMode(choice)
+            return ToolMode(choice, parallel=self.parallel_tool_calls)
         fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
         if not isinstance(fn, dict) or fn.get("name") not in names:
             raise bad_request(f"tool_choice must be none, auto, required or {{\"type\": \"function\", "
@@ -480,23 +489,24 @@ class ChatRequest(_Sampling):
                               code="invalid_value")
         return ToolMode("named", fn["name"])
 
-    def structured(self) -> tuple[str, str] | None:
+    def _structured(self) -> tuple[str, str] | None:
         """With tool_choice required or a named function, the output's grammar (a JSON schema
         of the calls); otherwise the body's structured output, if any."""
         mode = self.tool_mode("hermes")
         if mode.mode in ("required", "named"):
-            if super().structured() is not None:
+            if super()._structured() is not None:
                 raise bad_request("tool_choice required or a named function fixes the output's form: "
                                   "it cannot be combined with structured output", param="tool_choice",
                                   code="invalid_value")
-            schema = required_schema(self.tools) if mode.mode == "required" else named_schema(self.tools, mode.name)
+            schema = (required_schema(self.tools, self.parallel_tool_calls) if mode.mode == "required"
+                      else named_schema(self.tools, mode.name))
             pair = ("json", json.dumps(schema))
             try:
                 structured_output.check(pair)
             except InvalidParams as exc:
                 raise bad_request(f"the tools' parameters: {exc}", param="tools", code="invalid_value") from None
             return pair
-        return super().structured()
+        return super()._structured()
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

@@ -43,17 +43,19 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolMode:
     """What a request's output is, for tools: `mode` one of MODES, `name` the named function,
-    `parser` the auto mode's (one of PARSERS)."""
+    `parser` the auto mode's (one of PARSERS); without `parallel` (parallel_tool_calls false)
+    at most one call."""
     mode: str
     name: str | None = None
     parser: str = "hermes"
+    parallel: bool = True
 
     def to_record(self) -> dict:
-        return {"mode": self.mode, "name": self.name, "parser": self.parser}
+        return {"mode": self.mode, "name": self.name, "parser": self.parser, "parallel": self.parallel}
 
     @classmethod
     def from_record(cls, d: dict | None) -> "ToolMode | None":
-        return cls(d["mode"], d.get("name"), d.get("parser", "hermes")) if d else None
+        return cls(d["mode"], d.get("name"), d.get("parser", "hermes"), d.get("parallel", True)) if d else None
 
 
 def parser_for_template(source: str) -> str:
@@ -65,12 +67,40 @@ def parser_for_template(source: str) -> str:
     return "hermes"                 # Hermes and Qwen templates, and kvhold's plain one
 
 
-def required_schema(tools: list[dict]) -> dict:
-    """The JSON schema of tool_choice required: an array of at least one call of the tools."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                          "parameters": t["function"].get("parameters") or {"type": "object"}},
-         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+def required_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """The JSON schema of tool_choice required: an array of at least one call of the tools (of
+    exactly one without `parallel`). Each tool's own definitions ($defs, definitions) move to
+    the top, renamed per tool, and its references follow them."""
+    defs, calls = {}, []
+    for i, t in enumerate(tools):
+        params = dict(t["function"].get("parameters") or {"type": "object"})
+        renames = {}
+        for key in ("$defs", "definitions"):
+            for name, schema in (params.pop(key, None) or {}).items():
+                renames[f"#/{key}/{name}"] = f"#/$defs/t{i}_{name}"
+                defs[f"t{i}_{name}"] = schema
+        calls.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+        if renames:
+            calls[-1] = _rename_refs(calls[-1], renames)
+            for name in [n for n in defs if n.startswith(f"t{i}_")]:
+                defs[name] = _rename_refs(defs[name], renames)
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _rename_refs(node, renames: dict):
+    if isinstance(node, dict):
+        return {k: (renames.get(v, v) if k == "$ref" and isinstance(v, str) else _rename_refs(v, renames))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rename_refs(v, renames) for v in node]
+    return node
 
 
 def named_schema(tools: list[dict], name: str) -> dict:
@@ -208,8 +238,11 @@ class ToolOutput:
         if mode == "named":
             return "", [ToolCall(self.tool.name, held)]
         if mode == "required":
-            return "", parse_required(held)
+            calls = parse_required(held)
+            return ("" if calls else held), calls        # cut short (length): the text, as content
         content, calls = PARSE[self.tool.parser](held)
+        if calls and not self.tool.parallel:
+            calls = calls[:1]                            # parallel_tool_calls false: the first
         return (content if calls else held), calls
 
     def finish_reason(self, calls: list[ToolCall], reason: str) -> str:

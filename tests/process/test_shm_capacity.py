@@ -84,7 +84,9 @@ def _fill(directory: str) -> int:
 def test_a_pool_that_fits_is_backed_so_a_full_dev_shm_kills_no_executor(
         tiny_model, small_shm, runtime_root, tmp_path):
     # 8 MiB of KV; no log-prob area (at its default width it alone would take the tables past 20 MiB)
-    with _sidecar(tiny_model, ["--kv-pages", "128", "--max-logprobs", "0"], small_shm, runtime_root, tmp_path) as sc:
+    # and no room for grammars (64 KiB per journal slot by default: 16 MiB more)
+    with _sidecar(tiny_model, ["--kv-pages", "128", "--max-logprobs", "0", "--max-grammar-bytes", "0"], small_shm,
+                  runtime_root, tmp_path) as sc:
         active = sc.wait_steady(standbys=0)
         shm_dir = f"/proc/{sc.proc.pid}/root/dev/shm"       # the sidecar's own /dev/shm
         assert os.statvfs(shm_dir).f_blocks * os.statvfs(shm_dir).f_frsize == SHM_MB << 20

@@ -216,7 +216,7 @@ class EnginePool:
         geometry = TableGeometry(kv=KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64",
                                                ENGINE_PAGE_TOKENS),
                                  num_pages=num_pages, num_slots=num_slots, max_seq_len=ENGINE_MAX_SEQ,
-                                 num_leases=4, max_extra_bytes=4096)
+                                 num_leases=4, max_extra_bytes=64 * 1024)
         self.tables = Tables.create(f"/kvhold-test-inproc-{os.getpid()}-{time.monotonic_ns()}", geometry, 1)
         self.kv = KvCache.private(geometry.kv, num_pages)
         self.leases = LeaseTable(self.tables)

@@ -180,3 +180,30 @@ def test_the_wire_and_durable_forms_keep_the_pair():
     assert structured.unpack_extras(structured.pack_extras(p.structured, p.logit_bias)) == {
         "structured": ("regex", "a+"), "logit_bias": ((2, -1.0), (3, 1.0))}
     assert np.frombuffer(structured.pack_extras(None), np.uint8).size == 0
+
+
+def test_a_matcher_that_fails_in_the_executor_ends_its_request_with_an_error(model, grammars):
+    """A spec that compiles without the vocabulary but exceeds the matcher's limits on it (more
+    choices than a row of its parser holds) ends with ERROR, never with a silent stop."""
+    from kvhold.protocol.layout import FinishReason
+
+    many = json.dumps([f"w{i}" for i in range(2500)])
+    structured.check(("choice", many))                     # admission's check passes
+    pool = EnginePool(model, 96, grammars=grammars)
+    try:
+        engine, ids = pool.started([request(0, "choice", many), request(1, "regex", WORD)])
+        run_to_end(engine)
+        reasons = [int(pool.tables.requests["finish_reason"][int((pool.tables.requests["request_id"] == rid)
+                                                                  .nonzero()[0][0])]) for rid in ids]
+        assert reasons[0] == FinishReason.ERROR and reasons[1] == FinishReason.STOP
+    finally:
+        pool.close()
+
+
+def test_defaults_set_no_field_a_bridge_refuses():
+    from kvhold.protocol.settings import BRIDGE_UNSUPPORTED
+
+    assert SamplingParams().first_set(BRIDGE_UNSUPPORTED) is None
+    assert SamplingParams(logit_bias={"3": 1}).first_set(BRIDGE_UNSUPPORTED) == "logit_bias"
+    with pytest.raises(InvalidParams, match="token ids"):
+        SamplingParams(logit_bias={"\u00b2": 1})           # a digit, not an ASCII one

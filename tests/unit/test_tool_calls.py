@@ -114,3 +114,19 @@ def test_messages_reach_the_template_in_transformers_form():
     assert m.for_template() == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]}
     assert ChatMessage(role="tool", content="12:00", tool_call_id="call_1").for_template()["tool_call_id"] == "call_1"
+
+
+def test_required_keeps_each_tools_definitions_and_parallel_false_allows_one_call():
+    loc = {"type": "function", "function": {"name": "where", "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}}}}}
+    req = chat(tools=[loc, WEATHER], tool_choice="required", parallel_tool_calls=False)
+    req.refuse_unsupported()                      # compiles: the reference resolves
+    schema = json.loads(req.structured()[1])
+    assert schema["maxItems"] == 1 and "t0_Loc" in schema["$defs"]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"]["properties"]["loc"] == {"$ref": "#/$defs/t0_Loc"}
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    _, _, calls, _ = stream(ToolMode("auto", parser="hermes", parallel=False), [two])
+    assert [c.name for c in calls] == ["a"]
+    _, rest, calls, _ = stream(ToolMode("required"), ['[{"name":"get_ti'])      # cut short
+    assert calls == [] and rest == '[{"name":"get_ti'
