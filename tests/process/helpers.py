@@ -83,6 +83,20 @@ def unique_prompt_token(model_dir, requests, index: int) -> int:
     return max(prompt(requests[index]) - others)
 
 
+def wait_decoding(tables, rids: list[int], generated: int, timeout_s: float = 60.0) -> None:
+    """Until every request of `rids` has `generated` tokens in the journal, read from its
+    execution half only while that half is the request's own (not a slot's last occupant's)."""
+    import numpy as np
+
+    req = tables.requests
+
+    def decoding():
+        slots = [np.flatnonzero(req["request_id"] == rid) for rid in rids]
+        return all(len(s) and req["exec_request_id"][s[0]] == rid and req["num_generated"][s[0]] >= generated
+                   for s, rid in zip(slots, rids))
+    wait_until(decoding, timeout_s, what="the requests to decode")
+
+
 def wait_stopped(pid: int, timeout_s: float = 20.0) -> None:
     """Until `pid` is in the stopped state (after SIGSTOP), as /proc shows it."""
     wait_until(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "T",

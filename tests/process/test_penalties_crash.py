@@ -2,10 +2,8 @@
 frequency penalties and min_p stream through a sidecar; the active executor SIGKILLs itself at a
 commit once every one of them decodes (a fault point armed by this test), and every output equals
 the uninterrupted run's, which differs from the same requests without the penalties."""
-import numpy as np
-
 from kvhold.client.client import wait_all
-from tests.process.helpers import FLAGS, attach_pool, ids, submit, wait_until
+from tests.process.helpers import FLAGS, attach_pool, ids, submit, wait_decoding
 
 PROMPT = list(range(40, 72))
 REQUESTS = [
@@ -25,19 +23,13 @@ def test_penalized_streams_continue_identically_after_a_sigkill(tiny_model, star
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--no-enable-prefix-caching"], env=env)
     sc.wait_steady()
     tables, _ = attach_pool(sc)
-    req = tables.requests
     with sc.new_client(timeout=90) as client:
         reference = ids(wait_all(submit(client, REQUESTS)))
         plain = ids(wait_all(submit(client, PLAIN)))
         assert all(a != b for a, b in zip(reference, plain))        # the penalties change every output
         streams = submit(client, REQUESTS)
         rids = [s.request_id for s in streams]
-
-        def decoding():          # the execution half is the request's own (not a slot's last occupant's)
-            slots = [np.flatnonzero(req["request_id"] == rid) for rid in rids]
-            return all(len(s) and req["exec_request_id"][s[0]] == rid and req["num_generated"][s[0]] >= 2
-                       for s, rid in zip(slots, rids))
-        wait_until(decoding, 60, what="the requests to decode")
+        wait_decoding(tables, rids, 2)
         armed.touch()                      # the executor kills itself at its next publication
         results = wait_all(streams)
     assert ids(results) == reference

@@ -5,10 +5,8 @@ uninterrupted run's (the replacement's matchers rebuilt from the committed token
 from the same requests unconstrained."""
 import json
 
-import numpy as np
-
 from kvhold.client.client import wait_all
-from tests.process.helpers import FLAGS, attach_pool, ids, submit, wait_until
+from tests.process.helpers import FLAGS, attach_pool, ids, submit, wait_decoding
 
 # each output runs to well over 100 tokens: mid-output at the kill, however late it comes
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 300, "maxLength": 320},
@@ -33,19 +31,13 @@ def test_constrained_streams_continue_identically_after_a_sigkill(tiny_model, st
     sc = start_sidecar(["--model", str(tiny_model), *FLAGS], env=env)
     sc.wait_steady()
     tables, _ = attach_pool(sc)
-    req = tables.requests
     with sc.new_client(timeout=90) as client:
         reference = ids(wait_all(submit(client, REQUESTS)))
         free = ids(wait_all(submit(client, FREE)))
         assert all(a != b for a, b in zip(reference, free))        # the grammars and the bias change every output
         streams = submit(client, REQUESTS)
         rids = [s.request_id for s in streams]
-
-        def decoding():          # the execution half is the request's own (not a slot's last occupant's)
-            slots = [np.flatnonzero(req["request_id"] == rid) for rid in rids]
-            return all(len(s) and req["exec_request_id"][s[0]] == rid and req["num_generated"][s[0]] >= 2
-                       for s, rid in zip(slots, rids))
-        wait_until(decoding, 60, what="the requests to decode")
+        wait_decoding(tables, rids, 2)
         armed.touch()                      # the executor kills itself at its next publication
         results = wait_all(streams)
     assert ids(results) == reference

@@ -249,6 +249,15 @@ class EnginePool:
     def fence(self, engine) -> int:
         return self.leases.fence(engine.lease.slot)
 
+    def finish_after_takeover(self, dead, ids: list[int]) -> list[list[int]]:
+        """`dead` abandoned (its lease fenced), a new engine takes over and runs the requests to
+        their end: their tokens."""
+        epoch = self.fence(dead)
+        survivor = self.engine()
+        survivor.take_over([epoch], 0)
+        run_to_end(survivor)
+        return self.outputs(ids)
+
     def outputs(self, ids: list[int]) -> list[list[int]]:
         from kvhold.protocol.journal import Journal
         from kvhold.protocol.layout import ExecState

@@ -12,7 +12,7 @@ from kvhold.executor.sequence import Sequence
 from kvhold.protocol.errors import InvalidParams
 from kvhold.protocol.sampling import SamplingParams
 from kvhold.sidecar.durable_journal import decode_record, encode_record, record_sampling
-from tests.unit.helpers import EnginePool, decode_until, float64_model, outputs_alone, run_to_end
+from tests.unit.helpers import EnginePool, decode_until, float64_model, outputs_alone
 
 VOCAB = 12
 PROMPT = [3, 4, 4, 9]
@@ -117,10 +117,6 @@ def test_penalized_requests_continue_exactly_after_a_takeover(model):
     try:
         dead, ids = pool.started(requests)
         decode_until(dead, 17)
-        epoch = pool.fence(dead)
-        survivor = pool.engine()
-        survivor.take_over([epoch], 0)
-        run_to_end(survivor)
-        assert pool.outputs(ids) == expected
+        assert pool.finish_after_takeover(dead, ids) == expected
     finally:
         pool.close()

@@ -90,11 +90,7 @@ def test_constrained_and_biased_requests_continue_exactly_after_a_takeover(model
         dead, ids = pool.started(requests)
         decode_until(dead, 6)                     # mid-object, mid-word
         assert all(s.grammar.consumed for s in dead.seqs.values() if s.grammar is not None)
-        epoch = pool.fence(dead)
-        survivor = pool.engine()
-        survivor.take_over([epoch], 0)
-        run_to_end(survivor)
-        assert pool.outputs(ids) == expected
+        assert pool.finish_after_takeover(dead, ids) == expected
     finally:
         pool.close()
 
