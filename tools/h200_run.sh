@@ -86,7 +86,7 @@ for phase in "${@:-tests}"; do
   case "$phase" in
   tests)
     timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -n 0 -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
-        2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
+        -rfEs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 | tee "$OUT/pytest_gpu.txt"
     ;;
   logprobs)
     timeout $(( $(left) < 400 ? $(left) : 400 )) python3 -m pytest -q -n 0 -p no:cacheprovider \
