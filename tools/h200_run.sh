@@ -29,6 +29,9 @@
 #                  TAKEOVER_TRIALS (9) takeovers from one saved state (tools/bench_takeover.py) -> takeover_host_cuda.json
 #   mirror         foreign-pool mode: the KV mirror's decode cost, then recovery through the mirror
 #                  (MIRROR_KILLS, default 5)                        -> mirror_cuda.json, recovery_cuda_foreign.json
+#   vllm-mirror    the vLLM bridge's KV mirror at Llama-3-8B KV shapes in each of vLLM's six KV cache
+#                  layouts, decode batches 8/64/256 and a 2,048-token prefill, against a decode step
+#                  (tools/bench_vllm_mirror.py; no vLLM build)              -> vllm_bridge_mirror_cuda.json
 #   pool-restart   pool restarts on the tiny model (no driver upgrade in between)  -> pool_restart_cuda.json
 #   cold-restart   a restart without kvhold: import, load, allocate, capture, re-prefill -> cold_restart_cuda.json
 #   prefill        Llama-3-8B prefill tokens/s and MFU, prompts 512/2048/8192, 1 and 8 at once, chunked as
@@ -152,6 +155,10 @@ for phase in "${@:-tests}"; do
     timeout $(left) python3 -m tools.bench_recovery $LOAD --kv-mode foreign --kills ${MIRROR_KILLS:-5} \
         --tiers standby --log-level INFO --out "$OUT/recovery_cuda_foreign.json" 2>&1 | tail -14
     gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  vllm-mirror)
+    timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m tools.bench_vllm_mirror --device cuda:0 \
+        --out "$OUT/vllm_bridge_mirror_cuda.json" 2>&1 | tail -24
     ;;
   pool-restart)
     timeout $(left) python3 -m tools.bench_pool_restart --device cuda:0 --restarts 3 \

@@ -102,6 +102,53 @@ class VllmCpuBlocks(BlockLayout):
             v[blocks] = data[:, layer, 1].permute(0, 2, 1, 3).to(v.dtype)
 
 
+class VllmAttentionBlocks(BlockLayout):
+    """vLLM's KV cache on a GPU seen as kvhold's canonical [B, layer, k/v, token, kv_head, head_dim].
+
+    vLLM 0.32 (vllm.v1.kv_cache_interface.create_kv_cache_views) hands each layer's cache to the
+    connector as a logical [blocks, kv_heads, block_size, 2 * head_dim] view whose strides follow
+    the resolved `KVCacheLayout` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC: blocks may interleave
+    layers, heads may sit inside or outside tokens). Its GPU attention backends (FlashAttention,
+    FlashInfer but for NVFP4, Triton, FlexAttention) read the content axis as the token's key then
+    its value (`kv_cache.transpose(1, 2).split(head_size, dim=-1)`). The views are indexed as given,
+    so every layout reads and writes the same bytes vLLM's kernels do; nothing is copied to
+    reorder them. MLA and quantized (fp8, NVFP4) caches are other shapes and are refused."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int, block_tokens: int):
+        first = caches[0]
+        super().__init__(first.shape[0], block_tokens, len(caches), num_kv_heads, head_dim,
+                         first.dtype, first.device, head_major=True)
+        want = (first.shape[0], num_kv_heads, block_tokens, 2 * head_dim)
+        self.keys, self.values = [], []
+        for layer, c in enumerate(caches):
+            if tuple(c.shape) != want or c.dtype != first.dtype or c.device != first.device:
+                raise ValueError(f"layer {layer} cache is {tuple(c.shape)} {c.dtype} on {c.device}, expected "
+                                 f"{want} {first.dtype} on {first.device} (vLLM's [blocks, kv heads, tokens, "
+                                 f"key and value]; MLA and quantized KV caches are not mirrored)")
+            self.keys.append(c[..., :head_dim])        # [B, H, T, D] views, vLLM's strides
+            self.values.append(c[..., head_dim:])
+
+    def read(self, blocks):
+        return self._canonical(torch.stack([torch.stack([k[blocks], v[blocks]], dim=1)
+                                            for k, v in zip(self.keys, self.values)], dim=1))
+
+    def read_rows(self, blocks, rows):                 # [N, L, 2, H, D]
+        return torch.stack([torch.stack([k[blocks, :, rows], v[blocks, :, rows]], dim=1)
+                            for k, v in zip(self.keys, self.values)], dim=1)
+
+    def write(self, blocks, data):
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[blocks] = data[:, layer, 0].transpose(1, 2).to(k.dtype)
+            v[blocks] = data[:, layer, 1].transpose(1, 2).to(v.dtype)
+
+
+def vllm_blocks(caches: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int, block_tokens: int) -> BlockLayout:
+    """The adapter for vLLM's caches on their device: the CPU backend's own interior, or the GPU
+    backends' packed key-and-value content."""
+    kind = VllmCpuBlocks if caches[0].device.type == "cpu" else VllmAttentionBlocks
+    return kind(caches, num_kv_heads, head_dim, block_tokens)
+
+
 @dataclass
 class Bridge:
     """The executor's state that both connector roles use (one process)."""
@@ -213,7 +260,7 @@ class MirrorWorker:
     def __init__(self, bridge: Bridge, block_tokens: int, num_kv_heads: int, head_dim: int):
         self.bridge, self.block_tokens = bridge, block_tokens
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.layout: VllmCpuBlocks | None = None
+        self.layout: BlockLayout | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         def layer_of(name: str) -> int:
@@ -223,8 +270,8 @@ class MirrorWorker:
             return int(match.group(1))
 
         names = sorted(kv_caches, key=layer_of)
-        self.layout = VllmCpuBlocks([kv_caches[n] for n in names], self.num_kv_heads, self.head_dim,
-                                    self.block_tokens)
+        self.layout = vllm_blocks([kv_caches[n] for n in names], self.num_kv_heads, self.head_dim,
+                                  self.block_tokens)
         b = self.bridge
         if b.mirror is None:
             b.mirror = KvMirror(b.tables, b.kv_pool, self.layout, b.lease)

@@ -83,3 +83,41 @@ def test_kvhold_loader_views_the_sidecar_region_and_matches_vllms_own_load(tiny_
     # fused and repacked by vLLM: its own packed copies, computed from its private memory
     assert report["model.layers.0.self_attn.qkv_proj.weight"] == "packed"
     assert report["model.layers.0.mlp.gate_up_proj.weight"] == "packed"
+
+
+def _vllm_views(layout_name: str, num_layers: int, blocks: int, heads: int, bt: int, d: int, device="cpu"):
+    """Each layer's cache as vLLM's GPU model runner hands it to the connector in `layout_name`:
+    one raw allocation viewed by vLLM's own create_kv_cache_views."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheLayout, KVCacheTensor,
+                                            compute_layout_strides, create_kv_cache_views)
+
+    spec = FullAttentionSpec(block_size=bt, num_kv_heads=heads, head_size=d, dtype=torch.bfloat16)
+    layout = KVCacheLayout[layout_name]
+    strides = compute_layout_strides(spec, blocks, num_layers, layout)
+    size = num_layers * blocks * spec.page_size_bytes
+    tensor = KVCacheTensor(size=size, layers=[f"model.layers.{i}.self_attn.attn" for i in range(num_layers)],
+                           layer_stride=strides[0], block_stride=strides[1])
+    raw = torch.zeros(size, dtype=torch.int8, device=device)
+    return raw, create_kv_cache_views(raw, spec, blocks, layout, tensor)
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_gpu_block_layout_is_where_vllms_gpu_backends_read_keys_and_values(vllm_env, layout_name):
+    """vLLM's GPU backends (FlashAttention, FlashInfer, Triton, Flex) split each layer's view as
+    `kv_cache.transpose(1, 2).split(head_size, dim=-1)` into [blocks, tokens, heads, head_size]
+    keys and values; the adapter reads and writes exactly those bytes, in every layout."""
+    from kvhold.vllm_bridge.connector import VllmAttentionBlocks
+
+    layers, blocks, heads, bt, d = 3, 5, 2, 16, 8
+    raw, views = _vllm_views(layout_name, layers, blocks, heads, bt, d)
+    raw.view(torch.bfloat16).copy_(torch.randn(raw.numel() // 2))
+    layout = VllmAttentionBlocks(views, heads, d, bt)         # what the connector takes on a GPU
+    canon = layout.read(torch.arange(blocks))                          # [B, L, 2, T, H, D]
+    for layer, view in enumerate(views):
+        key_cache, value_cache = view.transpose(1, 2).split(d, dim=-1)  # [B, T, H, D], the backends' own
+        assert torch.equal(canon[:, layer, 0], key_cache) and torch.equal(canon[:, layer, 1], value_cache)
+    b, t = torch.tensor([4, 0, 2, 2]), torch.tensor([15, 0, 3, 7])
+    assert torch.equal(layout.read_rows(b, t), canon[b, :, :, t])      # [N, L, 2, H, D]
+    fresh_raw, fresh = _vllm_views(layout_name, layers, blocks, heads, bt, d)
+    VllmAttentionBlocks(fresh, heads, d, bt).write(torch.arange(blocks), canon)
+    assert torch.equal(fresh_raw, raw)                                 # every byte of the allocation
