@@ -7,7 +7,9 @@ or verify weights, warm up); report ready (the sidecar makes it a standby); on
 `promote`, take over the page table and journal (recovery) and run steps until
 shutdown. The main loop writes the heartbeat; a hung loop therefore stops
 beating and the sidecar fences it. Every beat checks the epoch: a fenced
-executor exits with code 75 instead of writing.
+executor exits with code 75 instead of writing. So does one the sidecar refuses as fenced
+(a message sent under an epoch fenced since its last check: a stop in between), and one that
+fails in any other way once its lease was taken: the lease is gone whatever it met on waking.
 
 If the sidecar dies (its pidfd turns readable), the executor does not: its mappings keep
 the pool's memory alive. It publishes the commit its last step left pending, then stops
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvhold.protocol import messages as m
+from kvhold.protocol.errors import FencedError
 from kvhold.protocol.leases import Fenced, Lease
 from kvhold.protocol.memory import Mapping, RegionInfo, map_region
 from kvhold.protocol.naming import InstancePaths
@@ -131,6 +134,7 @@ class ExecutorRuntime:
         self.sidecar_pid = 0
         self.stop_reason = ""
         self.kept: dict[str, tuple[int, RegionInfo]] = {}   # a dup of each region descriptor received
+        self.lease: Lease | None = None     # once attached
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_reason = signal.Signals(signum).name
@@ -145,8 +149,30 @@ class ExecutorRuntime:
         except Fenced as exc:
             log.warning("%s; exiting", exc)
             return EXIT_FENCED
+        except FencedError as exc:
+            # the sidecar refused a message sent under an epoch it fenced after the send's last
+            # lease check (a stop in between): the refusal may be read before the next beat
+            log.warning("the sidecar refused this executor's lease (%s): fenced; exiting", exc)
+            return EXIT_FENCED
+        except Exception:
+            if not self._fenced():
+                raise
+            # whatever failed, this executor's lease was taken meanwhile: it exits as fenced (a
+            # generic failure's exit code would report a crash of a process the sidecar let go)
+            log.warning("lease %d epoch %d was fenced (now %d); exiting after this error:",
+                        self.lease.slot, self.lease.epoch, self.lease.current_epoch, exc_info=True)
+            return EXIT_FENCED
         finally:
             self.channel.close()
+
+    def _fenced(self) -> bool:
+        """This executor holds a lease and the sidecar has revoked its epoch."""
+        if self.lease is None:
+            return False
+        try:
+            return not self.lease.valid
+        except Exception:        # the tables cannot be read: nothing is known
+            return False
 
     def _run(self, channel: Channel, token: str) -> int:
         t_attach = time.monotonic()
@@ -180,7 +206,7 @@ class ExecutorRuntime:
             for fd in fds.values():
                 os.close(fd)
         tables.liveness_mutex(attached.slot).hold()  # released by the kernel when we die
-        lease = Lease(tables, attached.slot, attached.epoch)
+        lease = self.lease = Lease(tables, attached.slot, attached.epoch)
         set_log_context(role="standby", epoch=attached.epoch)
         self._watch_sidecar(tables.sidecar_pid)
         ctx = ExecutorContext(attached, tables, mappings, channel, lease, urgent=self.config.urgent)

@@ -129,13 +129,17 @@ class Lease:
         self._leases = tables.leases
 
     @property
+    def current_epoch(self) -> int:
+        """The slot's epoch now: this lease's own until the sidecar fences it."""
+        return int(self._leases["epoch"][self.slot])
+
+    @property
     def valid(self) -> bool:
-        return int(self._leases["epoch"][self.slot]) == self.epoch
+        return self.current_epoch == self.epoch
 
     def check(self) -> None:
         if not self.valid:
-            raise Fenced(f"lease {self.slot} epoch {self.epoch} was fenced "
-                         f"(now {int(self._leases['epoch'][self.slot])})")
+            raise Fenced(f"lease {self.slot} epoch {self.epoch} was fenced (now {self.current_epoch})")
 
     def mark_warm(self) -> None:
         """Tell the sidecar this executor's steps now come at their steady rate."""

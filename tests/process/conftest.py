@@ -15,6 +15,26 @@ from kvhold.testing.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd
 from kvhold.testing.sidecar_process import SidecarProcess, clean_up_killed
 from tests.process.helpers import FLAGS, KEY, REQUESTS, Server, ids, submit
 
+_SIDECARS = pytest.StashKey[list]()     # the sidecars a test started with `start_sidecar`
+LOG_TAIL_CHARS = 64_000                 # of each one's log, shown with a failure
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that started sidecars (`start_sidecar`) shows the end of each one's log:
+    the sidecar's and its executors' (they write to the sidecar's stderr), so the failure says
+    what the processes did even where its temporary directory is not kept."""
+    report = (yield).get_result()
+    if not report.failed:
+        return
+    for sc in item.stash.get(_SIDECARS, []):
+        if sc.log_path is None or not sc.log_path.exists():
+            continue
+        text = sc.log_path.read_text(errors="replace")
+        cut = len(text) > LOG_TAIL_CHARS
+        title = f"log of sidecar {sc.instance} and its executors ({sc.log_path}{', its end' if cut else ''})"
+        report.sections.append((title, text[-LOG_TAIL_CHARS:] if cut else text))
+
 
 @pytest.fixture(autouse=True)
 def _killed_sidecars_cleaned_up():
@@ -46,9 +66,11 @@ def runtime_root():
 
 
 @pytest.fixture
-def start_sidecar(runtime_root, tmp_path):
-    """Factory: start_sidecar(flags, instance=None, env=None) -> running SidecarProcess."""
+def start_sidecar(runtime_root, tmp_path, request):
+    """Factory: start_sidecar(flags, instance=None, env=None) -> running SidecarProcess. A
+    failure of the test shows each one's log (pytest_runtest_makereport)."""
     started: list[SidecarProcess] = []
+    request.node.stash[_SIDECARS] = started
 
     def start(flags, instance=None, env=None, wait=True):
         sc = SidecarProcess(list(flags), instance=instance, runtime_root=runtime_root, env=env,

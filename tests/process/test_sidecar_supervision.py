@@ -84,6 +84,11 @@ def test_standby_killed_in_its_takeover_is_replaced_at_once(start_sidecar):
 
 
 def test_fenced_process_that_wakes_up_exits_by_itself(start_sidecar):
+    """A stopped executor left alive once fenced (--no-kill-fenced) exits with 75 when continued.
+    The stop lands wherever the active is, its promotion included (the status shows it active
+    as the sidecar sends it): woken after the promotion's last lease check, it sends Recovered
+    under the fenced epoch, and the sidecar's refusal, read before its next beat, is a fence
+    too (tests/unit/test_executor_fenced_exit.py). A failure shows the processes' log."""
     sc = start_sidecar(IDLE + ["--no-kill-fenced"])
     active = sc.wait_steady()
     os.kill(active["pid"], signal.SIGSTOP)
