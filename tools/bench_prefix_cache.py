@@ -92,6 +92,8 @@ def run_mode(args, workload: dict, caching: bool, log_dir: Path) -> dict:
     argv = ["--model", str(args.model), "--device", args.device, "--max-seq-len", str(args.max_seq_len),
             "--max-batch-tokens", str(args.max_batch_tokens), "--max-batch", str(args.max_batch),
             "--log-level", "WARNING", flag]
+    if args.device.startswith("cuda"):
+        argv += ["--backend", "cuda"]
     if args.kv_memory:
         argv += ["--kv-memory", args.kv_memory]
     if args.kv_pages:

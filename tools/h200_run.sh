@@ -88,7 +88,7 @@ for phase in "${@:-tests}"; do
   echo "=== $phase ($(left) s left)"
   case "$phase" in
   tests)
-    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -n 0 -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
+    timeout $(( $(left) < 480 ? $(left) : 480 )) python3 -m pytest -q -n 0 -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
         -rfEs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 | tee "$OUT/pytest_gpu.txt"
     ;;
   logprobs)

@@ -127,12 +127,16 @@ class VllmAttentionBlocks(BlockLayout):
                                  f"key and value]; MLA and quantized KV caches are not mirrored)")
             self.keys.append(c[..., :head_dim])        # [B, H, T, D] views, vLLM's strides
             self.values.append(c[..., head_dim:])
+        self.layers = _one_view(caches)                # [L, B, H, T, 2D] when the layers allow it
 
     def read(self, blocks):
         return self._canonical(torch.stack([torch.stack([k[blocks], v[blocks]], dim=1)
                                             for k, v in zip(self.keys, self.values)], dim=1))
 
     def read_rows(self, blocks, rows):                 # [N, L, 2, H, D]
+        if self.layers is not None:                    # one gather for every layer (the per-step copy)
+            picked = self.layers[:, blocks, :, rows]                       # [N, L, H, 2D]
+            return picked.unflatten(-1, (2, self.head_dim)).transpose(2, 3)
         return torch.stack([torch.stack([k[blocks, :, rows], v[blocks, :, rows]], dim=1)
                             for k, v in zip(self.keys, self.values)], dim=1)
 
@@ -140,6 +144,21 @@ class VllmAttentionBlocks(BlockLayout):
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             k[blocks] = data[:, layer, 0].transpose(1, 2).to(k.dtype)
             v[blocks] = data[:, layer, 1].transpose(1, 2).to(v.dtype)
+
+
+def _one_view(caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The layers' caches as one [L, ...] view when they are one allocation at a constant layer
+    stride with the same strides (how vLLM allocates a KV cache group), else None."""
+    first = caches[0]
+    size = first.element_size()
+    if len(caches) == 1:
+        return first.unsqueeze(0)
+    step, rem = divmod(caches[1].data_ptr() - first.data_ptr(), size)
+    if rem or step <= 0 or any(c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                  or c.stride() != first.stride() or c.shape != first.shape
+                  or c.data_ptr() - first.data_ptr() != i * step * size for i, c in enumerate(caches)):
+        return None
+    return first.as_strided((len(caches), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def vllm_blocks(caches: Sequence[torch.Tensor], num_kv_heads: int, head_dim: int, block_tokens: int) -> BlockLayout:

@@ -126,6 +126,7 @@ def test_mirror_on_a_side_stream_then_restore_into_another_layout_is_exact(pool,
     kv_pool = pool.kv if pool_on == "host" else torch.zeros_like(pool.kv, device="cuda")
     side = torch.cuda.Stream()
     engine = Engine(adapter(vllm_views(layout)[1]), side)
+    assert engine.layout.layers is not None              # one view of every layer: one gather a step
     mirror = KvMirror(pool.tables, kv_pool, engine.layout, pool.lease(0))
     lengths = {31: 40, 32: 17, 33: 5}
     with torch.cuda.stream(side):             # as vLLM calls wait_for_save: its compute stream current

@@ -112,6 +112,7 @@ def test_gpu_block_layout_is_where_vllms_gpu_backends_read_keys_and_values(vllm_
     raw, views = _vllm_views(layout_name, layers, blocks, heads, bt, d)
     raw.view(torch.bfloat16).copy_(torch.randn(raw.numel() // 2))
     layout = VllmAttentionBlocks(views, heads, d, bt)         # what the connector takes on a GPU
+    assert layout.layers is not None                           # one view of every layer: one gather a step
     canon = layout.read(torch.arange(blocks))                          # [B, L, 2, T, H, D]
     for layer, view in enumerate(views):
         key_cache, value_cache = view.transpose(1, 2).split(d, dim=-1)  # [B, T, H, D], the backends' own
