@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvhold.protocol.structured import grammar_of
+from kvhold.protocol.structured import grammar_of, vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,7 @@ class Grammars:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            import llguidance
-
-            self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json.read_text(), n_vocab=self.vocab_size,
-                                                     eos_token=list(self.eos) or None)
+            self._tokenizer = vocabulary(str(self.tokenizer_json), self.vocab_size, self.eos)
         return self._tokenizer
 
     def state(self, structured: tuple[str, str], request_id: int) -> "GrammarState":

@@ -30,6 +30,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
@@ -135,6 +136,7 @@ class Frontend:
         # a host without it (a test's) does not tell connections apart: 0, never checked
         self.connection_of = getattr(host, "client_connection", lambda client_key: 0)
         self.restored: RestoredStreams | None = None
+        self.model_dir = model_dir
         self.tokenizer = self._load_tokenizer(model_dir)
         if self.tokenizer is not None:
             _check_tokenizer_fits(tokenizer_top_id(str(model_dir)), spec.vocab_size, model_dir)
@@ -161,6 +163,12 @@ class Frontend:
     def add_handler(self, msg_type: type, handler: Callable) -> None:
         """Route client messages of `msg_type` to `handler(client_key, msg)`."""
         self._handlers[msg_type] = handler
+
+    def _vocabulary(self):
+        """llguidance's tokenizer of this model (structured output's vocabulary check), built on
+        the first constrained request."""
+        return structured_output.vocabulary(str(Path(self.model_dir) / "tokenizer.json"), self.spec.vocab_size,
+                                            tuple(sorted(self.spec.eos_token_ids)))
 
     @staticmethod
     def _load_tokenizer(model_dir):
@@ -362,6 +370,7 @@ class Frontend:
                 raise InvalidParams(f"the structured output's {params.structured[0]} ({size} bytes) exceeds "
                                     f"this server's limit of {room} bytes (--max-grammar-bytes)")
             structured_output.check(params.structured)
+            structured_output.check_on_vocabulary(params.structured, self._vocabulary())
         if params.logit_bias:
             if not self.tables.geometry.max_extra_bytes:
                 raise InvalidParams("logit_bias: this server takes none (a workload other than the engine)")

@@ -23,7 +23,9 @@ request's committed generated tokens, so a takeover rebuilds it exactly (kvhold.
 """
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import msgpack
 
@@ -137,6 +139,30 @@ def check(structured: tuple[str, str] | None) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidParams(f"invalid {_NAMES[structured[0]]}: {error.strip()[:500]}")
+
+
+@functools.lru_cache(maxsize=4)
+def vocabulary(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]):
+    """llguidance's tokenizer for a checkpoint's tokenizer.json, built once per process: rows of
+    `vocab_size` (logit rows may be wider than the tokenizer's vocabulary: the extra ids are never
+    allowed), `eos` the ids that end a completed output."""
+    return _llguidance().LLTokenizer(Path(tokenizer_json).read_text(), n_vocab=vocab_size,
+                                     eos_token=list(eos) or None)
+
+
+def check_on_vocabulary(structured: tuple[str, str] | None, tokenizer) -> None:
+    """InvalidParams, naming the problem, unless the spec also builds a matcher on this model's
+    vocabulary (`vocabulary`): some specs compile alone and fail only there."""
+    if structured is None:
+        return
+    try:
+        matcher = _llguidance().LLMatcher(tokenizer, grammar_of(structured), log_level=0)
+        error = matcher.get_error() if matcher.is_error() else ""
+    except Exception as exc:          # noqa: BLE001 - any failure here is the spec's
+        error = f"{type(exc).__name__}: {exc}"
+    if error:
+        raise InvalidParams(f"the {_NAMES[structured[0]]} cannot be matched with this model's vocabulary: "
+                            f"{error.strip()[:500]}")
 
 
 def pack_extras(structured: tuple[str, str] | None, logit_bias=()) -> bytes:

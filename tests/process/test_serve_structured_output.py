@@ -76,6 +76,14 @@ def test_a_bad_spec_is_a_400_naming_it_and_the_server_serves_on(server, body, pa
     assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("grammar", ['start: <[100000]> "a"', "start: <|no_such_token|>"])
+def test_a_grammar_that_compiles_but_not_on_the_models_vocabulary_is_a_400(server, grammar):
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_grammar": grammar})
+    assert r.status_code == 400, r.text
+    assert "vocabulary" in r.json()["error"]["message"]
+    assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_logit_bias_forces_and_bans_tokens(server):
     body = {"prompt": "The sidecar keeps", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
 

@@ -163,6 +163,17 @@ def test_a_spec_that_does_not_compile_is_invalid_params_naming_it(pair, message)
         structured.check(pair)
 
 
+@pytest.mark.parametrize("pair, message", [
+    (("grammar", 'start: <[100000]> "a"'), "Token range end too large"),
+    (("grammar", "start: <|no_such_token|>"), "unknown special token"),
+])
+def test_a_spec_that_compiles_but_fails_on_the_vocabulary_is_invalid_params(grammars, pair, message):
+    structured.check(pair)                                       # compiles alone
+    with pytest.raises(InvalidParams, match=f"cannot be matched with this model's vocabulary: .*{message}"):
+        structured.check_on_vocabulary(pair, grammars.tokenizer)
+    structured.check_on_vocabulary(("grammar", 'start: <[5]> "a"'), grammars.tokenizer)
+
+
 @pytest.mark.parametrize("value", [("xml", "<a/>"), ("json",), ("regex", ""), "regex", ("regex", 5)])
 def test_the_pair_is_checked_with_the_other_params(value):
     with pytest.raises(InvalidParams):
