@@ -174,6 +174,8 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
         flags += ["--kv-memory", args.kv_memory]
     if args.kv_pages:
         flags += ["--kv-pages", str(args.kv_pages)]
+    if args.no_prefix_caching:
+        flags += ["--no-enable-prefix-caching"]
     for name in ("page_tokens", "prefill_chunk", "lease_ms"):
         if getattr(args, name):
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -251,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--lease-ms", type=int, default=None,
                    help="the sidecar's heartbeat lease (short: slow steps get fenced for a hang)")
     p.add_argument("--log-level", default="WARNING", help="the sidecar's and executors' log level (log per tier)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="run the sidecar with --no-enable-prefix-caching (the cache is on by default: "
+                        "the benchmark's runs repeat their prompts, so every run after the first hits it)")
     p.add_argument("--kv-mode", default="native", choices=("native", "foreign"),
                    help="the sidecar's --kv-mode: foreign recovers through the KV mirror")
     p.add_argument("--seed", type=int, default=0)

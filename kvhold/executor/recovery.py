@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique imports it on its first call: 10+ ms inside a takeover
 import torch
 
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
