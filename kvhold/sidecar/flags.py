@@ -188,6 +188,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                         "(docs/BENCHMARKS.md gives the cost on the H200); the CPU engine is exact either way")
     p.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
                    help="CUDA: run the decode step eagerly, without capturing it in a CUDA graph (vLLM's name)")
+    p.add_argument("--vllm-any-version", action="store_true",
+                   help="the vllm workload: run a vLLM version the bridge was not verified against "
+                        "(kvhold.vllm_bridge.VERIFIED_VLLM; by default the executor refuses it, naming "
+                        "both); for the brave: the KV layout and scheduler hooks it relies on may differ")
     p.add_argument("--seed", type=int, default=None,
                    help="draw the seeds of requests that give none from this seed, so that a server "
                         "started again serves the same request order the same way (vLLM's --seed); "
@@ -308,6 +312,7 @@ SETTINGS = {
     "executors.takeover": "takeover", "executors.kv_mode": "kv_mode",
     "executors.sidecar_wait_ms": "sidecar_wait_ms", "executors.exact_prefill": "exact_prefill",
     "executors.prefix_caching": "prefix_caching", "executors.cuda_graph": "cuda_graph",
+    "executors.vllm_any_version": "vllm_any_version",
     "pool.seed": "seed",
     "health.source": "health", "health.interval_s": "health_interval",
     "client_tcp.address": "client_tcp", "client_tcp.curve_secret_key": "curve_secret_key",

@@ -13,3 +13,25 @@
 `connector` and `sampling` import vLLM where it is installed (their logic does not need it).
 docs/VLLM_BRIDGE.md says how to run it and what is verified.
 """
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+# the vLLM releases the bridge was read against and run with (docs/VLLM_BRIDGE.md, "Versions")
+VERIFIED_VLLM = ("0.32.0",)
+
+
+def check_vllm_version(installed: str, any_version: bool = False) -> None:
+    """Refuse a vLLM release the bridge was not verified with (its KV cache views, scheduler
+    output and connector hooks are what the bridge relies on), unless `any_version`
+    (`--vllm-any-version`): then a warning. A local tag ("+cpu") does not count."""
+    release = installed.split("+", 1)[0]
+    if release in VERIFIED_VLLM:
+        return
+    message = (f"vLLM {installed} is not a version the kvhold bridge was verified with "
+               f"({', '.join(VERIFIED_VLLM)})")
+    if not any_version:
+        raise RuntimeError(message + ": install one of those, or pass --vllm-any-version to run it anyway")
+    log.warning("%s; running it anyway (--vllm-any-version)", message)

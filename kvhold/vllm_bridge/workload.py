@@ -48,7 +48,7 @@ from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
 from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
-from kvhold.vllm_bridge import connector, loader
+from kvhold.vllm_bridge import check_vllm_version, connector, loader
 from kvhold.vllm_bridge.sampling import KeyedSampling, extra_args
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class VllmWorkload(BridgeWorkload):
         s, tables = self.ctx.settings, self.ctx.tables
         if s.kv_mode != "foreign" or s.device != "cpu":
             raise RuntimeError("the vllm workload runs on cpu with --kv-mode foreign")
+        import vllm
+
+        check_vllm_version(vllm.__version__, s.vllm_any_version)
         spec = ModelSpec.from_dir(s.model)
         weights = self._weights(spec)
         self._phase("weights")
