@@ -160,13 +160,26 @@ class NativeTakeover:
         if hold:
             ctx.page_table.quarantine(hold)
 
+    def _give_up_an_idle_cached_page(self) -> bool:
+        """A full pool: an idle cached page (no live request lists it, its checksum not checked
+        yet) is released for a tail's copy. The cache loses one page; the request keeps its rows,
+        where it would otherwise recompute them (a pool full of idle cached pages is the normal
+        state of a busy cache). False if there is none."""
+        if not len(self.unverified):
+            return False
+        page, self.unverified = int(self.unverified[-1]), self.unverified[:-1]
+        self.kept[page] = False
+        self.ctx.page_table.release(np.array([page], dtype=np.int64))
+        self.ctx.blocks.allocator.free([page])
+        return True
+
     def _place_tail(self, plan: RequestPlan, pending: set[int], hold: list[int]) -> Tail | None:
         """Where a partially filled last page continues, or None.
 
         If its writer may still be running, the committed rows go to a fresh page and the
         old one is quarantined; otherwise it is claimed in place. With no free page left for
-        the copy (a full pool: every other page is kept or quarantined), the tail is given
-        up instead: the old page is quarantined all the same and its rows are recomputed from
+        the copy (a full pool: every other page is kept or quarantined, and no idle cached page is
+        left to give up), the tail is given up instead: the old page is quarantined all the same and its rows are recomputed from
         the journal (`tails_dropped`), like the rest of a damaged request. Failing the takeover
         instead would cost the standby and leave half-repaired tables to the next executor.
         A page to quarantine is appended to `hold` (place_tails quarantines them, once the journal
@@ -181,7 +194,7 @@ class NativeTakeover:
             return Tail(src, rest, copied=False)
         hold.append(src)
         ctx.quarantined[src] = writer
-        if not ctx.blocks.allocator.can_allocate(1):
+        if not ctx.blocks.allocator.can_allocate(1) and not self._give_up_an_idle_cached_page():
             plan.valid_tokens = full * ctx.page_tokens
             self.dropped += 1
             return None
@@ -301,6 +314,16 @@ def _validate(ctx: TakeoverContext, records, plans: list[RequestPlan], page_toke
                  & (sub["logical"] == logical)
                  & ((sub["flags"] & PageFlag.BAD) == 0) & (sub["num_tokens"] <= page_tokens))
     sum_ok = sums == sub["checksum"]
+    # `mark_cached` interrupted between the key replacing the owner and the CACHED flag: the
+    # page's rows are whole (its count and checksum untouched); it stays its request's page
+    caching = np.flatnonzero(((sub["version"] & 1) == 1) & ~cached & ~fields_ok & sum_ok
+                             & (sub["num_tokens"] == page_tokens) & (sub["logical"] == logical)
+                             & ((sub["flags"] & PageFlag.BAD) == 0) & (sub["owner"] != 0)
+                             & ~np.isin(sub["owner"], owners))          # a key, no live request's id
+    if len(caching):
+        ctx.page_table.restore_owners(idx[caching], owners[caching])
+        records["owner"][idx[caching]] = owners[caching]
+        fields_ok[caching] = True
     torn = np.flatnonzero(((sub["version"] & 1) == 1) & ~sum_ok & fields_ok & (counts > 0))
     if len(torn):
         counts, sum_ok = torn_prefixes(idx, sub["checksum"], counts, sum_ok, torn,

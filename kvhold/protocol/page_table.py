@@ -86,6 +86,16 @@ class PageTable:
         self.pages["flags"][idx] |= self.pages.dtype["flags"].type(PageFlag.CACHED)
         self._end(idx, v)
 
+    def restore_owners(self, idx, owners) -> None:
+        """A takeover's repair of pages whose entry into the prefix cache (`mark_cached`) its
+        writer's death interrupted after the key replaced the owner and before CACHED was set:
+        the requests that list them own them again (count, checksum, logical index, epoch and
+        flags unchanged), so that a later takeover reads them as it did."""
+        idx = np.asarray(idx, dtype=np.int64)
+        v = self._begin(idx)
+        self.pages["owner"][idx] = np.asarray(owners, dtype=np.uint64)
+        self._end(idx, v)
+
     def set_counts(self, idx, num_tokens) -> None:
         """Cut records to `num_tokens` committed rows, checksum and writer epoch unchanged: a
         takeover keeping the rows that a torn publish had committed before (their recorded

@@ -71,6 +71,61 @@ def test_takeover_with_a_full_pool_drops_tails_instead_of_failing(model, referen
         pool.close()
 
 
+def test_takeover_with_a_pool_full_of_idle_cached_pages_copies_tails(model, reference):
+    """A busy prefix cache keeps the pool full of idle cached pages. Tails that must be copied
+    (the dead writer's exit not confirmed) take idle cached pages for their copies, and nothing
+    the dead executor committed is recomputed."""
+    pool = Pool(model, 1 + 6 + 4)
+    try:
+        dead = pool.engine(prefix_salt=b"full-pool")
+        dead.take_over([], 0)
+        admit(pool.tables, [dict(prompt_ids=[400 + j for j in range(64)], max_tokens=1, temperature=0.0)])
+        run_to_end(dead)                   # its 4 full pages stay in the cache, referenced by nobody
+        assert dead.blocks.prefix.num_cached == 4
+        ids = admit(pool.tables, REQUESTS)
+        decode_until(dead, 3)
+        assert dead.blocks.allocator.num_free == 0
+        assert all(s.num_computed % PAGE_TOKENS for s in dead.seqs.values())   # partial tails
+        epoch = pool.fence(dead)
+        survivor = pool.engine(prefix_salt=b"full-pool")
+        report = survivor.take_over([epoch], 0).to_dict()
+        assert report["pages_copied"] == 3 and report["tails_dropped"] == 0
+        assert report["tokens_recomputed"] == 0 and report["requests_lost"] == 0
+        assert len(survivor.blocks.prefix.unverified) == 1       # 3 of the 4 idle pages given up
+        run_to_end(survivor)
+        assert pool.outputs(ids) == reference
+    finally:
+        pool.close()
+
+
+def test_a_death_inside_a_pages_entry_into_the_prefix_cache_loses_nothing(model, reference):
+    """The executor dies inside `mark_cached` after the page's owner became its cache key and
+    before the CACHED flag was set (version odd). The page's rows are whole: the takeover keeps
+    it as its request's page (owner restored), nothing is bad, lost or recomputed."""
+    from kvhold.protocol.layout import PageFlag
+
+    pool = Pool(model, 64)
+    try:
+        dead, ids = pool.started(prefix_salt=b"interrupted")
+        decode_until(dead, 3)
+        seq = next(iter(dead.seqs.values()))
+        page = seq.pages[0]
+        pages = pool.tables.pages
+        assert pages["flags"][page] & PageFlag.CACHED and pages["owner"][page] != seq.request_id
+        pages["flags"][page] &= ~pages.dtype["flags"].type(PageFlag.CACHED)    # the flag not set yet
+        pages["version"][page] += 1                                            # inside the seqlock
+        epoch = pool.fence(dead)
+        survivor = pool.engine(prefix_salt=b"interrupted")
+        report = survivor.take_over([epoch], 0).to_dict()
+        assert report["pages_interrupted"] == 1 and report["pages_bad"] == 0
+        assert report["requests_lost"] == report["requests_damaged"] == 0 and report["tokens_recomputed"] == 0
+        assert pages["owner"][page] == seq.request_id and pages["version"][page] % 2 == 0
+        run_to_end(survivor)
+        assert pool.outputs(ids) == reference
+    finally:
+        pool.close()
+
+
 def test_takeover_copies_tails_when_pages_are_free(model, reference):
     pool = Pool(model, 64)
     try:
