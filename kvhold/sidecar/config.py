@@ -516,3 +516,21 @@ def _check_vllm(cfg: "SidecarConfig") -> None:
            "(VLLM_CPU_OMP_THREADS_BIND): --cpu-threads is not supported", "executors.cpu_threads")
     _check(ex.prefill_chunk is None, "the vllm workload leaves prefill chunking to vLLM "
            "(--max-batch-tokens bounds a step): --prefill-chunk is not supported", "executors.prefill_chunk")
+    if ex.spawn_executors and not ex.vllm_any_version:
+        _check_vllm_version()
+
+
+def _check_vllm_version() -> None:
+    """The executors the sidecar spawns run its Python, so its vLLM is theirs: an unverified
+    release is refused here, as the executor would refuse it, before any executor starts.
+    Read from the package metadata (the sidecar does not import vLLM); where none is
+    installed the executor's import says so."""
+    from kvhold.vllm_bridge import check_vllm_version, installed_vllm_version
+
+    installed = installed_vllm_version()
+    if installed is None:
+        return
+    try:
+        check_vllm_version(installed)
+    except RuntimeError as exc:
+        raise SettingError(str(exc), "executors.vllm_any_version") from None

