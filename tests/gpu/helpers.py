@@ -15,3 +15,18 @@ def plan(seq_specs):
         seq.num_computed, seq.pages = computed, pages
         out.append(Scheduled(seq, n))
     return out
+
+
+def kill_active_at(sc, threshold: int):
+    """A `wait_all` event callback that SIGKILLs `sc`'s active executor at the `threshold`-th
+    streamed event (a sidecar with no standby to wait for)."""
+    import os
+    import signal
+
+    seen = [0]
+
+    def on_event(stream, event):
+        seen[0] += 1
+        if seen[0] == threshold:
+            os.kill(sc.wait_steady(standbys=0)["pid"], signal.SIGKILL)
+    return on_event

@@ -4,7 +4,6 @@ with a free-running request (which keeps the CUDA graph path). The active execut
 mid-stream three times (on the first event, and later); every output equals the uninterrupted
 run's, the constraints hold, and the constrained outputs differ from the same requests free."""
 import json
-import os
 import re
 
 import pytest
@@ -42,6 +41,7 @@ def outcome(results):
 def test_constrained_requests_survive_kills_on_the_gpu(tiny_model, tmp_path):
     pytest.importorskip("llguidance")
     from kvhold.client.client import wait_all
+    from tests.gpu.helpers import kill_active_at
     from kvhold.testing.sidecar_process import SidecarProcess
 
     cuda = ["--model", str(tiny_model), "--device", "cuda:0", "--backend", "cuda", *FLAGS]
@@ -59,14 +59,7 @@ def test_constrained_requests_survive_kills_on_the_gpu(tiny_model, tmp_path):
                                      for r in requests]))
             for trial, threshold in enumerate((1, 60, 150)):
                 sc.wait_steady(timeout=600)
-                seen = [0]
-
-                def on_event(stream, event):
-                    seen[0] += 1
-                    if seen[0] == threshold:
-                        os.kill(sc.wait_steady(standbys=0)["pid"], 9)
-
-                got = outcome(wait_all([client.generate(**r) for r in requests], on_event))
+                got = outcome(wait_all([client.generate(**r) for r in requests], kill_active_at(sc, threshold)))
                 assert got == reference, f"trial {trial}"
         recoveries = sc.status()["recoveries"]
     assert len(recoveries) == 3 and all(r["requests_lost"] == 0 for r in recoveries)

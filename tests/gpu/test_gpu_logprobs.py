@@ -1,7 +1,6 @@
 """Log-probs on the CUDA engine: an executor SIGKILLed mid-stream (and mid-prefill) leaves every
 token, log-prob and prompt log-prob equal to an uninterrupted run's; greedy tokens are the most
 likely, each top list is sorted, and the values agree with the CPU float64 engine's."""
-import os
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ def outcome(results):
 
 def test_logprobs_survive_kills_on_the_gpu_and_match_the_cpu_engine(tiny_model, tmp_path):
     from kvhold.client.client import wait_all
+    from tests.gpu.helpers import kill_active_at
     from kvhold.testing.sidecar_process import SidecarProcess
 
     cuda = ["--model", str(tiny_model), "--device", "cuda:0", "--backend", "cuda", *FLAGS]
@@ -30,14 +30,7 @@ def test_logprobs_survive_kills_on_the_gpu_and_match_the_cpu_engine(tiny_model, 
             reference = outcome(wait_all([client.generate(**r) for r in REQUESTS]))
             for trial, threshold in enumerate((1, 60, 150)):
                 sc.wait_steady(timeout=600)
-                seen = [0]
-
-                def on_event(stream, event):
-                    seen[0] += 1
-                    if seen[0] == threshold:
-                        os.kill(sc.wait_steady(standbys=0)["pid"], 9)
-
-                got = outcome(wait_all([client.generate(**r) for r in REQUESTS], on_event))
+                got = outcome(wait_all([client.generate(**r) for r in REQUESTS], kill_active_at(sc, threshold)))
                 assert got == reference, f"trial {trial}"
         assert all(r["requests_lost"] == 0 for r in sc.status()["recoveries"])
     for (tokens, lps, prompt), r in zip(reference, REQUESTS):
