@@ -34,22 +34,43 @@ def workload():
     return FLAGS, REQUESTS
 
 
-def test_sigkill_mid_stream_continues_identically(tiny_model, reference, start_sidecar):
-    sc = start_sidecar(["--model", str(tiny_model), *FOREIGN])
-    total = sum(len(r) for r in reference)
+def test_sigkill_mid_stream_continues_identically(tiny_model, reference, start_sidecar, tmp_path):
+    # Two kills of the active executor: the first one's, then its successor's. Each is aimed from
+    # inside the executor: it stops itself before the forward of the n-th step that holds the
+    # 100-token prompt (request 2: 24 tokens to generate, so at least 24 such steps), and this
+    # test SIGKILLs it there, mid-stream by construction (request 2 has tokens to come, its
+    # prompt's pages are committed) however far the engine runs ahead of this test's client.
+    # The fault counts those steps only while `armed` exists and fires once per `fired`
+    # (KVHOLD_FAULT_IF, KVHOLD_FAULT_ONCE): it is disarmed before each kill, so a successor does
+    # not count the steps of the requests it takes over, and re-armed for the next round. In the
+    # first round a probe holding the same token, alone, takes `probe` of the first executor's
+    # `at` steps first (one step per token): the first kill comes at request 2's step
+    # `at - probe` (about a third of its output), the second at its step `at` (about two thirds).
+    armed, fired = tmp_path / "armed", tmp_path / "fired"
+    token = unique_prompt_token(tiny_model, REQUESTS, 2)
+    at, probe = 16, 8
+    env = {"KVHOLD_FAULT": f"step:token={token}@{at}:stop", "KVHOLD_FAULT_IF": str(armed),
+           "KVHOLD_FAULT_ONCE": str(fired)}
+    # a lease that outlasts the stop: the stopped executor is not fenced as hung before its kill
+    sc = start_sidecar(["--model", str(tiny_model), *FOREIGN, "--lease-ms", "10000"], env=env)
     with sc.new_client(timeout=60) as client:
         sc.wait_steady()
         assert ids(wait_all(submit(client))) == reference          # uninterrupted, foreign mode
-        for threshold in (total // 3, (2 * total) // 3):
-            sc.wait_steady()
-            streams, seen = submit(client), [0]
-
-            def on_event(stream, event):
-                seen[0] += 1
-                if seen[0] == threshold:
-                    os.kill(sc.wait_steady()["pid"], signal.SIGKILL)
-
-            assert ids(wait_all(streams, on_event)) == reference, threshold
+        for first in (True, False):
+            pid = sc.wait_steady()["pid"]
+            fired.unlink(missing_ok=True)
+            armed.touch()
+            if first:      # one step per token, alone: `probe` steps counted, none of them the n-th
+                result = client.generate(prompt_ids=[token], max_tokens=probe, temperature=0.0,
+                                         ignore_eos=True).result()
+                assert result.completion_tokens == probe and not fired.exists()
+            streams = submit(client)
+            wait_stopped(pid, 60)
+            assert int(fired.read_text().split()[0]) == pid
+            armed.unlink()                         # the successor runs clean
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+            assert ids(wait_all(streams)) == reference, first
     sc.wait_steady()             # a standby still starting up would slow the sidecar's stop
     recoveries = sc.status()["recoveries"]
     assert len(recoveries) == 2
