@@ -1,4 +1,5 @@
 """The client SDK against a real sidecar: streams, typed errors, cancel, ownership, liveness."""
+import os
 import signal
 import time
 
@@ -8,6 +9,7 @@ import zmq
 from kvhold.protocol import messages as m, wire
 from kvhold.protocol.errors import (ErrorCode, InvalidParams, InvalidTokenId, NotFound, PromptTooLong,
                         SidecarUnavailable)
+from tests.process.helpers import wait_stopped
 
 
 @pytest.fixture
@@ -99,14 +101,27 @@ def test_typed_errors_from_the_sidecar(client):
         client.generate("a", prompt_ids=[1])
 
 
-def test_cancel_and_ownership(sidecar, client):
-    stream = client.generate("A long answer", max_tokens=200, temperature=0.0)
-    next(stream)
-    with sidecar.new_client() as other:
-        with pytest.raises(NotFound):          # not theirs: it does not exist for them
-            other.cancel(stream.request_id)
-    client.cancel(stream.request_id)
-    result = stream.result()
+def test_cancel_and_ownership(tiny_model, start_sidecar, tmp_path):
+    # The executor stops itself at its 5th commit, a few tokens into the 200 (ignore_eos: no early
+    # end): the request is certainly running when the cancels arrive. The frontend answers a
+    # cancel and marks it in the journal without the executor; the stopped executor, let go on,
+    # sees it there and ends the stream.
+    sc = start_sidecar(["--model", str(tiny_model), "--max-seq-len", "256", "--standbys", "0",
+                        "--lease-ms", "60000"],
+                       env={"KVHOLD_FAULT": "commit_finish:5:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")})
+    pid = sc.wait_steady(standbys=0)["pid"]
+    with sc.new_client(timeout=20) as client:
+        stream = client.generate("A long answer", max_tokens=200, temperature=0.0, ignore_eos=True)
+        next(stream)
+        wait_stopped(pid)
+        try:
+            with sc.new_client() as other:
+                with pytest.raises(NotFound):          # not theirs: it does not exist for them
+                    other.cancel(stream.request_id)
+            client.cancel(stream.request_id)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        result = stream.result()
     assert result.finish_reason == "cancelled" and result.completion_tokens < 200
 
 
