@@ -353,7 +353,7 @@ class Frontend:
             if k is not None and k > limit:
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of {limit} (--max-logprobs)"
                                     if limit else f"{name}: this server computes no log-probs "
-                                    "(--max-logprobs 0, or a workload other than the engine)")
+                                    "(--max-logprobs 0, or a workload that runs no model)")
         name = params.first_set(self.unsupported)
         if name is not None:
             raise InvalidParams(f"{name} is not supported by this sidecar's engine")
