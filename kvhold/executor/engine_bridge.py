@@ -10,10 +10,10 @@ feeds. Every bridge does the same around its engine, and `BridgeWorkload` does i
   ERROR and logged, every other one is submitted to the engine (`_submit`, the bridge's own);
 * a submission's output is cumulative over that submission, which began after `offsets[slot]`
   tokens were already journaled (they are part of its prompt): `_new_tokens` is what it adds;
-* tokens are journaled one at a time (`_append_token`), the journal's page list names the
-  mirrored prefix of the request's KV (`list_mirrored_pages`), and a request ends with the
-  commit rule's order: reason, then the page list emptied, then the mirror's records
-  released (`_end_request`);
+* tokens are journaled one at a time (`_append_token`, with their log-probs where the bridge
+  has them), the journal's page list names the mirrored prefix of the request's KV
+  (`list_mirrored_pages`), and a request ends with the commit rule's order: reason, then the
+  page list emptied, then the mirror's records released (`_end_request`);
 * takeover: the live requests are the taken, unfinished journal entries (`_live_entries`);
   the mirror's intact prefix of each is planned (`_plan_restore`) and the journal's page list
   becomes that prefix before the request is resubmitted.
@@ -119,11 +119,19 @@ class BridgeWorkload(EngineWorkload):
         e = self.journal.entry(slot)
         return e, list(tokens[e.num_generated - self.offsets[slot]:])
 
-    def _append_token(self, slot: int, e, token: int):
-        """Journal one generated token after entry `e`'s; returns the entry as it is now."""
+    def _append_token(self, slot: int, e, token: int, logprobs=None):
+        """Journal one generated token after entry `e`'s, with its log-probs when given
+        (`logprobs`: its log-prob [1], rank [1], top ids [1, k], top log-probs [1, k], stored
+        before the count, as Journal.commit_tokens does); returns the entry as it is now."""
         self.ctx.lease.check()
-        self.journal.commit_tokens(np.array([slot]), np.array([e.num_tokens]), np.array([token], dtype=np.int32),
-                                   np.array([e.num_generated + 1], dtype=np.uint32))
+        pos = np.array([e.num_tokens], dtype=np.int64)
+        lp = None
+        if logprobs is not None:
+            value, rank, top_ids, top_lps = logprobs
+            lp = (np.array([slot], dtype=np.int64), pos, value, top_ids, top_lps,
+                  np.array([e.num_tokens + 1], dtype=np.uint32), rank)
+        self.journal.commit_tokens(np.array([slot]), pos, np.array([token], dtype=np.int32),
+                                   np.array([e.num_generated + 1], dtype=np.uint32), lp)
         return self.journal.entry(slot)
 
     def _list_pages(self, slot: int, request_id: int) -> None:

@@ -25,6 +25,8 @@ is prepared and Ready is sent). Takeover points (kvhold.executor.takeover): `tak
 (the pages no request keeps released or quarantined) and `takeover_tails` (the partially
 filled tails placed), both before the requests are resumed. `publish_counts`: inside a
 page publish (kvhold.protocol.page_table), the new counts written and not yet the checksums.
+The vLLM bridge (kvhold.vllm_bridge.workload) reaches `commit_pages` once per request output
+with new tokens, its KV mirrored and nothing of it journaled yet.
 
 Request-conditioned points fire on what is in a step rather than on a count:
 `<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt

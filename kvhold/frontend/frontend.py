@@ -350,10 +350,11 @@ class Frontend:
         limit = self.tables.geometry.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > limit:
+            # with no logprob area (limit 0) even k = 0, the token's own log-prob, has nowhere to go
+            if k is not None and (k > limit or not limit):
                 raise InvalidParams(f"{name}={k} exceeds this server's limit of {limit} (--max-logprobs)"
                                     if limit else f"{name}: this server computes no log-probs "
-                                    "(--max-logprobs 0, or a workload other than the engine)")
+                                    "(--max-logprobs 0, or a workload that runs no model)")
         name = params.first_set(self.unsupported)
         if name is not None:
             raise InvalidParams(f"{name} is not supported by this sidecar's engine")

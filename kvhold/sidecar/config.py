@@ -421,9 +421,9 @@ class SidecarConfig:
         if pages - 1 < math.ceil(max_seq / kv.page_tokens):  # page 0 is the reserved null page
             raise ValueError(f"the KV pool ({pages} pages of {kv.page_tokens} tokens, one reserved) "
                              f"cannot hold one sequence of --max-seq-len {max_seq}")
-        # only kvhold's engine computes log-probs: other workloads get no logprob area, so a
-        # request asking for them is refused at admission
-        max_logprobs = pool.max_logprobs if self.executors.workload == "engine" else 0
+        # the workloads that run a model journal log-probs (kvhold's engine, the vLLM bridge);
+        # idle and churn get no logprob area, so a request asking for them is refused at admission
+        max_logprobs = pool.max_logprobs if self.executors.workload in ("engine", "vllm") else 0
         # nor structured output and logit_bias (kvhold.protocol.structured): no extras area elsewhere
         extras = extra_bytes_for(pool.max_grammar_bytes) if self.executors.workload == "engine" else 0
         return TableGeometry(kv=kv, num_pages=pages, num_slots=pool.max_requests,

@@ -106,7 +106,8 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=256, help="journal slots (default 256)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top log-probs a request may ask for per token (logprobs, top_logprobs, "
-                        "prompt_logprobs), as vLLM's flag; sizes the journal's logprob area, "
+                        "prompt_logprobs), as vLLM's flag (the engine and vllm workloads; the vllm "
+                        "workload passes it to vLLM); sizes the journal's logprob area, "
                         "max-requests x max-seq-len x (8 + 8 x this) bytes; 0: no log-probs "
                         "(default 20)")
     p.add_argument("--max-grammar-bytes", type=parse_size, default=65536,

@@ -57,6 +57,13 @@ CONNECTOR = {"connector_module": "kvhold.trtllm_bridge.trtllm_connector",
              "connector_scheduler_class": "KvholdConnectorScheduler",
              "connector_worker_class": "KvholdConnectorWorker"}
 REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED}
+# sampling fields the launcher refuses: those no engine bridge honours across a takeover
+# (BRIDGE_UNSUPPORTED: TensorRT-LLM's own min_tokens masking stops that are not kvhold's, its
+# penalties' state not restored from kvhold's journal, grammars, logit_bias), and log-probs,
+# which it does not ask TensorRT-LLM for nor journal: where the sidecar keeps a log-prob area
+# (the engine workload it runs for these launchers), such a request would otherwise stream its
+# tokens only at its end, each with a log-prob of 0
+UNSUPPORTED = BRIDGE_UNSUPPORTED + ("logprobs", "prompt_logprobs")
 
 
 # Keys of the LLM arguments the bridge owns: an --llm-options file setting one is refused.
@@ -174,12 +181,11 @@ def build_llm(kwargs: dict, weights):                    # pragma: no cover - ne
 
 class TrtllmWorkload(BridgeWorkload):
     """The executor workload behind `python -m kvhold.trtllm_bridge.launcher` (module docstring).
-    min_tokens, the penalties and min_p are refused (finished with ERROR, logged): the sidecar,
-    which spawns no executor here, cannot know to refuse them at admission; the bridge does not
-    rely on TensorRT-LLM masking exactly the stops kvhold ends a request on, nor restoring its
-    penalties' state from kvhold's journal. `live` maps a journal slot to its `RequestOutput`."""
+    What `UNSUPPORTED` names is refused (finished with ERROR, logged with the field): the
+    sidecar, which spawns no executor here, cannot know to refuse it at admission. `live` maps
+    a journal slot to its `RequestOutput`."""
 
-    unsupported = BRIDGE_UNSUPPORTED
+    unsupported = UNSUPPORTED
 
     def __init__(self, ctx, options: dict | None = None, head_major: bool = True):
         super().__init__(ctx)

