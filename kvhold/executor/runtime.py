@@ -425,6 +425,10 @@ def make_workload(name: str, ctx: ExecutorContext) -> Workload:
     if name == "engine":
         from kvhold.executor.engine_workload import EngineWorkload
         return EngineWorkload(ctx)
+    if name in ("vllm", "trtllm"):
+        raise ValueError(f"the {name} workload runs its own executor program ("
+                         + ("python -m kvhold.vllm_bridge" if name == "vllm" else
+                            "python -m kvhold.trtllm_bridge.launcher") + "), not python -m kvhold.executor")
     raise ValueError(f"unknown workload {name!r}")
 
 

@@ -235,7 +235,7 @@ class FrontendProcess(ClientSide):
             fingerprint = build_manifest(cfg.pool.model, self.spec).fingerprint if self.spec else ""
             self.durable = DurableJournal(cfg.journal_path)
         self.frontend = Frontend(self.tables, self.spec, cfg.pool.model,
-                                 runs_model=cfg.executors.workload in ("engine", "vllm"), durable=self.durable,
+                                 runs_model=cfg.executors.workload in ("engine", "vllm", "trtllm"), durable=self.durable,
                                  fingerprint=fingerprint,
                                  timeline=shared.timeline if shared is not None else RecoveryTimeline(),
                                  host=self, max_prompt_bytes=cfg.pool.max_prompt_bytes,

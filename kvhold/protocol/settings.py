@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvhold.protocol.layout import KV_DTYPE_CODES, KvGeometry, TableGeometry
 from kvhold.protocol.wire import from_map, nested, to_map
 
-WORKLOADS = ("engine", "idle", "churn", "vllm")   # vllm: kvhold.vllm_bridge
+WORKLOADS = ("engine", "idle", "churn", "vllm", "trtllm")   # vllm: kvhold.vllm_bridge; trtllm: kvhold.trtllm_bridge
 # sampling fields (kvhold.protocol.sampling.SamplingParams) a workload's engine cannot honour:
 # a request that sets one is refused at admission (INVALID_PARAMS), and by the bridge itself
 # what an engine bridge cannot honour exactly across a takeover: its engine's own min_tokens
@@ -32,13 +32,15 @@ WORKLOADS = ("engine", "idle", "churn", "vllm")   # vllm: kvhold.vllm_bridge
 # journal (refused at admission)
 BRIDGE_UNSUPPORTED = ("min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                       "structured", "logit_bias")
-UNSUPPORTED_SAMPLING = {"vllm": BRIDGE_UNSUPPORTED}
+# the TensorRT-LLM launcher also neither asks TensorRT-LLM for log-probs nor journals them
+TRTLLM_UNSUPPORTED = BRIDGE_UNSUPPORTED + ("logprobs", "prompt_logprobs")
+UNSUPPORTED_SAMPLING = {"vllm": BRIDGE_UNSUPPORTED, "trtllm": TRTLLM_UNSUPPORTED}
 KV_MODES = ("native", "foreign")
 
 
 @nested
 class ExecutorSettings:
-    workload: str = "engine"          # engine (the model), idle (nothing), churn (synthetic KV), vllm
+    workload: str = "engine"          # engine (the model), idle (nothing), churn (synthetic KV), vllm, trtllm
     device: str = "cpu"               # cpu or cuda[:N]
     heartbeat_ms: int = 200           # beat this often
     lease_ms: int = 1000              # a lease not renewed for this long is fenced

@@ -346,7 +346,7 @@ class SidecarConfig:
         validate_instance(self.instance)
         problem = self.paths.socket_path_problem()
         _check(problem is None, str(problem), "runtime_root")
-        _check(self.executors.workload not in ("engine", "vllm") or self.pool.model is not None,
+        _check(self.executors.workload not in ("engine", "vllm", "trtllm") or self.pool.model is not None,
                f"the {self.executors.workload} workload needs pool.model (a Hugging Face checkpoint "
                "directory)", "pool.model")
         if self.pool.tensor_parallel_size > 1:
@@ -360,6 +360,8 @@ class SidecarConfig:
                f"--tensor-parallel-size {self.pool.tensor_parallel_size}", "executors.prefix_caching")
         _check(self.executors.zygote in (None, True, False), "executors.zygote must be true, false "
                f"or absent (auto), got {self.executors.zygote!r}", "executors.zygote")
+        if self.executors.workload == "trtllm":
+            _check_trtllm(self)
         if self.executors.workload == "vllm":
             _check_vllm(self)
             if self.pool.compute_dtype is None:   # vLLM computes in the checkpoint's dtype
@@ -518,6 +520,20 @@ def _check_vllm(cfg: "SidecarConfig") -> None:
            "(--max-batch-tokens bounds a step): --prefill-chunk is not supported", "executors.prefill_chunk")
     if ex.spawn_executors and not ex.vllm_any_version:
         _check_vllm_version()
+
+
+def _check_trtllm(cfg: "SidecarConfig") -> None:
+    """What a sidecar for TensorRT-LLM launchers (kvhold.trtllm_bridge) runs, refused clearly
+    otherwise. The launchers are started by their own units (deploy/trtllm.md), never by the
+    sidecar; the workload's name tells admission what they cannot honour (TRTLLM_UNSUPPORTED)."""
+    ex = cfg.executors
+    _check(ex.kv_mode == "foreign", "the trtllm workload keeps TensorRT-LLM's own KV pool, mirrored into "
+           "kvhold's pages: use --kv-mode foreign", "executors.kv_mode")
+    _check(not ex.spawn_executors, "the trtllm workload's executors are TensorRT-LLM launchers "
+           "(python -m kvhold.trtllm_bridge.launcher) that their own units start: use --no-spawn",
+           "executors.spawn_executors")
+    _check(ex.zygote is not True, "the trtllm workload's launchers start cold: --zygote is not supported",
+           "executors.zygote")
 
 
 def _check_vllm_version() -> None:

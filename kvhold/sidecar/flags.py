@@ -13,6 +13,8 @@ import os
 import re
 from pathlib import Path
 
+from kvhold.protocol.settings import WORKLOADS
+
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
           "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
@@ -83,9 +85,11 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env("DEVICE", "cpu"), help="executor device: cpu or cuda:N")
     p.add_argument("--backend", default="host", choices=("host", "cuda"),
                    help="memory backend: host (POSIX shm) or cuda (VMM, needs a GPU)")
-    p.add_argument("--workload", default=None, choices=("engine", "idle", "churn", "vllm"),
+    p.add_argument("--workload", default=None, choices=WORKLOADS,
                    help="what executors run (default: engine with --model, idle without; vllm: a vLLM "
-                        "engine, docs/VLLM_BRIDGE.md)")
+                        "engine, docs/VLLM_BRIDGE.md; trtllm: TensorRT-LLM launchers that attach with "
+                        "--no-spawn, whose unsupported request fields are refused at admission, "
+                        "docs/TRTLLM_BRIDGE.md)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
     kv.add_argument("--kv-memory", type=parse_size, default=None, help="KV pool size, e.g. 2GiB")

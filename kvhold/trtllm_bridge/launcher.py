@@ -49,7 +49,7 @@ from kvhold.protocol.leases import now_ns
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.protocol.page_table import PageTable
 from kvhold.protocol.recovery_report import RecoveryReport, RequestRecovery
-from kvhold.protocol.settings import BRIDGE_UNSUPPORTED, ExecutorSettings
+from kvhold.protocol.settings import TRTLLM_UNSUPPORTED, ExecutorSettings
 from kvhold.trtllm_bridge.trtllm_connector import Bridge, install
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,13 @@ CONNECTOR = {"connector_module": "kvhold.trtllm_bridge.trtllm_connector",
              "connector_scheduler_class": "KvholdConnectorScheduler",
              "connector_worker_class": "KvholdConnectorWorker"}
 REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED}
-# sampling fields the launcher refuses: those no engine bridge honours across a takeover
-# (BRIDGE_UNSUPPORTED: TensorRT-LLM's own min_tokens masking stops that are not kvhold's, its
-# penalties' state not restored from kvhold's journal, grammars, logit_bias), and log-probs,
-# which it does not ask TensorRT-LLM for nor journal: where the sidecar keeps a log-prob area
-# (the engine workload it runs for these launchers), such a request would otherwise stream its
-# tokens only at its end, each with a log-prob of 0
-UNSUPPORTED = BRIDGE_UNSUPPORTED + ("logprobs", "prompt_logprobs")
+# sampling fields the launcher refuses (TRTLLM_UNSUPPORTED): those no engine bridge honours across
+# a takeover (TensorRT-LLM's own min_tokens masking stops that are not kvhold's, its penalties'
+# state not restored from kvhold's journal, grammars, logit_bias), and log-probs, which it does not
+# ask TensorRT-LLM for nor journal. A sidecar run with --workload trtllm refuses them at admission
+# (a 400 naming the field); this refusal is for a sidecar run otherwise, where such a request would
+# otherwise be held to its end and streamed with log-probs of 0
+UNSUPPORTED = TRTLLM_UNSUPPORTED
 
 
 # Keys of the LLM arguments the bridge owns: an --llm-options file setting one is refused.
