@@ -1,13 +1,15 @@
 """Benchmark: `kvhold serve` under streaming HTTP load, and a kill of its active executor mid-run.
 
     python -m tools.bench_serve --model DIR --device cuda:0 [--concurrency 1,8,32,64]
-        [--rounds 2] [--prompt-len 512] [--max-tokens 128] [--kill-concurrency 32]
+        [--rounds 2] [--prompt-len 512 | 128,512] [--max-tokens 128 | 128,384] [--kill-concurrency 32]
         [--serve-args "--kv-memory 24GiB --max-batch-tokens 8192"] [--out FILE]
 
 Starts `kvhold serve` (real processes: supervisor, sidecar, active and standby executors,
 HTTP server) and drives streaming /v1/completions from one asyncio process (httpx): for each
 concurrency C, C clients each send --rounds requests back to back (prompts of --prompt-len
-random token ids, greedy, --max-tokens with ignore_eos, usage in the last chunk). Per
+random token ids, greedy, --max-tokens with ignore_eos, usage in the last chunk; a MIN,MAX
+length is drawn uniformly per request, as ShareGPT-like loads are: --prompt-len 128,512
+--max-tokens 128,384). Per
 request: time to first token (TTFT: send -> first content chunk), the gaps between content
 chunks (ITL), end to end (E2E), content chunks against completion tokens; per level: their
 percentiles, output tokens/s (completion tokens over the level's wall time) and errors.
@@ -15,6 +17,10 @@ Then the kill run: the same requests as the C = --kill-concurrency level, and on
 stream has its first chunk and the streams are on average a third through, a SIGKILL of the
 active executor (its pid from /health); reports the longest gap between two chunks any client
 saw, each stream's longest gap, errors, and whether each output equals the uninterrupted one.
+On CUDA it also writes what the hardware allows for the workload (`floor`): each level's
+prefill at the GPU's bf16 peak plus its decode steps at the bandwidth floor (the weights and
+the KV each step reads), as output tokens/s, with the peak and bandwidth it assumed
+(--peak-tflops, --bandwidth-tbs: the H200's by default).
 Writes JSON (and a PNG of the gaps if matplotlib is available).
 """
 from __future__ import annotations
@@ -114,11 +120,72 @@ async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk=None) -> di
     return out
 
 
-def request_bodies(n: int, prompt_len: int, max_tokens: int, vocab: int, seed: int, model: str) -> list[dict]:
+def length_range(text: str) -> tuple[int, int]:
+    """`N` or `MIN,MAX` (inclusive; drawn uniformly per request) -> (MIN, MAX)."""
+    try:
+        lo, hi = (int(x) for x in text.split(",")) if "," in text else (int(text),) * 2
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a length or MIN,MAX range: {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"a length range needs 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def request_bodies(n: int, prompt_len, max_tokens, vocab: int, seed: int, model: str) -> list[dict]:
+    """`n` greedy streamed completions of random token ids; `prompt_len` and `max_tokens` are a
+    length or a (MIN, MAX) range, drawn uniformly per request."""
     rng = random.Random(seed)
-    return [{"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(prompt_len)],
-             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-             "stream_options": {"include_usage": True}} for _ in range(n)]
+    plo, phi = (prompt_len, prompt_len) if isinstance(prompt_len, int) else prompt_len
+    tlo, thi = (max_tokens, max_tokens) if isinstance(max_tokens, int) else max_tokens
+    bodies = []
+    for _ in range(n):
+        length = rng.randint(plo, phi)
+        bodies.append({"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(length)],
+                       "max_tokens": rng.randint(tlo, thi), "temperature": 0.0, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    return bodies
+
+
+def workload_floor(bodies: list[dict], concurrency: int, weight_bytes: int, kv_bytes_per_token: int,
+                   params: int, peak_flops: float, bandwidth: float) -> dict:
+    """What the hardware allows for `bodies` served `concurrency` at a time: every prompt token's
+    prefill at `peak_flops` (2 x params FLOPs a token; attention left out) plus decode steps of
+    `concurrency` rows, each reading the weights and the KV of its rows once at `bandwidth`
+    (a row's context taken at its request's mean: prompt + half its output). Output tokens/s =
+    the output tokens over that time. A lower bound on time, not a schedule: it overlaps nothing
+    and ignores the steps' compute, launches and the host."""
+    prompt = sum(len(b["prompt"]) for b in bodies)
+    output = sum(b["max_tokens"] for b in bodies)
+    prefill_s = 2 * params * prompt / peak_flops
+    mean_context = sum((len(b["prompt"]) + b["max_tokens"] / 2) * b["max_tokens"] for b in bodies) / output
+    steps = output / concurrency
+    step_s = (weight_bytes + concurrency * mean_context * kv_bytes_per_token) / bandwidth
+    decode_s = steps * step_s
+    return {"prompt_tokens": prompt, "output_tokens": output, "prefill_s": round(prefill_s, 4),
+            "decode_step_ms": round(step_s * 1e3, 3), "decode_s": round(decode_s, 4),
+            "output_tokens_per_s": round(output / (prefill_s + decode_s), 1)}
+
+
+def model_sizes(model: Path) -> tuple[int, int, int]:
+    """(weight bytes, parameters, KV bytes a token) of a checkpoint, from its safetensors
+    headers and config.json (the KV in the checkpoint's dtype)."""
+    from safetensors import safe_open
+
+    cfg = json.loads((model / "config.json").read_text())
+    weight_bytes = params = 0
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_slice(name)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                params += n
+                weight_bytes += n * {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F64": 8}.get(t.get_dtype(), 2)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "float64": 8}.get(cfg.get("torch_dtype"), 2)
+    kv = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 2 * dtype_bytes
+    return weight_bytes, params, kv
 
 
 async def run_level(base: str, bodies: list[dict], concurrency: int, kill=None) -> tuple[list[dict], float]:
@@ -147,16 +214,18 @@ async def run_level(base: str, bodies: list[dict], concurrency: int, kill=None) 
     return results, wall
 
 
-def summarise(results: list[dict], wall: float, max_tokens: int) -> dict:
+def summarise(results: list[dict], wall: float, max_tokens) -> dict:
+    """A level's figures; `max_tokens`: every request's, or a list of each one's."""
     ttft, itl, e2e, tpot = [], [], [], []
     chunks = tokens = 0
     errors = [r["error"] for r in results if r["error"]]
     short = 0
-    for r in results:
+    wanted = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(results)
+    for r, want in zip(results, wanted):
         c = r["chunks"]
         chunks += len(c)
         tokens += r["completion_tokens"] or 0
-        if r["completion_tokens"] != max_tokens:
+        if r["completion_tokens"] != want:
             short += 1
         if not c:
             continue
@@ -242,8 +311,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", default="1,8,32,64", help="concurrent streams per level, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt token ids per request")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=length_range, default=(512, 512),
+                   help="prompt token ids per request: N, or MIN,MAX drawn uniformly per request (default 512)")
+    p.add_argument("--max-tokens", type=length_range, default=(128, 128),
+                   help="output tokens per request (ignore_eos): N, or MIN,MAX drawn uniformly (default 128)")
+    p.add_argument("--peak-tflops", type=float, default=989.4,
+                   help="the GPU's dense bf16 peak for the floor (default: the H200's, 989.4)")
+    p.add_argument("--bandwidth-tbs", type=float, default=4.8,
+                   help="the GPU's memory bandwidth for the floor, TB/s (default: the H200's, 4.8)")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: prompt + max tokens, to a page")
     p.add_argument("--kill-concurrency", type=int, default=32, help="streams in the kill run (0: no kill run)")
     p.add_argument("--kill-fraction", type=float, default=1 / 3,
@@ -260,7 +335,8 @@ def main(argv=None) -> int:
         from kvhold.testing.make_model import ensure_demo_model
         args.model, _ = ensure_demo_model()
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    max_seq = args.max_seq_len or -(-(args.prompt_len + args.max_tokens + 1) // 16) * 16
+    max_seq = args.max_seq_len or -(-(args.prompt_len[1] + args.max_tokens[1] + 1) // 16) * 16
+    mean_tokens = sum(args.max_tokens) / 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.out.with_suffix(".serve.log")
     t_start = time.monotonic()
@@ -279,7 +355,7 @@ def main(argv=None) -> int:
             machine += f" (device name unknown: {exc})"
     result = {"command": "python -m tools.bench_serve " + " ".join(shlex.quote(a) for a in argv),
               "serve_command": server.cmd, "machine": machine, "model": str(args.model), "device": args.device,
-              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "prompt_len": _length(args.prompt_len), "max_tokens": _length(args.max_tokens), "rounds": args.rounds,
               "ready_s": round(server.ready_s, 1), "complete": False, "levels": levels, "kill": None,
               "notes": "ITL: gaps between consecutive content chunks of one stream; TTFT: request sent -> "
                        "first content chunk; E2E: sent -> last content chunk; output tokens/s: completion "
@@ -296,12 +372,19 @@ def main(argv=None) -> int:
 
     kill_results = kill_at = None
     try:
-        warm = request_bodies(2, args.prompt_len, min(8, args.max_tokens), vocab, args.seed + 999, name)
+        warm = request_bodies(2, args.prompt_len, min(8, args.max_tokens[0]), vocab, args.seed + 999, name)
         asyncio.run(run_level(server.base, warm, 2))
+        sizes = model_sizes(args.model) if args.device.startswith("cuda") else None
+        if sizes is not None:
+            result["floor_assumes"] = {"peak_tflops": args.peak_tflops, "bandwidth_tbs": args.bandwidth_tbs,
+                                       "weight_bytes": sizes[0], "parameters": sizes[1], "kv_bytes_per_token": sizes[2]}
         for c in levels_c:
             bodies = request_bodies(c * args.rounds, args.prompt_len, args.max_tokens, vocab, args.seed + c, name)
             results, wall = asyncio.run(run_level(server.base, bodies, c))
-            level = {"concurrency": c, **summarise(results, wall, args.max_tokens)}
+            level = {"concurrency": c, **summarise(results, wall, [b["max_tokens"] for b in bodies])}
+            if sizes is not None:
+                level["floor"] = workload_floor(bodies, c, sizes[0], sizes[2], sizes[1], args.peak_tflops * 1e12,
+                                                args.bandwidth_tbs * 1e12)
             levels.append(level)
             raw[c] = results
             save()
@@ -321,7 +404,7 @@ def main(argv=None) -> int:
                     await asyncio.sleep(0.002)
                     wave = live[:c]
                     if len(wave) == c and all(s["chunks"] > 0 for s in wave) and \
-                            statistics.fmean(s["chunks"] for s in wave) >= args.kill_fraction * args.max_tokens:
+                            statistics.fmean(s["chunks"] for s in wave) >= args.kill_fraction * mean_tokens:
                         break
                     if len(live) > c:           # the first wave ended before the mark: kill now
                         break
@@ -329,7 +412,8 @@ def main(argv=None) -> int:
                 os.kill(victim, signal.SIGKILL)
             kill_results, wall = asyncio.run(run_level(server.base, bodies, c, kill=killer))
             kill_at = marks.get("kill")
-            kill = {"concurrency": c, "victim_pid": victim, **summarise(kill_results, wall, args.max_tokens),
+            kill = {"concurrency": c, "victim_pid": victim,
+                    **summarise(kill_results, wall, [b["max_tokens"] for b in bodies]),
                     **kill_summary(kill_results, kill_at, raw.get(c))}
             t0 = min(r["t0"] for r in kill_results)
             kill["kill_s_after_start"] = round(kill_at - t0, 3) if kill_at else None
@@ -347,6 +431,11 @@ def main(argv=None) -> int:
         save()
         print(f"wrote {args.out}")
     return 0
+
+
+def _length(lo_hi: tuple[int, int]):
+    """A length as the JSON keeps it: N, or [MIN, MAX]."""
+    return lo_hi[0] if lo_hi[0] == lo_hi[1] else list(lo_hi)
 
 
 def _stop(signum, frame):

@@ -44,6 +44,12 @@
 #                  requests per stream: TTFT, ITL, tokens/s; then a SIGKILL of the active executor at
 #                  SERVE_KILL_C (32) streams; SERVE_ARGS: the serve flags (default: LOAD's batch and KV)
 #                                                                   -> serve_cuda.json (.png, .serve.log.gz)
+#   serve-sharegpt kvhold serve with Llama-3-8B at production concurrency: ShareGPT-like lengths (prompts uniform
+#                  in 128-512 ids, outputs uniform in 128-384 tokens, ignore_eos) at SERVE_CONCURRENCY
+#                  (1,8,32,64,128,256), SERVE_ROUNDS (2), a SIGKILL of the active executor at SERVE_KILL_C (256)
+#                  streams, each level beside its floor (bf16 peak prefill + bandwidth-floor decode);
+#                  SERVE_ARGS (default --max-batch 256 --max-batch-tokens 832 --kv-memory 40GiB)
+#                                                          -> serve_cuda_sharegpt.json (.png, .serve.log.gz)
 #   serve-budgets  the serve load (2 rounds, a kill at 64 streams) at each step token budget (--max-batch-tokens)
 #                  in SERVE_BUDGETS (default "8192 2112 1088 832 576")     -> serve_cuda_budget_B.json
 #   exact          exact prefill: GPU tests (tests/gpu/test_gpu_exact.py), prefill tokens/s + MFU exact
@@ -181,6 +187,15 @@ for phase in "${@:-tests}"; do
         --concurrency ${SERVE_CONCURRENCY:-1,8,32,64} --rounds ${SERVE_ROUNDS:-2} --prompt-len 512 --max-tokens 128 \
         --kill-concurrency ${SERVE_KILL_C:-32} --serve-args "${SERVE_ARGS:---max-batch-tokens 8192 --kv-memory 24GiB --log-level INFO}" \
         --out "$OUT/serve_cuda.json" 2>&1 | tail -30
+    gzip -f "$OUT"/*.log 2>/dev/null
+    ;;
+  serve-sharegpt)
+    model_8b
+    timeout $(left) python3 -m tools.bench_serve --model /tmp/l8b --device cuda:0 \
+        --concurrency ${SERVE_CONCURRENCY:-1,8,32,64,128,256} --rounds ${SERVE_ROUNDS:-2} --prompt-len 128,512 \
+        --max-tokens 128,384 --kill-concurrency ${SERVE_KILL_C:-256} \
+        --serve-args "${SERVE_ARGS:---max-batch 256 --max-batch-tokens 832 --kv-memory 40GiB --log-level INFO}" \
+        --out "$OUT/serve_cuda_sharegpt.json" 2>&1 | tail -30
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   serve-budgets)

@@ -1,5 +1,10 @@
-"""tools/bench_serve: what it makes of the chunk times a client saw."""
-from tools.bench_serve import kill_summary, percentiles, summarise
+"""tools/bench_serve: what it makes of the chunk times a client saw, the lengths it draws and
+the floor it sets beside them."""
+import argparse
+
+import pytest
+
+from tools.bench_serve import kill_summary, length_range, percentiles, request_bodies, summarise, workload_floor
 
 
 def stream(chunks, t0=0.0, tokens=None, text="x", error=None):
@@ -27,3 +32,32 @@ def test_kill_figures():
     assert k["chunk_ms_from_kill"][0] == [-50.0, -40.0, -30.0, 150.0, 160.0]
     assert (k["identical_to_uninterrupted"], k["compared"]) == (1, 2)
     assert kill_summary(rs, None, None) == {"killed": False}
+
+
+def test_per_request_max_tokens():
+    rs = [stream([0.1, 0.2]), stream([0.1, 0.2, 0.3])]
+    assert summarise(rs, wall=1.0, max_tokens=[2, 3])["not_max_tokens"] == 0
+    assert summarise(rs, wall=1.0, max_tokens=[3, 3])["not_max_tokens"] == 1
+
+
+def test_lengths_are_one_or_a_range_drawn_per_request():
+    assert length_range("512") == (512, 512) and length_range("128,512") == (128, 512)
+    for bad in ("0", "512,128", "a", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            length_range(bad)
+    bodies = request_bodies(200, (128, 512), (128, 384), 1000, 0, "m")
+    prompts, outs = [len(b["prompt"]) for b in bodies], [b["max_tokens"] for b in bodies]
+    assert 128 <= min(prompts) < 200 and 440 < max(prompts) <= 512 and len(set(prompts)) > 100
+    assert 128 <= min(outs) < 160 and 350 < max(outs) <= 384
+    assert bodies == request_bodies(200, (128, 512), (128, 384), 1000, 0, "m")       # the seed decides
+    assert {len(b["prompt"]) for b in request_bodies(5, 16, 4, 1000, 0, "m")} == {16}
+
+
+def test_the_floor_is_prefill_at_the_peak_plus_decode_steps_at_the_bandwidth():
+    bodies = [{"prompt": [1] * 100, "max_tokens": 10}, {"prompt": [1] * 300, "max_tokens": 30}]
+    f = workload_floor(bodies, 2, weight_bytes=1000, kv_bytes_per_token=2, params=50, peak_flops=1e6, bandwidth=1e4)
+    assert f["prefill_s"] == 2 * 50 * 400 / 1e6                           # 0.04 s
+    mean_context = ((100 + 5) * 10 + (300 + 15) * 30) / 40
+    step = (1000 + 2 * mean_context * 2) / 1e4
+    assert f["decode_step_ms"] == round(step * 1e3, 3) and f["decode_s"] == round(20 * step, 4)
+    assert f["output_tokens_per_s"] == round(40 / (0.04 + 20 * step), 1)
