@@ -10,7 +10,8 @@ of a publish written and not yet its checksum, which covers fewer rows), flagged
 QUARANTINED, malformed (count above the page), owned by another request or listed at another
 logical index, released or quarantined while still listed (no record left: not usable), the
 same page listed by two requests, garbage page numbers, partial tails (full
-pages after one), orphans of a pending or a reaped writer, and empty lists. Then: a takeover
+pages after one), orphans of a pending or a reaped writer, empty lists, and an entry into the
+prefix cache interrupted after its key replaced the owner (the page is given back). Then: a takeover
 that dies after any of its steps leaves lists the next takeover keeps whole."""
 from __future__ import annotations
 
@@ -215,6 +216,8 @@ def _reference(records, plans, checksum, chunk):
     """The rules, page by page: per request (valid tokens, recorded tokens, first bad page), and
     the listed pages found bad."""
     out, bad = {}, set()
+    # the requests whose lists a takeover reads (a first page in range)
+    listing = {plan.entry.request_id for plan in plans if plan.pages and 0 <= plan.pages[0] < len(records)}
     for plan in plans:
         rid = plan.entry.request_id
         valid = recorded = 0
@@ -229,6 +232,12 @@ def _reference(records, plans, checksum, chunk):
                 == int(r["checksum"])
             belongs = (int(r["owner"]) == rid and int(r["logical"]) == i and not int(r["flags"]) & PageFlag.BAD
                        and int(r["num_tokens"]) <= PT)
+            if (not belongs and int(r["version"]) & 1 and sum_ok and int(r["num_tokens"]) == PT
+                    and int(r["logical"]) == i and not int(r["flags"]) & (PageFlag.BAD | PageFlag.CACHED)
+                    and int(r["owner"]) != 0 and int(r["owner"]) not in listing):
+                # the prefix cache's entry (`mark_cached`) interrupted after a key replaced the
+                # owner, before the CACHED flag: a full, whole page, given back to its request
+                belongs = True
             if belongs and int(r["version"]) & 1 and not sum_ok:
                 # an interrupted publish: the longest shorter prefix its checksum covers
                 match = [k for k in range(count) if _sum(checksum, page, k) == int(r["checksum"])]
@@ -259,6 +268,8 @@ def _reference(records, plans, checksum, chunk):
 # listed pages a takeover that died had quarantined (a first page: nothing usable) and released
 @example(state=([(6, 0, [(5, dict(_GOOD, count=PT - 2, cleared=True, flag=PageFlag.QUARANTINED))]),
                  (9, 0, [(7, _GOOD), (8, dict(_GOOD, cleared=True))])], []))
+# an entry into the prefix cache interrupted between the key (the owner) and the CACHED flag
+@example(state=([(1, 0, [(1, dict(_GOOD, mine=False, odd=True))])], []))
 # publishes interrupted between count and checksum: a first page (its first rows) and a tail
 @example(state=([(6, 0, [(5, dict(_GOOD, count=PT - 1, odd=True, torn=True))]),
                  (9, 0, [(7, _GOOD), (8, dict(_GOOD, count=PT, odd=True, torn=True))]),
