@@ -21,6 +21,7 @@ from kvhold.protocol.layout import KvGeometry
 from kvhold.protocol.memory import HostRegion
 from kvhold.protocol.model_spec import CheckpointError, ModelSpec
 from kvhold.protocol.quantization import parse_quantization
+from kvhold.sidecar.config import PoolConfig, SettingError, SidecarConfig
 from kvhold.testing import make_model
 from kvhold.testing.make_model import PRESETS, build, make_config, random_weights
 
@@ -285,13 +286,22 @@ def test_dynamic_row_quantization_is_per_row_and_scaled_mm_matches_the_dequantiz
     assert ((got - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max() < 0.08
 
 
-def test_the_70b_preset_fits_one_h200_and_its_reduced_build_is_sharded_fp8(tmp_path, capsys):
+def test_the_70b_preset_fits_one_h200_and_its_reduced_build_is_sharded_fp8(ckpts, tmp_path, capsys):
     cfg = make_config("llama3-70b-fp8", 128256, 1, 2)
     spec = ModelSpec.from_config(cfg)
     assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
             spec.vocab_size, spec.rope_theta) == (8192, 80, 64, 8, 28672, 128256, 500000.0)
     assert spec.quant.strategy == "channel" and spec.quant.activation == "dynamic"
     assert make_model._checkpoint_bytes(cfg) / 1e9 == pytest.approx(72.7, abs=0.2)     # FP8 + bf16 head
+    # on one H200 (about 139 GiB) at --gpu-memory-utilization 0.9 the FP8 weights leave room for KV;
+    # the same model in bf16 would not fit at all
+    pool = PoolConfig(model=ckpts["fp8-dynamic"], backend="cuda", device="cuda:0", gpu_memory_utilization=0.9,
+                      compute_dtype="bfloat16")
+    kv = SidecarConfig(pool=pool).kv_bytes_for_utilization(spec, total_bytes=139 << 30)
+    assert kv > 45 << 30          # over 150,000 tokens of Llama-3-70B's KV (320 KiB a token)
+    with pytest.raises(SettingError, match="leaves no KV memory"):
+        SidecarConfig(pool=pool).kv_bytes_for_utilization(dataclasses.replace(spec, quant=None),
+                                                          total_bytes=139 << 30)
     # the same preset, shapes reduced, through the command: its shards written as they fill
     small = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, vocab_size=768)
