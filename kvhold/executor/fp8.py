@@ -57,16 +57,19 @@ class Fp8Weight:
         """weight * scale in `dtype`: computed in float64 for a float64 result, else in float32
         and rounded once to `dtype`."""
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        w = self.weight.to(acc)
+        w = self.weight.to(acc)             # a copy (the region's FP8 bytes stay as they are)
         s = self.scale.to(acc)
         if self.strategy == "tensor":
-            w = w * s.reshape(())
+            w.mul_(s.reshape(()))
         elif self.strategy == "channel":
-            w = w * s.reshape(-1, 1)
+            w.mul_(s.reshape(-1, 1))
         else:
             out, inp = w.shape
             bn, bk = self.block
-            w = w * s.repeat_interleave(bn, 0)[:out].repeat_interleave(bk, 1)[:, :inp]
+            if out % bn == 0 and inp % bk == 0:     # whole blocks: a broadcast, no full-size scale tensor
+                w.view(out // bn, bn, inp // bk, bk).mul_(s[:, None, :, None])
+            else:
+                w.mul_(s.repeat_interleave(bn, 0)[:out].repeat_interleave(bk, 1)[:, :inp])
         return w if w.dtype == dtype else w.to(dtype)
 
     def row_scales(self) -> torch.Tensor:

@@ -284,6 +284,12 @@ def test_dynamic_row_quantization_is_per_row_and_scaled_mm_matches_the_dequantiz
     ref = x.double() @ fw.dequantize(torch.float64).T
     got = scaled_mm_linear(x.to(torch.bfloat16), fw).double()     # torch._scaled_mm: here on CPU
     assert ((got - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max() < 0.08
+    # per-tensor weight scale, static input scale: rows within its range (|x| <= 16; not the last)
+    wq, scales = quantize_fp8(w, "fp8-tensor", torch.float32)
+    fw = Fp8Weight("w", wq, scales["weight_scale"], "tensor", input_scale=scales["input_scale"])
+    ref = x.double() @ fw.dequantize(torch.float64).T
+    got = scaled_mm_linear(x.to(torch.bfloat16), fw).double()
+    assert ((got - ref).abs() / ref.abs().amax(dim=1, keepdim=True))[:-1].max() < 0.08   # rows in range
 
 
 def test_the_70b_preset_fits_one_h200_and_its_reduced_build_is_sharded_fp8(ckpts, tmp_path, capsys):
