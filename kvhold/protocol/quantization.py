@@ -54,9 +54,9 @@ class Fp8Scheme:
 
     @property
     def describe(self) -> str:
-        if self.strategy == "block":
-            return f"{self.method} FP8, {self.block[0]}x{self.block[1]} block scales, {self.activation} activations"
-        return f"{self.method} FP8, per-{self.strategy} weight scales, {self.activation} activations"
+        scales = (f"{self.block[0]}x{self.block[1]} block" if self.strategy == "block"
+                  else f"per-{self.strategy}")
+        return f"quant_method {self.method}, {scales} weight scales, {self.activation} activations"
 
     def quantized(self, module: str) -> bool:
         """Whether the Linear `module` (e.g. "model.layers.0.self_attn.q_proj") is stored in FP8."""

@@ -335,3 +335,12 @@ def test_make_model_quant_and_layers_flags(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["quantization_config"]["weight_block_size"] == [128, 128]
     assert ModelSpec.from_dir(out).quant.strategy == "block"
+
+
+def test_tensor_parallel_groups_refuse_fp8_weights():
+    from kvhold.protocol.tensor_parallel import tensor_parallel_refusal
+
+    spec = ModelSpec.from_config(make_config("tiny", 512, 0, 1, "fp8-block"))
+    assert "weights are FP8 (quant_method fp8, 128x128 block weight scales, dynamic" in tensor_parallel_refusal(spec, 2)
+    assert tensor_parallel_refusal(spec, 1) is None
+    assert tensor_parallel_refusal(dataclasses.replace(spec, quant=None), 2) is None
