@@ -122,6 +122,12 @@ def _compressed_tensors(q: dict) -> Fp8Scheme:
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
         raise ValueError(f"{what} quantization_status {status!r} is not supported (compressed only)")
+    sparsity = q.get("sparsity_config")
+    if sparsity is not None and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+        raise ValueError(f"{what} sparsity_config format {fmt!r} is not supported (dense weights only)")
+    if q.get("transform_config") is not None:
+        raise ValueError(f"{what} transform_config is not supported (no weight transforms)")
     if q.get("kv_cache_scheme") is not None:
         raise ValueError(f"{what} kv_cache_scheme {q['kv_cache_scheme']!r} is not supported "
                          "(the KV cache is kept in the compute dtype)")

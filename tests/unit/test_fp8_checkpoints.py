@@ -224,6 +224,9 @@ REFUSED += [
     (_ct(acts={"dynamic": False, "strategy": "token"}), "strategy=token dynamic=False"),
     (_ct(format="pack-quantized"), "format 'pack-quantized'"),
     (_ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}), "kv_cache_scheme"),
+    (_ct(sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
+     "sparsity_config format 'sparse-24-bitmask'"),
+    (_ct(transform_config={"config_groups": {}}), "transform_config"),
 ]
 
 
