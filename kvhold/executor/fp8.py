@@ -5,8 +5,8 @@ scales beside it; nothing is dequantized into the region or kept dequantized in 
 
 * CPU (the reference): `dequantize` to the compute dtype on every use, then the same
   F.linear as a float checkpoint. The dequantized weight depends on nothing but the region's
-  bytes, so a row's output stays independent of the other rows of its batch exactly as on a
-  float checkpoint. In float64 the product weight * scale is exact (a 4-bit significand times
+  bytes, so a row's output depends on the other rows of its batch no more than on a float
+  checkpoint (float64: the BLAS's blocking by row count moves the last bits at most). In float64 the product weight * scale is exact (a 4-bit significand times
   a float32 one); in float32 it is rounded once, then cast to a narrower compute dtype once.
   Activations are not quantized: the activation scheme only says how an FP8 GEMM would scale
   them (`scaled_mm_linear`).

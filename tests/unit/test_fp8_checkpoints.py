@@ -347,3 +347,31 @@ def test_tensor_parallel_groups_refuse_fp8_weights():
     assert "weights are FP8 (quant_method fp8, 128x128 block weight scales, dynamic" in tensor_parallel_refusal(spec, 2)
     assert tensor_parallel_refusal(spec, 1) is None
     assert tensor_parallel_refusal(dataclasses.replace(spec, quant=None), 2) is None
+
+
+@pytest.mark.parametrize("quant", ("fp8-dynamic", "fp8-block"))
+def test_a_recompute_gives_the_decode_steps_logits_on_cpu(ckpts, quant):
+    """Recompute over FP8 weights, as the CPU engine's float64 recompute of a float checkpoint: one
+    prefill of the prompt and the generated tokens, batched with another sequence, gives each
+    row the logits prefill-then-decode gave to float64 rounding (the CPU BLAS blocks a product by
+    its row count, so the last bits may differ; no token's margin is near that) and the same
+    greedy token."""
+    spec = ModelSpec.from_dir(ckpts[quant])
+    model = LlamaModel(spec, load_file(str(ckpts[quant] / "model.safetensors")), torch.float64,
+                       torch.device("cpu"), 64)
+    stepped, tokens = _greedy_logits(spec, model, torch.float64)
+    seq = PROMPT + tokens
+    kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64", PAGE), 64)
+    other = [5, 6, 7, 8, 9, 10, 11]
+    pages_a, pages_b = torch.arange(1, 32), torch.arange(32, 64)
+    ids = seq + other
+    pos = torch.cat([torch.arange(len(seq)), torch.arange(len(other))])
+    write = torch.cat([pages_a[torch.arange(len(seq)) // PAGE], pages_b[torch.arange(len(other)) // PAGE]])
+    step = StepInput(token_ids=torch.tensor(ids), positions=pos, write_pages=write, write_slots=pos % PAGE,
+                     seqs=[SeqSlice(0, len(seq), len(seq), pages_a[:(len(seq) + PAGE - 1) // PAGE]),
+                           SeqSlice(len(seq), len(other), len(other), pages_b[:2])],
+                     logits_rows=torch.arange(len(seq) - 1))
+    recomputed = model.forward(step, kv).double()
+    want = stepped[:len(seq) - 1]
+    assert ((recomputed - want).abs().max() / want.abs().max()) < 1e-12
+    assert torch.equal(recomputed.argmax(-1), want.argmax(-1))
