@@ -15,6 +15,8 @@ sequence attends over its pages read back from the pool. Conventions follow
 Hugging Face `transformers` (rotate-half RoPE, RMSNorm in float32 for half
 types) so that its checkpoints give its outputs. On CUDA the layers run through
 kvhold.executor.cuda.layers (fused projections and elementwise kernels, same model).
+FP8 checkpoints keep their quantized Linear weights in float8_e4m3fn in the region with
+their scales (kvhold.executor.fp8): the CPU path dequantizes each on use.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvhold.executor.fp8 import Fp8Weight, fp8_weights
 from kvhold.executor.kv_cache import KvCache
 from kvhold.protocol.model_spec import ModelSpec
 
@@ -79,6 +82,7 @@ class LlamaModel:
             raise ValueError(refusal)
         self.spec = spec
         self.w = weights
+        self.fp8 = fp8_weights(spec, weights)      # the quantized Linear weights, by name
         self.dtype = compute_dtype
         self.device = device
         self.cos, self.sin = self._rope_tables(rope_inv_freq(spec), max_positions)
@@ -107,8 +111,15 @@ class LlamaModel:
         return emb.cos().to(device=self.device, dtype=self.dtype), emb.sin().to(device=self.device, dtype=self.dtype)
 
     def _weight(self, name: str) -> torch.Tensor:
+        if (q := self.fp8.get(name)) is not None:
+            return q.dequantize(self.dtype)
         w = self.w[name]
         return w if w.dtype == self.dtype else w.to(self.dtype)
+
+    def linear_weight(self, name: str) -> torch.Tensor | Fp8Weight:
+        """A Linear weight as the fused CUDA layers take it: in the compute dtype, or FP8 with
+        its scales (never dequantized here)."""
+        return self.fp8.get(name) or self._weight(name)
 
     def _linear(self, x, name: str, bias: bool = False):
         b = self._weight(name.replace(".weight", ".bias")) if bias else None

@@ -6,7 +6,9 @@ its safetensors file straight into the region at the offset the manifest gives
 tensor and showing a progress bar, then makes its own mapping read-only and
 reports the manifest fingerprint. Every other executor checks that the region is
 sealed with the fingerprint of the manifest it was given and maps it; nothing is
-reloaded. A short or unreadable file is an error naming the file and tensor.
+reloaded. A short or unreadable file is an error naming the file and tensor. FP8 weights
+(float8_e4m3fn) and their scales are copied and viewed as stored: kvhold.executor.fp8 computes
+with them.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from kvhold.protocol.memory import Mapping
 from kvhold.protocol.model_spec import CheckpointError
 
 log = logging.getLogger(__name__)
+# the dtypes of tensors in the region: the compute dtypes and FP8 weights (never a compute dtype)
+WEIGHT_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class WeightsRegion:
@@ -95,7 +99,7 @@ class WeightsRegion:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Zero-copy views of every tensor, keyed by its Hugging Face name."""
-        return {e.name: self.mapping.tensor(TORCH_DTYPES[e.dtype], e.shape, e.offset)
+        return {e.name: self.mapping.tensor(WEIGHT_DTYPES[e.dtype], e.shape, e.offset)
                 for e in self.manifest.entries}
 
 

@@ -5,7 +5,11 @@ header length, then a JSON map name -> {dtype, shape, data_offsets}), so sizing
 the weights region needs neither torch nor reading tensor data. It checks the
 checkpoint against its config (every expected tensor present with the expected
 shape and a floating dtype; nothing unexpected) and names the file and tensor in
-every error. The manifest's fingerprint identifies the region layout: an executor
+every error. An FP8 checkpoint (ModelSpec.quant) keeps its quantized weights in
+float8_e4m3fn and their scales as stored: a quantized weight must be F8_E4M3, every other
+tensor (scales included) a wider float type, so the region holds the FP8 bytes and the
+layout (dtype, shape, offset of every weight and scale) and the scheme (in the spec's digest)
+are both in the fingerprint. The manifest's fingerprint identifies the region layout: an executor
 that finds a region sealed with the same fingerprint maps it instead of loading.
 """
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 from kvhold.protocol.model_spec import CheckpointError, ModelSpec
 
 SAFETENSORS_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2),
-                      "F64": ("float64", 8)}
+                      "F64": ("float64", 8), "F8_E4M3": ("float8_e4m3fn", 1)}
+FP8 = "F8_E4M3"
 MAX_HEADER_BYTES = 100 << 20
 REGION_ALIGN = 256
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -95,6 +100,7 @@ def build_manifest(model_dir: str | Path, spec: ModelSpec) -> Manifest:
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors files")
     expected = spec.expected_tensors()
+    fp8 = set(spec.fp8_weights())
     found: dict[str, tuple[Path, dict, int]] = {}
     for path in files:
         header, data_start = read_safetensors_header(path)
@@ -107,7 +113,7 @@ def build_manifest(model_dir: str | Path, spec: ModelSpec) -> Manifest:
                                       f"{spec.model_type} model with this config")
             if name in found:
                 raise CheckpointError(f"{path.name}: tensor {name!r} also in {found[name][0].name}")
-            _check_entry(path, name, info, expected[name], data_start, size)
+            _check_entry(path, name, info, expected[name], data_start, size, name in fp8)
             found[name] = (path, info, data_start)
     missing = [n for n in expected if n not in found]
     if missing:
@@ -125,13 +131,22 @@ def build_manifest(model_dir: str | Path, spec: ModelSpec) -> Manifest:
                     spec_digest=spec_digest(spec))
 
 
-def _check_entry(path: Path, name: str, info, want_shape, data_start: int, size: int) -> None:
+def _check_entry(path: Path, name: str, info, want_shape, data_start: int, size: int,
+                 fp8: bool = False) -> None:
     where = f"{path.name}: tensor {name!r}"
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
         raise CheckpointError(f"{where}: malformed header entry")
     if info["dtype"] not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{where}: dtype {info['dtype']} is not a supported float type")
+    if fp8 and info["dtype"] != FP8:
+        raise CheckpointError(f"{where}: dtype {info['dtype']}, but the config's quantization_config "
+                              f"quantizes it: {FP8} expected")
+    if not fp8 and info["dtype"] == FP8:
+        raise CheckpointError(f"{where}: dtype {FP8}, but the config does not quantize it (no "
+                              "quantization_config, or the tensor is not a quantized Linear weight)")
     shape = tuple(info["shape"])
+    if shape == (1,) and tuple(want_shape) == ():      # a per-tensor scale stored as [1]
+        shape = ()
     if shape != tuple(want_shape):
         raise CheckpointError(f"{where}: shape {list(shape)} does not match the config, "
                               f"which implies {list(want_shape)}")

@@ -12,7 +12,10 @@ and its own RoPE base, `rope_local_base_freq`, on the sliding layers) configs in
 Face format, including the `rope_parameters` spelling of newer transformers releases. The end-of-sequence ids are those of
 config.json and generation_config.json together (as vLLM stops on both). What the
 engine does not implement (other activations, partial rotary, other RoPE types,
-other layer types) is refused with the reason, never ignored.
+other layer types) is refused with the reason, never ignored. A `quantization_config` is read
+by kvhold.protocol.quantization: FP8 checkpoints (compressed-tensors, transformers' fp8) give
+`quant`, which names the weights stored in float8_e4m3fn and their scale tensors; any other
+scheme is refused.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvhold.protocol.quantization import Fp8Scheme, parse_quantization
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -70,6 +75,8 @@ class ModelSpec:
     # Gemma 3: the RoPE of the sliding-window layers (base, scaling); None = the same as the others
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # FP8 weights (kvhold.protocol.quantization); None: every tensor in a float dtype
+    quant: Fp8Scheme | None = None
 
     @property
     def qk_norm(self) -> bool:
@@ -187,6 +194,7 @@ class ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_windows=_sliding_windows(cfg, model_type),
+            quant=parse_quantization(cfg),
         )
         spec.validate()
         return spec
@@ -244,7 +252,29 @@ class ModelSpec:
                 shapes.update({p + "self_attn.q_proj.bias": (q,),
                                p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
+            # a layer's scales after all its tensors: its FP8 q|k|v and gate|up stay adjacent
+            for name in self.fp8_weights(layer):
+                shapes.update({name.removesuffix("weight") + suffix: shape
+                               for suffix, shape in self.quant.scale_shapes(shapes[name]).items()})
         return shapes
+
+    def linear_weights(self, layer: int) -> tuple[str, ...]:
+        """The names of `layer`'s Linear weights, in the region's order."""
+        p = f"model.layers.{layer}."
+        if self.fused_tensors:
+            mods = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        else:
+            mods = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        return tuple(p + m + ".weight" for m in mods)
+
+    def fp8_weights(self, layer: int | None = None) -> tuple[str, ...]:
+        """The weights stored in float8_e4m3fn (of `layer`, or of every layer)."""
+        if self.quant is None:
+            return ()
+        layers = range(self.num_layers) if layer is None else (layer,)
+        return tuple(n for i in layers for n in self.linear_weights(i)
+                     if self.quant.quantized(n.removesuffix(".weight")))
 
 
 def _token_ids(value) -> list[int]:
@@ -372,6 +402,7 @@ def _gemma_spec(cfg: dict, model_type: str) -> "ModelSpec":
         final_logit_softcap=None if final_cap is None else float(final_cap),
         local_rope_theta=local_theta,
         local_rope_scaling=local_scaling,
+        quant=parse_quantization(cfg),
     )
     spec.validate()
     return spec

@@ -26,6 +26,9 @@ def tensor_parallel_refusal(spec: ModelSpec | None, size: int, device: str = "cp
     if spec.fused_tensors:
         return (f"pool.tensor_parallel_size {size}: {spec.model_type} stores q|k|v and gate|up fused; "
                 "kvhold shards separate q/k/v/gate/up tensors only")
+    if spec.quant is not None:
+        return (f"pool.tensor_parallel_size {size}: the checkpoint's weights are FP8 ({spec.quant.describe}); "
+                "kvhold shards float weights only")
     return None
 
 

@@ -470,8 +470,13 @@ EXECUTOR_RESERVE_BYTES = 3 << 30   # per executor: CUDA context, kernels, graphs
 
 
 def _weights_bytes(spec, dtype: str) -> int:
+    """The weights region's size, near enough: FP8 weights at a byte each (their scales counted
+    at 4), every other tensor in `dtype`."""
     itemsize = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
-    return itemsize * sum(math.prod(shape) for shape in spec.expected_tensors().values())
+    fp8 = set(spec.fp8_weights())
+    scales = ("_scale", "_scale_inv") if fp8 else ()
+    return sum(math.prod(shape) * (1 if name in fp8 else 4 if scales and name.endswith(scales) else itemsize)
+               for name, shape in spec.expected_tensors().items())
 
 
 def gpu_total_bytes(device: str) -> int:

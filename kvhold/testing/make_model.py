@@ -2,6 +2,8 @@
 
     python -m kvhold.testing.make_model --preset tiny --out DIR
     python -m kvhold.testing.make_model --preset llama3-8b --out DIR --device cuda   (random bf16, ~16 GB)
+    python -m kvhold.testing.make_model --preset tiny --quant fp8-dynamic --out DIR
+    python -m kvhold.testing.make_model --preset llama3-70b-fp8 --out DIR --device cuda   (FP8, ~73 GB)
 
 Writes a Hugging Face style directory: config.json, model*.safetensors,
 tokenizer.json (a byte-level BPE tokenizer trained here, by `tokenizers`, on a
@@ -16,6 +18,23 @@ nothing until its character completes; a special token to nothing at all).
 Weights are random (seeded), so the text they produce is meaningless; what
 matters to kvhold is that the shapes, the formats and the arithmetic are real.
 `ensure_demo_model` builds the tiny preset once into a cache directory.
+
+`--quant` writes an FP8 checkpoint as published ones are stored (kvhold.protocol.quantization):
+every decoder Linear weight quantized to float8_e4m3fn with its scales, embeddings, norms and
+lm_head left in the preset's dtype, and the `quantization_config` those checkpoints carry:
+  fp8-dynamic  compressed-tensors "float-quantized", per-output-channel `weight_scale` [out, 1]
+               (in the model's dtype), dynamic per-token activations (llm-compressor's FP8_DYNAMIC)
+  fp8-tensor   compressed-tensors, one `weight_scale` [1] per weight and a static `input_scale`
+               [1] per layer (llm-compressor's FP8; the input scale is a fixed 16/448 here, as
+               there is no calibration data: the CPU engine does not use it)
+  fp8-block    transformers' fp8 with `weight_block_size` [128, 128]: `weight_scale_inv`
+               [ceil(out/128), ceil(in/128)] in float32, dynamic activations (DeepSeek-V3's, Qwen3's)
+A scale is amax / 448 of its channel, tensor or block, stored first and then used to quantize,
+so dequantizing (weight * stored scale) reproduces the drawn weight to FP8's precision. The
+`llama3-70b-fp8` preset (Llama-3-70B's shapes) is fp8-dynamic: each tensor is drawn and
+quantized on `--device`, and shards are written as they fill (`--shard-gb`), so the bf16
+model is never whole in memory; about 73 GB on disk. `--layers N` keeps a preset's shapes with
+N layers.
 """
 from __future__ import annotations
 
@@ -26,6 +45,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PRESETS = {
@@ -42,6 +62,11 @@ PRESETS = {
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 PRESETS["llama3-8b-4l"] = dict(PRESETS["llama3-8b"], num_hidden_layers=4)  # same shapes, fewer layers
+PRESETS["llama3-70b-fp8"] = dict(PRESETS["llama3-8b"], hidden_size=8192, intermediate_size=28672,
+                                 num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+PRESET_QUANT = {"llama3-70b-fp8": "fp8-dynamic"}     # presets written in FP8 whatever --quant says
+QUANT_KINDS = ("fp8-dynamic", "fp8-tensor", "fp8-block")
+STATIC_INPUT_SCALE = 16.0 / 448.0        # fp8-tensor's input_scale: activations up to |16| in range
 PRESETS["llama3-tiny"] = dict(PRESETS["tiny"], vocab_size=4096)  # tiny shapes, llama3-8b's kind of tokenizer
 DEMO_VERSION = "tiny-v1"
 WORDS = ("the a an of to in and or but with for on at by from over under about after before "
@@ -114,20 +139,103 @@ def covering_tokenizer(vocab_size: int, base_size: int = 512):
     return Tokenizer.from_str(json.dumps(data))
 
 
-def tokenizer_for(preset: str):
+def tokenizer_for(preset: str, vocab_size: int | None = None):
     """The tokenizer a preset's checkpoint gets: the 512-token BPE, or one covering the
-    preset's whole vocabulary."""
-    vocab_size = PRESETS[preset]["vocab_size"]
+    preset's whole vocabulary (`vocab_size`, where given, instead of the preset's)."""
+    vocab_size = vocab_size or PRESETS[preset]["vocab_size"]
     return covering_tokenizer(vocab_size) if vocab_size else train_tokenizer()
 
 
-def make_config(preset: str, vocab_size: int, bos: int, eos: int) -> dict:
-    cfg = dict(PRESETS[preset])
+def quantization_config(quant: str) -> dict:
+    """The `quantization_config` of a `quant` kind, as published checkpoints of that kind have it."""
+    def ct_args(strategy, dynamic, observer):
+        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": None,
+                "num_bits": 8, "observer": observer, "observer_kwargs": {}, "strategy": strategy,
+                "symmetric": True, "type": "float"}
+    if quant == "fp8-block":
+        return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    if quant not in ("fp8-dynamic", "fp8-tensor"):
+        raise ValueError(f"unknown quant {quant!r} (one of {', '.join(QUANT_KINDS)})")
+    dynamic = quant == "fp8-dynamic"
+    group = {"input_activations": ct_args("token" if dynamic else "tensor", dynamic, None if dynamic else "minmax"),
+             "output_activations": None, "targets": ["Linear"],
+             "weights": ct_args("channel" if dynamic else "tensor", False, "minmax")}
+    return {"config_groups": {"group_0": group}, "format": "float-quantized", "ignore": ["lm_head"],
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
+def make_config(preset: str, vocab_size: int, bos: int, eos: int, quant: str | None = None,
+                overrides: dict | None = None) -> dict:
+    """The preset's config.json (with `overrides` of its fields); `quant`: an FP8 kind's
+    quantization_config (a preset of PRESET_QUANT always has its own)."""
+    cfg = dict(PRESETS[preset], **(overrides or {}))
     cfg["vocab_size"] = cfg["vocab_size"] or vocab_size
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
                bos_token_id=bos, eos_token_id=eos)
+    quant = PRESET_QUANT.get(preset, quant)
+    if quant is not None:
+        cfg["quantization_config"] = quantization_config(quant)
     return cfg
+
+
+def quantize_fp8(w, quant: str, scale_dtype):
+    """(float8_e4m3fn weight, {scale suffix: scale}) of a float weight [out, in] for a `quant`
+    kind: each scale amax / 448 over its channel, tensor or 128x128 block, stored in
+    `scale_dtype` (fp8-block: float32) and used as stored."""
+    import torch
+
+    from kvhold.protocol.quantization import FP8_MAX
+
+    wf = w.float()
+    out, inp = wf.shape
+    if quant == "fp8-block":
+        b = 128
+        ob, ib = -(-out // b), -(-inp // b)
+        padded = torch.zeros(ob * b, ib * b, device=wf.device)
+        padded[:out, :inp] = wf.abs()
+        amax = padded.view(ob, b, ib, b).amax(dim=(1, 3))
+        scale = (amax / FP8_MAX).clamp(min=1e-12).to(torch.float32)
+        full = scale.repeat_interleave(b, 0)[:out].repeat_interleave(b, 1)[:, :inp]
+        name = "weight_scale_inv"
+    elif quant == "fp8-dynamic":
+        scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+        full, name = scale.float(), "weight_scale"
+    else:
+        scale = (wf.abs().amax().reshape(1) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+        full, name = scale.float(), "weight_scale"
+    q = (wf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scales = {name: scale}
+    if quant == "fp8-tensor":
+        scales["input_scale"] = torch.tensor([STATIC_INPUT_SCALE], dtype=scale_dtype, device=wf.device)
+    return q, scales
+
+
+def checkpoint_tensors(cfg: dict, seed: int, device: str = "cpu"):
+    """Yield (name, tensor) of the checkpoint `cfg` describes: random_weights, each decoder
+    Linear weight quantized (with its scales after it) where cfg has a quantization_config."""
+    import torch
+
+    quant = _quant_kind(cfg)
+    scale_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["torch_dtype"]]
+    for name, tensor in random_weights(cfg, seed, device):
+        if quant is None or not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            yield name, tensor
+            continue
+        q, scales = quantize_fp8(tensor, quant, scale_dtype)
+        yield name, q
+        for suffix, scale in scales.items():
+            yield name.removesuffix("weight") + suffix, scale
+
+
+def _quant_kind(cfg: dict) -> str | None:
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if q.get("quant_method") == "fp8":
+        return "fp8-block"
+    return "fp8-dynamic" if q["config_groups"]["group_0"]["weights"]["strategy"] == "channel" else "fp8-tensor"
 
 
 def random_weights(cfg: dict, seed: int, device: str = "cpu"):
@@ -159,25 +267,33 @@ def random_weights(cfg: dict, seed: int, device: str = "cpu"):
 
 
 def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
-          shard_bytes: int = 4 << 30, progress: bool = True) -> Path:
+          shard_bytes: int = 4 << 30, progress: bool = True, quant: str | None = None,
+          overrides: dict | None = None) -> Path:
     """Write a checkpoint to `out` atomically (a temp dir beside it, renamed at the end; its
     parent folders are made first). `progress`: say on stderr what it does (the tokenizer's
-    training and the weights take tens of seconds on a small machine)."""
+    training and the weights take tens of seconds on a small machine). `quant`: an FP8 kind
+    (QUANT_KINDS); `overrides`: config fields instead of the preset's. Each shard is written
+    as soon as it holds `shard_bytes`; several shards get a model.safetensors.index.json."""
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
     def say(text: str) -> None:
         if progress:
             print(text, file=sys.stderr, flush=True)
 
+    if quant is not None and quant not in QUANT_KINDS:
+        raise ValueError(f"unknown quant {quant!r} (one of {', '.join(QUANT_KINDS)})")
+    if preset in PRESET_QUANT and quant not in (None, PRESET_QUANT[preset]):
+        raise ValueError(f"preset {preset} is {PRESET_QUANT[preset]}; --quant {quant} does not apply to it")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".kvhold-model-", dir=out.parent))
     try:
-        say(f"  {preset}: training the BPE tokenizer" if not PRESETS[preset]["vocab_size"]
-            else f"  {preset}: making the tokenizer")
-        tok = tokenizer_for(preset)
+        vocab = (overrides or {}).get("vocab_size") or PRESETS[preset]["vocab_size"]
+        say(f"  {preset}: training the BPE tokenizer" if not vocab else f"  {preset}: making the tokenizer")
+        tok = tokenizer_for(preset, vocab)
         bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-        cfg = make_config(preset, tok.get_vocab_size(), bos, eos)
+        cfg = make_config(preset, tok.get_vocab_size(), bos, eos, quant, overrides)
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
@@ -185,21 +301,44 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast",
              "model_max_length": cfg["max_position_embeddings"]}) + "\n")
-        shard, size, shards = {}, 0, []
+        kind = _quant_kind(cfg)
         say(f"  {preset}: drawing random weights ({cfg['num_hidden_layers']} layers, hidden size "
-            f"{cfg['hidden_size']}, vocabulary {cfg['vocab_size']}) on {device}")
-        for name, tensor in random_weights(cfg, seed, device):
-            shard[name] = tensor.cpu().contiguous()
-            size += tensor.numel() * tensor.element_size()
-            if size >= shard_bytes:
-                shards.append(shard)
-                shard, size = {}, 0
-        if shard:
-            shards.append(shard)
-        for n, part in enumerate(shards):
-            name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(part, str(tmp / name), metadata={"format": "pt"})
+            f"{cfg['hidden_size']}, vocabulary {cfg['vocab_size']}) on {device}"
+            + (f", quantized {kind}" if kind else ""))
+        shard, size, parts, weight_map, total = {}, 0, [], {}, 0
+        expected, t0 = _checkpoint_bytes(cfg), time.monotonic()
+
+        def flush():
+            part = tmp / f".part-{len(parts):05d}.safetensors"
+            save_file(shard, str(part), metadata={"format": "pt"})
+            parts.append((part, list(shard)))
+            shard.clear()
+            if progress and (len(parts) > 1 or expected > shard_bytes):   # a line per shard, if several
+                bar.write(f"  shard {len(parts)} written: {total / 1e9:.2f} of {expected / 1e9:.2f} GB "
+                          f"({100 * total / expected:.0f}%), {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+        # a bar on a terminal; the shard lines above in a log
+        with tqdm(total=expected, unit="B", unit_scale=True, desc="writing weights",
+                  disable=not progress or None, mininterval=1.0, file=sys.stderr) as bar:
+            for name, tensor in checkpoint_tensors(cfg, seed, device):
+                nbytes = tensor.numel() * tensor.element_size()
+                shard[name] = tensor.to("cpu").contiguous()
+                size += nbytes
+                total += nbytes
+                bar.update(nbytes)
+                if size >= shard_bytes:
+                    flush()
+                    size = 0
+            if shard or not parts:
+                flush()
+        for n, (part, names) in enumerate(parts):
+            name = "model.safetensors" if len(parts) == 1 else f"model-{n + 1:05d}-of-{len(parts):05d}.safetensors"
+            part.rename(tmp / name)
+            weight_map.update((t, name) for t in names)
             say(f"  wrote {name}")
+        if len(parts) > 1:
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -207,6 +346,24 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _checkpoint_bytes(cfg: dict) -> int:
+    """The bytes of the tensors checkpoint_tensors(cfg) yields, from the config alone."""
+    from kvhold.protocol.model_spec import ModelSpec
+
+    spec = ModelSpec.from_config(cfg)
+    fp8 = set(spec.fp8_weights())
+    item = 4 if cfg["torch_dtype"] == "float32" else 2
+    scale_item = 4 if _quant_kind(cfg) == "fp8-block" else item
+    total = 0
+    for name, shape in spec.expected_tensors().items():
+        n = 1
+        for d in shape:
+            n *= d
+        scale = name.endswith(("_scale", "_scale_inv"))
+        total += max(n, 1) * (1 if name in fp8 else scale_item if scale else item)
+    return total
 
 
 def default_cache_dir() -> Path:
@@ -229,9 +386,20 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="where to draw the random weights")
+    parser.add_argument("--device", default="cpu", help="where to draw (and quantize) the random weights")
+    parser.add_argument("--quant", choices=QUANT_KINDS, default=None,
+                        help="write FP8 weights in this published format (see the module's docstring)")
+    parser.add_argument("--layers", type=int, default=None, help="the preset's shapes with this many layers")
+    parser.add_argument("--shard-gb", type=float, default=4.0, help="the size a shard is written at")
     args = parser.parse_args(argv)
-    path = build(args.out, args.preset, args.seed, args.device)
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be at least 1")
+    overrides = {"num_hidden_layers": args.layers} if args.layers else None
+    try:
+        path = build(args.out, args.preset, args.seed, args.device, shard_bytes=int(args.shard_gb * 2**30),
+                     quant=args.quant, overrides=overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
 

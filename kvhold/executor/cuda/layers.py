@@ -27,6 +27,13 @@ a GPU step that is bound by reading weights:
 
 Eight launches per decode layer (nine per prefill layer) instead of about forty. Enabled on every CUDA device unless
 KVHOLD_FUSED=0 (which tools/bench_decode uses to measure the unfused baseline).
+
+FP8 weights (kvhold.executor.fp8) stay FP8 in the region. By default each projection
+dequantizes its weight(s) to the compute dtype on every call (one temporary per projection)
+and runs the same kernels as above, so decode stays batch-invariant and exact prefill applies;
+with KVHOLD_FP8_SCALED_MM=1 per-channel and per-tensor FP8 weights run on torch._scaled_mm
+instead (per-row dynamic activation scales), which is not known to be batch-invariant: exact
+prefill is then off. Block-scaled weights always dequantize. Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import torch.nn.functional as F
 from kvhold.executor.cuda import gemm as cuda_gemm
 from kvhold.executor.cuda.gemm import add_linear_, linear
 from kvhold.executor.cuda.kernels import rmsnorm, rope_and_store, silu_mul
+from kvhold.executor.fp8 import Fp8Weight, scaled_mm_applies, scaled_mm_enabled, scaled_mm_linear
 
 
 def fused_enabled() -> bool:
@@ -85,6 +93,49 @@ class _Projection:
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.parts, biases)], dim=-1)
 
 
+class _Fp8Projection:
+    """As _Projection, over weights of which some or all are FP8. Dequantized (the default): the
+    parts dequantized to `dtype` and concatenated, one GEMM on the batch-invariant kernels.
+    KVHOLD_FP8_SCALED_MM=1: each FP8 part on torch._scaled_mm where it applies (`fused` is then
+    None: not batch-invariant)."""
+
+    def __init__(self, weights: list, biases: list[torch.Tensor] | None, dtype: torch.dtype):
+        self.parts = weights
+        self.dtype = dtype
+        self.bias = None if biases is None else torch.cat(biases)      # biases are tiny
+        self.bias_parts = biases
+        self.scaled = scaled_mm_enabled() and all(isinstance(w, Fp8Weight) and scaled_mm_applies(w)
+                                                  for w in weights)
+        self.fused = None if self.scaled else True      # dequantized: one contiguous weight per call
+
+    def dense(self) -> torch.Tensor:
+        ws = [w.dequantize(self.dtype) if isinstance(w, Fp8Weight) else w for w in self.parts]
+        return ws[0] if len(ws) == 1 else torch.cat(ws)
+
+    def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if not self.scaled:
+            return linear(x, self.dense(), self.bias, exact=exact)
+        if exact:
+            raise RuntimeError("exact prefill needs the dequantized FP8 path (KVHOLD_FP8_SCALED_MM=0)")
+        biases = self.bias_parts or [None] * len(self.parts)
+        outs = [scaled_mm_linear(x, w, b) for w, b in zip(self.parts, biases)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def add_into_(self, h: torch.Tensor, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """h += x @ w.T (o_proj, down_proj)."""
+        if not self.scaled:
+            return add_linear_(h, x, self.dense(), exact)
+        if exact:
+            raise RuntimeError("exact prefill needs the dequantized FP8 path (KVHOLD_FP8_SCALED_MM=0)")
+        return h.add_(scaled_mm_linear(x, self.parts[0]))
+
+
+def _projection(weights: list, biases, dtype):
+    if any(isinstance(w, Fp8Weight) for w in weights):
+        return _Fp8Projection(weights, biases, dtype)
+    return _Projection(weights, biases)
+
+
 class FusedLayers:
     def __init__(self, model):
         spec = model.spec
@@ -95,20 +146,21 @@ class FusedLayers:
         self.qk_norms = []          # per layer: (q_norm, k_norm) weights (Qwen3), else None
         for layer in range(spec.num_layers):
             p = f"model.layers.{layer}."
-            w = model._weight
+            w, lw = model._weight, model.linear_weight       # lw: FP8 weights stay FP8
             bias = [w(p + f"self_attn.{x}_proj.bias") for x in "qkv"] if spec.attention_bias else None
             if spec.fused_tensors:      # Phi-3 stores q|k|v and gate|up as one tensor each
-                qkv_w, gate_up_w = [w(p + "self_attn.qkv_proj.weight")], [w(p + "mlp.gate_up_proj.weight")]
+                qkv_w, gate_up_w = [lw(p + "self_attn.qkv_proj.weight")], [lw(p + "mlp.gate_up_proj.weight")]
             else:
-                qkv_w = [w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
-                gate_up_w = [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
+                qkv_w = [lw(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+                gate_up_w = [lw(p + "mlp.gate_proj.weight"), lw(p + "mlp.up_proj.weight")]
+            o_w, down_w = lw(p + "self_attn.o_proj.weight"), lw(p + "mlp.down_proj.weight")
             self.layers_w.append((
                 w(p + "input_layernorm.weight"),
-                _Projection(qkv_w, bias),
-                w(p + "self_attn.o_proj.weight"),
+                _projection(qkv_w, bias, model.dtype),
+                _Fp8Projection([o_w], None, model.dtype) if isinstance(o_w, Fp8Weight) else o_w,
                 w(p + "post_attention_layernorm.weight"),
-                _Projection(gate_up_w, None),
-                w(p + "mlp.down_proj.weight"),
+                _projection(gate_up_w, None, model.dtype),
+                _Fp8Projection([down_w], None, model.dtype) if isinstance(down_w, Fp8Weight) else down_w,
             ))
             self.qk_norms.append((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight"))
                                  if spec.qk_norm else None)
@@ -129,7 +181,8 @@ class FusedLayers:
         """Whether a decode step of `rows` rows runs every projection on kvhold.executor.cuda.gemm's
         kernel (whose rows come out the same at any row count)."""
         shapes = self.projection_shapes() + ((self.model.lm_head.shape[0], self.spec.hidden_size),)
-        return (cuda_gemm.enabled() and self.fused_gemms and not self.spec.attention_bias
+        scaled = any(isinstance(x, _Fp8Projection) and x.scaled for layer in self.layers_w for x in layer)
+        return (cuda_gemm.enabled() and self.fused_gemms and not self.spec.attention_bias and not scaled
                 and self.model.dtype in (torch.bfloat16, torch.float16)
                 and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
 
@@ -139,7 +192,8 @@ class FusedLayers:
         the same kernel at any row count (kvhold.executor.cuda.gemm.exact_linear)."""
         if not self.batch_invariant(max_batch):
             return ("the decode step is not on the batch-invariant kernels (needs bf16/fp16, no projection "
-                    "biases, adjacent q|k|v and gate|up weights, max_batch <= 64, KVHOLD_SKINNY_GEMM on)")
+                    "biases, adjacent q|k|v and gate|up weights, max_batch <= 64, KVHOLD_SKINNY_GEMM on, "
+                    "FP8 weights dequantized: KVHOLD_FP8_SCALED_MM off)")
         return None
 
     def layers(self, token_ids, positions, write_pages, write_slots, kv, attend, attend_qkv=None,
@@ -162,8 +216,8 @@ class FusedLayers:
                 rope_and_store(qkv, model.cos, model.sin, positions, write_pages, write_slots, kv.pool, layer,
                                heads, kv_heads, dim)
                 attn = attend(layer, qkv[:, :heads * dim].view(t, heads, dim))
-            add_linear_(h, attn.reshape(t, -1), o_w, exact)
-            add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps), exact)), down_w, exact)
+            _add_linear_(h, attn.reshape(t, -1), o_w, exact)
+            _add_linear_(h, silu_mul(gate_up(rmsnorm(h, ln2, self.eps), exact)), down_w, exact)
         return h
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
@@ -179,3 +233,10 @@ class FusedLayers:
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         return linear(rmsnorm(h, self.norm, self.eps), head)
+
+
+def _add_linear_(h: torch.Tensor, x: torch.Tensor, w, exact: bool) -> torch.Tensor:
+    """h += x @ w.T for a weight in the compute dtype or an FP8 one (_Fp8Projection)."""
+    if isinstance(w, _Fp8Projection):
+        return w.add_into_(h, x, exact)
+    return add_linear_(h, x, w, exact)

@@ -1,0 +1,86 @@
+"""FP8 checkpoints on the GPU: the fused layers' two FP8 paths against the CPU reference.
+
+The CPU engine (float64, each FP8 weight dequantized on use) equals a float64 forward of the
+dequantized model (tests/unit/test_fp8_checkpoints.py). On the GPU, in bfloat16:
+
+* the default path (each weight dequantized to bf16 per call, the batch-invariant kernels)
+  agrees with the reference within bf16's tolerance, graphs and eager alike, and keeps decode
+  batch-invariant, so exact prefill applies;
+* KVHOLD_FP8_SCALED_MM=1 (torch._scaled_mm, activations quantized per row) agrees within FP8
+  activation error, and exact prefill is refused with its reason.
+"""
+import pytest
+import torch
+
+from tests.gpu.helpers import plan as _plan
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+QUANTS = ("fp8-dynamic", "fp8-tensor", "fp8-block")
+
+
+def _run(runner):
+    a, b = list(range(3, 40)), list(range(100, 120))
+    out1 = runner.run(_plan([(a, 0, 32, [1, 2]), (b, 0, 20, [5, 6])]))            # prefill chunks
+    out2 = runner.run(_plan([(a, 32, 5, [1, 2, 3])]))                           # the rest of a
+    out3 = runner.run(_plan([(a + [7], 37, 1, [1, 2, 3]), (b + [9], 20, 1, [5, 6])]))  # decode
+    return torch.cat([out1, out2, out3])
+
+
+def _models(quant, tmp_path):
+    from safetensors.torch import load_file
+
+    from kvhold.executor.kv_cache import KvCache
+    from kvhold.executor.llama import LlamaModel
+    from kvhold.executor.step_runner import CpuRunner
+    from kvhold.protocol.layout import KvGeometry
+    from kvhold.protocol.model_spec import ModelSpec
+    from kvhold.testing.make_model import build
+    from tools.bench_engine_setup import load_weights
+
+    path = build(tmp_path / quant, "tiny", quant=quant, overrides={"torch_dtype": "bfloat16"}, progress=False)
+    spec = ModelSpec.from_dir(path)
+    gpu = LlamaModel(spec, load_weights(path, "cuda"), torch.bfloat16, torch.device("cuda"), 512)
+    cpu = LlamaModel(spec, load_file(str(path / "model.safetensors")), torch.float64, torch.device("cpu"), 512)
+    want = _run(CpuRunner(cpu, KvCache.private(
+        KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float64", 16), 16))).cuda()
+    return spec, gpu, want
+
+
+def _gpu_logits(spec, model, graph):
+    from kvhold.executor.cuda.runner import CudaRunner
+    from kvhold.executor.kv_cache import KvCache
+    from kvhold.protocol.layout import KvGeometry
+
+    kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16), 16, "cuda")
+    runner = CudaRunner(model, kv, max_batch=8, prefill_chunk=32, max_pages_per_seq=8, use_graph=graph)
+    runner.prepare()
+    return _run(runner)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_dequantized_fp8_on_the_gpu_matches_the_cpu_reference_and_stays_batch_invariant(quant, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.delenv("KVHOLD_FP8_SCALED_MM", raising=False)
+    spec, gpu, want = _models(quant, tmp_path)
+    assert gpu.fp8 and gpu.fused is not None and gpu.fused.fused_gemms
+    assert gpu.fused.batch_invariant(8) and gpu.fused.exact_prefill(8) is None
+    graph, eager = _gpu_logits(spec, gpu, True), _gpu_logits(spec, gpu, False)
+    assert torch.equal(graph, eager)
+    got = graph.double()
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    assert err < 0.05 * max(1.0, scale), (quant, err, scale)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("quant", ("fp8-dynamic", "fp8-tensor"))
+def test_scaled_mm_fp8_on_the_gpu_is_near_the_reference_and_refuses_exact_prefill(quant, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHOLD_FP8_SCALED_MM", "1")
+    spec, gpu, want = _models(quant, tmp_path)
+    assert not gpu.fused.batch_invariant(8)
+    assert "KVHOLD_FP8_SCALED_MM" in gpu.fused.exact_prefill(8)
+    got = _gpu_logits(spec, gpu, True).double()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.1, (quant, rel)
+    print(f"{quant} scaled_mm: relative error {rel:.3e} against the float64 reference")
