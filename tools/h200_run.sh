@@ -11,6 +11,8 @@
 #   prefill-attention  a prefill chunk's attention, first call per key length     -> prefill_attention_cuda.json
 #   gemm           the decode GEMM kernel against cuBLAS, tile sweep               -> gemm_cuda.json
 #   decode         Llama-3-8B decode step, commit on/off, batch 1/8/64 (ROUNDS)     -> decode_cuda.json
+#   decode-256     Llama-3-8B decode step at batch 64/128/256 with --max-batch 256 (buckets 16..256, past 64
+#                  rows on exact_linear's tiles), commit on/off (ROUNDS)             -> decode_cuda_256.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
@@ -118,6 +120,11 @@ for phase in "${@:-tests}"; do
     model_8b
     timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 1,8,64 \
         --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda.json" 2>&1 | tail -12
+    ;;
+  decode-256)
+    model_8b
+    timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 64,128,256 \
+        --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256.json" 2>&1 | tail -12
     ;;
   profile)
     model_8b

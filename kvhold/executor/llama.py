@@ -196,10 +196,12 @@ class LlamaModel:
             h = h + (self._rmsnorm(out, p + "post_feedforward_layernorm.weight") if spec.gemma else out)
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """The logits of hidden rows `h`; `exact` (fused CUDA layers): on
+        kvhold.executor.cuda.gemm.exact_linear at any row count."""
         head = self.lm_head if self.lm_head.dtype == self.dtype else self.lm_head.to(self.dtype)
         if self.fused is not None:
-            return self.fused.logits(h, head)
+            return self.fused.logits(h, head, exact=exact)
         logits = F.linear(self._rmsnorm(h, "model.norm.weight"), head)
         if (cap := self.spec.final_logit_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap

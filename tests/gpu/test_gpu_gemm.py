@@ -56,16 +56,16 @@ def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model):
     model = LlamaModel(spec, _bf16_region(load_weights(tiny_model, "cuda")), torch.bfloat16,
                        torch.device("cuda"), 512)
     kv = KvCache.private(KvGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16), 16, "cuda")
-    runner = CudaRunner(model, kv, max_batch=64, prefill_chunk=32, max_pages_per_seq=8)
-    assert runner.buckets == [16, 32, 64]
+    runner = CudaRunner(model, kv, max_batch=256, prefill_chunk=32, max_pages_per_seq=8)
+    assert runner.buckets == [16, 32, 64, 128, 256]
     runner.prepare()
-    assert sorted(runner.graphs) == [16, 32, 64]
+    assert sorted(runner.graphs) == [16, 32, 64, 128, 256]
     a, b = list(range(3, 40)), list(range(100, 120))
     runner.run(_plan([(a, 0, 32, [1, 2]), (b, 0, 20, [5, 6])]))
     runner.run(_plan([(a, 32, 5, [1, 2, 3])]))
     decode = [(a + [7], 37, 1, [1, 2, 3]), (b + [9], 20, 1, [5, 6])]
     outs = {}
-    for bucket in (16, 32, 64):
+    for bucket in (16, 32, 64, 128, 256):    # past 64 rows on exact_linear's tiles: the same bits
         runner.buckets = [bucket]               # the same two rows, padded to each bucket
         outs[bucket] = runner.run(_plan(decode))
         outs[bucket, "eager"] = runner._decode_forward(bucket)[0][:2]

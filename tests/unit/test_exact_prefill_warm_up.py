@@ -66,9 +66,14 @@ def test_the_fused_layers_decide_batch_invariance_and_exact_prefill_without_a_gp
     hidden, q = spec.hidden_size, spec.num_heads * spec.head_dim
     assert fused.projection_shapes() == ((q + 2 * spec.num_kv_heads * spec.head_dim, hidden), (hidden, q),
                                          (2 * spec.intermediate_size, hidden), (hidden, spec.intermediate_size))
-    assert fused.batch_invariant(cuda_gemm.MAX_ROWS) and fused.exact_prefill(cuda_gemm.MAX_ROWS) is None
-    assert not fused.batch_invariant(cuda_gemm.MAX_ROWS + 1)
-    assert "max_batch <= 64" in fused.exact_prefill(cuda_gemm.MAX_ROWS + 1)
+    for rows in (cuda_gemm.MAX_ROWS, cuda_gemm.MAX_ROWS + 1, cuda_gemm.MAX_DECODE_ROWS):
+        assert fused.batch_invariant(rows) and fused.exact_prefill(rows) is None
+    assert not fused.batch_invariant(cuda_gemm.MAX_DECODE_ROWS + 1)
+    assert "max_batch <= 256" in fused.exact_prefill(cuda_gemm.MAX_DECODE_ROWS + 1)
+    assert cuda_gemm.decode_buckets(8) == [8] and cuda_gemm.decode_buckets(64) == [16, 32, 64]
+    assert cuda_gemm.decode_buckets(100) == [16, 32, 64, 100]
+    assert cuda_gemm.decode_buckets(256) == [16, 32, 64, 128, 256]
+    assert cuda_gemm.decode_buckets(257) == [257]                   # past the kernel's rows: cuBLAS, one bucket
     rows = exact_warm_up_rows(512, fused.projection_shapes())
     assert rows[0] == 512 and rows == sorted(set(rows), reverse=True)
 

@@ -18,7 +18,10 @@ each weight row block once:
   `addmm_(beta=1)` does: o_proj and down_proj write the residual stream in place.
 
 `linear` takes this path only when it applies (CUDA, bf16/fp16, at most 64 rows, N and
-K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS.
+K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS. A decode
+step of 65..256 rows (MAX_DECODE_ROWS) runs its projections and logits on `exact_linear`
+instead (kvhold.executor.cuda.runner), whose big tiles give a row the bits the decode tiles
+give it: a row's result is the same at every bucket up to 256 rows.
 
 Exact prefill (kvhold.executor.cuda.runner) runs a prefill chunk's projections on this
 kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
@@ -43,7 +46,9 @@ import triton.language as tl
 
 from kvhold.executor.cuda import triton_aot
 
-MAX_ROWS = 64
+MAX_ROWS = 64            # rows on the decode tiles (one program covers every row)
+MAX_DECODE_ROWS = 256    # a decode step's rows on the kernel: beyond MAX_ROWS on exact_linear's tiles
+DECODE_BUCKETS = (16, 32, 64, 128, 256)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4       # H200, see module docstring
 # (N, K, rows per program) -> (BLOCK_N, BLOCK_K, warps, stages) where another tile won the
 # sweep (Llama-3-8B's q|k|v, o, gate|up, down; 32 rows take the 64-row choice)
@@ -111,19 +116,27 @@ def tiles(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
 
 
 def decode_buckets(max_batch: int) -> list[int]:
-    """The row counts a decode step is padded to, one CUDA graph each: 16, 32, 64 up to
-    max_batch, and max_batch. The kernel's rows are bit-identical at every count (each
-    row's sum runs over K in the same order; tests/gpu/test_gpu_gemm.py), so a row's result
-    does not depend on which bucket its step ran in. Past MAX_ROWS cuBLAS takes over and
-    that holds no longer: one bucket."""
-    if max_batch > MAX_ROWS:
+    """The row counts a decode step is padded to, one CUDA graph each: 16, 32, 64, 128, 256
+    up to max_batch, and max_batch. The kernel's rows are bit-identical at every count (each
+    row's sum runs over K in the same order, on the decode tiles up to 64 rows and on
+    exact_linear's beyond; tests/gpu/test_gpu_gemm.py), so a row's result does not depend on
+    which bucket its step ran in. Past MAX_DECODE_ROWS cuBLAS takes over and that holds no
+    longer: one bucket."""
+    if max_batch > MAX_DECODE_ROWS:
         return [max_batch]
-    return sorted({b for b in (16, 32, 64) if b < max_batch} | {max_batch})
+    return sorted({b for b in DECODE_BUCKETS if b < max_batch} | {max_batch})
 
 
 def fits(n: int, k: int, rows: int) -> bool:
-    """Whether the kernel takes a [rows, k] @ [n, k].T product (K in tiles of at least 16)."""
+    """Whether the kernel takes a [rows, k] @ [n, k].T product on the decode tiles (K in
+    tiles of at least 16)."""
     return 0 < rows <= MAX_ROWS and tiles(n, k, rows)[1] >= 16
+
+
+def decode_fits(n: int, k: int, rows: int) -> bool:
+    """Whether a decode step of `rows` rows runs [rows, k] @ [n, k].T on the kernel: on the
+    decode tiles up to MAX_ROWS rows, on exact_linear's up to MAX_DECODE_ROWS."""
+    return 0 < rows <= MAX_DECODE_ROWS and fits(n, k, min(rows, MAX_ROWS))
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -273,8 +286,9 @@ def _aot_shapes(shapes) -> None:
         for n, k, residual in ((qkv, hidden, False), (2 * inter, hidden, False), (shapes.vocab_size, hidden, False),
                                (hidden, q, True), (hidden, inter, True)):
             x, w = meta((b, k), dt), meta((n, k), dt)
-            if fits(n, k, b) and not (b == 1 and residual):
-                skinny(x, w, residual=h if residual else None, out=h if residual else None)
+            if decode_fits(n, k, b) and not (b == 1 and residual):
+                (skinny if b <= MAX_ROWS else exact_linear)(x, w, residual=h if residual else None,
+                                                             out=h if residual else None)
     for m in logits_warm_up_rows(shapes.vocab_size, hidden):     # prompt log-prob rows of a prefill chunk
         skinny(meta((m, hidden), dt), meta((shapes.vocab_size, hidden), dt))
     projections = ((qkv, hidden, False), (hidden, q, True), (2 * inter, hidden, False), (hidden, inter, True))

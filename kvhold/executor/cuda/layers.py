@@ -11,9 +11,10 @@ a GPU step that is bound by reading weights:
   the outputs are concatenated (activations only; weights are never copied).
 * o_proj and down_proj add into the residual inside the GEMM (`addmm_`, beta = 1).
 * A decode batch of at most 64 rows runs its projections on kvhold.executor.cuda.gemm's
-  kernel, which streams each weight once; an exact prefill chunk (`layers(exact=True)`)
-  runs them on the same kernel in bigger tiles, each row's bits those decode gives it
-  (kvhold.executor.cuda.runner); other prefill chunks run on cuBLAS.
+  kernel, which streams each weight once; a decode batch of 65..256 rows and an exact
+  prefill chunk (`layers(exact=True)`) run them on the same kernel in bigger tiles, each
+  row's bits those a 16-row decode step gives it (kvhold.executor.cuda.runner); other
+  prefill chunks run on cuBLAS.
 * RMSNorm, RoPE with the KV store into the pool, and SiLU-times-up are one kernel
   each (kvhold.executor.cuda.kernels). Qwen3's RMSNorm of each query and key head runs the
   same row kernel over the heads, before RoPE; Phi-3's single q|k|v and gate|up tensors are
@@ -184,7 +185,7 @@ class FusedLayers:
         scaled = any(isinstance(x, _Fp8Projection) and x.scaled for layer in self.layers_w for x in layer)
         return (cuda_gemm.enabled() and self.fused_gemms and not self.spec.attention_bias and not scaled
                 and self.model.dtype in (torch.bfloat16, torch.float16)
-                and all(cuda_gemm.fits(n, k, rows) for n, k in shapes))
+                and all(cuda_gemm.decode_fits(n, k, rows) for n, k in shapes))
 
     def exact_prefill(self, max_batch: int) -> str | None:
         """Why a prefill chunk cannot compute its rows as decode does (None: it can). It can
@@ -192,7 +193,7 @@ class FusedLayers:
         the same kernel at any row count (kvhold.executor.cuda.gemm.exact_linear)."""
         if not self.batch_invariant(max_batch):
             return ("the decode step is not on the batch-invariant kernels (needs bf16/fp16, no projection "
-                    "biases, adjacent q|k|v and gate|up weights, max_batch <= 64, KVHOLD_SKINNY_GEMM on, "
+                    "biases, adjacent q|k|v and gate|up weights, max_batch <= 256, KVHOLD_SKINNY_GEMM on, "
                     "FP8 weights dequantized: KVHOLD_FP8_SCALED_MM off)")
         return None
 
@@ -231,8 +232,8 @@ class FusedLayers:
             part = qkv[:, start:start + width]
             part.copy_(rmsnorm(part.reshape(-1, dim), weight, self.eps).view(t, width))
 
-    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return linear(rmsnorm(h, self.norm, self.eps), head)
+    def logits(self, h: torch.Tensor, head: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        return linear(rmsnorm(h, self.norm, self.eps), head, exact=exact)
 
 
 def _add_linear_(h: torch.Tensor, x: torch.Tensor, w, exact: bool) -> torch.Tensor:

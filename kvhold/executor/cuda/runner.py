@@ -2,12 +2,13 @@
 what else is in the batch.
 
 * Decode tokens (one new token per sequence) run as one batch padded to a bucket of
-  rows (16, 32, 64 up to `max_batch`; kvhold.executor.cuda.gemm.decode_buckets), each bucket's
+  rows (16, 32, 64, 128, 256 up to `max_batch`; kvhold.executor.cuda.gemm.decode_buckets), each bucket's
   forward captured once as a CUDA graph against the shared pool's stable addresses and
   replayed. Every kernel of the step computes a row the same way at every bucket (the
   projections run on kvhold.executor.cuda.gemm's kernel), so each row's arithmetic is the same
-  whatever the other rows hold. Where that kernel does not apply (no fused layers, fp32,
-  projection biases, more than 64 rows) there is one bucket, `max_batch`, and the same
+  whatever the other rows hold; a bucket of more than 64 rows runs them on the kernel's
+  `exact_linear` tiles, the same bits. Where that kernel does not apply (no fused layers, fp32,
+  projection biases, more than 256 rows) there is one bucket, `max_batch`, and the same
   holds because every GEMM always sees the same shape. Attention reads pages in place
   (kvhold.executor.cuda.attention).
 * Exact prefill (`exact`, on by default; ExecutorSettings.exact_prefill, `--no-exact-prefill` turns it off): a prefill chunk's
@@ -28,7 +29,7 @@ what else is in the batch.
     and the last row's logits on the decode's logits GEMM.
   No padding: no kernel's arithmetic for a row depends on the number of rows. Where the
   decode step is not on the batch-invariant kernels (fp32, projection biases, more than
-  64 rows, KVHOLD_FUSED=0 or KVHOLD_SKINNY_GEMM=0) exact prefill is unavailable: the
+  256 rows, KVHOLD_FUSED=0 or KVHOLD_SKINNY_GEMM=0) exact prefill is unavailable: the
   runner says why (`exact_refusal`, logged) and prefills as below.
 * Otherwise (exact off) prefill chunks run one sequence at a time, padded to exactly `prefill_chunk`
   rows, chunk boundaries at fixed positions (the scheduler keeps them aligned). Their
@@ -105,8 +106,8 @@ class CudaRunner:
             log.warning("exact prefill unavailable, prefill on cuBLAS and SDPA (a recomputed request may "
                         "differ from an uninterrupted run where bf16 rounding tips a near-tie): %s",
                         self.exact_refusal)
-        self.buckets = (decode_buckets(max_batch) if fused is not None and fused.batch_invariant(max_batch)
-                        else [max_batch])
+        self.invariant = fused is not None and fused.batch_invariant(max_batch)
+        self.buckets = decode_buckets(max_batch) if self.invariant else [max_batch]
         self.prefill_chunk = prefill_chunk
         self.max_seq_len = min(max_pages_per_seq * kv.page_tokens, model.cos.shape[0])
         self.use_graph = use_graph
@@ -139,16 +140,18 @@ class CudaRunner:
         row's greedy token and the hash of the KV slot it wrote (zeros without slot hashes)."""
         pages, slots, table, ctx = self.pages[:rows], self.slots[:rows], self.table[:rows], self.ctx[:rows]
         model, pool, positions = self.model, self.kv.pool, self.positions[:rows]
+        # past the decode tiles' rows, a batch-invariant step runs on exact_linear's tiles (same bits)
+        big = self.invariant and rows > cuda_gemm.MAX_ROWS
         if model.fused is not None:         # RoPE and the KV store inside the attention kernel
             spec = model.spec
             h = model.fused.layers(self.ids[:rows], positions, pages, slots, self.kv, None, lambda layer, qkv:
                                    rope_decode_attention(qkv, model.cos, model.sin, positions, pages, slots, pool,
                                                          layer, table, ctx, self.scale, spec.num_heads,
-                                                         spec.num_kv_heads))
+                                                         spec.num_kv_heads), exact=big)
         else:
             h = model.layers(self.ids[:rows], positions, pages, slots, self.kv,
                              lambda layer, q: paged_decode_attention(q, pool, layer, table, ctx, self.scale))
-        logits = self.model.logits(h)
+        logits = self.model.logits(h, exact=big)
         greedy = torch.argmax(logits, dim=-1)       # the sampler's greedy rule: first maximum wins
         hashes = (self.hasher.slots(pages, slots) if self.hasher is not None
                   else torch.zeros_like(greedy))
