@@ -260,7 +260,6 @@ class VllmWorkload(BridgeWorkload):
 
     def step(self) -> list[int]:
         self._admit()
-        self._reset_prefix_cache_if_asked()
         changed = self._cancel()
         if self.engine.has_unfinished_requests():
             faults.batch_point("step", [live.tokens for live in self.live.values()])   # before the forward
@@ -273,11 +272,11 @@ class VllmWorkload(BridgeWorkload):
             self.ctx.channel.send(m.Recovered(slot=self.ctx.attached.slot, epoch=self.ctx.epoch, report=report))
         return changed
 
-    def _reset_prefix_cache_if_asked(self) -> None:
-        """POST /reset_prefix_cache (asked through the tables' header, as of the native engine):
-        vLLM's cache is reset (vLLM 0.32 does it only with no request running: until then it is
-        asked again each step), then kvhold's idle cached pages are freed, then the reset is
-        recorded done."""
+    def maintain(self) -> None:
+        """At each turn of the active executor's loop: POST /reset_prefix_cache (asked through
+        the tables' header, as of the native engine): vLLM's cache is reset (vLLM 0.32 does it
+        only with no request running: until then it is asked again at each turn), then kvhold's
+        idle cached pages are freed, then the reset is recorded done."""
         header = self.ctx.tables.header
         asked = int(header["prefix_reset_asked"])
         if self.bridge.prefix is None or asked == int(header["prefix_reset_done"]):

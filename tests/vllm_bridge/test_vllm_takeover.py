@@ -333,4 +333,10 @@ def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
     assert rec["pages_checked"] <= sum(map(len, lists)) - 4
     for row in rec["requests"]:
         assert row["class"] == "resumable" and row["kv_kept"] >= len(PREFIX) and row["tokens_recomputed"] == 0
+    # POST /reset_prefix_cache's path: vLLM's cache reset, kvhold's idle cached pages freed
+    with sc.new_client(timeout=120) as client:
+        client.reset_prefix_cache()
+        assert not (tables.pages["flags"] & PageFlag.CACHED).any()
+        again = wait_all(submit_requests(client, SHARING[:1]))[0]
+    assert again.token_ids == want[0].token_ids and again.cached_tokens == 0
     sc.wait_steady(standbys=1, timeout=STARTUP_S)
