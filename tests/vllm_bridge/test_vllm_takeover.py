@@ -51,7 +51,8 @@ def _kill_when(sc, streams, threshold, before_kill=None):
                 before_kill(streams)
             os.kill(pid, signal.SIGKILL)
             if before_kill is not None:
-                os.kill(pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):     # reaped already: nothing to resume
+                    os.kill(pid, signal.SIGCONT)
     return wait_all(streams, on_event)
 
 
