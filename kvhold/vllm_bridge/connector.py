@@ -12,14 +12,19 @@ reach the executor's state through the installed `Bridge`.
 
 Scheduler side (`MirrorPlanner`, free of vLLM types):
 * `get_num_new_matched_tokens`: for a request resubmitted after a takeover, the tokens of
-  its intact mirrored prefix (`KvMirror.plan_restore`), at most all but its last token
-  (vLLM must compute one token to sample the next). A partial tail block counts: vLLM 0.32
-  accepts a hit that does not end on a block boundary when there is no local prefix hit
-  (prefix caching is off under the bridge). Loaded synchronously (`False`).
+  its intact mirrored prefix (`KvMirror.plan_restore`) past vLLM's local prefix-cache hit (which
+  vLLM 0.32 presents block-aligned), at most all but its last token (vLLM must compute one token
+  to sample the next). A partial tail block counts: for a full-attention model vLLM 0.32 takes
+  an external hit past a block-aligned local one as it is (Scheduler.schedule). Loaded
+  synchronously (`False`) into the blocks after the local hit. The request's tokens (vLLM's live
+  view of them) give the chained keys of its full blocks.
 * `build_connector_meta`: per step, which kvhold pages to load into which vLLM blocks
   (before the forward) and which (request, logical block, vLLM block, tokens) the forward
   writes, to be mirrored after it. Block ids come from the scheduler output: a new request
   lists all its blocks, a running one its new ones, one resumed from preemption all again.
+  With prefix caching (the bridge's `prefix`, kvhold.executor.prefix_cache), also the blocks
+  whole after the step (`FullBlock`): those the request computed or loaded, and those vLLM's
+  local hit started it on (`hit`), which it did not compute.
 Worker side (`MirrorWorker`):
 * `register_kv_caches`: vLLM's CPU cache is one tensor per layer, [blocks, kv_heads,
   block_size, 2 * head_dim]; per (block, head) it holds the keys transposed ([D][T]) then
@@ -31,7 +36,10 @@ Worker side (`MirrorWorker`):
   publishes (count, checksum) under the seqlock. Only then does the step's sampled token
   exist, and only after that does the workload journal it (kvhold.vllm_bridge.workload):
   pages first, journal second, as the commit rule says. Rows the mirror already holds (a
-  request recomputed after a preemption) are not published again.
+  request recomputed after a preemption) are not published again. Then
+  `KvMirror.settle_full`: full pages enter kvhold's prefix cache, and the blocks vLLM served
+  from its cache are listed as the shared pages that hold them (copied where kvhold evicted
+  them); vLLM's blocks and kvhold's pages are as many, and a block in use has one page.
 Nothing is mirrored before `Bridge.active` (a standby's warm-up writes no page).
 """
 from __future__ import annotations

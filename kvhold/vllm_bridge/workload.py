@@ -11,19 +11,25 @@ prepare (standby-to-be): the weights region is loaded and sealed by the designat
 executor (kvhold.executor.engine_workload), then vLLM is built with `load_format="kvhold"`
 (kvhold.vllm_bridge.loader: weights from the region, no disk read) and the kvhold KV
 connector (kvhold.vllm_bridge.connector), blocks of kvhold's `page_tokens`, as many
-blocks as kvhold has pages, prefix caching off (a kvhold page belongs to one request),
-synchronous scheduling, eager mode; then one warm-up request that no page records.
+blocks as kvhold has pages, vLLM's prefix caching as `--enable-prefix-caching` says (on by
+default: its cached blocks are kvhold's shared cached pages, keyed as kvhold's engine keys them,
+kvhold.executor.prefix_cache with the same salt; the connector and KvMirror.settle_full share
+them), synchronous scheduling, eager mode; then one warm-up request that no page records.
 promote: `KvMirror.plan_restore` validates every page the dead executor mirrored for a
 live journal request (quarantining what a writer not yet reaped may still write), and
 each live request is resubmitted to vLLM as prompt + the tokens the journal holds, for
-its remaining tokens. The connector reports the intact prefix as matched tokens and loads
-it before the first forward; vLLM computes the rest. The `Recovered` report is sent once
+its remaining tokens. The connector reports the intact prefix past vLLM's own cache hit as
+matched tokens and loads it before the first forward; vLLM computes the rest (and caches what was
+loaded: a second request with the same prefix starts on the first one's loaded blocks). The `Recovered` report is sent once
 every resubmitted request has been computed up to its next token, with the tokens that
 were actually loaded and computed (the connector counts both), never a plan.
 step: admit the journal's new requests, cancel, run one vLLM step (the connector mirrors
 its KV inside it), then journal each new token with its log-probs when asked for (pages
 first, tokens second), list the request's mirrored pages and finish it by kvhold's own rule
-(stop ids, EOS unless ignore_eos, max_tokens, max_seq_len), as the native engine does.
+(stop ids, EOS unless ignore_eos, max_tokens, max_seq_len), as the native engine does; a
+request's first output journals vLLM's prefix-cache hit as its cached tokens (usage's
+cached_tokens). maintain (each turn of the active loop): POST /reset_prefix_cache, carried out
+in vLLM (once no request runs) and then on kvhold's idle cached pages.
 
 Log-probs (`logprobs=k`, `prompt_logprobs=k`) are vLLM's raw ones (kvhold.vllm_bridge.logprobs),
 journaled with their tokens: a generated token's before the count that covers it, a known
