@@ -334,6 +334,11 @@ def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
     assert rec["pages_checked"] <= sum(map(len, lists)) - 4
     for row in rec["requests"]:
         assert row["class"] == "resumable" and row["kv_kept"] >= len(PREFIX) and row["tokens_recomputed"] == 0
+    # the successor's vLLM caches what the connector loads: the request it schedules second starts
+    # on the first one's loaded blocks, and only the two partial tails are loaded besides the
+    # 4 shared pages (the executor's log of the takeover: "... (N pages)")
+    took = [line for line in sc.log_path.read_text().splitlines() if "KV tokens loaded from kvhold pages" in line]
+    assert took[-1].endswith(f"({len(shared) + 2} pages), 0 recomputed"), took[-1]
     # POST /reset_prefix_cache's path: vLLM's cache reset, kvhold's idle cached pages freed
     with sc.new_client(timeout=120) as client:
         client.reset_prefix_cache()
