@@ -290,7 +290,7 @@ SHARING = [dict(prompt_ids=PREFIX + list(range(250, 256)), max_tokens=110, tempe
 
 def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
     """Two requests beginning with the same 4 full blocks: vLLM (prefix caching on, the bridge's
-    default) serves the second one's prefix from its cache, and kvhold lists the same shared pages
+    default) serves one's prefix from its cache, and kvhold lists the same shared pages
     (cached under their chained keys) for both instead of copies. The executor is stopped at the
     second request's third step, both mid-stream, then SIGKILLed: the standby restores the shared
     pages (checked once), both continue, and both outputs equal the uninterrupted run's."""
@@ -299,7 +299,9 @@ def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
     with sc.new_client(timeout=120) as client:
         want = wait_all(submit_requests(client, SHARING))
     assert [len(r.token_ids) for r in want] == [110, 40]
-    assert want[1].cached_tokens >= len(PREFIX)       # usage's cached_tokens: vLLM's hit, reported
+    # usage's cached_tokens: vLLM's hit, reported; the one vLLM took second (taken from the journal
+    # in slot order) started on the other one's blocks
+    assert max(r.cached_tokens for r in want) >= len(PREFIX)
     before = len(sc.status()["recoveries"])
     tables, _ = _attach(sc)
     armed, fired = sc.faults / "armed", sc.faults / "fired"
@@ -318,14 +320,14 @@ def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
             assert lists[1][:4] == shared and len(set(shared)) == 4          # the same pages, not copies
             assert (tables.pages["flags"][shared] & PageFlag.CACHED).all()
             assert (tables.pages["num_tokens"][shared] == BT).all()
-            assert int(tables.requests["num_cached"][slots[1]]) >= len(PREFIX)       # vLLM's own hit
+            assert max(int(tables.requests["num_cached"][slot]) for slot in slots) >= len(PREFIX)   # vLLM's hit
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             got = wait_all(streams)
     finally:
         armed.unlink(missing_ok=True)
     assert ids(got) == ids(want)
-    assert got[1].cached_tokens == want[1].cached_tokens
+    assert max(r.cached_tokens for r in got) >= len(PREFIX)          # journaled before the kill, kept
     sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)
     rec = sc.status()["recoveries"][-1]
     assert rec["requests_lost"] == 0 and rec["requests_damaged"] == 0 and rec["pages_bad"] == 0
