@@ -191,3 +191,47 @@ def test_a_takeover_restores_shared_pages_checked_once_and_relists_a_superseded_
     list_mirrored_pages(lists, b2.mirror, 1, 9)
     assert lists.lists[1][2] == shared[0] and rec["owner"][own] == 0 and not b2.mirror.superseded
     assert np.count_nonzero(rec["owner"]) == 3
+
+
+def test_a_request_resumed_on_cached_blocks_keeps_or_replaces_its_pages(pool):  # noqa: F811
+    b, planner, worker = engine(pool)
+    worker.register(caches())
+    mirror, lists = b.mirror, Lists()
+    tokens = SHARED + [1, 2, 3, 4]                       # 3 full blocks
+    start(planner, worker, "kvh7-e1", tokens, [3, 5, 8])
+    list_mirrored_pages(lists, mirror, 0, 7)
+    own = list(lists.lists[0])
+    assert [mirror.source[blk] for blk in (3, 5, 8)] == own
+    # vLLM preempts it and resumes it on its own cached blocks 3 and 5, recomputing block 2 into 9
+    resumed = SimpleNamespace(req_ids=["kvh7-e1"], new_block_ids=[([3, 5, 9],)], num_computed_tokens=[8],
+                              resumed_req_ids={"kvh7-e1"})
+    meta = planner.build([], resumed, {"kvh7-e1": 4})
+    assert [(f.index, f.block, f.hit) for f in meta.full] == [(0, 3, True), (1, 5, True), (2, 9, False)]
+    worker.save(meta)
+    assert not mirror.relist and mirror.pages_shared == 0 and mirror.pages_copied == 0
+    assert [mirror.page_of(7, i) for i in range(3)] == own and mirror.source[9] == own[2]
+    # resumed again, now on block 2 as another request computed it (block 10): its own page for
+    # block 2 is replaced by the one vLLM's block holds, once its list is written again
+    planner.matched_tokens("kvh8-e1", 12, 0, list(tokens))
+    other = SimpleNamespace(req_id="kvh8-e1", block_ids=([3, 5, 10],), num_computed_tokens=8,
+                            prompt_token_ids=list(tokens))
+    worker.save(planner.build([other], no_cached(), {"kvh8-e1": 4}))   # (a duplicate of block 9's tokens)
+    dup = mirror.source[10]
+    assert dup not in own and b.prefix.is_cached(dup)
+    tokens.append(77)                     # it has generated a token since (vLLM's live view grows)
+    resumed = SimpleNamespace(req_ids=["kvh7-e1"], new_block_ids=[([3, 5, 10, 11],)], num_computed_tokens=[12],
+                              resumed_req_ids={"kvh7-e1"})
+    worker.save(planner.build([], resumed, {"kvh7-e1": 1}))
+    assert mirror.page_of(7, 2) == dup and mirror.relist == {7: 2} and mirror.superseded == {7: [own[2]]}
+    list_mirrored_pages(lists, mirror, 0, 7)
+    assert lists.lists[0][:3] == own[:2] + [dup] and b.prefix.refs[own[2]] == 0 and b.prefix.refs[dup] == 2
+
+
+def test_a_resubmitted_request_wholly_in_vllms_cache_loads_nothing_and_drops_its_plan(pool):  # noqa: F811
+    b, planner, worker = engine(pool)
+    worker.register(caches())
+    b.restorable[7] = ((1, 2), (BT, BT))
+    assert planner.matched_tokens("kvh7-e2", 9, 2 * BT, SHARED + [1]) == 0     # all but the last token hit
+    req = SimpleNamespace(req_id="kvh7-e2", block_ids=([3, 5, 6],), num_computed_tokens=2 * BT)
+    meta = planner.build([req], no_cached(), {"kvh7-e2": 1})
+    assert meta.loads == [] and 7 not in b.restorable
