@@ -235,3 +235,19 @@ def test_a_resubmitted_request_wholly_in_vllms_cache_loads_nothing_and_drops_its
     req = SimpleNamespace(req_id="kvh7-e2", block_ids=([3, 5, 6],), num_computed_tokens=2 * BT)
     meta = planner.build([req], no_cached(), {"kvh7-e2": 1})
     assert meta.loads == [] and 7 not in b.restorable
+
+
+def test_kvhold_needs_no_more_pages_than_vllm_has_blocks(pool):  # noqa: F811
+    """Six requests on one 2-block prefix use 2 + 6 of vLLM's 11 blocks (block 0 is its null
+    block): with as many kvhold pages as that, every step is mirrored (copies would need 18)."""
+    b, planner, worker = engine(pool)
+    worker.register(caches())
+    mirror, lists = b.mirror, Lists()
+    mirror.allocator.allocate(mirror.allocator.num_free - (BLOCKS - 1))       # kvhold's pages = vLLM's blocks
+    start(planner, worker, "kvh1-e1", SHARED + [1, 1, 1, 1], [1, 2, 3])
+    for rid in range(2, 7):                              # vLLM serves the prefix from its cache
+        start(planner, worker, f"kvh{rid}-e1", SHARED + [rid] * 4, [1, 2, 2 + rid], local=2 * BT)
+    for rid in range(1, 7):
+        list_mirrored_pages(lists, mirror, rid, rid)
+    assert len({p for lst in lists.lists.values() for p in lst}) == 8 and mirror.allocator.num_free == 3
+    assert all(lst[:2] == lists.lists[1][:2] for lst in lists.lists.values())
