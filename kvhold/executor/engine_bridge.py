@@ -57,15 +57,20 @@ class Installed(Generic[T]):
 def list_mirrored_pages(journal, mirror, slot: int, request_id: int, before_write=None) -> int:
     """Journal page list := the kvhold pages of the request's mirrored prefix: the pages the
     mirror assigned since the list was last written are appended (`before_write()` first,
-    e.g. a lease check). Returns how many."""
+    e.g. a lease check). Where the mirror replaced pages the list names (a block served by a
+    shared page: KvMirror.settle_full), the list is written again from the first of them, and
+    only then does the mirror let the replaced pages go. Returns how many were written."""
     listed = journal.num_pages(slot)
+    first = min(listed, mirror.relist.get(request_id, listed))
     new = []
-    while (page := mirror.page_of(request_id, listed + len(new))) is not None:
+    while (page := mirror.page_of(request_id, first + len(new))) is not None:
         new.append(page)
     if new:
         if before_write is not None:
             before_write()
-        journal.set_pages(slot, new, listed)
+        journal.set_pages(slot, new, first)
+    if request_id in mirror.relist:
+        mirror.relisted(request_id)
     return len(new)
 
 
@@ -161,7 +166,9 @@ class BridgeWorkload(EngineWorkload):
         with self.mirror_lock():
             plans = self.bridge.mirror.plan_restore(
                 {e.request_id: math.ceil(max(0, e.num_tokens - 1) / bt) for e in entries},
-                pending_epochs, full_blocks_only=full_blocks_only)
+                pending_epochs, full_blocks_only=full_blocks_only,
+                listed={e.request_id: self.journal.pages_of(e.slot, self.journal.num_pages(e.slot))
+                        for e in entries})
         for e in entries:
             self.ctx.lease.check()
             self.journal.set_pages(e.slot, list(plans[e.request_id].pages))   # the kept prefix only

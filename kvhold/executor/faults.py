@@ -26,7 +26,9 @@ is prepared and Ready is sent). Takeover points (kvhold.executor.takeover): `tak
 filled tails placed), both before the requests are resumed. `publish_counts`: inside a
 page publish (kvhold.protocol.page_table), the new counts written and not yet the checksums.
 The vLLM bridge (kvhold.vllm_bridge.workload) reaches `commit_pages` once per request output
-with new tokens, its KV mirrored and nothing of it journaled yet.
+with new tokens, its KV mirrored and nothing of it journaled yet (counted, or conditioned on that
+request's submitted tokens), and `step` once per vLLM step, before it, conditioned on the
+submitted tokens of its live requests.
 
 Request-conditioned points fire on what is in a step rather than on a count:
 `<point>:token=<id>:<action>` fires each time `point` is reached with a request whose prompt

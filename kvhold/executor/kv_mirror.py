@@ -26,6 +26,21 @@ pages of rows that start a block and queues the copy; `publish_decode` waits for
 (an event: free once the step's own read-back has waited for it) and publishes. Queued
 right after the engine's forward, the copy overlaps the step instead of adding a wait.
 
+Shared pages (an engine with a prefix cache of its own, e.g. vLLM's): with `prefix` set (a
+kvhold.executor.prefix_cache.PrefixCache, the native engine's index) every full published page
+enters kvhold's prefix cache under the chained key of its tokens (`mark_cached`: CACHED, key as
+owner), as the native engine's do, and the mirror remembers which engine block it holds
+(`source`). The engine does the lookups: when it serves a request's block from its own cache
+(`settle_full`, a `FullBlock` with `hit`), the request lists the page that holds that block,
+referenced (never copied); a block whose page kvhold has evicted is copied into a fresh page,
+which is cached in its turn. A page that a request held for that block before (a takeover's
+restore, a recomputation after a preemption) is superseded: the request's journal list is
+rewritten from there (`relist`) and only then is the old page let go (`relisted`). So an engine
+block in use has one kvhold page however many requests share it, and kvhold's pool, as large as
+the engine's, holds every block the engine uses; unreferenced cached pages are evicted least
+recently used first when a fresh page is needed. A takeover (`plan_restore` with the journal's
+page lists) validates a shared page once and rebuilds the index with each page's references.
+
 Contract with the engine:
 * a block's committed tokens never change and never shrink; `mirror_committed` and
   `queue_decode` are called once the engine's device work for those tokens is complete or
@@ -46,6 +61,7 @@ import torch
 
 from kvhold.executor.kv_cache import TORCH_DTYPES
 from kvhold.executor.page_allocator import NULL_PAGE, PageAllocator
+from kvhold.executor.prefix_cache import PrefixCache
 from kvhold.protocol.checksum import TorchChecksum, to_u64
 from kvhold.protocol.layout import PageFlag
 from kvhold.protocol.page_table import PageTable
@@ -78,6 +94,20 @@ class Committed:
     index: int
     block: int
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class FullBlock:
+    """After a step, engine block `block` holds the whole logical block `index` of request
+    `request_id`, whose chained prefix key is `key`: computed or loaded into it by the request
+    (`hit` False: the request's own page holds the same bytes), or found in the engine's prefix
+    cache (`hit` True: computed for another request, or before)."""
+
+    request_id: int
+    index: int
+    block: int
+    key: int
+    hit: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +160,13 @@ class KvMirror:
         self.checksums = np.zeros(tables.geometry.num_pages, dtype=np.uint64)   # (0 unless held)
         self.quarantined: dict[int, int] = {}      # page -> epoch of a writer not yet reaped
         self.last_restore = {"pages_checked": 0, "pages_bad": 0, "pages_quarantined": 0}
+        self.prefix: PrefixCache | None = None     # shared full pages (module docstring)
+        self.source: dict[int, int] = {}           # engine block -> cached page with its bytes
+        self.block_of: dict[int, int] = {}         # that page -> the block
+        self.superseded: dict[int, list[int]] = {}  # request -> pages it held before, until relisted
+        self.relist: dict[int, int] = {}           # request -> first logical block to list again
+        self.pages_shared = 0                      # engine cache hits served by a cached page
+        self.pages_copied = 0                      # engine cache hits copied (page evicted)
         records = self.page_table.snapshot()
         busy = (records["owner"] != 0) | ((records["flags"] & PageFlag.QUARANTINED) != 0)
         self.allocator = PageAllocator(p for p in (~busy).nonzero()[0].tolist() if p != NULL_PAGE)
@@ -265,6 +302,9 @@ class KvMirror:
         """Fresh pages for (request id, logical block) `keys`, recorded in the page table."""
         if not keys:
             return []
+        short = len(keys) - self.allocator.num_free
+        if short > 0 and self.prefix is not None:
+            self._free_cached(self.prefix.evict(short))        # idle cached pages, LRU first
         pages = self.allocator.allocate(len(keys))
         self.lease.check()
         self.page_table.assign(pages, np.array([k[0] for k in keys], dtype=np.uint64),
@@ -276,12 +316,128 @@ class KvMirror:
         return pages
 
     def release(self, request_id: int) -> int:
-        """Free the pages of a finished request; returns how many."""
+        """Free the pages of a finished request (a cached one loses a reference and, with none
+        left, stays idle in the index); returns how many it held."""
         keys = [k for k in self.held if k[0] == request_id]
-        pages = [self.held.pop(k) for k in keys]
+        pages = [self.held.pop(k) for k in keys] + self.superseded.pop(request_id, [])
+        self.relist.pop(request_id, None)
+        self._let_go(pages)
+        return len(keys)
+
+    def _let_go(self, pages: list[int]) -> None:
+        own = pages
+        if self.prefix is not None:
+            own = [p for p in pages if not self.prefix.is_cached(p)]
+            self.prefix.unref([p for p in pages if self.prefix.is_cached(p)])
+        if own:
+            self.page_table.release(own)
+            self.allocator.free(own)
+
+    def _free_cached(self, pages: list[int]) -> None:
+        """Evicted cached pages (out of the index already): their records cleared, free again."""
+        for page in pages:
+            self._unsource(page)
         if pages:
+            self.lease.check()
             self.page_table.release(pages)
             self.allocator.free(pages)
+
+    # ------------------------------------------------------------------ shared pages
+    def note_written(self, committed: Iterable[Committed]) -> None:
+        """The engine writes these blocks this step: a cached page no longer stands for a block
+        rewritten for a request that does not list it (the engine reused the block)."""
+        for c in committed:
+            page = self.source.get(c.block)
+            if page is not None and self.held.get((c.request_id, c.index)) != page:
+                self._unsource(page)
+
+    def _unsource(self, page: int) -> None:
+        block = self.block_of.pop(page, None)
+        if block is not None and self.source.get(block) == page:
+            del self.source[block]
+
+    def _set_source(self, block: int, page: int) -> None:
+        old = self.source.get(block)
+        if old is not None:
+            self.block_of.pop(old, None)
+        moved = self.block_of.get(page)
+        if moved is not None:
+            self.source.pop(moved, None)
+        self.source[block] = page
+        self.block_of[page] = block
+
+    def settle_full(self, full: Iterable[FullBlock]) -> int:
+        """Once the step's pages are published: each full block enters the prefix cache (the
+        request's own page, `hit` False) or is served from it (`hit` True: the page that holds
+        the engine block, referenced; a copy of the block into a fresh page where kvhold has
+        evicted it). Returns the pages copied. A no-op without `prefix`."""
+        if self.prefix is None:
+            return 0
+        full = list(full)
+        to_cache: dict[int, int] = {}        # page -> key
+        for f in full:
+            if f.hit:
+                continue
+            held = self.held.get((f.request_id, f.index))
+            if held is None or int(self.counts[held]) != self.page_tokens:
+                continue                     # not mirrored (a standby), or not published whole
+            if not self.prefix.is_cached(held):
+                to_cache[held] = f.key
+            self._set_source(f.block, held)
+        self._cache(to_cache)
+        copies: list[FullBlock] = []
+        for f in full:
+            if not f.hit:
+                continue
+            key = (f.request_id, f.index)
+            held, src = self.held.get(key), self.source.get(f.block)
+            if src is not None:              # a source is always a cached page
+                if held != src:
+                    self.prefix.ref([src])
+                    self.held[key] = src
+                    self.counts[src] = self.page_tokens
+                    if held is not None:
+                        self._supersede(f.request_id, f.index, held)
+                    self.pages_shared += 1
+                continue
+            if held is not None:
+                del self.held[key]
+                self._supersede(f.request_id, f.index, held)
+            copies.append(f)
+        if copies:
+            self.mirror_committed([Committed(f.request_id, f.index, f.block, self.page_tokens) for f in copies])
+            self._cache({self.held[f.request_id, f.index]: f.key for f in copies})
+            for f in copies:
+                self._set_source(f.block, self.held[f.request_id, f.index])
+            self.pages_copied += len(copies)
+        return len(copies)
+
+    def _cache(self, keys: dict[int, int]) -> None:
+        """Full published pages, each listed by one request, into the index and the records."""
+        if not keys:
+            return
+        pages = list(keys)
+        self.lease.check()
+        for page in pages:
+            self.prefix.add(keys[page], page)
+        self.page_table.mark_cached(pages, [keys[p] for p in pages])
+
+    def _supersede(self, request_id: int, index: int, page: int) -> None:
+        self.superseded.setdefault(request_id, []).append(page)
+        self.relist[request_id] = min(index, self.relist.get(request_id, index))
+
+    def relisted(self, request_id: int) -> None:
+        """The request's journal list no longer names the pages it held before a share: they
+        are let go (a cached one loses a reference, an own one is freed)."""
+        self.relist.pop(request_id, None)
+        self._let_go(self.superseded.pop(request_id, []))
+
+    def reset_prefix_cache(self) -> int:
+        """Every idle cached page out of the index and freed (vLLM's reset_prefix_cache)."""
+        if self.prefix is None:
+            return 0
+        pages = self.prefix.reset()
+        self._free_cached(pages)
         return len(pages)
 
     # ------------------------------------------------------------------ takeover
@@ -301,29 +457,61 @@ class KvMirror:
         return {rid: p.restored for rid, p in plans.items()}
 
     def plan_restore(self, requests: Mapping[int, int], pending_epochs: Iterable[int] = (),
-                     full_blocks_only: bool = False) -> dict[int, "RestorePlan"]:
+                     full_blocks_only: bool = False,
+                     listed: Mapping[int, Sequence[int]] | None = None) -> dict[int, "RestorePlan"]:
         """The validating half of `restore`, for engines that allocate blocks later.
 
         `requests` maps request id -> how many logical blocks it may use. Returns per request
         the kvhold pages of its intact prefix (copy them with `load` once the engine has
         blocks). `full_blocks_only`: a partial tail is not restored but released, for engines
-        whose recomputation of a block may not reproduce its bytes exactly (TensorRT-LLM)."""
+        whose recomputation of a block may not reproduce its bytes exactly (TensorRT-LLM).
+        `listed`: each request's journal page list, where its shared (cached) pages are named
+        (their records are owned by their key); a shared page is validated once."""
         self.lease.check()
         self.held = {}
         self.counts[:] = 0
         self.checksums[:] = 0
+        self.source, self.block_of, self.superseded, self.relist = {}, {}, {}, {}
         pending = {int(e) for e in pending_epochs}
         records = self.page_table.snapshot()
         odd = ((records["version"] & 1) == 1).nonzero()[0]
         self.page_table.repair_versions(odd)                 # the writer is fenced: settle its records
-        plan = self._candidates(records, requests)
-        ok = self._validate(records, [page for _, _, page in plan])
+        plan = self._candidates(records, requests, listed or {})
+        pages = np.array([page for _, _, page in plan], dtype=np.int64)
+        uniq, inverse = np.unique(pages, return_inverse=True)
+        ok_once = self._validate(records, uniq.tolist())
+        ok = ok_once[inverse] if len(pages) else ok_once
         plans = self._prefixes(requests, plan, ok, records, full_blocks_only)
         self._unhold_live_tails(records, pending)
+        self._own_listed(records)
         self._settle(records, set(self.held.values()), pending)
-        self.last_restore = {"pages_checked": len(plan), "pages_bad": int((~ok).sum()),
+        self._rebuild_cache(records)
+        self.last_restore = {"pages_checked": len(uniq), "pages_bad": int((~ok_once).sum()),
                              "pages_quarantined": len(self.quarantined)}
         return plans
+
+    def _own_listed(self, records) -> None:
+        """A kept page whose entry into the prefix cache its writer's death interrupted (the key
+        replaced the owner, CACHED not set yet) belongs to its request again."""
+        fix = [(page, rid) for (rid, _), page in self.held.items()
+               if int(records["owner"][page]) != rid and not records["flags"][page] & PageFlag.CACHED]
+        if fix:
+            self.page_table.restore_owners([p for p, _ in fix], [r for _, r in fix])
+            for page, rid in fix:
+                records["owner"][page] = rid
+
+    def _rebuild_cache(self, records) -> None:
+        """The prefix cache after a takeover: the kept CACHED pages, each referenced once per
+        request that keeps it (the idle ones were released with every unkept page)."""
+        if self.prefix is None:
+            return
+        self.prefix.rebuild(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
+        refs: dict[int, int] = {}
+        for page in self.held.values():
+            if records["flags"][page] & PageFlag.CACHED:
+                refs[page] = refs.get(page, 0) + 1
+        for page, n in refs.items():
+            self.prefix.add(int(records["owner"][page]), page, refs=n)
 
     def load(self, pages: Sequence[int], blocks: Sequence[int], target: BlockLayout) -> None:
         """Copy kvhold `pages` into the engine's `blocks` (same order): a gather + scatter per
@@ -353,16 +541,29 @@ class KvMirror:
                 del self.quarantined[p]
         return len(pages)
 
-    def _candidates(self, records, requests: Mapping[int, int]) -> list[tuple[int, int, int]]:
+    def _candidates(self, records, requests: Mapping[int, int],
+                    listed: Mapping[int, Sequence[int]]) -> list[tuple[int, int, int]]:
         """(request, logical index, page) of each mirrored block, in order, up to the first gap
-        (a block with no page, or with a page assigned but holding no committed token)."""
+        (a block with no page, or with a page assigned but holding no committed token). A block
+        is found by its record (owner and logical index) or, for a shared page (owned by its
+        key), in the request's journal list: a full page at that logical index that no live
+        request owns (its checksum decides whether it is kept)."""
         where = {}
         for page in ((records["owner"] != 0) & ((records["flags"] & PageFlag.QUARANTINED) == 0)).nonzero()[0]:
             where.setdefault((int(records["owner"][page]), int(records["logical"][page])), int(page))
+        live = {int(r) for r in requests}
         plan = []
         for rid, num_blocks in requests.items():
+            names = listed.get(rid, ())
             for index in range(int(num_blocks)):
                 page = where.get((int(rid), index))
+                if page is None and index < len(names):
+                    p = int(names[index])
+                    if (0 < p < len(records) and int(records["logical"][p]) == index
+                            and int(records["num_tokens"][p]) == self.page_tokens
+                            and int(records["owner"][p]) not in live
+                            and not records["flags"][p] & PageFlag.QUARANTINED):
+                        page = p
                 if page is None or records["num_tokens"][page] == 0:
                     break                   # never mirrored, or assigned but nothing published yet
                 plan.append((int(rid), index, page))

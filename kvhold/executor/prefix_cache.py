@@ -121,6 +121,19 @@ class PrefixCache:
             if n == 0:
                 self.idle[page] = None
 
+    def add(self, key: int, page: int, refs: int = 1) -> None:
+        """A full, published page enters the index under `key` with `refs` references (an
+        engine bridge, whose engine does the lookups: kvhold.executor.kv_mirror). A page
+        cached under a key another page holds already is shared and counted like any cached
+        page but not found by lookups (the engine may hold two blocks of the same tokens)."""
+        if page in self.key_of:
+            raise ValueError(f"page {page} is cached already")
+        self.by_key.setdefault(key, page)
+        self.key_of[page] = key
+        self.refs[page] = refs
+        if not refs:
+            self.idle[page] = None
+
     def insert(self, key: int, page: int) -> bool:
         """A full, published page of one sequence (which lists it: one reference) enters the index;
         False if the key is cached already (the page stays that sequence's own)."""
@@ -196,7 +209,9 @@ class PrefixCache:
         return release
 
     def _forget(self, page: int) -> None:
-        del self.by_key[self.key_of.pop(page)]
+        key = self.key_of.pop(page)
+        if self.by_key.get(key) == page:
+            del self.by_key[key]
         self.refs.pop(page, None)
 
     def rebuild(self, pages: np.ndarray, keys: np.ndarray, listed: np.ndarray) -> list[int]:

@@ -355,8 +355,8 @@ class SidecarConfig:
         _check(ex.prefix_caching in (None, True, False), "executors.prefix_caching must be true, "
                f"false or absent (auto), got {ex.prefix_caching!r}", "executors.prefix_caching")
         _check(ex.prefix_caching is not True or self._prefix_caching_supported(),
-               "--enable-prefix-caching is supported for the engine workload with --kv-mode native "
-               f"and one executor per group, not workload {ex.workload!r}, --kv-mode {ex.kv_mode}, "
+               "--enable-prefix-caching is supported for the vllm workload and for the engine workload "
+               f"with --kv-mode native and one executor per group, not workload {ex.workload!r}, --kv-mode {ex.kv_mode}, "
                f"--tensor-parallel-size {self.pool.tensor_parallel_size}", "executors.prefix_caching")
         _check(self.executors.zygote in (None, True, False), "executors.zygote must be true, false "
                f"or absent (auto), got {self.executors.zygote!r}", "executors.zygote")
@@ -371,6 +371,8 @@ class SidecarConfig:
 
     def _prefix_caching_supported(self) -> bool:
         ex = self.executors
+        if ex.workload == "vllm":                 # vLLM's own prefix caching, its blocks on shared pages
+            return True
         return ex.workload == "engine" and ex.kv_mode == "native" and self.pool.tensor_parallel_size == 1
 
     def uses_prefix_caching(self) -> bool:

@@ -182,8 +182,10 @@ def add_sidecar_args(p: argparse.ArgumentParser) -> None:
                         "prompt, a conversation so far): a request starts after the pages it finds, "
                         "kept in the shared tables through executor and sidecar crashes; idle ones "
                         "are evicted least recently used first. Default: on for the engine workload "
-                        "with --kv-mode native and one executor per group, off elsewhere (asking for "
-                        "it there is an error); --no-enable-prefix-caching turns it off")
+                        "with --kv-mode native and one executor per group and for the vllm workload "
+                        "(vLLM's own prefix caching, its cached blocks on shared kvhold pages), off "
+                        "elsewhere (asking for it there is an error); --no-enable-prefix-caching "
+                        "turns it off")
     p.add_argument("--exact-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: prefill on the decode kernels instead of cuBLAS and SDPA, so that a "
                         "recomputed request (preemption, damaged pages, a pool restart) gives the tokens "

@@ -12,14 +12,19 @@ reach the executor's state through the installed `Bridge`.
 
 Scheduler side (`MirrorPlanner`, free of vLLM types):
 * `get_num_new_matched_tokens`: for a request resubmitted after a takeover, the tokens of
-  its intact mirrored prefix (`KvMirror.plan_restore`), at most all but its last token
-  (vLLM must compute one token to sample the next). A partial tail block counts: vLLM 0.32
-  accepts a hit that does not end on a block boundary when there is no local prefix hit
-  (prefix caching is off under the bridge). Loaded synchronously (`False`).
+  its intact mirrored prefix (`KvMirror.plan_restore`) past vLLM's local prefix-cache hit (which
+  vLLM 0.32 presents block-aligned), at most all but its last token (vLLM must compute one token
+  to sample the next). A partial tail block counts: for a full-attention model vLLM 0.32 takes
+  an external hit past a block-aligned local one as it is (Scheduler.schedule). Loaded
+  synchronously (`False`) into the blocks after the local hit. The request's tokens (vLLM's live
+  view of them) give the chained keys of its full blocks.
 * `build_connector_meta`: per step, which kvhold pages to load into which vLLM blocks
   (before the forward) and which (request, logical block, vLLM block, tokens) the forward
   writes, to be mirrored after it. Block ids come from the scheduler output: a new request
   lists all its blocks, a running one its new ones, one resumed from preemption all again.
+  With prefix caching (the bridge's `prefix`, kvhold.executor.prefix_cache), also the blocks
+  whole after the step (`FullBlock`): those the request computed or loaded, and those vLLM's
+  local hit started it on (`hit`), which it did not compute.
 Worker side (`MirrorWorker`):
 * `register_kv_caches`: vLLM's CPU cache is one tensor per layer, [blocks, kv_heads,
   block_size, 2 * head_dim]; per (block, head) it holds the keys transposed ([D][T]) then
@@ -31,7 +36,10 @@ Worker side (`MirrorWorker`):
   publishes (count, checksum) under the seqlock. Only then does the step's sampled token
   exist, and only after that does the workload journal it (kvhold.vllm_bridge.workload):
   pages first, journal second, as the commit rule says. Rows the mirror already holds (a
-  request recomputed after a preemption) are not published again.
+  request recomputed after a preemption) are not published again. Then
+  `KvMirror.settle_full`: full pages enter kvhold's prefix cache, and the blocks vLLM served
+  from its cache are listed as the shared pages that hold them (copied where kvhold evicted
+  them); vLLM's blocks and kvhold's pages are as many, and a block in use has one page.
 Nothing is mirrored before `Bridge.active` (a standby's warm-up writes no page).
 """
 from __future__ import annotations
@@ -46,7 +54,8 @@ import torch
 
 from kvhold.executor.block_layout import BlockLayout
 from kvhold.executor.engine_bridge import Installed
-from kvhold.executor.kv_mirror import Committed, KvMirror
+from kvhold.executor.kv_mirror import Committed, FullBlock, KvMirror
+from kvhold.executor.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 REQUEST_PREFIX = "kvh"
@@ -181,6 +190,8 @@ class Bridge:
     loaded: dict[int, int] = field(default_factory=dict)        # kvhold id -> KV tokens copied in
     computed: dict[int, int] = field(default_factory=dict)      # kvhold id -> tokens vLLM computed
     watch: dict[int, int] = field(default_factory=dict)         # kvhold id -> tokens of its resubmission
+    cached: dict[int, int] = field(default_factory=dict)        # kvhold id -> tokens vLLM's cache served
+    prefix: PrefixCache | None = None         # kvhold's prefix cache (vLLM's prefix caching on)
     pages_loaded: int = 0
     mirrored_blocks: int = 0
 
@@ -197,6 +208,7 @@ class StepMeta:
     loads: list[tuple[int, list[int], list[int], int]] = field(default_factory=list)
     # (kvhold id, kvhold pages, vLLM blocks, KV tokens)
     saves: list[Committed] = field(default_factory=list)
+    full: list[FullBlock] = field(default_factory=list)   # whole blocks after the step (prefix caching)
 
 
 @dataclass
@@ -204,6 +216,9 @@ class _Tracked:
     kvhold_id: int
     blocks: list[int] = field(default_factory=list)
     load_tokens: int = 0                      # tokens get_num_new_matched_tokens promised
+    load_from: int = 0                        # after vLLM's local hit (block-aligned)
+    tokens: Sequence[int] = ()                # the request's tokens (vLLM's live view of them)
+    keys: list[int] = field(default_factory=list)   # chained prefix keys of its full blocks
 
 
 class MirrorPlanner:
@@ -211,14 +226,20 @@ class MirrorPlanner:
         self.bridge, self.block_tokens = bridge, block_tokens
         self.tracked: dict[str, _Tracked] = {}
 
-    def matched_tokens(self, request_id: str, num_tokens: int, num_computed: int) -> int:
+    def matched_tokens(self, request_id: str, num_tokens: int, num_computed: int,
+                       tokens: Sequence[int] = ()) -> int:
+        """Tokens of a resubmitted request's intact mirrored prefix past vLLM's local hit
+        (`num_computed`, block-aligned), at most all but its last token; `tokens`: the
+        request's tokens (the keys of its full blocks)."""
         kid = kvhold_id(request_id)
         if kid is None:
             return 0
         t = self.tracked.setdefault(request_id, _Tracked(kid))
+        t.tokens = tokens
         pages, counts = self.bridge.restorable.get(kid, ((), ()))
         usable = min(sum(counts), max(0, num_tokens - 1))
-        t.load_tokens = max(0, usable - num_computed) if num_computed == 0 else 0
+        t.load_from = num_computed
+        t.load_tokens = max(0, usable - num_computed)
         return t.load_tokens
 
     def after_alloc(self, request_id: str, num_external: int) -> None:
@@ -234,30 +255,65 @@ class MirrorPlanner:
                 continue
             t = self.tracked.setdefault(r.req_id, _Tracked(kid))
             t.blocks = list(r.block_ids[0])
+            if not t.tokens:
+                t.tokens = list(getattr(r, "prompt_token_ids", None) or ())
             start = r.num_computed_tokens
+            local = start - t.load_tokens            # blocks vLLM found in its own prefix cache
+            self._hits(meta, t, local)
             if t.load_tokens:
                 self._load(meta, t, start)
+            else:                         # nothing past vLLM's own hit: the plan is spent too
+                self.bridge.restorable.pop(kid, None)
             self._save(meta, t, start, num_scheduled.get(r.req_id, 0))
         for i, req_id in enumerate(cached.req_ids):
             t = self.tracked.get(req_id)
             if t is None:
                 continue
             new = cached.new_block_ids[i]
+            start = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids:
                 t.blocks = list(new[0]) if new is not None else []
+                self._hits(meta, t, start)               # a resumed request may start on cached blocks
             elif new is not None:
                 t.blocks.extend(new[0])
-            self._save(meta, t, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0))
+            self._save(meta, t, start, num_scheduled.get(req_id, 0))
         return meta
 
+    def _keys(self, t: _Tracked, n: int) -> list[int] | None:
+        """The chained keys of the request's first `n` full blocks, or None without a prefix
+        cache or without the tokens."""
+        prefix = self.bridge.prefix
+        if prefix is None or n <= 0 or len(t.tokens) < n * self.block_tokens:
+            return None
+        return prefix.keys(t.tokens, n, t.keys)
+
+    def _hits(self, meta: StepMeta, t: _Tracked, tokens: int) -> None:
+        """vLLM starts the request on `tokens` of its own cached blocks: each is a whole block
+        the request did not compute (KvMirror.settle_full lists the page that holds it)."""
+        n = tokens // self.block_tokens
+        keys = self._keys(t, n)
+        if keys is None:
+            return
+        meta.full.extend(FullBlock(t.kvhold_id, i, t.blocks[i], keys[i], True) for i in range(n))
+        watched = self.bridge.watch.get(t.kvhold_id)
+        if watched is not None and tokens:                 # a resubmitted request: KV it kept
+            self.bridge.cached[t.kvhold_id] = self.bridge.cached.get(t.kvhold_id, 0) + tokens
+
     def _load(self, meta: StepMeta, t: _Tracked, computed: int) -> None:
-        """The promised tokens end at `computed` (vLLM counts them computed): pages 0.. cover them."""
+        """The promised tokens end at `computed` (vLLM counts them computed): pages k..n-1 cover
+        them, k the blocks of vLLM's local hit before them."""
         pages, counts = self.bridge.restorable.pop(t.kvhold_id, ((), ()))
-        n = math.ceil(t.load_tokens / self.block_tokens)
-        if computed != t.load_tokens or n > len(pages) or n > len(t.blocks):
-            raise RuntimeError(f"request {t.kvhold_id}: load of {t.load_tokens} tokens does not match "
-                               f"{computed} computed, {len(pages)} pages, {len(t.blocks)} blocks")
-        meta.loads.append((t.kvhold_id, list(pages[:n]), t.blocks[:n], t.load_tokens))
+        bt, k = self.block_tokens, t.load_from // self.block_tokens
+        n = math.ceil((t.load_from + t.load_tokens) / bt)
+        if (computed != t.load_from + t.load_tokens or t.load_from % bt or n > len(pages)
+                or n > len(t.blocks)):
+            raise RuntimeError(f"request {t.kvhold_id}: load of {t.load_tokens} tokens after {t.load_from} "
+                               f"does not match {computed} computed, {len(pages)} pages, {len(t.blocks)} blocks")
+        meta.loads.append((t.kvhold_id, list(pages[k:n]), t.blocks[k:n], t.load_tokens))
+        whole = computed // bt
+        keys = self._keys(t, whole)
+        if keys is not None:
+            meta.full.extend(FullBlock(t.kvhold_id, i, t.blocks[i], keys[i], False) for i in range(k, whole))
         t.load_tokens = 0
 
     def _save(self, meta: StepMeta, t: _Tracked, start: int, n: int) -> None:
@@ -269,6 +325,12 @@ class MirrorPlanner:
             bridge.computed[t.kvhold_id] = bridge.computed.get(t.kvhold_id, 0) + min(end, watched) - start
         for i in range(start // bt, (end - 1) // bt + 1):
             meta.saves.append(Committed(t.kvhold_id, i, t.blocks[i], min(bt, end - i * bt)))
+        whole = end // bt
+        if whole > start // bt:                            # blocks this step completes
+            keys = self._keys(t, whole)
+            if keys is not None:
+                meta.full.extend(FullBlock(t.kvhold_id, i, t.blocks[i], keys[i], False)
+                                 for i in range(start // bt, whole))
 
     def finished(self, request_id: str) -> None:
         self.tracked.pop(request_id, None)
@@ -294,6 +356,7 @@ class MirrorWorker:
         b = self.bridge
         if b.mirror is None:
             b.mirror = KvMirror(b.tables, b.kv_pool, self.layout, b.lease)
+            b.mirror.prefix = b.prefix
         else:
             b.mirror.layout = self.layout
         log.info("vLLM KV cache: %d layers x %d blocks of %d tokens mirrored into kvhold pages",
@@ -308,8 +371,9 @@ class MirrorWorker:
 
     def save(self, meta: StepMeta) -> int:
         b = self.bridge
-        if not b.active or not meta.saves:
+        if not b.active or not (meta.saves or meta.full):
             return 0
+        b.mirror.note_written(meta.saves)
         work = []
         for c in meta.saves:          # rows already mirrored (recomputed after a preemption) stay
             page = b.mirror.page_of(c.request_id, c.index)
@@ -317,6 +381,8 @@ class MirrorWorker:
                 work.append(c)
         n = b.mirror.mirror_committed(work) if work else 0
         b.mirrored_blocks += n
+        if meta.full:                 # after the step's own pages are published: share or cache
+            b.mirror.settle_full(meta.full)
         return n
 
 
@@ -353,7 +419,7 @@ if KVConnectorBase_V1 is not None:
         # scheduler side
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             return self.planner.matched_tokens(request.request_id, request.num_tokens,
-                                               num_computed_tokens), False
+                                               num_computed_tokens, request.all_token_ids), False
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             self.planner.after_alloc(request.request_id, num_external_tokens)

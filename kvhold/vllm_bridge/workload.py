@@ -11,19 +11,25 @@ prepare (standby-to-be): the weights region is loaded and sealed by the designat
 executor (kvhold.executor.engine_workload), then vLLM is built with `load_format="kvhold"`
 (kvhold.vllm_bridge.loader: weights from the region, no disk read) and the kvhold KV
 connector (kvhold.vllm_bridge.connector), blocks of kvhold's `page_tokens`, as many
-blocks as kvhold has pages, prefix caching off (a kvhold page belongs to one request),
-synchronous scheduling, eager mode; then one warm-up request that no page records.
+blocks as kvhold has pages, vLLM's prefix caching as `--enable-prefix-caching` says (on by
+default: its cached blocks are kvhold's shared cached pages, keyed as kvhold's engine keys them,
+kvhold.executor.prefix_cache with the same salt; the connector and KvMirror.settle_full share
+them), synchronous scheduling, eager mode; then one warm-up request that no page records.
 promote: `KvMirror.plan_restore` validates every page the dead executor mirrored for a
 live journal request (quarantining what a writer not yet reaped may still write), and
 each live request is resubmitted to vLLM as prompt + the tokens the journal holds, for
-its remaining tokens. The connector reports the intact prefix as matched tokens and loads
-it before the first forward; vLLM computes the rest. The `Recovered` report is sent once
+its remaining tokens. The connector reports the intact prefix past vLLM's own cache hit as
+matched tokens and loads it before the first forward; vLLM computes the rest (and caches what was
+loaded: a second request with the same prefix starts on the first one's loaded blocks). The `Recovered` report is sent once
 every resubmitted request has been computed up to its next token, with the tokens that
 were actually loaded and computed (the connector counts both), never a plan.
 step: admit the journal's new requests, cancel, run one vLLM step (the connector mirrors
 its KV inside it), then journal each new token with its log-probs when asked for (pages
 first, tokens second), list the request's mirrored pages and finish it by kvhold's own rule
-(stop ids, EOS unless ignore_eos, max_tokens, max_seq_len), as the native engine does.
+(stop ids, EOS unless ignore_eos, max_tokens, max_seq_len), as the native engine does; a
+request's first output journals vLLM's prefix-cache hit as its cached tokens (usage's
+cached_tokens). maintain (each turn of the active loop): POST /reset_prefix_cache, carried out
+in vLLM (once no request runs) and then on kvhold's idle cached pages.
 
 Log-probs (`logprobs=k`, `prompt_logprobs=k`) are vLLM's raw ones (kvhold.vllm_bridge.logprobs),
 journaled with their tokens: a generated token's before the count that covers it, a known
@@ -52,6 +58,7 @@ from kvhold.executor import faults
 from kvhold.executor.engine import finish_reason
 from kvhold.executor.engine_bridge import BridgeWorkload
 from kvhold.executor.kv_cache import KvCache
+from kvhold.executor.prefix_cache import PrefixCache
 from kvhold.protocol import messages as m
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import FinishReason, PageFlag
@@ -77,6 +84,8 @@ class _Live:
     external: str             # the vLLM request id (before vLLM's random suffix)
     known: tuple[int, int, int] | None = None   # positions [start, end) whose log-probs its
     # prompt_logprobs give (k of them), until journaled (`known_logprobs`)
+    fresh: bool = True        # its first submission (not a takeover's resubmission)
+    tokens: tuple[int, ...] = ()   # what was submitted (request-conditioned fault points)
 
 
 def engine_kwargs(settings, geometry) -> dict:
@@ -85,7 +94,8 @@ def engine_kwargs(settings, geometry) -> dict:
     return dict(model=settings.model, load_format=loader.LOAD_FORMAT, dtype=kv.dtype,
                 block_size=kv.page_tokens, num_gpu_blocks_override=geometry.num_pages,
                 max_model_len=geometry.max_seq_len, max_num_seqs=settings.max_batch,
-                max_num_batched_tokens=settings.max_batch_tokens, enable_prefix_caching=False,
+                max_num_batched_tokens=settings.max_batch_tokens,
+                enable_prefix_caching=settings.prefix_caching,
                 async_scheduling=False, enforce_eager=True, disable_log_stats=True, seed=0,
                 kv_transfer_config=dict(CONNECTOR), logits_processors=[KeyedSampling],
                 max_logprobs=geometry.max_logprobs, logprobs_mode="raw_logprobs")
@@ -135,6 +145,9 @@ class VllmWorkload(BridgeWorkload):
         geometry = tables.geometry
         kv = KvCache.from_mapping(self.ctx.mappings["kv"], geometry.kv, geometry.num_pages)
         self.bridge = connector.Bridge(tables, kv.pool, self.ctx.lease)
+        salt = self._prefix_salt()           # the native engine's keys (kvhold.executor.prefix_cache)
+        if salt is not None:
+            self.bridge.prefix = PrefixCache(salt, geometry.kv.page_tokens)
         connector.install(self.bridge)
         lo = min(t.data_ptr() for t in weights.values())
         hi = max(t.data_ptr() + t.numel() * t.element_size() for t in weights.values())
@@ -171,7 +184,7 @@ class VllmWorkload(BridgeWorkload):
         t0 = now_ns()
         b = self.bridge
         entries = self._live_entries()
-        recorded = _recorded_tokens(self.bridge.mirror.page_table.snapshot())
+        recorded = _recorded_tokens(self.bridge.mirror.page_table.snapshot(), self.journal, entries)
         plans = self._plan_restore(entries, msg.pending_epochs)
         t_validated = now_ns()
         counts = {rid: tuple(int(b.mirror.counts[p]) for p in plan.pages) for rid, plan in plans.items()}
@@ -187,6 +200,7 @@ class VllmWorkload(BridgeWorkload):
         for e in entries:
             b.watch[e.request_id] = e.num_tokens
             self._submit(e)
+            self.live[e.slot].fresh = False
             r = plans[e.request_id].restored
             rows.append((e, r.first_bad, recorded.get(e.request_id, 0)))
         stats = b.mirror.last_restore
@@ -207,7 +221,7 @@ class VllmWorkload(BridgeWorkload):
         classes = {"resumable": 0, "damaged": 0, "lost": 0}
         for e, first_bad, recorded in rec["rows"]:
             rid, n = e.request_id, e.num_tokens
-            loaded = b.loaded.pop(rid, 0)
+            loaded = b.loaded.pop(rid, 0) + b.cached.pop(rid, 0)     # copied in, or vLLM's cache hit
             computed = b.computed.pop(rid, 0)
             b.watch.pop(rid, None)
             # positions computed again that the dead executor had committed (the last journal
@@ -234,7 +248,8 @@ class VllmWorkload(BridgeWorkload):
         """Every resubmitted request has been computed up to its next token (or has ended)."""
         b = self.bridge
         for e, _, _ in self.recovery["rows"]:
-            done = b.loaded.get(e.request_id, 0) + b.computed.get(e.request_id, 0) >= e.num_tokens
+            done = (b.loaded.get(e.request_id, 0) + b.cached.get(e.request_id, 0)
+                    + b.computed.get(e.request_id, 0) >= e.num_tokens)
             if not done and e.slot in self.live:
                 return False
         return True
@@ -246,13 +261,14 @@ class VllmWorkload(BridgeWorkload):
         known = known_logprobs(entry) if self.journal.tables.logprobs is not None else None
         self.engine.add_request(ext, {"prompt_token_ids": tokens},
                                 sampling_params(entry, entry.num_generated, known[2] if known else None))
-        self._track(entry, _Live(entry.request_id, ext, known))
+        self._track(entry, _Live(entry.request_id, ext, known, tokens=tuple(tokens)))
         self.by_external[ext] = entry.slot
 
     def step(self) -> list[int]:
         self._admit()
         changed = self._cancel()
         if self.engine.has_unfinished_requests():
+            faults.batch_point("step", [live.tokens for live in self.live.values()])   # before the forward
             for out in self.engine.step():
                 slot = self.by_external.get(out.request_id)
                 if slot is not None and self._commit(slot, out):
@@ -261,6 +277,22 @@ class VllmWorkload(BridgeWorkload):
             report = self._finish_report()
             self.ctx.channel.send(m.Recovered(slot=self.ctx.attached.slot, epoch=self.ctx.epoch, report=report))
         return changed
+
+    def maintain(self) -> None:
+        """At each turn of the active executor's loop: POST /reset_prefix_cache (asked through
+        the tables' header, as of the native engine): vLLM's cache is reset (vLLM 0.32 does it
+        only with no request running: until then it is asked again at each turn), then kvhold's
+        idle cached pages are freed, then the reset is recorded done."""
+        header = self.ctx.tables.header
+        asked = int(header["prefix_reset_asked"])
+        if self.bridge.prefix is None or asked == int(header["prefix_reset_done"]):
+            return
+        if not self.llm.reset_prefix_cache():
+            return
+        self.ctx.lease.check()
+        freed = self.bridge.mirror.reset_prefix_cache() if self.bridge.mirror is not None else 0
+        header["prefix_reset_done"] = asked
+        log.info("prefix cache reset: %d idle cached pages freed", freed)
 
     def _cancel(self) -> list[int]:
         done = []
@@ -280,8 +312,12 @@ class VllmWorkload(BridgeWorkload):
         finished, completion = out.finished, out.outputs[0]
         e, new = self._new_tokens(slot, list(completion.token_ids))
         self._list_pages(slot, live.request_id)
-        if new:
-            faults.point("commit_pages")       # the step's KV mirrored, nothing of it journaled (crash tests)
+        if new and live.fresh and e.num_generated == 0 and out.num_cached_tokens:
+            # usage's cached_tokens: the prompt tokens vLLM's prefix cache served (its first start)
+            self.journal.set_cached_tokens(slot, int(out.num_cached_tokens))
+        if new:                                # the step's KV mirrored, nothing of it journaled (crash tests)
+            faults.point("commit_pages")
+            faults.batch_point("commit_pages", [live.tokens])
         if live.known is not None and new:     # vLLM returns them with the first generated token
             if out.prompt_logprobs is None or len(out.prompt_logprobs) < live.known[1]:
                 raise RuntimeError(f"request {live.request_id}: vLLM gave a token before the log-probs "
@@ -317,12 +353,19 @@ class VllmWorkload(BridgeWorkload):
         self._end_request(slot, live.request_id, reason)
 
 
-def _recorded_tokens(records) -> dict[int, int]:
-    """KV tokens the dead executor had mirrored, per request."""
+def _recorded_tokens(records, journal, entries) -> dict[int, int]:
+    """KV tokens the dead executor had mirrored, per request: its own pages' and the shared
+    (cached) pages its journal list names."""
     live = (records["owner"] != 0) & ((records["flags"] & PageFlag.QUARANTINED) == 0)
     out: dict[int, int] = {}
     for owner, count in zip(records["owner"][live].tolist(), records["num_tokens"][live].tolist()):
         out[int(owner)] = out.get(int(owner), 0) + int(count)
+    shared = (records["flags"] & PageFlag.CACHED) != 0
+    for e in entries:
+        pages = journal.pages_of(e.slot, journal.num_pages(e.slot))
+        pages = pages[(pages > 0) & (pages < len(records))]
+        pages = pages[shared[pages]]
+        out[e.request_id] = out.get(e.request_id, 0) + int(records["num_tokens"][pages].sum())
     return out
 
 

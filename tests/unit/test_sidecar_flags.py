@@ -63,5 +63,5 @@ def test_prefix_caching_reaches_the_executors_and_is_refused_where_it_is_not_bui
     assert config("--no-enable-prefix-caching").executor_settings().prefix_caching is False
     for extra in (["--kv-mode", "foreign"], ["--workload", "churn"]):
         assert config(*extra).executor_settings().prefix_caching is False  # off where unsupported
-        with pytest.raises(ValueError, match="^--enable-prefix-caching is supported for the engine workload"):
+        with pytest.raises(ValueError, match="^--enable-prefix-caching is supported for the vllm workload and for the engine workload"):
             config("--enable-prefix-caching", *extra)

@@ -24,6 +24,13 @@ def test_vllm_workload_settings_and_program(tiny_model):
     assert EXECUTOR_MODULES["vllm"] == "kvhold.vllm_bridge"
 
 
+def test_vllm_workload_keeps_vllms_prefix_caching_unless_told_not_to(tiny_model):
+    # the executors pass it to vLLM as enable_prefix_caching (kvhold.vllm_bridge.workload.engine_kwargs)
+    for flags, on in (([], True), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)):
+        cfg = config(tiny_model, *BASE, *flags)
+        assert cfg.uses_prefix_caching() is on and cfg.executor_settings().prefix_caching is on
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--workload", "vllm", "--page-tokens", "32"], "--kv-mode foreign"),
     ([*BASE[:-1], "16"], "multiple of 32"),

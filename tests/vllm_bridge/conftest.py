@@ -2,9 +2,12 @@
 is importable, in an environment of their own (.ci/run makes one); elsewhere every test here
 is skipped. One sidecar with the vllm workload serves the module's tests: each vLLM executor
 takes tens of seconds to start, so the tests share it and its re-armed standbys. Its executors
-carry one fault (kvhold.executor.faults): the first to reach the bridge's `commit_pages` point
-while `<sc.faults>/armed` exists stops itself there (SIGSTOP) and writes its pid to
-`<sc.faults>/fired`; a test arms it by creating that file."""
+carry two request-conditioned faults (kvhold.executor.faults), live only while
+`<sc.faults>/armed` exists and `<sc.faults>/fired` does not: the first executor to reach the
+bridge's `commit_pages` point with a request whose prompt holds token `FAULT_COMMIT` (the first
+time), or its `step` point for the `FAULT_STEP_AT`-th time with such a request holding
+`FAULT_STEP`, stops itself there (SIGSTOP) and writes its pid to `fired`; a test arms them by
+creating `armed` (and removing `fired`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,6 +33,8 @@ REQUESTS = [
     dict(prompt_ids=list(range(5, 75)), max_tokens=44, temperature=0.0, ignore_eos=True),
 ]
 SAMPLED = dict(prompt="Once upon a time", max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+FAULT_COMMIT = 379                # in the prompt of test_vllm_takeover's prompt_logprobs request only
+FAULT_STEP, FAULT_STEP_AT = 265, 3          # in the prompt of its prefix-cache request only
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +53,8 @@ def vllm_sidecar(tiny_model, vllm_env, tmp_path_factory):
     os.chmod(root, 0o700)
     log = tmp_path_factory.mktemp("vllm-sidecar") / "sidecar.log"
     faults = tmp_path_factory.mktemp("vllm-faults")
-    env = {"KVHOLD_FAULT": "commit_pages:1:stop", "KVHOLD_FAULT_IF": str(faults / "armed"),
+    env = {"KVHOLD_FAULT": f"commit_pages:token={FAULT_COMMIT}@1:stop,step:token={FAULT_STEP}@{FAULT_STEP_AT}:stop",
+           "KVHOLD_FAULT_IF": str(faults / "armed"),
            "KVHOLD_FAULT_ONCE": str(faults / "fired")}
     sc = SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "1"], runtime_root=root,
                         log_path=log, env=env)

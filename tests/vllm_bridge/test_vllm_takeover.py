@@ -13,10 +13,12 @@ import posix_ipc
 import pytest
 
 from kvhold.client.client import wait_all
+from kvhold.protocol.layout import ExecState, PageFlag
 from kvhold.protocol.memory import Mapping, RegionInfo
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import submit_requests
-from tests.vllm_bridge.conftest import REQUESTS, SAMPLED, SKIP, STARTUP_S
+from tests.vllm_bridge.conftest import (FAULT_COMMIT, FAULT_STEP, FAULT_STEP_AT, REQUESTS, SAMPLED, SKIP,
+                                        STARTUP_S)
 
 pytestmark = [SKIP, pytest.mark.timeout(3 * STARTUP_S)]
 BT = 32                                      # --page-tokens
@@ -34,18 +36,23 @@ def reference(vllm_sidecar):
 
 
 def _kill_when(sc, streams, threshold, before_kill=None):
-    seen = [0]
+    """SIGKILL the active engine once the clients have seen `threshold` tokens, every stream at
+    least one (its prompt computed and mirrored, whatever the order the engine took them in)."""
+    seen, started, fired = [0], set(), [False]
 
     def on_event(stream, event):
         seen[0] += 1
-        if seen[0] == threshold:
+        started.add(id(stream))
+        if not fired[0] and seen[0] >= threshold and len(started) == len(streams):
+            fired[0] = True
             pid = sc.wait_steady(standbys=1, timeout=STARTUP_S)["pid"]
             if before_kill is not None:
                 os.kill(pid, signal.SIGSTOP)            # hold the tables still while we aim
                 before_kill(streams)
             os.kill(pid, signal.SIGKILL)
             if before_kill is not None:
-                os.kill(pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):     # reaped already: nothing to resume
+                    os.kill(pid, signal.SIGCONT)
     return wait_all(streams, on_event)
 
 
@@ -87,6 +94,19 @@ def _attach(sc):
     return tables, words
 
 
+def _stopped(fired: Path, point: str) -> int:
+    """The pid of the executor that stopped itself at an armed fault, once it has stopped."""
+    deadline = time.monotonic() + 120
+    while not (fired.exists() and fired.read_text().strip()):
+        assert time.monotonic() < deadline, f"the armed executor never reached {point}"
+        time.sleep(0.01)
+    pid = int(fired.read_text().split()[0])
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the executor did not stop"
+        time.sleep(0.01)
+    return pid
+
+
 def test_damaged_kvhold_page_is_recomputed_from_the_first_bad_block(vllm_sidecar, reference):
     sc = vllm_sidecar
     sc.wait_steady(standbys=1, timeout=STARTUP_S)
@@ -98,14 +118,16 @@ def test_damaged_kvhold_page_is_recomputed_from_the_first_bad_block(vllm_sidecar
         rids = tables.requests["request_id"]
         for s in streams:
             hit = np.nonzero(rids == s.request_id)[0]
-            if not len(hit):          # finished already: nothing of it to check or recover
-                finished.add(s.request_id)
+            if not len(hit) or tables.requests["exec_state"][hit[0]] == ExecState.FINISHED:
+                finished.add(s.request_id)        # finished already: nothing of it to check or recover
                 continue
             slot = int(hit[0])
             n = int(tables.requests["num_pages"][slot])
             pages = tables.page_lists[slot, :n]
-            # the journal lists the kvhold pages the mirror assigned to this request, in order
-            assert n >= 1 and (tables.pages["owner"][pages] == s.request_id).all()
+            # the journal lists the kvhold pages of this request's KV, in order: its own, or full
+            # pages shared through the prefix cache (owned by their key; these prompts ran before)
+            shared = (tables.pages["flags"][pages] & PageFlag.CACHED) != 0
+            assert n >= 1 and ((tables.pages["owner"][pages] == s.request_id) | shared).all()
             assert (tables.pages["logical"][pages] == np.arange(n)).all()
         s = streams[0]                                   # the 100-token prompt: blocks 0..2 are full
         slot = int(np.nonzero(rids == s.request_id)[0][0])
@@ -232,19 +254,14 @@ def test_a_takeover_before_the_prompts_log_probs_are_journaled_computes_it_again
         want = wait_all(submit_requests(client, [req]))[0]
     before = len(sc.status()["recoveries"])
     tables, _ = _attach(sc)
+    assert FAULT_COMMIT in req["prompt_ids"]
     armed, fired = sc.faults / "armed", sc.faults / "fired"
+    fired.unlink(missing_ok=True)
     armed.touch()
     try:
         with sc.new_client(timeout=120) as client:
             stream = submit_requests(client, [req])[0]
-            deadline = time.monotonic() + 120
-            while not (fired.exists() and fired.read_text().strip()):
-                assert time.monotonic() < deadline, "the armed executor never reached commit_pages"
-                time.sleep(0.01)
-            pid = int(fired.read_text().split()[0])
-            while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-                assert time.monotonic() < deadline, "the executor did not stop"
-                time.sleep(0.01)
+            pid = _stopped(fired, "commit_pages")
             slot = int(np.nonzero(tables.requests["request_id"] == stream.request_id)[0][0])
             r = tables.requests[slot]
             # its prompt's KV is mirrored and listed, nothing of the step is journaled
@@ -262,4 +279,72 @@ def test_a_takeover_before_the_prompts_log_probs_are_journaled_computes_it_again
     row = {row["request_id"]: row for row in rec["requests"]}[got.request_id]
     # nothing loaded from kvhold's pages; the 79 prompt positions it had computed, computed again
     assert row["class"] == "resumable" and row["kv_kept"] == 0 and row["tokens_recomputed"] == 79
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
+
+
+PREFIX = list(range(384, 512))               # 4 full blocks no other test's prompt begins with
+SHARING = [dict(prompt_ids=PREFIX + list(range(250, 256)), max_tokens=110, temperature=0.0, ignore_eos=True),
+           dict(prompt_ids=PREFIX + list(range(260, 265)) + [FAULT_STEP], max_tokens=40, temperature=0.8,
+                seed=11, ignore_eos=True)]
+
+
+def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
+    """Two requests beginning with the same 4 full blocks: vLLM (prefix caching on, the bridge's
+    default) serves one's prefix from its cache, and kvhold lists the same shared pages
+    (cached under their chained keys) for both instead of copies. The executor is stopped at the
+    second request's third step, both mid-stream, then SIGKILLed: the standby restores the shared
+    pages (checked once), both continue, and both outputs equal the uninterrupted run's."""
+    sc = vllm_sidecar
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
+    with sc.new_client(timeout=120) as client:
+        want = wait_all(submit_requests(client, SHARING))
+    assert [len(r.token_ids) for r in want] == [110, 40]
+    # usage's cached_tokens: vLLM's hit, reported; the one vLLM took second (taken from the journal
+    # in slot order) started on the other one's blocks
+    assert max(r.cached_tokens for r in want) >= len(PREFIX)
+    before = len(sc.status()["recoveries"])
+    tables, _ = _attach(sc)
+    armed, fired = sc.faults / "armed", sc.faults / "fired"
+    fired.unlink(missing_ok=True)
+    armed.touch()
+    try:
+        with sc.new_client(timeout=120) as client:
+            streams = submit_requests(client, SHARING)
+            pid = _stopped(fired, f"step {FAULT_STEP_AT} of the second request")
+            armed.unlink()
+            rids = tables.requests["request_id"]
+            slots = [int(np.nonzero(rids == s.request_id)[0][0]) for s in streams]
+            lists = [tables.page_lists[slot, :int(tables.requests["num_pages"][slot])].tolist() for slot in slots]
+            assert all(int(tables.requests["num_generated"][slot]) >= 1 for slot in slots)   # both mid-stream
+            shared = lists[0][:4]
+            assert lists[1][:4] == shared and len(set(shared)) == 4          # the same pages, not copies
+            assert (tables.pages["flags"][shared] & PageFlag.CACHED).all()
+            assert (tables.pages["num_tokens"][shared] == BT).all()
+            assert max(int(tables.requests["num_cached"][slot]) for slot in slots) >= len(PREFIX)   # vLLM's hit
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            got = wait_all(streams)
+    finally:
+        armed.unlink(missing_ok=True)
+    assert ids(got) == ids(want)
+    assert max(r.cached_tokens for r in got) >= len(PREFIX)          # journaled before the kill, kept
+    sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)
+    rec = sc.status()["recoveries"][-1]
+    assert rec["requests_lost"] == 0 and rec["requests_damaged"] == 0 and rec["pages_bad"] == 0
+    assert rec["requests_resumable"] == 2 and rec["tokens_recomputed"] == 0
+    # a shared page is checked once: the pages checked are fewer than the two lists hold
+    assert rec["pages_checked"] <= sum(map(len, lists)) - 4
+    for row in rec["requests"]:
+        assert row["class"] == "resumable" and row["kv_kept"] >= len(PREFIX) and row["tokens_recomputed"] == 0
+    # the successor's vLLM caches what the connector loads: the request it schedules second starts
+    # on the first one's loaded blocks, and only the two partial tails are loaded besides the
+    # 4 shared pages (the executor's log of the takeover: "... (N pages)")
+    took = [line for line in sc.log_path.read_text().splitlines() if "KV tokens loaded from kvhold pages" in line]
+    assert took[-1].endswith(f"({len(shared) + 2} pages), 0 recomputed"), took[-1]
+    # POST /reset_prefix_cache's path: vLLM's cache reset, kvhold's idle cached pages freed
+    with sc.new_client(timeout=120) as client:
+        client.reset_prefix_cache()
+        assert not (tables.pages["flags"] & PageFlag.CACHED).any()
+        again = wait_all(submit_requests(client, SHARING[:1]))[0]
+    assert again.token_ids == want[0].token_ids and again.cached_tokens == 0
     sc.wait_steady(standbys=1, timeout=STARTUP_S)
