@@ -484,11 +484,89 @@ class KvMirror:
         plans = self._prefixes(requests, plan, ok, records, full_blocks_only)
         self._unhold_live_tails(records, pending)
         self._own_listed(records)
-        self._settle(records, set(self.held.values()), pending)
+        kept = set(self.held.values())
+        idle = self._idle_cached(records, kept)
+        self._settle(records, kept | set(idle.tolist()), pending)
         self._rebuild_cache(records)
+        if len(idle):                      # checked before any request is offered one (`verify_cached`)
+            self.prefix.hold_unverified(idle, records["owner"][idle], records["checksum"][idle])
         self.last_restore = {"pages_checked": len(uniq), "pages_bad": int((~ok_once).sum()),
                              "pages_quarantined": len(self.quarantined)}
         return plans
+
+    def _idle_cached(self, records, kept: set[int]) -> np.ndarray:
+        """Cached pages no live request lists (the index's idle pages) that look whole: full, not
+        being written, not flagged. A takeover keeps them, unchecked and out of the index, as the
+        native engine's does (kvhold.executor.recovery); `verify_cached` checks them. None
+        without a prefix cache: then every unkept page is released."""
+        if self.prefix is None:
+            return np.zeros(0, dtype=np.int64)
+        flags = records["flags"]
+        cand = np.flatnonzero(((flags & PageFlag.CACHED) != 0)
+                              & ((flags & (PageFlag.BAD | PageFlag.QUARANTINED)) == 0)
+                              & ((records["version"] & 1) == 0) & (records["owner"] != 0)
+                              & (records["num_tokens"] == self.page_tokens))
+        return np.array([p for p in cand.tolist() if p > NULL_PAGE and p not in kept], dtype=np.int64)
+
+    def verify_cached(self, pages: Sequence[int] | None = None, limit: int | None = None) -> int:
+        """Check the checksums of idle cached pages a takeover kept unchecked: `pages` (those of
+        them still unchecked), or up to `limit` of them, or all. Those that match enter the index
+        (idle, found by lookups); the others, and a second page under a key, are freed. Returns
+        how many were checked."""
+        if self.prefix is None or not self.prefix.unverified:
+            return 0
+        if pages is None:
+            pages, expected = self.prefix.to_verify(limit or len(self.prefix.unverified))
+        else:
+            pages = [int(p) for p in pages if int(p) in self.prefix.unverified]
+            expected = [self.prefix.unverified[p][1] for p in pages]
+        if not pages:
+            return 0
+        self.lease.check()
+        idx = np.array(pages, dtype=np.int64)
+        sums = self._checksums(idx, np.full(len(idx), self.page_tokens, dtype=np.int64))
+        intact = (sums == np.asarray(expected, dtype=np.uint64)).tolist()
+        if not all(intact):
+            log.warning("%d idle cached pages kept by the takeover failed their checksum: freed",
+                        intact.count(False))
+        release = self.prefix.verified(list(pages), intact)
+        if release:
+            self._free_cached(release)
+        return len(pages)
+
+    def unverified_with(self, keys: Sequence[int]) -> list[int]:
+        """The unchecked idle cached pages (kept by a takeover) whose keys are among `keys`."""
+        if self.prefix is None or not self.prefix.unverified:
+            return []
+        want = set(keys)
+        return [p for p, (key, _) in self.prefix.unverified.items() if key in want]
+
+    def offer(self, keys: Sequence[int], first: int) -> list[int]:
+        """The cached pages of the longest cached prefix of `keys` (a new request's full blocks)
+        from logical block `first` on, each referenced (an eviction cannot take it) until the
+        request holds it (`take_offered`) or the offer is withdrawn (`withdraw`). A page a
+        takeover kept unchecked is checked first: only pages the index holds as valid are
+        offered."""
+        if self.prefix is None:
+            return []
+        check = self.unverified_with(keys)
+        if check:
+            self.verify_cached(check)
+        pages = self.prefix.find(keys)[first:]
+        self.prefix.ref(pages)
+        return pages
+
+    def withdraw(self, pages: Sequence[int]) -> None:
+        """Offered pages no request took: their references go (idle again when none is left)."""
+        if pages:
+            self.prefix.unref(pages)
+
+    def take_offered(self, request_id: int, first: int, pages: Sequence[int]) -> None:
+        """The request's logical blocks `first`, `first` + 1, ... are the offered `pages` (loaded
+        into the engine's blocks): it holds and lists them, shared, with the offer's references."""
+        for i, page in enumerate(pages):
+            self.held[request_id, first + i] = int(page)
+            self.counts[page] = self.page_tokens
 
     def _own_listed(self, records) -> None:
         """A kept page whose entry into the prefix cache its writer's death interrupted (the key
