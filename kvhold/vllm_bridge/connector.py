@@ -193,6 +193,8 @@ class Bridge:
     cached: dict[int, int] = field(default_factory=dict)        # kvhold id -> tokens vLLM's cache served
     prefix: PrefixCache | None = None         # kvhold's prefix cache (vLLM's prefix caching on)
     pages_loaded: int = 0
+    pages_offered: int = 0                    # cached pages loaded into new requests' blocks
+    tokens_offered: int = 0                   # the KV tokens they hold
     mirrored_blocks: int = 0
 
 
@@ -209,6 +211,8 @@ class StepMeta:
     # (kvhold id, kvhold pages, vLLM blocks, KV tokens)
     saves: list[Committed] = field(default_factory=list)
     full: list[FullBlock] = field(default_factory=list)   # whole blocks after the step (prefix caching)
+    offers: list[tuple[int, int, list[int], list[int]]] = field(default_factory=list)
+    # (kvhold id, first logical block, kvhold cached pages, vLLM blocks): a new request's external hit
 
 
 @dataclass
@@ -219,6 +223,8 @@ class _Tracked:
     load_from: int = 0                        # after vLLM's local hit (block-aligned)
     tokens: Sequence[int] = ()                # the request's tokens (vLLM's live view of them)
     keys: list[int] = field(default_factory=list)   # chained prefix keys of its full blocks
+    offered: list[int] = field(default_factory=list)  # cached pages offered past the local hit
+    started: bool = False                     # scheduled once (a later lookup is a resumption)
 
 
 class MirrorPlanner:
@@ -229,23 +235,57 @@ class MirrorPlanner:
     def matched_tokens(self, request_id: str, num_tokens: int, num_computed: int,
                        tokens: Sequence[int] = ()) -> int:
         """Tokens of a resubmitted request's intact mirrored prefix past vLLM's local hit
-        (`num_computed`, block-aligned), at most all but its last token; `tokens`: the
-        request's tokens (the keys of its full blocks)."""
+        (`num_computed`, block-aligned), at most all but its last token; for a new request,
+        those of the cached pages of kvhold's prefix cache past that hit (`_offer`); `tokens`:
+        the request's tokens (the keys of its full blocks)."""
         kid = kvhold_id(request_id)
         if kid is None:
             return 0
         t = self.tracked.setdefault(request_id, _Tracked(kid))
         t.tokens = tokens
+        b = self.bridge
+        if kid not in b.restorable and kid not in b.watch:
+            return self._offer(t, num_tokens, num_computed)
         pages, counts = self.bridge.restorable.get(kid, ((), ()))
         usable = min(sum(counts), max(0, num_tokens - 1))
         t.load_from = num_computed
         t.load_tokens = max(0, usable - num_computed)
         return t.load_tokens
 
+    def _offer(self, t: _Tracked, num_tokens: int, num_computed: int) -> int:
+        """A new request (not a takeover's resubmission), at its first scheduling: the longest run
+        of kvhold's cached pages for its full blocks past vLLM's local hit (`num_computed`,
+        block-aligned), whole blocks of at most all but its last token, offered to vLLM as an
+        external hit (KvMirror.offer: checked, referenced). An offer a failed allocation left
+        unused is withdrawn first: the lookup is made again."""
+        b, bt = self.bridge, self.block_tokens
+        if t.offered:
+            b.mirror.withdraw(t.offered)
+            t.offered = []
+        t.load_from, t.load_tokens = num_computed, 0
+        if (t.started or not b.active or b.mirror is None or b.prefix is None
+                or num_computed % bt or not t.tokens):
+            return 0
+        n = (min(num_tokens, len(t.tokens)) - 1) // bt        # full blocks before the last token
+        first = num_computed // bt
+        if n <= first:
+            return 0
+        keys = self._keys(t, n)
+        if keys is None:
+            return 0
+        t.offered = b.mirror.offer(keys, first)
+        t.load_tokens = len(t.offered) * bt
+        return t.load_tokens
+
     def after_alloc(self, request_id: str, num_external: int) -> None:
         t = self.tracked.get(request_id)
         if t is not None and num_external != t.load_tokens:
             t.load_tokens = min(t.load_tokens, num_external)
+            if t.offered:                 # vLLM took fewer (a request that skips the cache: none)
+                keep = t.load_tokens // self.block_tokens
+                self.bridge.mirror.withdraw(t.offered[keep:])
+                t.offered = t.offered[:keep]
+                t.load_tokens = keep * self.block_tokens
 
     def build(self, new_reqs, cached, num_scheduled: dict[str, int]) -> StepMeta:
         meta = StepMeta()
@@ -255,12 +295,15 @@ class MirrorPlanner:
                 continue
             t = self.tracked.setdefault(r.req_id, _Tracked(kid))
             t.blocks = list(r.block_ids[0])
+            t.started = True
             if not t.tokens:
                 t.tokens = list(getattr(r, "prompt_token_ids", None) or ())
             start = r.num_computed_tokens
             local = start - t.load_tokens            # blocks vLLM found in its own prefix cache
             self._hits(meta, t, local)
-            if t.load_tokens:
+            if t.offered:
+                self._load_offered(meta, t, start)
+            elif t.load_tokens:
                 self._load(meta, t, start)
             else:                         # nothing past vLLM's own hit: the plan is spent too
                 self.bridge.restorable.pop(kid, None)
@@ -316,6 +359,21 @@ class MirrorPlanner:
             meta.full.extend(FullBlock(t.kvhold_id, i, t.blocks[i], keys[i], False) for i in range(k, whole))
         t.load_tokens = 0
 
+    def _load_offered(self, meta: StepMeta, t: _Tracked, computed: int) -> None:
+        """The offered cached pages go into the blocks after vLLM's local hit; the request lists
+        them (KvMirror.take_offered, in the worker) and they stand for those blocks (`FullBlock`,
+        the request's own: vLLM caches the loaded blocks)."""
+        bt, k, pages = self.block_tokens, t.load_from // self.block_tokens, t.offered
+        n = k + len(pages)
+        if computed != t.load_from + t.load_tokens or t.load_tokens != len(pages) * bt or n > len(t.blocks):
+            raise RuntimeError(f"request {t.kvhold_id}: offer of {len(pages)} cached pages after {t.load_from} "
+                               f"does not match {computed} computed, {len(t.blocks)} blocks")
+        meta.offers.append((t.kvhold_id, k, list(pages), t.blocks[k:n]))
+        keys = self._keys(t, n)
+        if keys is not None:
+            meta.full.extend(FullBlock(t.kvhold_id, i, t.blocks[i], keys[i], False) for i in range(k, n))
+        t.offered, t.load_tokens = [], 0
+
     def _save(self, meta: StepMeta, t: _Tracked, start: int, n: int) -> None:
         if n <= 0:
             return
@@ -333,7 +391,9 @@ class MirrorPlanner:
                                  for i in range(start // bt, whole))
 
     def finished(self, request_id: str) -> None:
-        self.tracked.pop(request_id, None)
+        t = self.tracked.pop(request_id, None)
+        if t is not None and t.offered:           # ended before its load: the offer is withdrawn
+            self.bridge.mirror.withdraw(t.offered)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -368,6 +428,14 @@ class MirrorWorker:
             b.mirror.load(pages, blocks, self.layout)
             b.loaded[kid] = b.loaded.get(kid, 0) + tokens
             b.pages_loaded += len(pages)
+        for kid, first, pages, blocks in meta.offers:
+            b.mirror.load(pages, blocks, self.layout)
+            b.mirror.take_offered(kid, first, pages)
+            b.pages_offered += len(pages)
+            b.tokens_offered += len(pages) * self.block_tokens
+            log.info("request %#x: %d KV tokens loaded from kvhold's prefix cache (%d cached pages from "
+                     "block %d); %d pages so far", kid, len(pages) * self.block_tokens, len(pages), first,
+                     b.pages_offered)
 
     def save(self, meta: StepMeta) -> int:
         b = self.bridge

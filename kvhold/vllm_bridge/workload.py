@@ -76,6 +76,7 @@ CONNECTOR = {"kv_connector": "KvholdConnector", "kv_connector_module_path": "kvh
              "kv_role": "kv_both"}
 WARM_UP_ID = "warmup"
 MAX_REPORTED = 64
+VERIFY_BATCH = 64             # idle cached pages checked per turn of the loop after a takeover
 
 
 @dataclass
@@ -279,10 +280,15 @@ class VllmWorkload(BridgeWorkload):
         return changed
 
     def maintain(self) -> None:
-        """At each turn of the active executor's loop: POST /reset_prefix_cache (asked through
+        """At each turn of the active executor's loop: once a takeover's report is sent, a batch
+        of the idle cached pages it kept is checked (KvMirror.verify_cached; a new request checks
+        the ones it would be offered itself). POST /reset_prefix_cache (asked through
         the tables' header, as of the native engine): vLLM's cache is reset (vLLM 0.32 does it
         only with no request running: until then it is asked again at each turn), then kvhold's
         idle cached pages are freed, then the reset is recorded done."""
+        mirror = self.bridge.mirror
+        if self.recovery is None and mirror is not None and mirror.prefix is not None and mirror.prefix.unverified:
+            mirror.verify_cached(limit=VERIFY_BATCH)      # the idle cached pages a takeover kept
         header = self.ctx.tables.header
         asked = int(header["prefix_reset_asked"])
         if self.bridge.prefix is None or asked == int(header["prefix_reset_done"]):

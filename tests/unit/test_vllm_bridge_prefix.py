@@ -212,7 +212,7 @@ def test_a_request_resumed_on_cached_blocks_keeps_or_replaces_its_pages(pool):  
     assert [mirror.page_of(7, i) for i in range(3)] == own and mirror.source[9] == own[2]
     # resumed again, now on block 2 as another request computed it (block 10): its own page for
     # block 2 is replaced by the one vLLM's block holds, once its list is written again
-    planner.matched_tokens("kvh8-e1", 12, 0, list(tokens))
+    planner.matched_tokens("kvh8-e1", 12, 8, list(tokens))        # vLLM's own hit: blocks 3 and 5
     other = SimpleNamespace(req_id="kvh8-e1", block_ids=([3, 5, 10],), num_computed_tokens=8,
                             prompt_token_ids=list(tokens))
     worker.save(planner.build([other], no_cached(), {"kvh8-e1": 4}))   # (a duplicate of block 9's tokens)
@@ -251,3 +251,90 @@ def test_kvhold_needs_no_more_pages_than_vllm_has_blocks(pool):  # noqa: F811
         list_mirrored_pages(lists, mirror, rid, rid)
     assert len({p for lst in lists.lists.values() for p in lst}) == 8 and mirror.allocator.num_free == 3
     assert all(lst[:2] == lists.lists[1][:2] for lst in lists.lists.values())
+
+
+def _cached_then_taken_over(pool, tokens):
+    """An executor computes `tokens` for request 7, which finishes (its full pages stay cached,
+    idle); the executor dies with no request live and a successor takes over. Returns the
+    successor's (bridge, planner, worker), its vLLM caches and request 7's pages."""
+    b, planner, worker = engine(pool)
+    worker.register(caches())
+    lists = Lists()
+    start(planner, worker, "kvh7-e1", tokens, [3, 5, 8])
+    list_mirrored_pages(lists, b.mirror, 0, 7)
+    b.mirror.release(7)
+    b2, planner2, worker2 = engine(pool, slot=1)
+    vllm = {k: torch.zeros_like(v) for k, v in caches().items()}
+    worker2.register(vllm)
+    b2.mirror.plan_restore({}, pending_epochs=[], listed={})
+    return b2, planner2, worker2, lists.lists[0]
+
+
+def test_a_new_request_after_a_takeover_loads_the_dead_engines_cached_pages(pool):  # noqa: F811
+    """The takeover keeps the idle cached pages (unchecked); a new request with the same prefix is
+    offered them past vLLM's (empty) cache, checked first, as an external hit: loaded into the
+    blocks vLLM gives it, listed shared (the same page ids), and then standing for those blocks."""
+    a_tokens, b_tokens = SHARED + [1, 2], SHARED + [5, 6, 7]
+    b2, planner2, worker2, a_pages = _cached_then_taken_over(pool, a_tokens)
+    mirror, rec, shared = b2.mirror, pool.tables.pages, a_pages[:2]
+    assert (rec["flags"][shared] & PageFlag.CACHED).all() and rec["owner"][a_pages[2]] == 0   # tail freed
+    assert set(b2.prefix.unverified) == set(shared) and not b2.prefix.by_key     # kept, not checked yet
+    assert not set(shared) & mirror.allocator._is_free
+    # all but the last token at most: two full blocks, past vLLM's empty local hit
+    assert planner2.matched_tokens("kvh9-e2", len(b_tokens), 0, b_tokens) == 2 * BT
+    assert not b2.prefix.unverified and [b2.prefix.refs[p] for p in shared] == [1, 1]   # checked, referenced
+    assert b2.prefix.evictable == 0                       # an eviction cannot take them while loading
+    planner2.after_alloc("kvh9-e2", 2 * BT)
+    req = SimpleNamespace(req_id="kvh9-e2", block_ids=([0, 1, 2],), num_computed_tokens=2 * BT)
+    meta = planner2.build([req], no_cached(), {"kvh9-e2": len(b_tokens) - 2 * BT})
+    assert meta.offers == [(9, 0, shared, [0, 1])] and meta.loads == []
+    worker2.load(meta)
+    got = worker2.layout.read(torch.tensor([0, 1]))
+    assert torch.equal(got, pool.kv[torch.tensor(shared)].to(got.dtype))     # loaded bit for bit
+    worker2.save(meta)
+    lists = Lists()
+    list_mirrored_pages(lists, mirror, 0, 9)
+    assert lists.lists[0][:2] == shared and len(lists.lists[0]) == 3     # shared pages, then its own
+    assert rec["owner"][lists.lists[0][2]] == 9
+    assert b2.pages_offered == 2 and b2.tokens_offered == 2 * BT and b2.pages_loaded == 0
+    assert [mirror.source[blk] for blk in (0, 1)] == shared               # vLLM's loaded blocks
+    assert [b2.prefix.refs[p] for p in shared] == [1, 1] and mirror.pages_copied == 0
+    # a second request vLLM serves from the loaded blocks lists the same pages, by reference
+    start(planner2, worker2, "kvh10-e2", SHARED + [8, 8, 8], [0, 1, 4], local=2 * BT)
+    list_mirrored_pages(lists, mirror, 1, 10)
+    assert lists.lists[1][:2] == shared and [b2.prefix.refs[p] for p in shared] == [2, 2]
+    mirror.release(9)
+    mirror.release(10)
+    assert b2.prefix.evictable == 2 and [b2.prefix.refs[p] for p in shared] == [0, 0]
+
+
+def test_a_cached_page_found_damaged_is_not_offered_and_is_freed(pool):  # noqa: F811
+    b2, planner2, worker2, a_pages = _cached_then_taken_over(pool, SHARED + [1, 2])
+    pool.kv[a_pages[1]].view(-1)[5] += 1.0                  # block 1's bytes changed since published
+    assert planner2.matched_tokens("kvh9-e2", 11, 0, SHARED + [5, 6, 7]) == BT        # block 0 only
+    rec = pool.tables.pages
+    assert rec["owner"][a_pages[1]] == 0 and a_pages[1] in b2.mirror.allocator._is_free
+    assert b2.prefix.find(b2.prefix.keys(SHARED, 2)) == [a_pages[0]]
+
+
+def test_an_offer_vllm_does_not_take_is_withdrawn(pool):  # noqa: F811
+    b2, planner2, worker2, a_pages = _cached_then_taken_over(pool, SHARED + [1, 2])
+    shared, prefix = a_pages[:2], b2.prefix
+    # a prompt of exactly the two blocks: its last token is computed, so one block is offered
+    assert planner2.matched_tokens("kvh9-e2", len(SHARED), 0, SHARED) == BT
+    # a request that skips the cache (prompt_logprobs): vLLM takes no external hit
+    planner2.after_alloc("kvh9-e2", 0)
+    assert prefix.refs[shared[0]] == 0 and prefix.evictable == 2
+    # past vLLM's own hit of one block, the second page; the allocation fails, the lookup is made
+    # again (the first offer withdrawn), then the request is aborted while waiting
+    assert planner2.matched_tokens("kvh11-e2", 11, BT, SHARED + [4, 4, 4]) == BT
+    assert planner2.matched_tokens("kvh11-e2", 11, BT, SHARED + [4, 4, 4]) == BT
+    assert prefix.refs[shared[1]] == 1 and prefix.refs[shared[0]] == 0
+    planner2.finished("kvh11-e2")
+    assert prefix.refs[shared[1]] == 0 and prefix.evictable == 2
+    # a takeover's resubmission is not offered anything (its own restore plan, if any, applies)
+    b2.watch[12] = 11
+    assert planner2.matched_tokens("kvh12-e2", 11, 0, SHARED + [4, 4, 4]) == 0
+    # nor is a standby's
+    b2.active = False
+    assert planner2.matched_tokens("kvh13-e2", 11, 0, SHARED + [4, 4, 4]) == 0
