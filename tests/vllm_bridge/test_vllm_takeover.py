@@ -348,3 +348,69 @@ def test_a_prefix_cache_hit_survives_a_sigkill_on_shared_pages(vllm_sidecar):
         again = wait_all(submit_requests(client, SHARING[:1]))[0]
     assert again.token_ids == want[0].token_ids and again.cached_tokens == 0
     sc.wait_steady(standbys=1, timeout=STARTUP_S)
+
+
+CARRIED = list(range(130, 258))              # 4 full blocks
+CARRIED_A = dict(prompt_ids=CARRIED + [7, 8, 9], max_tokens=8, temperature=0.0, ignore_eos=True)
+CARRIED_B = dict(prompt_ids=CARRIED + [FAULT_STEP, 11, 12, 13], max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_a_new_request_after_a_takeover_loads_the_dead_engines_cached_prefix(vllm_sidecar):
+    """A request finishes and its full pages stay cached in kvhold (idle); the engine is SIGKILLed
+    while idle. The successor's vLLM starts with an empty cache, but kvhold's index kept the pages:
+    a new request with the same 4-block prefix is offered them as an external hit, loads them
+    instead of computing them, lists the same pages, reports them as cached tokens, and its output
+    equals its run with nothing cached. Stopped at its third step (the `step` fault) and SIGKILLed
+    in turn, it continues on the shared pages it listed."""
+    sc = vllm_sidecar
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
+    tables, _ = _attach(sc)
+    flags, logical = tables.pages["flags"], tables.pages["logical"]
+    with sc.new_client(timeout=120) as client:
+        client.reset_prefix_cache()
+        want = wait_all(submit_requests(client, [CARRIED_B]))[0]         # nothing cached: all computed
+        assert want.cached_tokens == 0 and len(want.token_ids) == CARRIED_B["max_tokens"]
+        client.reset_prefix_cache()
+        assert not (flags & PageFlag.CACHED).any()
+        wait_all(submit_requests(client, [CARRIED_A]))
+    cached = np.flatnonzero(flags & PageFlag.CACHED)
+    assert sorted(logical[cached].tolist()) == [0, 1, 2, 3]              # A's full blocks, idle
+    a_pages = [int(cached[logical[cached] == i][0]) for i in range(4)]
+    before = len(sc.status()["recoveries"])
+    pid = sc.wait_steady(standbys=1, timeout=STARTUP_S)["pid"]
+    os.kill(pid, signal.SIGKILL)                                         # idle: no request live
+    sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)
+    assert sc.status()["recoveries"][-1]["requests"] == []
+    assert (flags[a_pages] & PageFlag.CACHED).all()                     # kept through the takeover
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)                       # a standby for the second kill
+    armed, fired = sc.faults / "armed", sc.faults / "fired"
+    fired.unlink(missing_ok=True)
+    armed.touch()
+    try:
+        with sc.new_client(timeout=120) as client:
+            stream = submit_requests(client, [CARRIED_B])[0]
+            pid = _stopped(fired, f"step {FAULT_STEP_AT} of the new request")
+            armed.unlink()
+            slot = int(np.nonzero(tables.requests["request_id"] == stream.request_id)[0][0])
+            listed = tables.page_lists[slot, :int(tables.requests["num_pages"][slot])].tolist()
+            assert listed[:4] == a_pages and len(listed) == 5                # A's pages, then its own tail
+            assert int(tables.requests["num_cached"][slot]) == len(CARRIED)  # local 0 + external 128
+            # the successor loaded A's pages (the connector's counters, in its log) and computed
+            # only the tail
+            took = [line for line in sc.log_path.read_text().splitlines()
+                    if f"request {stream.request_id:#x}: " in line and "kvhold's prefix cache" in line]
+            assert len(took) == 1 and f"{len(CARRIED)} KV tokens loaded" in took[0], took
+            assert "(4 cached pages from block 0)" in took[0]
+            before = len(sc.status()["recoveries"])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            got = wait_all([stream])[0]
+    finally:
+        armed.unlink(missing_ok=True)
+    assert got.token_ids == want.token_ids
+    assert got.cached_tokens == len(CARRIED)
+    sc.wait_for(lambda st: len(st["recoveries"]) > before, timeout=60)
+    rec = sc.status()["recoveries"][-1]
+    assert rec["requests_resumable"] == 1 and rec["pages_bad"] == 0 and rec["tokens_recomputed"] == 0
+    assert rec["requests"][0]["kv_kept"] > len(CARRIED)                 # the shared pages and its tail
+    sc.wait_steady(standbys=1, timeout=STARTUP_S)
