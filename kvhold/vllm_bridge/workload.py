@@ -20,7 +20,10 @@ live journal request (quarantining what a writer not yet reaped may still write)
 each live request is resubmitted to vLLM as prompt + the tokens the journal holds, for
 its remaining tokens. The connector reports the intact prefix past vLLM's own cache hit as
 matched tokens and loads it before the first forward; vLLM computes the rest (and caches what was
-loaded: a second request with the same prefix starts on the first one's loaded blocks). The `Recovered` report is sent once
+loaded: a second request with the same prefix starts on the first one's loaded blocks). The
+takeover also keeps the dead engine's idle cached pages (unchecked, checked between steps or when
+a new request would be offered them): a new request with a prefix they hold loads them as an
+external hit instead of computing it (the connector's `_offer`). The `Recovered` report is sent once
 every resubmitted request has been computed up to its next token, with the tokens that
 were actually loaded and computed (the connector counts both), never a plan.
 step: admit the journal's new requests, cancel, run one vLLM step (the connector mirrors
@@ -28,7 +31,8 @@ its KV inside it), then journal each new token with its log-probs when asked for
 first, tokens second), list the request's mirrored pages and finish it by kvhold's own rule
 (stop ids, EOS unless ignore_eos, max_tokens, max_seq_len), as the native engine does; a
 request's first output journals vLLM's prefix-cache hit as its cached tokens (usage's
-cached_tokens). maintain (each turn of the active loop): POST /reset_prefix_cache, carried out
+cached_tokens: vLLM's num_cached_tokens, its local hit and the connector's external one).
+maintain (each turn of the active loop): POST /reset_prefix_cache, carried out
 in vLLM (once no request runs) and then on kvhold's idle cached pages.
 
 Log-probs (`logprobs=k`, `prompt_logprobs=k`) are vLLM's raw ones (kvhold.vllm_bridge.logprobs),
