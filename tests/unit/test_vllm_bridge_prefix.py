@@ -338,3 +338,16 @@ def test_an_offer_vllm_does_not_take_is_withdrawn(pool):  # noqa: F811
     # nor is a standby's
     b2.active = False
     assert planner2.matched_tokens("kvh13-e2", 11, 0, SHARED + [4, 4, 4]) == 0
+
+
+def test_the_kept_idle_cached_pages_are_checked_in_batches(pool):  # noqa: F811
+    b2, planner2, worker2, a_pages = _cached_then_taken_over(pool, SHARED + [1, 2])
+    shared, prefix, mirror = a_pages[:2], b2.prefix, b2.mirror
+    pool.kv[shared[0]].view(-1)[3] -= 1.0
+    assert mirror.verify_cached(limit=1) == 1 and len(prefix.unverified) == 1
+    assert mirror.verify_cached() == 1 and not prefix.unverified and mirror.verify_cached() == 0
+    rec = pool.tables.pages
+    assert rec["owner"][shared[0]] == 0 and shared[0] in mirror.allocator._is_free      # damaged: freed
+    assert prefix.by_key == {prefix.keys(SHARED, 2)[1]: shared[1]} and prefix.idle == {shared[1]: None}
+    # the run from block 0 is broken: nothing is offered
+    assert planner2.matched_tokens("kvh9-e2", 11, 0, SHARED + [5, 6, 7]) == 0
