@@ -1,16 +1,24 @@
 """Benchmark: SIGKILL of a vLLM engine mid-stream, under kvhold and without it.
 
-    VLLM_HOST_IP=127.0.0.1 /work/venvs/vllm/bin/python -m tools.bench_vllm_recovery --kills 20
+    VLLM_HOST_IP=127.0.0.1 ~/.cache/kvhold-vllm-venv/bin/python -m tools.bench_vllm_recovery --kills 20
 
 kvhold: `kvhold serve --workload vllm --kv-mode foreign` (a sidecar whose executors are vLLM
 engines, one hot standby; kvhold.vllm_bridge) with streams over both the OpenAI-compatible
-HTTP API and the ZeroMQ SDK. An uninterrupted run gives the reference; then, per trial, the
-same streams start, the active engine is SIGKILLed once a random number of tokens has
+HTTP API and the ZeroMQ SDK. The streams' prompts share a prefix of 3 full blocks (vLLM's
+prefix caching, on by default under the bridge, hits on kvhold's shared cached pages; a
+trial's requests reach the engine that took over at the previous kill, whose vLLM cache
+starts empty: kvhold's external hits); two HTTP streams and one SDK stream ask for
+`logprobs` top 2, another SDK stream for `prompt_logprobs` top 2. An uninterrupted run gives
+the reference, a second one (its prompts cached, as a trial's are) shows how far two runs
+without a kill differ in their log-probs (CPU float32: in the last bits, as batches form
+differently); then, per trial, the same streams start, the active engine is SIGKILLed once a random number of tokens has
 streamed, and the bench records on CLOCK_MONOTONIC when each stream's next token arrives.
 Figures: kill -> first resumed token (the first token any stream receives after the kill)
 P50/P99, the slowest stream's resumption, the sidecar's own recovery record (detect ->
 first token; KV tokens loaded from kvhold's pages and tokens recomputed, as the connector
-counted them), requests lost, outputs equal to the reference. Before each trial the bench
+counted them), requests lost, outputs (tokens and text) equal to the reference, log-probs
+equal to each uninterrupted run's (or where they first differ and the largest difference),
+and each stream's cached prompt tokens (usage.prompt_tokens_details.cached_tokens). Before each trial the bench
 waits for the re-armed standby to be ready.
 
 Plain vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the same
@@ -44,10 +52,12 @@ from kvhold.testing.make_model import ensure_demo_model
 from kvhold.testing.serve_process import ServeProcess
 
 SIDECAR_FLAGS = ["--workload", "vllm", "--kv-mode", "foreign", "--page-tokens", "32", "--kv-pages", "128",
-                 "--max-seq-len", "256", "--max-batch", "8", "--max-batch-tokens", "256",
+                 "--max-seq-len", "320", "--max-batch", "8", "--max-batch-tokens", "256",
                  "--startup-lease-ms", "900000", "--lease-ms", "3000"]
 STARTUP_S = 900
 MAX_TOKENS = 160                 # long enough that a kill lands while the engine still generates
+SHARED_PREFIX = 96               # prompt tokens every kvhold stream shares: 3 full blocks of 32 tokens
+TOP_LOGPROBS = 2
 
 
 def free_port() -> int:
@@ -61,6 +71,24 @@ def make_requests(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [dict(prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(20, 80))], max_tokens=MAX_TOKENS,
                  temperature=0.0, ignore_eos=True) for _ in range(n)]
+
+
+def make_shared_requests(n: int, seed: int, prefix: list[int], logprobs: tuple,
+                         prompt_logprobs: tuple = ()) -> list[dict]:
+    """kvhold's streams: `prefix` (whole blocks, so vLLM's prefix cache hits on kvhold's shared
+    pages) and 4..40 tokens of their own; stream i asks for `logprobs` top k where i is in
+    `logprobs`, and for prompt_logprobs top k where i is in `prompt_logprobs`."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        r = dict(prompt_ids=prefix + [rng.randrange(3, 500) for _ in range(rng.randint(4, 40))],
+                 max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        if i in logprobs:
+            r["logprobs"] = TOP_LOGPROBS
+        if i in prompt_logprobs:
+            r["prompt_logprobs"] = TOP_LOGPROBS
+        reqs.append(r)
+    return reqs
 
 
 class Recorder:
@@ -85,10 +113,18 @@ class Recorder:
             self.killed.set()
 
 
-def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict, model: str) -> None:
+def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict, model: str,
+                usage: bool = False) -> None:
+    """One streamed completion; with `usage`, the final usage chunk is asked for (its cached
+    tokens recorded), and the request's `logprobs` k, if any, is sent and every chunk's
+    log-probs kept."""
     body = {"model": model, "prompt": req["prompt_ids"], "max_tokens": req["max_tokens"], "temperature": 0.0,
             "stream": True, "ignore_eos": True}
-    text, error = [], None
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    if req.get("logprobs") is not None:
+        body["logprobs"] = req["logprobs"]
+    text, error, logprobs, cached = [], None, [], None
     try:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=httpx.Timeout(300.0)) as r:
             if r.status_code != 200:
@@ -100,6 +136,12 @@ def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict
                 if "error" in chunk:
                     error = str(chunk["error"])[:200]
                     continue
+                if chunk.get("usage"):
+                    cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                if not chunk.get("choices"):
+                    continue
+                if chunk["choices"][0].get("logprobs"):
+                    logprobs.append(chunk["choices"][0]["logprobs"])
                 piece = chunk["choices"][0].get("text", "")
                 if piece:
                     text.append(piece)
@@ -107,7 +149,16 @@ def http_stream(base: str, req: dict, name: str, rec: Recorder | None, out: dict
                         rec.token(name)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
-    out[name] = {"text": "".join(text), "error": error}
+    out[name] = {"text": "".join(text), "error": error, "logprobs": _merge_logprobs(logprobs),
+                 "cached_tokens": cached}
+
+
+def _merge_logprobs(chunks: list[dict]) -> dict | None:
+    """A completion stream's log-prob chunks as one: each list field concatenated (the text
+    offsets are left out: they count from each chunk's own text)."""
+    if not chunks:
+        return None
+    return {k: [x for c in chunks for x in (c.get(k) or [])] for k in ("tokens", "token_logprobs", "top_logprobs")}
 
 
 def run_http(base: str, requests: list[dict], rec: Recorder | None, model: str, prefix: str = "http") -> dict:
@@ -161,7 +212,7 @@ class KvholdServer(ServeProcess):
 def run_mixed(server: KvholdServer, http_reqs, sdk_reqs, rec: Recorder | None):
     """HTTP streams in threads, SDK streams in this thread; returns (http outputs, sdk results)."""
     out: dict = {}
-    threads = [threading.Thread(target=http_stream, args=(server.base, r, f"http{i}", rec, out, server.name),
+    threads = [threading.Thread(target=http_stream, args=(server.base, r, f"http{i}", rec, out, server.name, True),
                                 daemon=True)
                for i, r in enumerate(http_reqs)]
     for t in threads:
@@ -179,10 +230,65 @@ def run_mixed(server: KvholdServer, http_reqs, sdk_reqs, rec: Recorder | None):
     return out, sdk, sdk_error
 
 
+def sdk_view(r) -> dict:
+    """What an SDK result is compared on: its tokens, text and log-probs."""
+    return {"token_ids": r.token_ids, "text": r.text, "logprobs": r.logprobs, "prompt_logprobs": r.prompt_logprobs}
+
+
+def first_logprob_mismatch(out_http: dict, ref_http: dict, out_sdk: list, ref_sdk: list) -> dict | None:
+    """Where a stream's log-probs first differ from the reference's: the stream, the field, the
+    position and both values (as text), for the record."""
+    pairs = [(n, "logprobs." + k, out_http[n]["logprobs"] and out_http[n]["logprobs"][k],
+              ref_http[n]["logprobs"] and ref_http[n]["logprobs"][k])
+             for n in sorted(ref_http) for k in ("tokens", "token_logprobs", "top_logprobs")]
+    pairs += [(f"sdk{i}", k, o[k], r[k]) for i, (o, r) in enumerate(zip(out_sdk, ref_sdk))
+              for k in ("logprobs", "prompt_logprobs")]
+    for name, field_, got, want in pairs:
+        if got == want:
+            continue
+        got, want = list(got or []), list(want or [])
+        at = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+        return {"stream": name, "field": field_, "index": at, "lengths": [len(got), len(want)],
+                "got": repr(got[at])[:300] if at < len(got) else None,
+                "reference": repr(want[at])[:300] if at < len(want) else None}
+    return None
+
+
+def _lp_values(http: dict, sdk: list) -> list:
+    """Every log-prob number of a run's streams (HTTP and SDK), in a fixed order; None where a
+    stream has none there."""
+    vals = []
+    for n in sorted(http):
+        lp = http[n]["logprobs"] or {}
+        vals += list(lp.get("token_logprobs") or [])
+        vals += [v for d in (lp.get("top_logprobs") or []) for _, v in sorted((d or {}).items())]
+    for v in sdk:
+        for t in (v["logprobs"] or []) + (v["prompt_logprobs"] or []):
+            vals += [t.logprob, *(x for _, x in t.top)]
+    return vals
+
+
+def logprob_max_abs_diff(http: dict, sdk: list, ref_http: dict, ref_sdk: list) -> float | None:
+    """The largest |difference| between a run's log-probs and the reference's, position by
+    position (None when their shapes differ: compared by mismatch instead)."""
+    a, b = _lp_values(http, sdk), _lp_values(ref_http, ref_sdk)
+    if len(a) != len(b) or any((x is None) != (y is None) for x, y in zip(a, b)):
+        return None
+    return max((abs(x - y) for x, y in zip(a, b) if x is not None), default=0.0)
+
+
+def cached_of(out_http: dict, out_sdk: list) -> dict:
+    """Prompt tokens each stream's usage reports cached (usage.prompt_tokens_details.cached_tokens)."""
+    return {**{n: v.get("cached_tokens") for n, v in sorted(out_http.items())},
+            **{f"sdk{i}": r.cached_tokens for i, r in enumerate(out_sdk)}}
+
+
 def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
     rng = random.Random(args.seed)
-    http_reqs = make_requests(args.http_streams, args.seed)
-    sdk_reqs = make_requests(args.sdk_streams, args.seed + 1)
+    prefix = [random.Random(args.seed + 2).randrange(3, 500) for _ in range(SHARED_PREFIX)]
+    # log-probs top 2 on two HTTP streams and one SDK stream, prompt_logprobs on another SDK stream
+    http_reqs = make_shared_requests(args.http_streams, args.seed, prefix, logprobs=(0, 1))
+    sdk_reqs = make_shared_requests(args.sdk_streams, args.seed + 1, prefix, logprobs=(0,), prompt_logprobs=(1,))
     root = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
     server = KvholdServer(model, root, results_dir / "vllm_recovery.kvhold.log")
     trials = []
@@ -194,7 +300,25 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
         ref_http, ref_sdk, err = run_mixed(server, http_reqs, sdk_reqs, counter)
         events = counter.count                  # stream events of an uninterrupted run
         assert err is None and not any(v["error"] for v in ref_http.values()), (err, ref_http)
-        ref_ids = [r.token_ids for r in ref_sdk]
+        ref_sdk_view = [sdk_view(r) for r in ref_sdk]
+        ref_cached = cached_of(ref_http, ref_sdk)
+        assert all(v["logprobs"] for n, v in ref_http.items() if http_reqs[int(n[4:])].get("logprobs")), ref_http
+        assert all(r.logprobs for r, q in zip(ref_sdk, sdk_reqs) if q.get("logprobs"))
+        assert all(r.prompt_logprobs for r, q in zip(ref_sdk, sdk_reqs) if q.get("prompt_logprobs"))
+        # a second uninterrupted run, no kill: how the same streams compare to the reference with
+        # no takeover (its prompts now hit the prefix cache, batches may form differently)
+        rep_http, rep_sdk, rep_err = run_mixed(server, http_reqs, sdk_reqs, None)
+        assert rep_err is None and not any(v["error"] for v in rep_http.values()), (rep_err, rep_http)
+        rep_view = [sdk_view(r) for r in rep_sdk]
+        control = {
+            "text_identical": [v["text"] for v in rep_view] == [v["text"] for v in ref_sdk_view]
+            and [v["token_ids"] for v in rep_view] == [v["token_ids"] for v in ref_sdk_view]
+            and all(rep_http[n]["text"] == ref_http[n]["text"] for n in ref_http),
+            "logprobs_mismatch": first_logprob_mismatch(rep_http, ref_http, rep_view, ref_sdk_view),
+            "logprobs_max_abs_diff": logprob_max_abs_diff(rep_http, rep_view, ref_http, ref_sdk_view),
+            "cached_tokens": cached_of(rep_http, rep_sdk)}
+        control["logprobs_identical"] = control["logprobs_mismatch"] is None
+        print(f"uninterrupted repeat: {control}", flush=True)
         for k in range(args.kills):
             if time.monotonic() > args.stop_at:
                 print(f"time budget spent after {k} kills", flush=True)
@@ -217,8 +341,25 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
                 raise RuntimeError(f"the streams ended before the kill: {out_http} {sdk_error}")
             kt.join(5)
             lost = sum(1 for v in out_http.values() if v["error"]) + (len(sdk_reqs) if sdk_error else 0)
-            identical = (not sdk_error and [r.token_ids for r in out_sdk] == ref_ids
+            text_same = (not sdk_error and [r.token_ids for r in out_sdk] == [v["token_ids"] for v in ref_sdk_view]
+                         and [r.text for r in out_sdk] == [v["text"] for v in ref_sdk_view]
                          and all(out_http[n]["text"] == ref_http[n]["text"] for n in ref_http))
+            logprobs_same = (not sdk_error
+                             and [(r.logprobs, r.prompt_logprobs) for r in out_sdk]
+                             == [(v["logprobs"], v["prompt_logprobs"]) for v in ref_sdk_view]
+                             and all(out_http[n]["logprobs"] == ref_http[n]["logprobs"] for n in ref_http))
+            # identical: every stream's tokens and text; the log-probs are compared apart (below): on
+            # CPU two uninterrupted runs of these streams already differ in their last bits, as
+            # the batches they share form differently (the repeat run records by how much)
+            identical = text_same
+            mismatch = None if logprobs_same or sdk_error else first_logprob_mismatch(
+                out_http, ref_http, [sdk_view(r) for r in out_sdk], ref_sdk_view)
+            cached = cached_of(out_http, out_sdk) if not sdk_error else {}
+            out_view = [sdk_view(r) for r in out_sdk]
+            lp_diff = None if sdk_error else logprob_max_abs_diff(out_http, out_view, ref_http, ref_sdk_view)
+            # the same against the second uninterrupted run (whose prompts hit the cache, as a trial's do)
+            mismatch_rep = None if sdk_error else first_logprob_mismatch(out_http, rep_http, out_view, rep_view)
+            lp_diff_rep = None if sdk_error else logprob_max_abs_diff(out_http, out_view, rep_http, rep_view)
             firsts = sorted(rec.after.values())
             record = {}
             deadline = time.monotonic() + 30
@@ -237,6 +378,11 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
                 "all_streams_resumed_ms": round((firsts[-1] - rec.kill_ns) / 1e6, 2)
                 if len(firsts) == len(http_reqs) + len(sdk_reqs) else None,
                 "streams_resumed": len(firsts), "requests_lost": lost, "identical": identical,
+                "text_identical": text_same, "logprobs_identical": logprobs_same, "logprobs_mismatch": mismatch,
+                "logprobs_max_abs_diff": lp_diff,
+                "logprobs_identical_to_repeat": not sdk_error and mismatch_rep is None,
+                "logprobs_max_abs_diff_to_repeat": lp_diff_rep,
+                "cached_tokens": cached, "cached_tokens_total": sum(v or 0 for v in cached.values()),
                 "sdk_error": sdk_error,
                 "sidecar_detect_to_first_token_ms": round((record["first_token_ns"] - record["detect_ns"]) / 1e6, 2)
                 if record else None,
@@ -252,13 +398,13 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
             trials.append(trial)
             print(f"kill {k + 1}/{args.kills}: {trial}", flush=True)
             if args.progress is not None:
-                args.progress(summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills))
+                args.progress(summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills, ref_cached, control))
     finally:
         server.stop()
-    return summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills)
+    return summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills, ref_cached, control)
 
 
-def summarize(trials, http_reqs, sdk_reqs, startup_s, planned) -> dict:
+def summarize(trials, http_reqs, sdk_reqs, startup_s, planned, ref_cached=None, control=None) -> dict:
     """Latencies over the kills that interrupted generation (the takeover resumed requests);
     a kill that lands after the engine has finished every request only delays delivery."""
     mid = [t for t in trials if (t["requests_resumable"] or 0) + (t["requests_damaged"] or 0) > 0]
@@ -276,7 +422,13 @@ def summarize(trials, http_reqs, sdk_reqs, startup_s, planned) -> dict:
 
     return {
         "streams": {"http": len(http_reqs), "sdk": len(sdk_reqs), "max_tokens": MAX_TOKENS, "greedy": True,
-                    "prompt_tokens": "20..80"},
+                    "prompt_tokens": f"{SHARED_PREFIX + 4}..{SHARED_PREFIX + 40}",
+                    "shared_prefix_tokens": SHARED_PREFIX,
+                    "logprobs_top": {n: TOP_LOGPROBS for n, r in _named(http_reqs, sdk_reqs) if r.get("logprobs")},
+                    "prompt_logprobs_top": {n: TOP_LOGPROBS for n, r in _named(http_reqs, sdk_reqs)
+                                            if r.get("prompt_logprobs")}},
+        "reference_cached_tokens": ref_cached,
+        "uninterrupted_repeat": control,
         "startup_to_ready_s": round(startup_s, 1), "kills_planned": planned, "kills": len(trials),
         "kills_mid_generation": len(mid),
         "kill_to_first_resumed_token_ms": {"p50": pct(lat, 50), "p99": pct(lat, 99), "max": pct(lat, 100)},
@@ -288,9 +440,23 @@ def summarize(trials, http_reqs, sdk_reqs, startup_s, planned) -> dict:
         "tokens_recomputed_total": sum(t["tokens_recomputed"] or 0 for t in trials),
         "requests_lost_total": sum(t["requests_lost"] for t in trials),
         "all_identical": all(t["identical"] for t in trials),
+        "text_identical": sum(1 for t in trials if t["text_identical"]),
+        "logprobs_identical": sum(1 for t in trials if t["logprobs_identical"]),
+        "logprobs_max_abs_diff": max((t["logprobs_max_abs_diff"] for t in trials
+                                      if t["logprobs_max_abs_diff"] is not None), default=None),
+        "logprobs_identical_to_repeat": sum(1 for t in trials if t["logprobs_identical_to_repeat"]),
+        "logprobs_max_abs_diff_to_repeat": max((t["logprobs_max_abs_diff_to_repeat"] for t in trials
+                                                if t["logprobs_max_abs_diff_to_repeat"] is not None), default=None),
+        "cached_tokens_total": sum(t["cached_tokens_total"] for t in trials),
+        "cached_tokens_per_kill": {"min": min((t["cached_tokens_total"] for t in trials), default=None),
+                                   "max": max((t["cached_tokens_total"] for t in trials), default=None)},
         "rearm_wait_s_median": pct(np.array([t["rearm_wait_s"] for t in trials]), 50),
         "trials": trials,
     }
+
+
+def _named(http_reqs, sdk_reqs):
+    return [(f"http{i}", r) for i, r in enumerate(http_reqs)] + [(f"sdk{i}", r) for i, r in enumerate(sdk_reqs)]
 
 
 # --------------------------------------------------------------------------- plain vLLM
