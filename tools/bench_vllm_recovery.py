@@ -5,9 +5,9 @@
 kvhold: `kvhold serve --workload vllm --kv-mode foreign` (a sidecar whose executors are vLLM
 engines, one hot standby; kvhold.vllm_bridge) with streams over both the OpenAI-compatible
 HTTP API and the ZeroMQ SDK. The streams' prompts share a prefix of 3 full blocks (vLLM's
-prefix caching, on by default under the bridge, hits on kvhold's shared cached pages; a
-trial's requests reach the engine that took over at the previous kill, whose vLLM cache
-starts empty: kvhold's external hits); two HTTP streams and one SDK stream ask for
+prefix caching, on by default under the bridge, hits on kvhold's shared cached pages; after a
+kill mid-stream the successor loads the resumed requests' prefixes into its blocks and vLLM
+caches them, so the next trial hits vLLM's own cache); two HTTP streams and one SDK stream ask for
 `logprobs` top 2, another SDK stream for `prompt_logprobs` top 2. An uninterrupted run gives
 the reference, a second one (its prompts cached, as a trial's are) shows how far two runs
 without a kill differ in their log-probs (CPU float32: in the last bits, as batches form
@@ -19,7 +19,10 @@ first token; KV tokens loaded from kvhold's pages and tokens recomputed, as the 
 counted them), requests lost, outputs (tokens and text) equal to the reference, log-probs
 equal to each uninterrupted run's (or where they first differ and the largest difference),
 and each stream's cached prompt tokens (usage.prompt_tokens_details.cached_tokens). Before each trial the bench
-waits for the re-armed standby to be ready.
+waits for the re-armed standby to be ready. Then `--idle-kills` times: SIGKILL of the active
+engine with no request running, and the same streams on its successor, whose vLLM cache is
+empty: their prefixes come from kvhold's cached pages, offered to vLLM as external hits (the
+connector logs each; the bench counts those lines in the server's log).
 
 Plain vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the same
 engine settings), the same HTTP streams, SIGKILL of its EngineCore process: what each stream
@@ -36,6 +39,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -399,12 +403,62 @@ def bench_kvhold(model: Path, args, results_dir: Path) -> dict:
             print(f"kill {k + 1}/{args.kills}: {trial}", flush=True)
             if args.progress is not None:
                 args.progress(summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills, ref_cached, control))
+        idle = []
+        for j in range(args.idle_kills):
+            if time.monotonic() > args.stop_at:
+                print(f"time budget spent after {j} idle kills", flush=True)
+                break
+            idle.append(idle_kill(server, http_reqs, sdk_reqs, ref_http, ref_sdk_view))
+            print(f"idle kill {j + 1}/{args.idle_kills}: {idle[-1]}", flush=True)
+            if args.progress is not None:
+                args.progress(summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills, ref_cached, control,
+                                        idle))
     finally:
         server.stop()
-    return summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills, ref_cached, control)
+    return summarize(trials, http_reqs, sdk_reqs, startup_s, args.kills, ref_cached, control, idle)
 
 
-def summarize(trials, http_reqs, sdk_reqs, startup_s, planned, ref_cached=None, control=None) -> dict:
+EXTERNAL_HIT = re.compile(r"request (0x[0-9a-f]+): (\d+) KV tokens loaded from kvhold's prefix cache")
+
+
+def idle_kill(server: KvholdServer, http_reqs, sdk_reqs, ref_http, ref_sdk_view) -> dict:
+    """SIGKILL of the active engine while no request runs, then the same streams on the engine
+    that took over: its vLLM cache starts empty (nothing to resume, nothing loaded), so their
+    prefixes can only come from kvhold's cached pages the takeover kept, offered as external hits.
+    Records the executor log's external-hit lines (the connector's, per request) and each stream's
+    cached tokens, and compares tokens, text and log-probs with the reference."""
+    active = server.wait_ready()
+    os.kill(active["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    deadline = t_kill + STARTUP_S
+    while time.monotonic() < deadline:              # the successor, with a re-armed standby
+        now_active = server.wait_ready()
+        if now_active["pid"] != active["pid"]:
+            break
+        time.sleep(0.2)
+    rearm_s = time.monotonic() - t_kill
+    offset = server.log_path.stat().st_size
+    out_http, out_sdk, sdk_error = run_mixed(server, http_reqs, sdk_reqs, None)
+    time.sleep(0.5)                                  # the executor's log lines of these requests
+    with open(server.log_path, "rb") as f:
+        f.seek(offset)
+        hits = [int(m.group(2)) for m in EXTERNAL_HIT.finditer(f.read().decode("utf-8", "replace"))]
+    out_view = [sdk_view(r) for r in out_sdk]
+    lost = sum(1 for v in out_http.values() if v["error"]) + (len(sdk_reqs) if sdk_error else 0)
+    text_same = (not sdk_error and [v["token_ids"] for v in out_view] == [v["token_ids"] for v in ref_sdk_view]
+                 and [v["text"] for v in out_view] == [v["text"] for v in ref_sdk_view]
+                 and all(out_http[n]["text"] == ref_http[n]["text"] for n in ref_http))
+    mismatch = None if sdk_error else first_logprob_mismatch(out_http, ref_http, out_view, ref_sdk_view)
+    cached = cached_of(out_http, out_sdk) if not sdk_error else {}
+    return {"rearm_s": round(rearm_s, 1), "requests_lost": lost, "sdk_error": sdk_error,
+            "identical": text_same, "logprobs_identical": not sdk_error and mismatch is None,
+            "logprobs_max_abs_diff": None if sdk_error else logprob_max_abs_diff(out_http, out_view, ref_http,
+                                                                                 ref_sdk_view),
+            "external_hit_requests": len(hits), "external_hit_tokens": sum(hits), "external_hits": hits,
+            "cached_tokens": cached, "cached_tokens_total": sum(v or 0 for v in cached.values())}
+
+
+def summarize(trials, http_reqs, sdk_reqs, startup_s, planned, ref_cached=None, control=None, idle=()) -> dict:
     """Latencies over the kills that interrupted generation (the takeover resumed requests);
     a kill that lands after the engine has finished every request only delays delivery."""
     mid = [t for t in trials if (t["requests_resumable"] or 0) + (t["requests_damaged"] or 0) > 0]
@@ -451,6 +505,12 @@ def summarize(trials, http_reqs, sdk_reqs, startup_s, planned, ref_cached=None, 
         "cached_tokens_per_kill": {"min": min((t["cached_tokens_total"] for t in trials), default=None),
                                    "max": max((t["cached_tokens_total"] for t in trials), default=None)},
         "rearm_wait_s_median": pct(np.array([t["rearm_wait_s"] for t in trials]), 50),
+        # kills of an idle engine, then the same streams on its successor: kvhold's external hits
+        "idle_kills": {"kills": len(idle), "requests_lost_total": sum(t["requests_lost"] for t in idle),
+                       "identical": sum(1 for t in idle if t["identical"]),
+                       "logprobs_identical": sum(1 for t in idle if t["logprobs_identical"]),
+                       "external_hit_tokens_total": sum(t["external_hit_tokens"] for t in idle),
+                       "cached_tokens_total": sum(t["cached_tokens_total"] for t in idle), "trials": list(idle)},
         "trials": trials,
     }
 
@@ -572,6 +632,9 @@ def _compress(samples):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--idle-kills", type=int, default=3,
+                   help="after the kills mid-stream: kills of an idle engine, each followed by the streams "
+                        "on its successor (kvhold's cached pages offered to vLLM as external hits)")
     p.add_argument("--plain-kills", type=int, default=2)
     p.add_argument("--plain-watch-s", type=float, default=20.0)
     p.add_argument("--http-streams", type=int, default=3)
