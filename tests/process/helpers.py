@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +102,30 @@ def wait_stopped(pid: int, timeout_s: float = 20.0) -> None:
     """Until `pid` is in the stopped state (after SIGSTOP), as /proc shows it."""
     wait_until(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "T",
                timeout_s, what=f"pid {pid} to stop")
+
+
+def stop_at_step(tmp_path: Path, token: int, step: int) -> tuple[Path, dict]:
+    """A fault that stops the executor (SIGSTOP of itself) at the `step`-th step of a request whose
+    prompt holds `token`, once, and only after the returned path exists (touch it to arm):
+    (that path, the sidecar's environment)."""
+    armed = tmp_path / "armed"
+    return armed, {"KVHOLD_FAULT": f"step:token={token}@{step}:stop", "KVHOLD_FAULT_IF": str(armed),
+                   "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+
+
+def greedy_across_a_kill(sc: SidecarProcess, client, armed: Path, prompt: list[int], max_tokens: int):
+    """Arm a `stop_at_step` fault, stream a greedy request of `prompt`, SIGKILL the active executor
+    once the fault has stopped it, and read the stream to its end: (the tokens the client saw,
+    the sidecar's record of the recovery). The standby has taken over by then."""
+    active = sc.wait_steady()["pid"]
+    armed.touch()
+    stream = client.generate(prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    wait_stopped(active, 60)
+    os.kill(active, signal.SIGKILL)
+    os.kill(active, signal.SIGCONT)
+    seen = [event.token_id for event in stream]
+    assert sc.wait_steady()["pid"] != active
+    return seen, sc.wait_for(lambda st: st["recoveries"] and st["recoveries"][-1], 30)
 
 
 def sidecar_log(sc: SidecarProcess) -> str:

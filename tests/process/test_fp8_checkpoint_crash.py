@@ -2,15 +2,12 @@
 real sidecar and its executors: the weights stay float8_e4m3fn with their scales in the sidecar's
 region, and an executor SIGKILLed mid-stream is taken over by the standby, which maps the same
 FP8 bytes, with every token of the continuation the uninterrupted run's."""
-import os
-import signal
-
 import pytest
 
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.model_spec import ModelSpec
 from kvhold.testing.make_model import build
-from tests.process.helpers import FLAGS, wait_stopped
+from tests.process.helpers import FLAGS, greedy_across_a_kill, stop_at_step
 
 NEW = 120
 PROMPT = [1, 37, 250, 11, 402, 98, 7, 301, 55, 4, 190, 66, 23, 140]
@@ -24,9 +21,7 @@ def fp8_model(tmp_path_factory):
 def test_fp8_weights_served_and_taken_over_token_for_token(fp8_model, start_sidecar, tmp_path):
     # once armed, the executor stops itself at the 6th step of the second run (a few tokens in,
     # most of its 120 to come, however far the engine runs ahead of this client), then is SIGKILLed
-    armed = tmp_path / "armed"
-    env = {"KVHOLD_FAULT": f"step:token={PROMPT[-1]}@6:stop", "KVHOLD_FAULT_IF": str(armed),
-           "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    armed, env = stop_at_step(tmp_path, PROMPT[-1], 6)
     sc = start_sidecar(["--model", str(fp8_model), *FLAGS], env=env)
     sc.wait_steady()
     status = sc.status()
@@ -38,14 +33,6 @@ def test_fp8_weights_served_and_taken_over_token_for_token(fp8_model, start_side
         want = client.generate(prompt_ids=PROMPT, max_tokens=NEW, temperature=0.0, ignore_eos=True).result()
         want = want.token_ids
         assert len(want) == NEW and len(set(want)) > 5
-        active = sc.wait_steady()["pid"]
-        armed.touch()
-        stream = client.generate(prompt_ids=PROMPT, max_tokens=NEW, temperature=0.0, ignore_eos=True)
-        wait_stopped(active, 60)
-        os.kill(active, signal.SIGKILL)
-        os.kill(active, signal.SIGCONT)
-        seen = [event.token_id for event in stream]
+        seen, rec = greedy_across_a_kill(sc, client, armed, PROMPT, NEW)
         assert seen == want
-    assert sc.wait_steady()["pid"] != active
-    rec = sc.wait_for(lambda st: st["recoveries"] and st["recoveries"][-1], 30)
     assert rec["requests_resumable"] == 1 and rec["requests_lost"] + rec["requests_damaged"] == 0

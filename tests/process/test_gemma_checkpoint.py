@@ -2,16 +2,13 @@
 the greedy tokens equal transformers' generate, and an executor SIGKILLed mid-stream is taken
 over by the standby with every token the same (Gemma's alternating sliding-window and global
 layers, each with its RoPE base, in the shared KV pool)."""
-import os
-import signal
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from kvhold.testing.make_model import train_tokenizer  # noqa: E402
-from tests.process.helpers import FLAGS, wait_stopped  # noqa: E402
+from tests.process.helpers import FLAGS, greedy_across_a_kill, stop_at_step  # noqa: E402
 from tests.unit.helpers import CASES, build_checkpoint, hf_greedy  # noqa: E402
 
 NEW = 160
@@ -35,22 +32,12 @@ def test_gemma_served_and_taken_over_token_for_token(gemma, start_sidecar, tmp_p
     assert len(prompt) + NEW > 2 * 8               # past the sliding window
     # once armed, the executor stops itself at the 6th step of the second run (a few tokens in,
     # most of its 160 to come, however far the engine runs ahead of this client), then is SIGKILLed
-    armed = tmp_path / "armed"
-    env = {"KVHOLD_FAULT": f"step:token={prompt[-1]}@6:stop", "KVHOLD_FAULT_IF": str(armed),
-           "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    armed, env = stop_at_step(tmp_path, prompt[-1], 6)
     sc = start_sidecar(["--model", str(path), *FLAGS, "--max-seq-len", "256"], env=env)
     sc.wait_steady()
     with sc.new_client(timeout=60) as client:
         got = client.generate(prompt_ids=prompt, max_tokens=NEW, temperature=0.0, ignore_eos=True).result()
         assert got.token_ids == want
-        active = sc.wait_steady()["pid"]
-        armed.touch()
-        stream = client.generate(prompt_ids=prompt, max_tokens=NEW, temperature=0.0, ignore_eos=True)
-        wait_stopped(active, 60)
-        os.kill(active, signal.SIGKILL)
-        os.kill(active, signal.SIGCONT)
-        seen = [event.token_id for event in stream]
+        seen, rec = greedy_across_a_kill(sc, client, armed, prompt, NEW)
         assert seen == want
-    assert sc.wait_steady()["pid"] != active
-    rec = sc.wait_for(lambda st: st["recoveries"] and st["recoveries"][-1], 30)
     assert rec["requests_resumable"] == 1 and rec["requests_lost"] + rec["requests_damaged"] == 0
