@@ -10,11 +10,13 @@ scales beside it; nothing is dequantized into the region or kept dequantized in 
   a float32 one); in float32 it is rounded once, then cast to a narrower compute dtype once.
   Activations are not quantized: the activation scheme only says how an FP8 GEMM would scale
   them (`scaled_mm_linear`).
-* CUDA, the default (`dequantize` then the batch-invariant bf16 kernel,
-  kvhold.executor.cuda.layers): each projection's weight is dequantized to bf16 per step into
-  a temporary and multiplied on kvhold.executor.cuda.gemm's kernel, so decode stays
-  batch-invariant and exact prefill keeps giving decode's bits. It reads the FP8 weight and
-  writes and reads a bf16 copy: a bandwidth cost, not measured yet on a GPU.
+* CUDA, the default (kvhold.executor.cuda.fp8_gemm, where it applies): the projection reads
+  the FP8 weight and dequantizes each tile in registers exactly as `dequantize` does, then runs
+  the batch-invariant bf16 kernel's tensor-core steps: bit for bit the result of dequantizing
+  to bf16 and kvhold.executor.cuda.gemm's kernel, at one byte a weight read. Where it does not
+  apply (a prefill chunk of more than 256 rows, parts not adjacent in the region) each
+  projection's weight is dequantized to bf16 per call into a temporary and multiplied on
+  kvhold.executor.cuda.gemm's kernel: the same bits, at five bytes a weight moved.
 * CUDA, opt-in (`KVHOLD_FP8_SCALED_MM=1`): `scaled_mm_linear`, torch._scaled_mm on FP8
   activations (quantized per row at run time with a dynamic scale, or with the checkpoint's
   static input_scale) and FP8 weights with per-output-channel scales (a per-tensor scale is
@@ -22,7 +24,7 @@ scales beside it; nothing is dequantized into the region or kept dequantized in 
   FP8 kernel by shape and is not known to be batch-invariant, so exact prefill is off with it
   (the runner says why) and a recompute may differ from an uninterrupted run where rounding
   tips a near-tie. 128x128 block scales have no _scaled_mm form here: they always take the
-  dequantize path. Neither CUDA path has run on a GPU yet.
+  default path. Both CUDA paths ran on the GPU (tests/gpu/test_gpu_fp8.py).
 """
 from __future__ import annotations
 

@@ -3,9 +3,11 @@
 The CPU engine (float64, each FP8 weight dequantized on use) equals a float64 forward of the
 dequantized model (tests/unit/test_fp8_checkpoints.py). On the GPU, in bfloat16:
 
-* the default path (each weight dequantized to bf16 per call, the batch-invariant kernels)
-  agrees with the reference within bf16's tolerance, graphs and eager alike, and keeps decode
-  batch-invariant, so exact prefill applies;
+* the default path (each FP8 weight dequantized in registers by kvhold.executor.cuda.fp8_gemm,
+  bit for bit what dequantizing it to bf16 and the batch-invariant kernel give, which a test
+  here checks at every decode row count up to 256; dequantized per call where the kernel cannot
+  take the weight) agrees with the reference within bf16's tolerance, graphs and eager alike,
+  and keeps decode batch-invariant, so exact prefill applies;
 * KVHOLD_FP8_SCALED_MM=1 (torch._scaled_mm, activations quantized per row) agrees within FP8
   activation error, and exact prefill is refused with its reason.
 """
@@ -65,6 +67,11 @@ def test_dequantized_fp8_on_the_gpu_matches_the_cpu_reference_and_stays_batch_in
     monkeypatch.delenv("KVHOLD_FP8_SCALED_MM", raising=False)
     spec, gpu, want = _models(quant, tmp_path)
     assert gpu.fp8 and gpu.fused is not None and gpu.fused.fused_gemms
+    # the FP8 kernel takes o_proj, gate|up and down_proj of every layer (q|k|v too but for
+    # block scales: the tiny model's k and v have 64 rows, half a 128-row scale block)
+    for _, qkv, o, _, gate_up, down in gpu.fused.layers_w:
+        assert all(p.fp8 is not None for p in (o, gate_up, down))
+        assert (qkv.fp8 is None) == (quant == "fp8-block")
     assert gpu.fused.batch_invariant(8) and gpu.fused.exact_prefill(8) is None
     graph, eager = _gpu_logits(spec, gpu, True), _gpu_logits(spec, gpu, False)
     assert torch.equal(graph, eager)
@@ -84,3 +91,39 @@ def test_scaled_mm_fp8_on_the_gpu_is_near_the_reference_and_refuses_exact_prefil
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 0.1, (quant, rel)
     print(f"{quant} scaled_mm: relative error {rel:.3e} against the float64 reference")
+
+
+@pytest.mark.parametrize("strategy", ("rows", "block"))
+def test_the_fp8_kernel_gives_the_dequantized_paths_bits_at_every_decode_row_count(strategy):
+    """fp8_linear(x, w, scales) == exact_linear(x, dequantize(w)) bit for bit, with and without a
+    residual, at row counts across every decode bucket (1..256), at shapes whose N is not a
+    multiple of the tile; and a row's bits do not depend on how many rows its batch has."""
+    from kvhold.executor.cuda import fp8_gemm, gemm
+    from kvhold.executor.fp8 import Fp8Weight
+
+    torch.manual_seed(0)
+    for n, k in ((1536, 512), (1000, 1024), (512, 1536)):
+        w = (torch.randn(n, k, device="cuda") * 0.3).to(torch.float8_e4m3fn)
+        if strategy == "block":
+            block = (128, 128)
+            scale = torch.rand(-(-n // 128), k // 128, device="cuda") * 0.02 + 0.001
+            fw = Fp8Weight("w", w, scale, "block", block)
+        else:
+            block = None
+            scale = torch.rand(n, 1, device="cuda") * 0.02 + 0.001
+            fw = Fp8Weight("w", w, scale, "channel")
+            scale = fw.row_scales().reshape(-1)
+        dense = fw.dequantize(torch.bfloat16)
+        x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(256, n, device="cuda", dtype=torch.bfloat16)
+        full = fp8_gemm.fp8_linear(x, w, scale, block)
+        for rows in (1, 2, 7, 16, 31, 33, 64, 65, 100, 128, 200, 256):
+            xs = x[:rows]
+            assert fp8_gemm.applies(xs, n, k, block)
+            got = fp8_gemm.fp8_linear(xs, w, scale, block)
+            assert torch.equal(got, gemm.exact_linear(xs, dense)), (n, k, rows)
+            assert torch.equal(got, full[:rows]), (n, k, rows)
+            h = res[:rows].clone()
+            want = gemm.exact_linear(xs, dense, residual=res[:rows].clone(), out=res[:rows].clone())
+            assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block, residual=h, out=h), want), (n, k, rows)
+        assert not fp8_gemm.applies(torch.zeros(257, k, device="cuda", dtype=torch.bfloat16), n, k, block)

@@ -39,6 +39,7 @@ class KernelShapes:
     prefill_chunk: int          # rows of a prefill chunk (padded to it, but for exact prefill)
     kv_dtype: str = ""          # the KV pool's dtype when it differs from `dtype`
     qk_norm: bool = False       # RMSNorm of each query and key head (Qwen3)
+    fp8: str = ""               # FP8 Linear weights' scales: "" (none), "rows" (one per output row), "BNxBK" blocks
 
     def __post_init__(self):
         for name in ("dtype", "kv_dtype"):
@@ -48,6 +49,10 @@ class KernelShapes:
         for name, value in asdict(self).items():
             if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                 raise ValueError(f"kernel shapes: {name}={value} must be positive")
+        if self.fp8 not in ("", "rows"):
+            parts = self.fp8.split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"kernel shapes: fp8 {self.fp8!r} is not '', 'rows' or 'BNxBK'")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("kernel shapes: num_heads must be a multiple of num_kv_heads")
 
@@ -58,6 +63,14 @@ class KernelShapes:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.kv_dtype or self.dtype]
+
+    @property
+    def fp8_scale_block(self) -> tuple[int, int] | None:
+        """The (rows, columns) of an FP8 weight's scale block; None for one scale per row (or no FP8)."""
+        if self.fp8 in ("", "rows"):
+            return None
+        bn, bk = self.fp8.split("x")
+        return int(bn), int(bk)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -87,7 +100,7 @@ class KernelShapes:
                    vocab_size=spec.vocab_size, page_tokens=geometry.kv.page_tokens,
                    num_pages=geometry.num_pages, max_seq_len=geometry.max_seq_len,
                    max_batch=settings.max_batch, prefill_chunk=chunk, kv_dtype=geometry.kv.dtype,
-                   qk_norm=spec.qk_norm)
+                   qk_norm=spec.qk_norm, fp8=fp8_scales(spec))
 
     @classmethod
     def from_json(cls, text: str) -> "KernelShapes | None":
@@ -102,3 +115,13 @@ class KernelShapes:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def fp8_scales(spec) -> str:
+    """KernelShapes.fp8 of a model: how its FP8 weights are scaled, as the FP8 kernel takes them."""
+    quant = spec.quant
+    if quant is None:
+        return ""
+    if quant.strategy == "block":
+        return f"{quant.block[0]}x{quant.block[1]}"
+    return "rows"

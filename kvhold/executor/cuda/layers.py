@@ -29,12 +29,14 @@ a GPU step that is bound by reading weights:
 Eight launches per decode layer (nine per prefill layer) instead of about forty. Enabled on every CUDA device unless
 KVHOLD_FUSED=0 (which tools/bench_decode uses to measure the unfused baseline).
 
-FP8 weights (kvhold.executor.fp8) stay FP8 in the region. By default each projection
-dequantizes its weight(s) to the compute dtype on every call (one temporary per projection)
-and runs the same kernels as above, so decode stays batch-invariant and exact prefill applies;
-with KVHOLD_FP8_SCALED_MM=1 per-channel and per-tensor FP8 weights run on torch._scaled_mm
-instead (per-row dynamic activation scales), which is not known to be batch-invariant: exact
-prefill is then off. Block-scaled weights always dequantize. Not yet run on a GPU.
+FP8 weights (kvhold.executor.fp8) stay FP8 in the region. By default each projection reads
+them as FP8 and dequantizes them in registers (kvhold.executor.cuda.fp8_gemm), bit for bit what
+dequantizing to the compute dtype and the kernels above give, so decode stays batch-invariant
+and exact prefill applies; where that kernel cannot take a projection, its weight(s) are
+dequantized per call (one temporary per projection). With KVHOLD_FP8_SCALED_MM=1 per-channel
+and per-tensor FP8 weights run on torch._scaled_mm instead (per-row dynamic activation
+scales), which is not known to be batch-invariant: exact prefill is then off. Block-scaled
+weights never take _scaled_mm.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kvhold.executor.cuda import fp8_gemm
 from kvhold.executor.cuda import gemm as cuda_gemm
 from kvhold.executor.cuda.gemm import add_linear_, linear
 from kvhold.executor.cuda.kernels import rmsnorm, rope_and_store, silu_mul
@@ -95,10 +98,16 @@ class _Projection:
 
 
 class _Fp8Projection:
-    """As _Projection, over weights of which some or all are FP8. Dequantized (the default): the
-    parts dequantized to `dtype` and concatenated, one GEMM on the batch-invariant kernels.
-    KVHOLD_FP8_SCALED_MM=1: each FP8 part on torch._scaled_mm where it applies (`fused` is then
-    None: not batch-invariant)."""
+    """As _Projection, over weights of which some or all are FP8.
+
+    * In registers (the default where it applies): every part FP8 with the same kind of scales,
+      the parts adjacent in the region (one [N, K] FP8 view, as the region lays out a layer's
+      q|k|v and gate|up): kvhold.executor.cuda.fp8_gemm reads the FP8 bytes and dequantizes each
+      tile as `Fp8Weight.dequantize` would, giving that path's bits at decode's row counts.
+    * Dequantized: the parts dequantized to `dtype` and concatenated, one GEMM on the
+      batch-invariant kernels (a prefill chunk of more than 256 rows; parts not adjacent).
+    * KVHOLD_FP8_SCALED_MM=1: each FP8 part on torch._scaled_mm where it applies (`fused` is then
+      None: not batch-invariant)."""
 
     def __init__(self, weights: list, biases: list[torch.Tensor] | None, dtype: torch.dtype):
         self.parts = weights
@@ -108,12 +117,22 @@ class _Fp8Projection:
         self.scaled = scaled_mm_enabled() and all(isinstance(w, Fp8Weight) and scaled_mm_applies(w)
                                                   for w in weights)
         self.fused = None if self.scaled else True      # dequantized: one contiguous weight per call
+        self.fp8 = None if self.scaled or biases is not None else _fp8_operands(weights)
 
     def dense(self) -> torch.Tensor:
         ws = [w.dequantize(self.dtype) if isinstance(w, Fp8Weight) else w for w in self.parts]
         return ws[0] if len(ws) == 1 else torch.cat(ws)
 
+    def _in_registers(self, x: torch.Tensor, exact: bool) -> bool:
+        if self.fp8 is None or not cuda_gemm.enabled():
+            return False
+        w, _, block = self.fp8
+        # not exact: as gemm.linear, the kernel's tiles up to MAX_ROWS rows (cuBLAS beyond)
+        return (exact or x.shape[0] <= cuda_gemm.MAX_ROWS) and fp8_gemm.applies(x, w.shape[0], w.shape[1], block)
+
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if self._in_registers(x, exact):
+            return fp8_gemm.fp8_linear(x, *self.fp8)
         if not self.scaled:
             return linear(x, self.dense(), self.bias, exact=exact)
         if exact:
@@ -124,11 +143,34 @@ class _Fp8Projection:
 
     def add_into_(self, h: torch.Tensor, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """h += x @ w.T (o_proj, down_proj)."""
+        if h.stride(1) == 1 and self._in_registers(x, exact):
+            return fp8_gemm.fp8_linear(x, *self.fp8, residual=h, out=h)
         if not self.scaled:
             return add_linear_(h, x, self.dense(), exact)
         if exact:
             raise RuntimeError("exact prefill needs the dequantized FP8 path (KVHOLD_FP8_SCALED_MM=0)")
         return h.add_(scaled_mm_linear(x, self.parts[0]))
+
+
+def _fp8_operands(parts: list) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None] | None:
+    """(weight [N, K] FP8 view, float32 scales, block) for kvhold.executor.cuda.fp8_gemm over the
+    parts as one weight, or None where the kernel cannot take them: a part not FP8, parts not
+    adjacent, mixed kinds of scales, block rows that do not tile a part."""
+    if not all(isinstance(w, Fp8Weight) for w in parts):
+        return None
+    strategies = {w.strategy for w in parts}
+    blocks = {w.block for w in parts}
+    weight = adjacent_view([w.weight for w in parts])
+    if weight is None or len(strategies) != 1 or len(blocks) != 1:
+        return None
+    if strategies == {"block"}:
+        block = parts[0].block
+        if any(w.shape[0] % block[0] for w in parts[:-1]):
+            return None
+        scale = torch.cat([w.scale.to(torch.float32).reshape(-(-w.shape[0] // block[0]), -1) for w in parts])
+        return weight, scale.contiguous(), block
+    scale = torch.cat([w.row_scales().reshape(-1) for w in parts])       # one float32 a row (small)
+    return weight, scale.contiguous(), None
 
 
 def _projection(weights: list, biases, dtype):
