@@ -153,6 +153,30 @@ def summarize(samples: list[dict]) -> dict:
     return out
 
 
+def gpu_memory(status: dict) -> dict | None:
+    """What each process of the sidecar holds on its GPU, from NVML (None without one): the
+    device's used and total MiB, and per process its role (the sidecar, or an executor's role)
+    and the MiB NVML charges it. The sidecar allocates the weights and the KV pool and exports
+    them; executors map them, so NVML may charge a mapping to the importer, the owner or neither:
+    the device's total used, against the weights and pool, says what is held once."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:                   # no NVML (CPU runs)
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        roles = {status["pid"]: "sidecar"} | {e["pid"]: e["role"] for e in status["executors"]}
+        procs = [{"pid": p.pid, "role": roles.get(p.pid, "other"),
+                  "used_mib": round((p.usedGpuMemory or 0) / 2**20, 1)}
+                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+        return {"device_used_mib": round(info.used / 2**20, 1), "device_total_mib": round(info.total / 2**20, 1),
+                "processes": sorted(procs, key=lambda p: p["role"])}
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> dict:
     """`save(samples)` after each kill keeps what was measured if the run is cut short."""
     if tier not in TIERS:
@@ -184,6 +208,7 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
     log_path.unlink(missing_ok=True)          # one run per log: SidecarProcess appends
     with SidecarProcess(flags, log_path=log_path) as sc:
         sc.wait_steady(standbys=standbys, timeout=1200)
+        memory = gpu_memory(sc.status()) if args.device.startswith("cuda") else None
         with sc.new_client(timeout=600) as client:
             t0, t0_ns = time.monotonic(), time.monotonic_ns()
             reference = [r.token_ids for r in run_set(client, requests)]
@@ -202,7 +227,7 @@ def run_tier(args, tier: str, model: Path, requests, kills: int, save=None) -> d
                       f"identical {s['outputs_identical']}", file=sys.stderr, flush=True)
         executors = sc.status()["executors"]
     return {"reference_run_s": ref_s, "reference_fences": ref_fences, "summary": summarize(samples),
-            "samples": samples,
+            "samples": samples, "gpu_memory_before_kills": memory,
             "executors_at_end": executors}
 
 

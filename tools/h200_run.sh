@@ -22,7 +22,8 @@
 #                                                   -> takeover_profile_cuda.txt, recovery_cuda_profiled.json
 #   prefix-cache   the prefix cache against none, Llama-3-8B, 64 streams: a 2,048-token shared system prompt,
 #                  64-256-token first turns, 64-token follow-ups on the first answers, 64 tokens a turn,
-#                  then a SIGKILL of the active executor in the follow-ups (tools/bench_prefix_cache.py)
+#                  then SIGKILLs (PREFIX_KILLS, default 5) of the active executor in the follow-ups
+#                  (tools/bench_prefix_cache.py)
 #                                                                                  -> prefix_cache_cuda.json
 #   checksum       the validation pass's checksum kernel at Llama-3-8B page shapes against its bandwidth
 #                  floor and candidate kernels (tools/probe_checksum.py)          -> checksum_cuda.json
@@ -148,7 +149,7 @@ for phase in "${@:-tests}"; do
     model_8b
     timeout $(left) python3 -m tools.bench_prefix_cache --device cuda:0 --model /tmp/l8b --streams 64 \
         --prefix-tokens 2048 --suffix-tokens 64,256 --follow-up-tokens 64 --max-tokens 64 --max-seq-len 2560 \
-        --max-batch-tokens 8192 --max-batch 64 --kv-memory 40GiB --log-dir "$OUT" \
+        --max-batch-tokens 8192 --max-batch 64 --kv-memory 40GiB --kills ${PREFIX_KILLS:-5} --log-dir "$OUT" \
         --out "$OUT/prefix_cache_cuda.json" 2>&1 | tail -12
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
