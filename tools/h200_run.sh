@@ -13,6 +13,9 @@
 #   decode         Llama-3-8B decode step, commit on/off, batch 1/8/64 (ROUNDS)     -> decode_cuda.json
 #   decode-256     Llama-3-8B decode step at batch 64/128/256 with --max-batch 256 (buckets 16..256, past 64
 #                  rows on exact_linear's tiles), commit on/off (ROUNDS)             -> decode_cuda_256.json
+#   decode-fp8     the same decode step on Llama-3-8B's shapes in FP8 (fp8-dynamic: per-channel weight scales),
+#                  batch 1/8/64, the FP8 weights dequantized in registers (kvhold.executor.cuda.fp8_gemm)
+#                                                                                  -> decode_fp8_cuda.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
@@ -127,6 +130,12 @@ for phase in "${@:-tests}"; do
     model_8b
     timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 64,128,256 \
         --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256.json" 2>&1 | tail -12
+    ;;
+  decode-fp8)
+    [ -d /tmp/l8b-fp8 ] || python3 -m kvhold.testing.make_model --preset llama3-8b --quant fp8-dynamic \
+        --out /tmp/l8b-fp8 --device cuda 2>&1 | tail -1
+    timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b-fp8 --layers fused --batches 1,8,64 \
+        --rounds ${ROUNDS:-3} --out "$OUT/decode_fp8_cuda.json" 2>&1 | tail -12
     ;;
   profile)
     model_8b
