@@ -375,3 +375,39 @@ def test_a_recompute_gives_the_decode_steps_logits_on_cpu(ckpts, quant):
     want = stepped[:len(seq) - 1]
     assert ((recomputed - want).abs().max() / want.abs().max()) < 1e-12
     assert torch.equal(recomputed.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_the_cuda_layers_hand_the_fp8_kernel_the_regions_bytes_and_scales_that_dequantize_as_the_weights(
+        ckpts, quant):
+    """The operands kvhold.executor.cuda.layers gives the in-register FP8 kernel are plain Python
+    over the region (checked here, without a GPU): one FP8 view over a projection's adjacent parts
+    (no copy of the weights), and float32 scales (one a row, or one a block) that dequantize that
+    view to exactly the weight the dequantizing path multiplies by. Block scales whose rows do not
+    tile a part (the tiny model's 64-row k and v, against 128-row blocks) leave it on that path."""
+    pytest.importorskip("triton")
+    from kvhold.executor.cuda.layers import FusedLayers, _Fp8Projection
+    from tools.bench_engine_setup import load_weights
+
+    spec = ModelSpec.from_dir(ckpts[quant])
+    # one buffer laid out as the sidecar's region, the tensors views into it (as on the GPU)
+    weights = load_weights(ckpts[quant], "cpu")
+    fused = FusedLayers(LlamaModel(spec, weights, torch.bfloat16, torch.device("cpu"), 512))
+    taken = 0
+    for layer in fused.layers_w:
+        for proj in (p for p in layer if isinstance(p, _Fp8Projection)):
+            if proj.fp8 is None:
+                assert quant == "fp8-block" and proj is layer[1]       # q|k|v
+                continue
+            w, scale, block = proj.fp8
+            assert w.dtype == torch.float8_e4m3fn and w.data_ptr() == proj.parts[0].weight.data_ptr()
+            assert scale.dtype == torch.float32 and scale.is_contiguous()
+            if block is None:
+                per_element = scale.reshape(-1, 1)
+            else:
+                assert quant == "fp8-block" and block == (128, 128)
+                n, k = w.shape
+                per_element = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+            assert torch.equal((w.to(torch.float32) * per_element).to(torch.bfloat16), proj.dense())
+            taken += 1
+    assert taken == spec.num_layers * (3 if quant == "fp8-block" else 4)
