@@ -127,3 +127,33 @@ def test_the_fp8_kernel_gives_the_dequantized_paths_bits_at_every_decode_row_cou
             want = gemm.exact_linear(xs, dense, residual=res[:rows].clone(), out=res[:rows].clone())
             assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block, residual=h, out=h), want), (n, k, rows)
         assert not fp8_gemm.applies(torch.zeros(257, k, device="cuda", dtype=torch.bfloat16), n, k, block)
+
+
+@pytest.mark.parametrize("quant", ("fp8-dynamic", "fp8-block"))
+def test_an_fp8_checkpoint_served_on_the_gpu_continues_token_for_token_across_sigkills(quant, tmp_path):
+    """A real sidecar serving an FP8 checkpoint on CUDA (bf16 compute, the weights FP8 in the
+    region, projections on the in-register kernel, exact prefill on): six greedy streams, and the
+    active executor SIGKILLed mid-stream twice; the standby that maps the same FP8 bytes continues
+    each stream to the uninterrupted run's tokens."""
+    from kvhold.client.client import wait_all
+    from kvhold.testing.make_model import build
+    from kvhold.testing.sidecar_process import SidecarProcess
+    from tests.gpu.helpers import kill_active_at
+
+    model = build(tmp_path / quant, "tiny", quant=quant, overrides={"torch_dtype": "bfloat16"}, progress=False)
+    requests = [dict(prompt_ids=[1 + i, 37, 250, 11 * i + 2, 402, 98, 7, 301] * (2 + 5 * i), max_tokens=150,
+                     temperature=0.0, ignore_eos=True) for i in range(6)]
+    flags = ["--model", str(model), "--device", "cuda:0", "--backend", "cuda", "--compute-dtype", "bfloat16",
+             "--max-seq-len", "512", "--log-level", "INFO", "--restart-backoff-ms", "0,0"]
+    with SidecarProcess(flags, log_path=tmp_path / "sidecar.log") as sc:
+        sc.wait_steady(timeout=600)
+        with sc.new_client(timeout=300) as client:
+            want = [r.token_ids for r in wait_all([client.generate(**r) for r in requests])]
+            assert all(len(t) == 150 for t in want) and len({tuple(t) for t in want}) > 1
+            for threshold in (40, 400):
+                sc.wait_steady(timeout=600)
+                got = [r.token_ids for r in wait_all([client.generate(**r) for r in requests],
+                                                     kill_active_at(sc, threshold))]
+                assert got == want, threshold
+        recoveries = sc.status()["recoveries"]
+    assert len(recoveries) == 2 and all(r["requests_lost"] + r["requests_damaged"] == 0 for r in recoveries)
