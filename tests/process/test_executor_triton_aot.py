@@ -103,6 +103,27 @@ def test_compiles_the_executor_kernels_for_sm90_without_a_gpu(tmp_path, monkeypa
     assert torch.cuda.is_initialized() == cuda_before        # compiling needs no CUDA context
 
 
+@pytest.mark.parametrize("fp8", ["rows", "128x128"])
+def test_compiles_the_fp8_kernel_for_an_fp8_checkpoints_shapes_for_sm90_without_a_gpu(tmp_path, monkeypatch, fp8):
+    """An FP8 checkpoint's projections (kvhold.executor.cuda.fp8_gemm: FP8 weights, float32 scales
+    per row or per 128x128 block) compile for sm_90 ahead of time; a bf16 checkpoint's shapes
+    compile none of them."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    import kvhold.executor.cuda.fp8_gemm  # noqa: F401
+    from kvhold.executor.cuda import triton_aot
+
+    name = "kvhold.executor.cuda.fp8_gemm._fp8_kernel"
+    assert KernelShapes(**SHAPES, fp8=fp8).fp8_scale_block == (None if fp8 == "rows" else (128, 128))
+    compiled = triton_aot.compile_only(KernelShapes(**SHAPES, fp8=fp8), arch=90)[name]
+    assert compiled and all(k.metadata.target.arch == 90 for k in compiled)
+    sig = compiled[0].src.signature
+    assert sig["w_ptr"] == "*fp8e4nv" and sig["s_ptr"] == "*fp32" and sig["x_ptr"] == "*bf16"
+    assert not triton_aot.compile_only(KernelShapes(**SHAPES), arch=90)[name]
+    with pytest.raises(ValueError, match="fp8"):
+        KernelShapes(**SHAPES, fp8="128")
+
+
 def sig_index(signature: dict, name: str) -> int:
     return list(signature).index(name)
 

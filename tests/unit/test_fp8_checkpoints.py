@@ -386,10 +386,12 @@ def test_the_cuda_layers_hand_the_fp8_kernel_the_regions_bytes_and_scales_that_d
     view to exactly the weight the dequantizing path multiplies by. Block scales whose rows do not
     tile a part (the tiny model's 64-row k and v, against 128-row blocks) leave it on that path."""
     pytest.importorskip("triton")
+    from kvhold.executor.cuda.kernel_shapes import fp8_scales
     from kvhold.executor.cuda.layers import FusedLayers, _Fp8Projection
     from tools.bench_engine_setup import load_weights
 
     spec = ModelSpec.from_dir(ckpts[quant])
+    assert fp8_scales(spec) == ("128x128" if quant == "fp8-block" else "rows")     # what the zygote compiles
     # one buffer laid out as the sidecar's region, the tensors views into it (as on the GPU)
     weights = load_weights(ckpts[quant], "cpu")
     fused = FusedLayers(LlamaModel(spec, weights, torch.bfloat16, torch.device("cpu"), 512))
