@@ -155,7 +155,8 @@ def test_a_forked_child_launches_the_prepared_kernel_through_the_driver_exactly_
         "kvhold.executor.cuda.kernels._silu_mul_kernel": 1, "kvhold.executor.cuda.gemm._skinny_kernel": 20,
         # the decode's layout, and an exact prefill chunk's with its block table aligned or not
         "kvhold.executor.cuda.attention._rope_decode_kernel": 3, "kvhold.executor.cuda.attention._rope_prefill_kernel": 3,
-        "kvhold.executor.cuda.checksum._pages_hash_kernel": 1}
+        "kvhold.executor.cuda.checksum._pages_hash_kernel": 1,
+        "kvhold.executor.cuda.fp8_gemm._fp8_kernel": 0}      # a bf16 checkpoint: no FP8 projection
     assert out["torch_cuda_initialised"] is False and out["driver_initialised"] is False
     assert out["miss"]["jit_fallbacks"] == 1 and out["miss"]["broken"] is None and out["miss_raised"]
     child = out["child"]
