@@ -11,12 +11,12 @@ scales beside it; nothing is dequantized into the region or kept dequantized in 
   Activations are not quantized: the activation scheme only says how an FP8 GEMM would scale
   them (`scaled_mm_linear`).
 * CUDA, the default (kvhold.executor.cuda.fp8_gemm, where it applies): the projection reads
-  the FP8 weight and dequantizes each tile in registers exactly as `dequantize` does, then runs
-  the batch-invariant bf16 kernel's tensor-core steps: bit for bit the result of dequantizing
-  to bf16 and kvhold.executor.cuda.gemm's kernel, at one byte a weight read. Where it does not
-  apply (a prefill chunk of more than 256 rows, parts not adjacent in the region) each
+  the FP8 weight and dequantizes each tile in registers with `dequantize`'s arithmetic, then runs
+  the batch-invariant bf16 kernel's tensor-core steps on its tiles: one byte a weight read, a
+  row's bits the same at any row count (they differ from the path below in last bits). Where
+  it does not apply (parts not adjacent in the region, block rows that do not tile a part) the
   projection's weight is dequantized to bf16 per call into a temporary and multiplied on
-  kvhold.executor.cuda.gemm's kernel: the same bits, at five bytes a weight moved.
+  kvhold.executor.cuda.gemm's kernel, at five bytes a weight moved.
 * CUDA, opt-in (`KVHOLD_FP8_SCALED_MM=1`): `scaled_mm_linear`, torch._scaled_mm on FP8
   activations (quantized per row at run time with a dynamic scale, or with the checkpoint's
   static input_scale) and FP8 weights with per-output-channel scales (a per-tensor scale is

@@ -4,10 +4,11 @@ The CPU engine (float64, each FP8 weight dequantized on use) equals a float64 fo
 dequantized model (tests/unit/test_fp8_checkpoints.py). On the GPU, in bfloat16:
 
 * the default path (each FP8 weight dequantized in registers by kvhold.executor.cuda.fp8_gemm,
-  bit for bit what dequantizing it to bf16 and the batch-invariant kernel give, which a test
-  here checks at every decode row count up to 256; dequantized per call where the kernel cannot
-  take the weight) agrees with the reference within bf16's tolerance, graphs and eager alike,
-  and keeps decode batch-invariant, so exact prefill applies;
+  a row's bits the same at every row count, which a test here checks from 1 to 600 rows, and
+  within bf16 rounding of dequantizing to bf16 first; dequantized per call where the kernel
+  cannot take the weight) agrees with the reference within bf16's tolerance, graphs and eager
+  alike, and keeps decode batch-invariant, so exact prefill applies; a real sidecar serving an
+  FP8 checkpoint continues each stream token for token across executor SIGKILLs;
 * KVHOLD_FP8_SCALED_MM=1 (torch._scaled_mm, activations quantized per row) agrees within FP8
   activation error, and exact prefill is refused with its reason.
 """
@@ -94,10 +95,11 @@ def test_scaled_mm_fp8_on_the_gpu_is_near_the_reference_and_refuses_exact_prefil
 
 
 @pytest.mark.parametrize("strategy", ("rows", "block"))
-def test_the_fp8_kernel_gives_the_dequantized_paths_bits_at_every_decode_row_count(strategy):
-    """fp8_linear(x, w, scales) == exact_linear(x, dequantize(w)) bit for bit, with and without a
-    residual, at row counts across every decode bucket (1..256), at shapes whose N is not a
-    multiple of the tile; and a row's bits do not depend on how many rows its batch has."""
+def test_the_fp8_kernel_gives_a_row_the_same_bits_at_every_row_count_and_is_near_the_dequantized_path(strategy):
+    """fp8_linear(x, w, scales): a row's bits are the same at every row count, on the decode tiles
+    (1..64 rows), at the decode buckets past them and in exact prefill chunks of any size (600 rows
+    here), with and without a residual, at shapes whose N is not a multiple of the tile; and the
+    result is within bf16 rounding of the dequantizing path (exact_linear on the dequantized weight)."""
     from kvhold.executor.cuda import fp8_gemm, gemm
     from kvhold.executor.fp8 import Fp8Weight
 
@@ -114,19 +116,22 @@ def test_the_fp8_kernel_gives_the_dequantized_paths_bits_at_every_decode_row_cou
             fw = Fp8Weight("w", w, scale, "channel")
             scale = fw.row_scales().reshape(-1)
         dense = fw.dequantize(torch.bfloat16)
-        x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn(256, n, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(600, n, device="cuda", dtype=torch.bfloat16)
         full = fp8_gemm.fp8_linear(x, w, scale, block)
-        for rows in (1, 2, 7, 16, 31, 33, 64, 65, 100, 128, 200, 256):
+        full_res = fp8_gemm.fp8_linear(x, w, scale, block, residual=res.clone(), out=res.clone())
+        want = gemm.exact_linear(x, dense).float()
+        err = (full.float() - want).abs().max().item()
+        assert err <= 0.02 * want.abs().max().item(), (n, k, err)
+        print(f"{strategy} {n}x{k}: {(full.float() != want).float().mean().item():.2%} of elements differ from "
+              f"the dequantizing path, by at most {err:.3g}")
+        for rows in (1, 2, 7, 16, 31, 33, 64, 65, 100, 128, 200, 256, 300):
             xs = x[:rows]
             assert fp8_gemm.applies(xs, n, k, block)
-            got = fp8_gemm.fp8_linear(xs, w, scale, block)
-            assert torch.equal(got, gemm.exact_linear(xs, dense)), (n, k, rows)
-            assert torch.equal(got, full[:rows]), (n, k, rows)
+            assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block), full[:rows]), (n, k, rows)
             h = res[:rows].clone()
-            want = gemm.exact_linear(xs, dense, residual=res[:rows].clone(), out=res[:rows].clone())
-            assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block, residual=h, out=h), want), (n, k, rows)
-        assert not fp8_gemm.applies(torch.zeros(257, k, device="cuda", dtype=torch.bfloat16), n, k, block)
+            assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block, residual=h, out=h), full_res[:rows]), \
+                (n, k, rows)
 
 
 @pytest.mark.parametrize("quant", ("fp8-dynamic", "fp8-block"))

@@ -1,25 +1,28 @@
-"""FP8 weight GEMMs of a decode step on CUDA (Triton): the weight read as FP8, dequantized in
-registers, multiplied on kvhold.executor.cuda.gemm's tiles.
+"""FP8 weight GEMMs on CUDA (Triton): the weight read as FP8, dequantized in registers,
+multiplied on kvhold.executor.cuda.gemm's tiles.
 
 A decode step reads every weight once, so its time is the weights' bytes over the memory
 bandwidth. Dequantizing an FP8 weight to bf16 in memory before the bf16 kernel (the fallback,
 `Fp8Weight.dequantize`) reads the FP8 bytes, writes twice as many and reads those again: five
 bytes a weight where a bf16 checkpoint's decode reads two. This kernel reads the FP8 tile (one
-byte a weight) and its scales, and computes in registers what `dequantize` computes in memory:
+byte a weight) and its scales and computes in registers what `dequantize` computes in memory,
 
     w_bf16 = round_to_bf16(float32(w_fp8) * scale)          (one float32 product, one rounding)
 
 with the scale of the weight's output channel (per-channel and per-tensor checkpoints: one float32
-a row, `row_scales`) or of its 128x128 block (block-scaled checkpoints: BLOCK_K divides the block,
-so a tile's K range has one scale column). The bf16 tile then goes through the same tensor-core
-steps over K in the same order as the bf16 kernel's (kvhold.executor.cuda.gemm, whose module
-docstring says why a row's bits depend on nothing but that order). So an element's value is
-bit for bit the one the fallback gives: batch-invariant at every decode bucket up to 256 rows,
-and equal to what exact prefill (which dequantizes, then runs `exact_linear`) gives the same
-row. tests/gpu/test_gpu_fp8.py checks both on the GPU.
+a row) or of its 128x128 block (block-scaled checkpoints: BLOCK_K divides the block, so a tile's K
+range has one scale column), then runs the bf16 kernel's tensor-core steps over K in order, on its
+tiles: the decode tiles up to gemm.MAX_ROWS rows, exact_linear's beyond. A row's result depends
+on nothing but that order, so it is the same at every row count and tile (decode at any bucket up
+to 256 rows, an exact prefill chunk of any size): tests/gpu/test_gpu_fp8.py checks the bits on
+the GPU. Against the fallback (dequantize, then the bf16 kernel) it agrees to bf16 rounding, not
+bit for bit: on the H200 some elements differ in their last bits, data-dependently (the
+register-converted operand takes another path to the tensor cores). So a projection keeps one
+path: exact prefill and batch-invariant decode run every FP8 projection that the kernel takes on
+the kernel, at any row count (kvhold.executor.cuda.layers).
 
-Activations are not quantized (the weights are the bytes a decode step reads): the FP8
-tensor cores are not used; KVHOLD_FP8_SCALED_MM=1 runs torch._scaled_mm instead, which is not
+Activations are not quantized (the weights are the bytes a decode step reads): the FP8 tensor
+cores are not used; KVHOLD_FP8_SCALED_MM=1 runs torch._scaled_mm instead, which is not
 batch-invariant (kvhold.executor.fp8).
 """
 from __future__ import annotations
@@ -99,16 +102,17 @@ def applies(x: torch.Tensor, n: int, k: int, block: tuple[int, int] | None) -> b
 
 
 def applies_shape(n: int, k: int, rows: int, block: tuple[int, int] | None) -> bool:
-    """As the bf16 kernel (at most gemm.MAX_DECODE_ROWS rows, K in tiles of at least 16), and for
-    block scales a block width that is a power of two of at least 16 (a tile's K range then lies
-    in one block column)."""
-    return gemm.decode_fits(n, k, rows) and (block is None or (block[1] >= 16 and block[1] & (block[1] - 1) == 0))
+    """Where the bf16 kernel takes the shape (K in tiles of at least 16), at any number of rows
+    (the decode tiles up to gemm.MAX_ROWS, exact_linear's beyond), and for block scales a block
+    width that is a power of two of at least 16 (a tile's K range then lies in one block column)."""
+    return (rows > 0 and gemm.fits(n, k, min(rows, gemm.MAX_ROWS))
+            and (block is None or (block[1] >= 16 and block[1] & (block[1] - 1) == 0)))
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
                residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(w [N, K] float8_e4m3fn).T (+ residual) into out, each element the bits
-    of `gemm.exact_linear(x, dequant(w))`. `scale`: float32 [N] (one per output row) with
+    """x [M, K] @ dequant(w [N, K] float8_e4m3fn).T (+ residual) into out, each row's bits the same
+    at any M. `scale`: float32 [N] (one per output row) with
     `block` None, else float32 [ceil(N / block[0]), ceil(K / block[1])]. The caller checks
     `applies` first."""
     m, k = x.shape
@@ -142,7 +146,7 @@ def _aot_shapes(shapes) -> None:
         for n, k, residual in ((qkv, hidden, False), (2 * inter, hidden, False), (hidden, q, True),
                                (hidden, inter, True)):
             x = meta((b, k), dt)
-            if not applies_shape(n, k, b, block) or (b == 1 and residual):
+            if not (gemm.decode_fits(n, k, b) and applies_shape(n, k, b, block)) or (b == 1 and residual):
                 continue
             scale = meta((-(-n // side_n), -(-k // side_k)) if block else (n,), torch.float32)
             fp8_linear(x, meta((n, k), torch.float8_e4m3fn), scale, block, residual=h if residual else None,

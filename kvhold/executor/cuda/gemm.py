@@ -203,12 +203,11 @@ def exact_launch_key(n: int, k: int, rows: int) -> tuple:
     """What decides which compiled kernel `exact_linear` launches at `rows` rows of an
     [rows, k] @ [n, k].T: the tile it takes and how Triton specialises the row count (a
     multiple of 16 or not; one row never comes here from a prefill). Two row counts with
-    the same key run the same compiled kernel. An FP8 weight's projection runs on
-    kvhold.executor.cuda.fp8_gemm up to MAX_DECODE_ROWS rows and on this kernel beyond (its
-    weight dequantized), so that bound is part of the key."""
+    the same key run the same compiled kernel (and of kvhold.executor.cuda.fp8_gemm's, which
+    takes the same tiles at every row count)."""
     if rows <= MAX_ROWS:
         return ("decode", block_m(rows), tiles(n, k, rows), rows % 16 == 0, rows == 1)
-    return ("prefill", prefill_tiles(n, k), rows % 16 == 0, rows <= MAX_DECODE_ROWS)
+    return ("prefill", prefill_tiles(n, k), rows % 16 == 0)
 
 
 def rows_per_key(chunk: int, key) -> list[int]:

@@ -30,13 +30,12 @@ Eight launches per decode layer (nine per prefill layer) instead of about forty.
 KVHOLD_FUSED=0 (which tools/bench_decode uses to measure the unfused baseline).
 
 FP8 weights (kvhold.executor.fp8) stay FP8 in the region. By default each projection reads
-them as FP8 and dequantizes them in registers (kvhold.executor.cuda.fp8_gemm), bit for bit what
-dequantizing to the compute dtype and the kernels above give, so decode stays batch-invariant
-and exact prefill applies; where that kernel cannot take a projection, its weight(s) are
-dequantized per call (one temporary per projection). With KVHOLD_FP8_SCALED_MM=1 per-channel
-and per-tensor FP8 weights run on torch._scaled_mm instead (per-row dynamic activation
-scales), which is not known to be batch-invariant: exact prefill is then off. Block-scaled
-weights never take _scaled_mm.
+them as FP8 and dequantizes them in registers (kvhold.executor.cuda.fp8_gemm), on the tiles of
+the kernels above, so decode stays batch-invariant and exact prefill applies; a projection that
+kernel cannot take has its weight(s) dequantized per call (one temporary per projection) and
+runs on the kernels above. With KVHOLD_FP8_SCALED_MM=1 per-channel and per-tensor FP8 weights
+run on torch._scaled_mm instead (per-row dynamic activation scales), which is not known to be
+batch-invariant: exact prefill is then off. Block-scaled weights never take _scaled_mm.
 """
 from __future__ import annotations
 
@@ -103,9 +102,11 @@ class _Fp8Projection:
     * In registers (the default where it applies): every part FP8 with the same kind of scales,
       the parts adjacent in the region (one [N, K] FP8 view, as the region lays out a layer's
       q|k|v and gate|up): kvhold.executor.cuda.fp8_gemm reads the FP8 bytes and dequantizes each
-      tile as `Fp8Weight.dequantize` would, giving that path's bits at decode's row counts.
+      tile in registers. Exact prefill and decode take it at every row count (a row's bits are
+      the same at any count there, and differ from the dequantized path's in last bits).
     * Dequantized: the parts dequantized to `dtype` and concatenated, one GEMM on the
-      batch-invariant kernels (a prefill chunk of more than 256 rows; parts not adjacent).
+      batch-invariant kernels (a projection the kernel cannot take, at every row count) or on
+      cuBLAS (a prefill chunk of more than 64 rows without exact prefill, as bf16 weights).
     * KVHOLD_FP8_SCALED_MM=1: each FP8 part on torch._scaled_mm where it applies (`fused` is then
       None: not batch-invariant)."""
 
@@ -127,7 +128,9 @@ class _Fp8Projection:
         if self.fp8 is None or not cuda_gemm.enabled():
             return False
         w, _, block = self.fp8
-        # not exact: as gemm.linear, the kernel's tiles up to MAX_ROWS rows (cuBLAS beyond)
+        # exact (exact prefill, decode past MAX_ROWS rows): at any row count, so that a row's bits
+        # never depend on which path its chunk took; otherwise as gemm.linear: the kernel's tiles up
+        # to MAX_ROWS rows, cuBLAS on the dequantized weight beyond
         return (exact or x.shape[0] <= cuda_gemm.MAX_ROWS) and fp8_gemm.applies(x, w.shape[0], w.shape[1], block)
 
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
