@@ -4,7 +4,8 @@
 log-probs and prompt log-probs, greedy and sampled rows) compiles nothing inside a step, on the
 first active executor nor on the standby that takes over after a SIGKILL; a Triton compile in a
 step is logged by the executor's compile watch (kvhold.executor.cuda.compile_watch), and this
-test fails on that line. Both loads run whole, with one takeover between them."""
+test fails on that line. Both loads run whole, with one takeover between them. Also on an FP8
+checkpoint, whose projections run on their own kernel (kvhold.executor.cuda.fp8_gemm)."""
 import os
 import signal
 
@@ -40,15 +41,18 @@ def _load(rows):
     return out
 
 
-# the demo model; Llama-3-8B's layer shapes at the default batch and at production's
-@pytest.mark.parametrize("preset,rows", [("tiny", 64), ("llama3-8b-4l", 64), ("llama3-8b-4l", 256)])
+# the demo model; Llama-3-8B's layer shapes at the default batch and at production's, and in FP8
+# (its projections on kvhold.executor.cuda.fp8_gemm)
+@pytest.mark.parametrize("preset,rows,quant", [("tiny", 64, None), ("llama3-8b-4l", 64, None),
+                                               ("llama3-8b-4l", 256, None), ("llama3-8b-4l", 64, "fp8-dynamic")])
 def test_a_mixed_load_compiles_nothing_inside_a_step_before_or_after_a_takeover(tiny_model, tmp_path, preset,
-                                                                               rows):
+                                                                               rows, quant):
     from kvhold.client.client import wait_all
     from kvhold.testing.make_model import build
     from kvhold.testing.sidecar_process import SidecarProcess
 
-    model = tiny_model if preset == "tiny" else build(tmp_path / "model", preset, device="cuda")
+    model = tiny_model if preset == "tiny" else build(tmp_path / "model", preset, device="cuda", quant=quant,
+                                                      progress=False)
     log = tmp_path / "sidecar.log"
     batch = [] if rows == 64 else ["--max-batch", str(rows), "--max-batch-tokens", "832"]
     with SidecarProcess(["--model", str(model), *FLAGS, *batch], log_path=log) as sc:
