@@ -16,6 +16,11 @@
 #   decode-fp8     the same decode step on Llama-3-8B's shapes in FP8 (fp8-dynamic: per-channel weight scales),
 #                  batch 1/8/64, the FP8 weights dequantized in registers (kvhold.executor.cuda.fp8_gemm)
 #                                                                                  -> decode_fp8_cuda.json
+#   fp8-70b        Llama-3-70B's shapes in FP8 (make_model --preset llama3-70b-fp8, about 73 GB: written to
+#                  /dev/shm, the disk being too small; needs an H200): the decode step at batch 8/64 with
+#                  --max-batch 64, hot standby (FP8_KILLS, default 10) and zygote (FP8_ZYGOTE_KILLS, 3) recovery
+#                  at 64 streams, and the cold restart without kvhold. Not yet run
+#                             -> decode_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json, cold_restart_fp8_70b_cuda.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
@@ -136,6 +141,18 @@ for phase in "${@:-tests}"; do
         --out /tmp/l8b-fp8 --device cuda 2>&1 | tail -1
     timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b-fp8 --layers fused --batches 1,8,64 \
         --rounds ${ROUNDS:-3} --out "$OUT/decode_fp8_cuda.json" 2>&1 | tail -12
+    ;;
+  fp8-70b)
+    [ -d /dev/shm/l70 ] || python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
+        --device cuda 2>&1 | tail -3
+    timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 --max-batch 64 \
+        --rounds ${ROUNDS:-2} --out "$OUT/decode_fp8_70b_cuda.json" 2>&1 | tail -8
+    timeout $(left) python3 -m tools.bench_recovery ${LOAD/\/tmp\/l8b//dev/shm/l70} --kv-memory 40GiB \
+        --kills ${FP8_KILLS:-10} --tiers standby,zygote --zygote-kills ${FP8_ZYGOTE_KILLS:-3} --cold-kills 0 \
+        --log-level INFO --out "$OUT/recovery_fp8_70b_cuda.json" 2>&1 | tail -24
+    timeout $(left) python3 -m tools.bench_cold_restart --model /dev/shm/l70 --runs 1 \
+        --out "$OUT/cold_restart_fp8_70b_cuda.json" 2>&1 | tail -4
+    gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   profile)
     model_8b
