@@ -49,7 +49,9 @@ def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
 
 def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,
                  max_batch_tokens: int, prefill_chunk: int, commit: bool = True, weights=None,
-                 use_graph: bool = True, timeline: dict | None = None, exact_prefill: bool = False):
+                 use_graph: bool = True, timeline: dict | None = None, exact_prefill: bool = False,
+                 prefix_salt: bytes | None = None):
+    """`prefix_salt`: with a prefix cache (Engine's argument), None: without."""
     timeline = timeline if timeline is not None else {}
     spec = ModelSpec.from_dir(model_dir)
     dev = torch.device(device)
@@ -77,7 +79,7 @@ def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, 
     timeline["graphs_captured"] = time.monotonic()
     engine = Engine(model, kv, tables, lease, max_batch, max_batch_tokens, runner=runner,
                     checksum=checksum, prefill_chunk=prefill_chunk,
-                    protocol=CommitProtocol if commit else NoCommit)
+                    protocol=CommitProtocol if commit else NoCommit, prefix_salt=prefix_salt)
     engine.take_over([], 0)              # empty journal: builds the free list
     return engine, tables
 

@@ -23,6 +23,14 @@ published), resume (each request attached and scheduled); `host_validated_to_res
 clear + tails + resume less their KV work, the part between the "validated" and "resumed" marks
 of a recovery record. `--profile N` runs N more takeovers under cProfile and prints the top
 functions. Writes JSON (default bench/results/takeover_host_<device>.json).
+
+`--prefix-caching` gives both engines a prefix cache (kvhold.executor.prefix_cache), as the
+engine workload has by default. `--repeat-prompts` makes the state that of tools/bench_recovery,
+which sends the same prompts again for each kill: the prompts first run to completion
+(`--first-tokens` each; with the cache, their full pages stay in it, idle), then are admitted
+again (with the cache, each starts on its prompt's cached pages, shared with none but listed as
+its own first pages), prefill the rest and decode `--decode` tokens before the kill. Without
+the cache the second round recomputes every prompt: the baseline of `--no-prefix-caching`.
 """
 from __future__ import annotations
 
@@ -42,7 +50,9 @@ import numpy as np
 import torch
 
 from kvhold.executor.engine import Engine
+from kvhold.protocol.layout import PageFlag
 from kvhold.protocol.leases import Lease, LeaseTable, now_ns
+from kvhold.protocol.page_table import PageTable
 from tools.bench_engine_setup import admit, build_engine, load_weights
 from tools.bench_recovery import make_requests
 
@@ -120,6 +130,14 @@ def main(argv=None) -> int:
                         "standby that never idled (default current)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="N more takeovers under cProfile")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="the engines have a prefix cache (the engine workload's default)")
+    p.add_argument("--repeat-prompts", action="store_true",
+                   help="the prompts run to completion once, then are admitted again and decode "
+                        "--decode tokens before the kill (tools/bench_recovery's state: with the cache, "
+                        "their prompt pages are cache hits)")
+    p.add_argument("--first-tokens", type=int, default=64,
+                   help="with --repeat-prompts, tokens each request generates in the first round")
     p.add_argument("--checksum", choices=("replay", "compute"), default="replay",
                    help="replay: each distinct checksum pass is computed once and replayed in later "
                         "trials (the host parts timed without it); compute: every trial computes it")
@@ -142,24 +160,41 @@ def main(argv=None) -> int:
     sync = (lambda: torch.cuda.synchronize()) if args.device.startswith("cuda") else (lambda: None)
     weights = load_weights(args.model, args.device)
     chunk = min(512, args.max_batch_tokens - max(64, args.requests))
+    salt = f"bench-takeover:{args.model.name}".encode() if args.prefix_caching else None
     dead, tables = build_engine(args.model, args.device, args.kv_pages, max_seq, max(64, args.requests),
-                                args.max_batch_tokens, chunk, weights=weights)
+                                args.max_batch_tokens, chunk, weights=weights, prefix_salt=salt)
+    setup = np.array([args.requests, lo, hi, args.seed, args.decode, args.prefix_caching, args.repeat_prompts,
+                      args.first_tokens if args.repeat_prompts else 0, args.kv_pages], dtype=np.int64)
     raw = np.frombuffer(tables._buf, dtype=np.uint8)
     if args.state is not None and args.state.exists():
         state = np.load(args.state)
+        if "setup" not in state or not np.array_equal(state["setup"], setup):
+            raise SystemExit(f"--state {args.state}: saved by a run with other options")
         raw[:] = state["tables"]
         dead.kv.pool.copy_(torch.from_numpy(state["kv"]).to(dead.kv.pool.device))
         prefill_s = float(state["prefill_s"])
     else:
-        admit(tables, requests)
         t0 = time.monotonic()
+        if args.repeat_prompts:     # a first round to completion; the frontend frees the slots
+            slots: list[int] = []
+            admit(tables, [{**r, "max_tokens": args.first_tokens} for r in requests], slots)
+            while dead.has_work:
+                dead.step()
+            dead.flush()
+            journal = dead.journal
+            for slot in slots:
+                journal.release(slot)
+        admit(tables, requests)
         while len(dead.seqs) < args.requests or not all(s.num_generated >= args.decode for s in dead.seqs.values()):
             dead.step()
         prefill_s = time.monotonic() - t0
         sync()
         if args.state is not None:
-            np.savez(args.state, tables=raw, kv=dead.kv.pool.cpu().numpy(), prefill_s=prefill_s)
+            np.savez(args.state, tables=raw, kv=dead.kv.pool.cpu().numpy(), prefill_s=prefill_s, setup=setup)
     listed = int(tables.requests["num_pages"].sum())
+    cached = (tables.pages["flags"] & PageFlag.CACHED) != 0
+    cached_pages = int(cached.sum())
+    cached_listed = len(np.intersect1d(np.flatnonzero(cached), PageTable(tables).listed_pages()))
     if listed > args.kv_pages * 0.9:
         raise SystemExit(f"--kv-pages {args.kv_pages}: the requests hold {listed} pages; give more")
     saved_tables, saved_kv = raw.copy(), dead.kv.pool.clone()
@@ -174,7 +209,7 @@ def main(argv=None) -> int:
         lease = Lease(tables, 1, leases.grant(1, os.getpid()))
         survivor = Engine(dead.model, dead.kv, tables, lease, dead.scheduler.max_batch,
                           dead.scheduler.max_batch_tokens, runner=dead.runner,
-                          checksum=replayed or dead.checksum, prefill_chunk=chunk)
+                          checksum=replayed or dead.checksum, prefill_chunk=chunk, prefix_salt=salt)
         if args.read_ahead == "current":
             survivor.tokens_ahead.refresh()
         survivor.checksum = checksum = _Timed(survivor.checksum, ("pages",), sync)
@@ -210,6 +245,8 @@ def main(argv=None) -> int:
     last = samples[-1]
     print(f"{args.requests} streams, {last['pages_checked']} pages checked, {args.kv_pages}-page pool, "
           f"{last['pages_copied']} tails copied, {last['pages_quarantined']} quarantined; "
+          f"prefix cache {'on' if args.prefix_caching else 'off'}, prompts {'repeated' if args.repeat_prompts else 'once'}"
+          f" ({cached_pages} pages cached, {cached_listed} listed by a request); "
           f"prefill {prefill_s:.1f} s; {args.trials} trials (ms: P50 min max)")
     for k in keys:
         print(f"  {k:30s} {summary[k]['p50']:8.3f} {summary[k]['min']:8.3f} {summary[k]['max']:8.3f}")
@@ -229,6 +266,9 @@ def main(argv=None) -> int:
                            "torch_threads": torch.get_num_threads()},
                "device": args.device, "model": str(args.model), "requests": args.requests,
                "prompt_len": [lo, hi], "kv_pages": args.kv_pages, "page_tokens": 16,
+               "prefix_caching": args.prefix_caching, "repeat_prompts": args.repeat_prompts,
+               "first_tokens": args.first_tokens if args.repeat_prompts else None,
+               "pages_cached": cached_pages, "cached_pages_listed": cached_listed,
                "prefill_s": round(prefill_s, 2), "checksum": args.checksum,
                "checksum_computed_ms": [{"pages": n, "ms": round(ns / 1e6, 3)} for n, ns in replayed.computed_ns]
                if replayed else None, "summary_ms": summary, "samples": samples}

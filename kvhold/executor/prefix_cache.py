@@ -27,6 +27,14 @@ import numpy as np
 _MASK = (1 << 64) - 1
 
 
+def _as_keys(keys) -> np.ndarray:
+    """Keys as uint64 (a record's owner; a negative int64 wraps as `& _MASK` would)."""
+    keys = np.asarray(keys)
+    if keys.dtype == object:
+        return np.array([int(k) & _MASK for k in keys], dtype=np.uint64)
+    return keys.astype(np.uint64)
+
+
 def root_key(salt: bytes) -> int:
     return _key(hashlib.blake2b(salt, digest_size=8).digest())
 
@@ -180,9 +188,10 @@ class PrefixCache:
     def hold_unverified(self, pages, keys, checksums) -> None:
         """After a takeover: idle cached pages kept whole but not checked yet (kvhold.executor.
         recovery), each with its key and its recorded checksum."""
-        for page, key, checksum in zip(np.asarray(pages, dtype=np.int64).tolist(), np.asarray(keys).tolist(),
-                                       np.asarray(checksums).tolist()):
-            self.unverified[page] = (int(key) & _MASK, int(checksum))
+        pages = np.asarray(pages, dtype=np.int64).tolist()
+        keys = _as_keys(keys).tolist()
+        checksums = np.asarray(checksums).astype(np.uint64).tolist()
+        self.unverified.update(zip(pages, zip(keys, checksums)))
 
     def to_verify(self, n: int) -> tuple[list[int], list[int]]:
         """Up to `n` unverified pages and their recorded checksums (they stay unverified until
@@ -218,24 +227,37 @@ class PrefixCache:
         """After a takeover: the cached pages it kept (`pages`, their `keys`) and every page list
         entry of the live sequences (`listed`, repeats included): the references. Returns the
         pages left out of the index (a second page under a key: the caller frees those no
-        sequence lists; one that a sequence lists stays its own)."""
+        sequence lists; one that a sequence lists stays its own). Of pages under one key, the
+        first in `pages` order is indexed; the idle ones become idle in `pages` order. Array
+        operations: a takeover indexes thousands of pages."""
         self.by_key.clear()
         self.key_of.clear()
         self.refs.clear()
         self.idle.clear()
         self.unverified.clear()
-        counts = collections.Counter(np.asarray(listed, dtype=np.int64).tolist())
-        left = []
-        for page, key in zip(np.asarray(pages, dtype=np.int64).tolist(), np.asarray(keys).tolist()):
-            key = int(key) & _MASK
-            if key in self.by_key:
-                left.append(page)
-                continue
-            self.by_key[key] = page
-            self.key_of[page] = key
-            self.refs[page] = counts.get(page, 0)
-            if not self.refs[page]:
-                self.idle[page] = None
+        pages = np.asarray(pages, dtype=np.int64)
+        keys = _as_keys(keys)
+        listed = np.asarray(listed, dtype=np.int64)
+        if not len(pages):
+            return []
+        pages_list, keys_list = pages.tolist(), keys.tolist()
+        # the first page under a key wins (zipped in reverse: the last write is the first page)
+        self.by_key.update(zip(reversed(keys_list), reversed(pages_list)))
+        left: list[int] = []
+        if len(self.by_key) < len(pages_list):               # pages under one key: rare
+            _, first = np.unique(keys, return_index=True)
+            indexed = np.zeros(len(pages), dtype=bool)
+            indexed[first] = True
+            left = pages[~indexed].tolist()
+            pages, keys = pages[indexed], keys[indexed]
+            pages_list, keys_list = pages.tolist(), keys.tolist()
+        size = int(max(pages.max(), listed.max() if len(listed) else 0)) + 1
+        refs = np.bincount(listed, minlength=size)[pages] if len(listed) else np.zeros(len(pages), dtype=np.int64)
+        self.key_of.update(zip(pages_list, keys_list))
+        self.refs.update(zip(pages_list, refs.tolist()))
+        idle = refs == 0
+        if idle.any():
+            self.idle.update(dict.fromkeys(pages[idle].tolist()))
         return left
 
     def stats(self) -> dict:

@@ -209,38 +209,41 @@ class NativeTakeover:
         kept = self.flat[segment_positions(self.lens) < np.repeat(full, self.lens)]
         pages = kept.tolist()
         blocks.record_array(kept, np.full(len(kept), page_tokens, dtype=np.int64), self.checksums[kept])
-        out, start = [], 0
+        out, tails, start = [], [], 0
         for plan, n in zip(plans, full.tolist()):
             own = pages[start:start + n]
             start += n
             tail = self.tails.get(plan.entry.slot)
             if tail is not None:
                 own.append(tail.page)
+                tails.append(tail.page)
                 blocks.record((tail.page,), (tail.tokens,), (tail.checksum,))
             plan.seq.pages = own
             out.append(own)
-        if blocks.prefix is not None:
-            self._rebuild_cache(out)
+        if blocks.prefix is not None:     # every page the lists hold: the full kept ones, the tails
+            self._rebuild_cache(np.concatenate((kept, np.asarray(tails, dtype=np.int64))))
             for plan in plans:
                 _adopt_cached_prefix(plan.seq, blocks.prefix)
         return out
 
-    def _rebuild_cache(self, lists: list[list[int]]) -> None:
+    def _rebuild_cache(self, listed: np.ndarray) -> None:
         """The prefix cache as the tables hold it: every kept page with the CACHED flag under its
-        key, referenced by the sequences that list it; a second page under a key that no
-        sequence lists is released."""
+        key, referenced by the sequences that list it (`listed`: every entry of their page lists,
+        repeats included, in any order); a second page under a key that no sequence lists is
+        released."""
         ctx, records, blocks = self.ctx, self.records, self.ctx.blocks
         flags = records["flags"]
         kept = self.kept.copy()
         kept[self.unverified] = False            # indexed once their checksums are checked
         cached = np.flatnonzero(kept & ((flags & PageFlag.CACHED) != 0) & ((flags & PageFlag.BAD) == 0))
-        listed = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
-        left = blocks.prefix.rebuild(cached, records["owner"][cached], listed)
-        idle = np.setdiff1d(cached, listed)
+        left = np.asarray(blocks.prefix.rebuild(cached, records["owner"][cached], listed), dtype=np.int64)
+        is_listed = np.zeros(len(records), dtype=bool)       # masks, not np.setdiff1d: its sorts of
+        is_listed[listed] = True                             # thousands of pages cost a millisecond
+        idle = cached[~is_listed[cached]]                    # ascending, as cached is
         blocks.record(idle.tolist(), [ctx.page_tokens] * len(idle), records["checksum"][idle].tolist())
         unverified = self.unverified
         blocks.prefix.hold_unverified(unverified, records["owner"][unverified], records["checksum"][unverified])
-        unlisted = np.setdiff1d(np.asarray(left, dtype=np.int64), listed)
+        unlisted = left[~is_listed[left]]                    # ascending: rebuild keeps cached's order
         if len(unlisted):
             ctx.page_table.release(unlisted)
             blocks.allocator.free(unlisted.tolist())
@@ -255,13 +258,11 @@ class NativeTakeover:
 def _adopt_cached_prefix(seq, prefix) -> None:
     """A resumed sequence's leading pages that the rebuilt index holds are its cached prefix:
     their keys come from the index, so its first step hashes only the pages after them (64
-    sequences of 2,048 tokens re-hashed 5,800 pages, about 18 ms, inside the first step)."""
-    keys = []
-    for page in seq.pages:
-        key = prefix.key_of.get(page)
-        if key is None:
-            break
-        keys.append(key)
+    sequences of 2,048 tokens re-hashed 5,800 pages, about 18 ms, inside the first step). The
+    keys are looked up by `map`, not a loop of Python statements per page."""
+    keys = list(map(prefix.key_of.get, seq.pages))
+    if None in keys:
+        del keys[keys.index(None):]
     seq.page_keys = keys
     seq.cached_upto = len(keys)
 
@@ -342,13 +343,20 @@ def _validate(ctx: TakeoverContext, records, plans: list[RequestPlan], page_toke
     bad = int((~ok).sum())
     checked = len(idx)
     if ctx.blocks.prefix is not None:            # a cached page listed by many requests counts once
-        checked, bad = len(np.unique(idx)), len(np.unique(idx[~ok]))
+        checked, bad = _distinct(idx, len(records)), _distinct(idx[~ok], len(records))
     if bad:
         ctx.page_table.mark_bad(idx[~ok])
         # the copy too, so that the clear releases (or quarantines) a bad page no request keeps
         # even where its record has no owner
         records["flags"][idx[~ok]] |= records.dtype["flags"].type(PageFlag.BAD)
     return checked, bad
+
+
+def _distinct(pages: np.ndarray, num_pages: int) -> int:
+    """How many distinct pages (by a mask: np.unique sorts)."""
+    seen = np.zeros(num_pages, dtype=bool)
+    seen[pages] = True
+    return int(np.count_nonzero(seen))
 
 
 def _checksums_once(ctx: TakeoverContext, pages: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -84,6 +84,35 @@ def test_references_and_eviction_keep_their_invariants(ops):
         assert {cache.by_key[k]: k for k in cache.by_key} == cache.key_of
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 6)), max_size=40, unique_by=lambda t: t[0]),
+       st.lists(st.integers(1, 45), max_size=60), st.booleans())
+def test_a_rebuild_indexes_the_first_page_under_each_key(entries, listed, wide_keys):
+    """A takeover's rebuild, whatever the order of the pages and however many share a key: the
+    first page under a key is indexed with as many references as list entries name it, those
+    no list names become idle in the given order, and the other pages under a key are returned
+    in the given order; keys are the records' uint64 owners (a negative int64 one wraps)."""
+    import numpy as np
+
+    pages = np.array([p for p, _ in entries], dtype=np.int64)
+    raw = [((k & 3) << 62) | (k + 1) if wide_keys else k + 1 for _, k in entries]
+    keys = np.array(raw, dtype=np.uint64)
+    cache = PrefixCache(SALT, PT)
+    cache.unverified[99] = (1, 2)                       # a rebuild starts from nothing
+    left = cache.rebuild(pages, keys, np.array(listed, dtype=np.int64))
+    first: dict[int, int] = {}
+    for page, key in zip(pages.tolist(), raw):
+        first.setdefault(key, page)
+    assert cache.by_key == first and all(type(k) is int for k in cache.by_key)
+    assert cache.key_of == {p: k for k, p in first.items()}
+    assert cache.refs == {p: listed.count(p) for p in first.values()}
+    assert list(cache.idle) == [p for p in pages.tolist() if p in cache.key_of and p not in listed]
+    assert left == [p for p in pages.tolist() if p not in cache.key_of] and not cache.unverified
+    wrapped = PrefixCache(SALT, PT)
+    wrapped.rebuild(np.array([3]), np.array([-2], dtype=np.int64), np.zeros(0, dtype=np.int64))
+    assert wrapped.by_key == {(1 << 64) - 2: 3} and list(wrapped.idle) == [3]
+
+
 # ---------------------------------------------------------------- engines
 def test_a_request_on_cached_pages_gives_the_uncached_tokens(model):
     first, second = [request(0)], [request(1), request(2)]
