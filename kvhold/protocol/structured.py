@@ -97,7 +97,27 @@ def check_shape(value) -> tuple[str, str] | None:
     return (kind, spec)
 
 
+MIN_LLGUIDANCE = (1, 9)     # older releases take one eos id in LLTokenizer (the model's eos list fails)
+
+
+@functools.cache
+def engine_version() -> tuple[int, ...] | None:
+    """The installed llguidance's version (its first two numbers), None where it is missing."""
+    from importlib import metadata
+
+    try:
+        text = metadata.version("llguidance")
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
 def _llguidance():
+    version = engine_version()
+    if version is not None and version < MIN_LLGUIDANCE:
+        raise InvalidParams(f"structured output: this server's llguidance {'.'.join(map(str, version))} is older "
+                            f"than {'.'.join(map(str, MIN_LLGUIDANCE))}, which kvhold needs "
+                            f"(pip install 'llguidance>={'.'.join(map(str, MIN_LLGUIDANCE))}')")
     try:
         import llguidance
     except ImportError:

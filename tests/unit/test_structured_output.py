@@ -214,3 +214,14 @@ def test_defaults_set_no_field_a_bridge_refuses():
     assert SamplingParams(logit_bias={"3": 1}).first_set(BRIDGE_UNSUPPORTED) == "logit_bias"
     with pytest.raises(InvalidParams, match="token ids"):
         SamplingParams(logit_bias={"\u00b2": 1})           # a digit, not an ASCII one
+
+
+def test_an_llguidance_older_than_kvhold_needs_refuses_structured_requests_naming_the_version(monkeypatch):
+    """llguidance before 1.9 takes one eos id where kvhold passes the model's list: every structured
+    request would fail inside the engine. The installed one is new enough, and an older one is
+    refused at admission as a 4xx that says which version to install."""
+    assert structured.engine_version() >= structured.MIN_LLGUIDANCE
+    structured.check(("regex", "[a-z]+"))
+    monkeypatch.setattr(structured, "engine_version", lambda: (1, 6))
+    with pytest.raises(InvalidParams, match=r"llguidance 1\.6 is older than 1\.9.*llguidance>=1\.9"):
+        structured.check(("regex", "[a-z]+"))
