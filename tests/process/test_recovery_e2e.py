@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from kvhold.client.client import wait_all
+from kvhold.protocol.layout import AdmitState
 from tests.process.helpers import (FLAGS, REQUESTS, attach_pool as _attach, ids, run_with_fault, sidecar_log,
-                                   submit, unique_prompt_token, wait_stopped)
+                                   submit, unique_prompt_token, wait_stopped, wait_until)
 
 def _kill_active(sc, sig=signal.SIGKILL):
     pid = sc.wait_steady(standbys=0)["pid"]
@@ -66,21 +67,29 @@ def test_death_between_commit_stages(tiny_model, reference, start_sidecar, tmp_p
 
 
 def test_bit_flips_recompute_exactly_the_damaged_requests(tiny_model, reference, start_sidecar, tmp_path):
-    # The executor stops itself at the 24th step that holds request 0 (before its forward): its
-    # second page (tokens 16..31) is published then, request 2's sixth page (its 200-token prompt
-    # is computed in its first steps) too, and request 0 has 17 tokens still to come, however far
-    # the engine runs ahead of this test's client. The replacement runs clean.
+    # The requests are admitted while the executor is held (SIGSTOP), so it takes them all in one
+    # step however slowly this test's client submits them. It then stops itself at the 24th step
+    # that holds request 0 (before its forward): its second page (tokens 16..31) is published then,
+    # request 2's sixth page (its 200-token prompt is computed in its first steps) too, and request
+    # 0 has 17 tokens still to come. The replacement runs clean. (The long lease keeps the sidecar
+    # from fencing the held executor; the kill is seen through its pidfd.)
     token = unique_prompt_token(tiny_model, REQUESTS, 0)
     env = {"KVHOLD_FAULT": f"step:token={token}@24:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
-    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--lease-ms", "3000"], env=env)
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--lease-ms", "30000"], env=env)
     pid = sc.wait_steady()["pid"]
     tables, words = _attach(sc)
     targets = {0: 1, 2: 5}                 # request index -> logical page to corrupt
     flipped = {}
     with sc.new_client(timeout=60) as client:
+        os.kill(pid, signal.SIGSTOP)
+        wait_stopped(pid, 60)
         streams = submit(client)
-        wait_stopped(pid, 60)              # the tables hold still while we aim
         rids = tables.requests["request_id"]
+        wait_until(lambda: all(np.any((rids == s.request_id) & (tables.requests["admit_state"] == AdmitState.ADMITTED))
+                               for s in streams), 60, what="every request admitted to the journal")
+        os.kill(pid, signal.SIGCONT)
+        wait_until((tmp_path / "fired").exists, 60, what="the fault to fire")
+        wait_stopped(pid, 60)              # by the fault: the tables hold still while we aim
         for index, logical in targets.items():
             slot = int(np.nonzero(rids == streams[index].request_id)[0][0])
             assert int(tables.requests["num_pages"][slot]) > logical
