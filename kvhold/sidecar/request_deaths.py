@@ -67,7 +67,6 @@ from pathlib import Path
 from typing import Callable
 
 from kvhold.protocol.journal import Journal
-from kvhold.protocol.layout import AdmitState
 from kvhold.protocol.leases import LeaseTable
 from kvhold.protocol.state_files import StateFileError, integer, set_aside
 from kvhold.protocol.tables import Tables
@@ -285,12 +284,13 @@ class RequestDeaths:
 
     def _forget_streaks(self, keep: set[int]) -> None:
         """Streaks of requests that no longer hold their journal slot have ended with them."""
-        for rid in [rid for rid, k in self.streaks.items() if rid not in keep and not self._held_slot(rid, k.slot)]:
-            del self.streaks[rid]
-
-    def _held_slot(self, request_id: int, slot: int) -> bool:
-        e = self.journal.entry(slot)
-        return e.request_id == request_id and e.admit_state != AdmitState.FREE
+        rids = [rid for rid in self.streaks if rid not in keep]
+        if not rids:
+            return
+        held = self.journal.holds([self.streaks[rid].slot for rid in rids], rids)
+        for rid, still in zip(rids, held.tolist()):
+            if not still:
+                del self.streaks[rid]
 
     def _settle(self, counted, exit_code: int | None = None) -> list[int]:
         failed = []
@@ -328,20 +328,24 @@ class RequestDeaths:
 
     def _forget_released(self) -> None:
         """Suspects whose journal slot no longer holds them have finished: forget them."""
+        if not self.suspects:
+            return
         if any(s.slot < 0 for s in self.suspects.values()):   # read back: found again by request id
-            by_rid = {int(self.journal.entry(slot).request_id): int(slot) for slot in self.journal.live_slots()}
+            by_rid = self.journal.live_request_ids()
             for rid, s in self.suspects.items():
                 if s.slot < 0:
                     s.slot = by_rid.get(rid, -1)
-        gone = [rid for rid, s in self.suspects.items() if s.slot < 0 or not self._live(rid, s)]
+        rids = list(self.suspects)
+        slots = [max(self.suspects[rid].slot, 0) for rid in rids]
+        held = self.journal.holds(slots, rids).tolist()
+        taken = self.journal.holds(slots, rids, taken=True).tolist()
+        # one restored from the durable journal is not taken yet
+        gone = [rid for rid, h, t in zip(rids, held, taken)
+                if self.suspects[rid].slot < 0 or not (h and (t or self.suspects[rid].read_back))]
         for rid in gone:
             del self.suspects[rid]
         if gone:
             self._save()
-
-    def _live(self, request_id: int, s: Suspect) -> bool:
-        e = self.journal.entry(s.slot)       # one restored from the durable journal is not taken yet
-        return e.request_id == request_id and e.admit_state != AdmitState.FREE and (e.taken or s.read_back)
 
     def status(self) -> dict:
         self._forget_released()

@@ -203,6 +203,21 @@ def test_named_readers_of_the_header_pages_and_journal(tables):
     assert journal.pages_of(0, 2).tolist() == [7, 4] and journal.entry(0).num_pages == 2
 
 
+def test_journal_holds_answers_for_many_slots_at_once(tables):
+    """`holds`: the slot still holds that request (not released; with `taken`, taken by an executor)."""
+    from kvhold.protocol.journal import Journal
+
+    j = Journal(tables)
+    for slot, request_id in ((0, 11), (1, 12), (2, 13)):
+        j.admit(slot, request_id, [1, 2, 3], SamplingParams(max_tokens=4, seed=0, temperature=0.0, top_p=1.0, top_k=0))
+    j.take(0, 11, epoch=3)
+    j.release(2)
+    slots, rids = [0, 1, 2, 1], [11, 12, 13, 99]
+    assert j.holds(slots, rids).tolist() == [True, True, False, False]
+    assert j.holds(slots, rids, taken=True).tolist() == [True, False, False, False]
+    assert j.live_request_ids() == {11: 0, 12: 1}
+
+
 def test_queue_and_prefill_times_from_the_journal_marks(tables):
     """admitted (sidecar) -> first step (executor's mark_step, once) -> first token committed."""
     from kvhold.protocol.journal import Journal
