@@ -163,7 +163,7 @@ class Journal:
         """The variable-length fields of the request in `slot` (kvhold.protocol.structured)."""
         area = self.tables.extras
         if not length or area is None or length > area.shape[1]:
-            return unpack_extras(b"")
+            return _NO_EXTRAS
         return unpack_extras(area[slot, :length].tobytes())
 
     def is_free(self, slot: int) -> bool:
@@ -394,8 +394,11 @@ class Journal:
 
 
 _REQUEST_FIELDS = REQUEST_DTYPE.names
+_NO_EXTRAS = unpack_extras(b"")          # shared, read only
+_ADMIT_STATES = {int(v): v for v in AdmitState}
 _EXEC_STATES = {int(v): v for v in ExecState}
 _FINISH_REASONS = {int(v): v for v in FinishReason}
+_IGNORE_EOS = int(RequestFlag.IGNORE_EOS)
 
 
 @dataclass(slots=True)
@@ -455,14 +458,21 @@ def _write_sampling(r: np.ndarray, slot: int, p: SamplingParams) -> None:
     r["min_p"][slot] = p.min_p
 
 
+def _member(members: dict, enum_type, value):
+    """The enum member of `value` by a dict lookup, not an enum call (a takeover reads every live
+    record); an unknown value still raises as the enum call does."""
+    member = members.get(value)
+    return member if member is not None else enum_type(value)
+
+
 def _read_sampling(r: dict, extras: dict) -> SamplingParams:
     """The SamplingParams of one record's fields as plain Python values, and of its extras."""
     n_stop = min(r["num_stop"], MAX_STOP_IDS)
     return SamplingParams.from_record(
         max_tokens=r["max_tokens"], min_tokens=r["min_tokens"], seed=r["seed"],
         temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=r["top_k"],
-        stop_token_ids=tuple(int(x) for x in r["stop_ids"][:n_stop]),
-        ignore_eos=bool(r["flags"] & RequestFlag.IGNORE_EOS),
+        stop_token_ids=tuple(r["stop_ids"][:n_stop]),
+        ignore_eos=bool(r["flags"] & _IGNORE_EOS),
         logprobs=_asked(r["logprobs"]), prompt_logprobs=_asked(r["prompt_logprobs"]),
         presence_penalty=float(r["presence_penalty"]), frequency_penalty=float(r["frequency_penalty"]),
         repetition_penalty=float(r["repetition_penalty"]) or 1.0, min_p=float(r["min_p"]),
@@ -473,9 +483,9 @@ def _entry(slot: int, r: dict, extras: dict) -> JournalEntry:
     """A JournalEntry from one record's fields as plain Python values, and its extras."""
     taken = r["exec_request_id"] == r["request_id"] and r["request_id"] != 0
     return JournalEntry(
-        slot=slot, request_id=r["request_id"], admit_state=AdmitState(r["admit_state"]),
+        slot=slot, request_id=r["request_id"], admit_state=_member(_ADMIT_STATES, AdmitState, r["admit_state"]),
         prompt_len=r["prompt_len"], sampling=_read_sampling(r, extras),
-        taken=taken, exec_state=ExecState(r["exec_state"]) if taken else ExecState.NONE,
+        taken=taken, exec_state=_member(_EXEC_STATES, ExecState, r["exec_state"]) if taken else ExecState.NONE,
         num_generated=r["num_generated"] if taken else 0,
         num_pages=r["num_pages"] if taken else 0, num_prefix=r["num_prefix"],
         lp_done=r["lp_done"] if taken else 0)

@@ -174,8 +174,8 @@ class SamplingParams:
         holds only values `Journal.admit` checked: built without checking them again, since
         executors read records on their hot paths."""
         p = object.__new__(cls)
-        for name in cls.__dataclass_fields__:
-            getattr(cls, name).__set__(p, fields[name])     # the slot itself (the class is frozen)
+        for name, put in _SLOT_SETTERS:
+            put(p, fields[name])          # the slot itself (the class is frozen)
         return p
 
     def first_set(self, names) -> str | None:
@@ -194,6 +194,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty changes the logits (the sampler then reads the request's tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+# (field name, the setter of its slot) of every SamplingParams field, for `from_record`
+_SLOT_SETTERS = tuple((name, getattr(SamplingParams, name).__set__) for name in SamplingParams.__dataclass_fields__)
 
 
 @dataclass(frozen=True, slots=True)
