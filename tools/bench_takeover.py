@@ -21,7 +21,10 @@ Per trial, from the RecoveryReport's marks: validate (pages checked and classifi
 (unkept pages released or quarantined, free list built), tails (partial pages placed and
 published), resume (each request attached and scheduled); `host_validated_to_resumed` is
 clear + tails + resume less their KV work, the part between the "validated" and "resumed" marks
-of a recovery record. `--profile N` runs N more takeovers under cProfile and prints the top
+of a recovery record. With the prefix cache, `cache_after_ms` is what entering the resumed
+sequences' newly full pages into the cache costs right after the takeover (the engine does it
+at the start of a step, and leaves it from a takeover's first step to the next one): not part
+of the takeover's parts. `--profile N` runs N more takeovers under cProfile and prints the top
 functions. Writes JSON (default bench/results/takeover_host_<device>.json).
 
 `--prefix-caching` gives both engines a prefix cache (kvhold.executor.prefix_cache), as the
@@ -220,6 +223,10 @@ def main(argv=None) -> int:
         report = survivor.take_over([epoch], 0).to_dict()
         if profiler is not None:
             profiler.disable()
+        if survivor.blocks.prefix is not None:
+            t0 = time.perf_counter_ns()
+            survivor._cache_published_pages()
+            report["cache_after_ns"] = time.perf_counter_ns() - t0
         return report, (checksum, kv)
 
     marks = ("promoted_ns", "validated_ns", "cleared_ns", "tails_ns", "resumed_ns")
@@ -235,10 +242,13 @@ def main(argv=None) -> int:
             row[f"{part}_kv_ms"] = round(kv_work / 1e6, 4)
             row[f"{part}_host_ms"] = round((total - kv_work) / 1e6, 4)
         row["host_validated_to_resumed_ms"] = round(sum(row[f"{p}_host_ms"] for p in PARTS[1:]), 4)
+        if "cache_after_ns" in report:
+            row["cache_after_ms"] = round(report["cache_after_ns"] / 1e6, 4)
         row.update({k: report[k] for k in ("pages_checked", "pages_copied", "pages_quarantined",
                                            "requests_resumable", "requests_damaged", "requests_lost")})
         samples.append(row)
     keys = [f"{part}_{kind}ms" for part in PARTS for kind in ("", "kv_", "host_")] + ["host_validated_to_resumed_ms"]
+    keys += ["cache_after_ms"] if "cache_after_ms" in samples[-1] else []
     summary = {k: {"p50": round(float(np.median([s[k] for s in samples])), 4),
                    "min": round(float(min(s[k] for s in samples)), 4),
                    "max": round(float(max(s[k] for s in samples)), 4)} for k in keys}

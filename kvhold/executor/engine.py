@@ -234,7 +234,10 @@ class Engine:
         first = self._just_took_over
         t0 = now_ns()
         self.commits.before_schedule()
-        if self.blocks.prefix is not None:
+        if self.blocks.prefix is not None and not first:
+            # a takeover's first step leaves it to the next one: resumed sequences' own full pages
+            # after their cached prefix are hashed again there (their keys are not in the tables),
+            # and none of them is needed before a decode-only step
             self._cache_published_pages()
         plan = self.scheduler.schedule(decode_only=first)
         if self.isolated:
