@@ -126,8 +126,11 @@ def test_streams_cross_an_executor_sigkill(sidecar, reference):
                             timeout=60)
 
 
-def test_a_dead_sidecar_is_an_error_in_bounded_time(tiny_model):
-    with SidecarProcess(["--model", str(tiny_model), "--standbys", "0"]) as sc:
+def test_a_dead_sidecar_is_an_error_in_bounded_time(tiny_model, tmp_path):
+    # the executor stops itself at its 5th commit: the stream cannot end before the sidecar's death,
+    # however slowly this test reads its first token
+    env = {"KVHOLD_FAULT": "commit_finish:5:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    with SidecarProcess(["--model", str(tiny_model), "--standbys", "0", "--lease-ms", "30000"], env=env) as sc:
         sc.wait_steady(standbys=0)
 
         async def main():

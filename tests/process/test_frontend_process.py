@@ -243,9 +243,11 @@ def test_the_frontends_stats_line_counts_the_owners_recoveries(tiny_model, runti
                 next(stream)
             os.kill(active, signal.SIGKILL)
             stream.result()
-            time.sleep(2.5)             # a stats line after the takeover's first step
         assert len(sp.status()["recoveries"]) == 1
-        log = (tmp_path / "frontend-1.log").read_text()
+        log_path = tmp_path / "frontend-1.log"
+        # a stats line after the takeover's first step (one a second): waited for, not slept on
+        wait_until(lambda: ", recoveries 1" in log_path.read_text(), 30, what="a stats line counting the recovery")
+        log = log_path.read_text()
         assert "generation throughput" in log and ", recoveries 1" in log, log[-3000:]
     finally:
         sp.stop()
