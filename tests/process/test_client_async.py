@@ -11,6 +11,7 @@ from kvhold.client.aclient import AsyncClient
 from kvhold.client.client import wait_all
 from kvhold.protocol.errors import InvalidParams, NotFound, PromptTooLong, SidecarUnavailable
 from kvhold.testing.sidecar_process import SidecarProcess
+from tests.process.helpers import wait_stopped
 
 REQUESTS = [dict(prompt=f"Request number {i} about the sidecar", max_tokens=24 + i % 5,
                  temperature=0.0 if i % 3 == 0 else 0.9, seed=100 + i) for i in range(12)]
@@ -92,14 +93,25 @@ def test_typed_errors_and_the_client_keeps_working(sidecar):
     assert asyncio.run(main()).completion_tokens == 3
 
 
-def test_cancel_and_ownership(sidecar):
+def test_cancel_and_ownership(tiny_model, start_sidecar, tmp_path):
+    # The executor stops itself at its 5th commit, a few tokens into the 200 (ignore_eos: no early
+    # end): the request is certainly running when the cancels arrive, as in the sync SDK's test.
+    sc = start_sidecar(["--model", str(tiny_model), "--max-seq-len", "256", "--standbys", "0",
+                        "--lease-ms", "60000"],
+                       env={"KVHOLD_FAULT": "commit_finish:5:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")})
+    pid = sc.wait_steady(standbys=0)["pid"]
+
     async def main():
-        async with aclient(sidecar) as client, aclient(sidecar) as other:
-            stream = await client.generate("A long answer", max_tokens=200, temperature=0.0)
+        async with aclient(sc) as client, aclient(sc) as other:
+            stream = await client.generate("A long answer", max_tokens=200, temperature=0.0, ignore_eos=True)
             await stream.__anext__()
-            with pytest.raises(NotFound):              # not theirs: it does not exist for them
-                await other.cancel(stream.request_id)
-            await stream.cancel()
+            wait_stopped(pid)
+            try:
+                with pytest.raises(NotFound):          # not theirs: it does not exist for them
+                    await other.cancel(stream.request_id)
+                await stream.cancel()
+            finally:
+                os.kill(pid, signal.SIGCONT)
             return await stream.result()
 
     result = asyncio.run(main())

@@ -5,12 +5,14 @@ request's tokens, log-probs and prompt log-probs equal an uninterrupted run's.""
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from kvhold.client.client import wait_all
 from kvhold.protocol.tables import Tables
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, LONG_PROMPT, REQUESTS, run_with_fault, submit, wait_until
+from tests.process.helpers import (FLAGS, LONG_PROMPT, REQUESTS, run_with_fault, submit, unique_prompt_token,
+                                   wait_stopped, wait_until)
 
 LP_FLAGS = [*FLAGS, "--max-logprobs", "4"]
 LP_REQUESTS = [dict(r, logprobs=4 if i % 2 else 1, **({"prompt_logprobs": 3} if i != 1 else {}))
@@ -53,41 +55,49 @@ def _kill_active(sc):
     return pid
 
 
-def _committed(tables):
+def _committed(tables, streams):
+    """The tokens committed for these streams' requests so far: their records stay in their slots
+    after they end (nothing else is admitted meanwhile), so the count only grows."""
     r = tables.requests
-    live = (r["admit_state"] != 0) & (r["exec_request_id"] == r["request_id"])
-    return int(r["num_generated"][live].sum())
+    ours = np.isin(r["request_id"], [s.request_id for s in streams]) & (r["exec_request_id"] == r["request_id"])
+    return int(r["num_generated"][ours].sum())
 
 
-def test_sigkill_mid_prefill_and_mid_stream_keeps_every_logprob(tiny_model, lp_reference, start_sidecar):
-    sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS])
-    sc.wait_steady()
+def test_sigkill_mid_prefill_and_mid_stream_keeps_every_logprob(tiny_model, lp_reference, start_sidecar, tmp_path):
+    # 1. the active executor stops itself at the 3rd step of the long prompt (before its forward:
+    # two prefill chunks committed, more to come), however slowly this test follows; `armed` keeps
+    # the fault to that round
+    armed = tmp_path / "armed"
+    env = {"KVHOLD_FAULT": f"step:token={unique_prompt_token(tiny_model, LP_REQUESTS, LONG)}@3:stop",
+           "KVHOLD_FAULT_IF": str(armed), "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(tiny_model), *LP_FLAGS, "--lease-ms", "30000"], env=env)
+    pid = sc.wait_steady()["pid"]
     tables = _tables(sc)
     kills = 0
     with sc.new_client(timeout=60) as client:
-        # 1. during the long prompt's prefill: some of its prompt log-probs are in the table, not all
+        # during the long prompt's prefill: some of its prompt log-probs are in the table, not all
+        armed.touch()
         streams = submit(client, LP_REQUESTS)
-        wait_until(lambda: _slot_of(tables, len(LONG_PROMPT)) is not None, what="the long prompt admitted")
-        slot = _slot_of(tables, len(LONG_PROMPT))          # (slot 0 is falsy: not waited on directly)
+        wait_stopped(pid, 60)
+        armed.unlink()
+        slot = _slot_of(tables, len(LONG_PROMPT))
         r = tables.requests
-        done = wait_until(lambda: 1 < int(r["lp_done"][slot]) < len(LONG_PROMPT)
-                          and int(r["exec_request_id"][slot]) == int(r["request_id"][slot])
-                          and int(r["lp_done"][slot]), interval_s=0.0005, timeout_s=30,
-                          what="a prefill chunk's prompt log-probs committed")
-        _kill_active(sc)
+        done = int(r["lp_done"][slot])
+        assert 1 < done < len(LONG_PROMPT) and int(r["exec_request_id"][slot]) == int(r["request_id"][slot])
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
         kills += 1
         assert outcome(wait_all(streams)) == lp_reference, f"killed with lp_done {done}"
         # 2. mid-stream: after a chosen number of committed tokens, twice
         for threshold in (25, 90):
             sc.wait_steady()
             streams = submit(client, LP_REQUESTS)
-            wait_until(lambda: _committed(tables) >= threshold, interval_s=0.0005, timeout_s=30,
+            wait_until(lambda: _committed(tables, streams) >= threshold, interval_s=0.0005, timeout_s=30,
                        what=f"{threshold} tokens committed")
             _kill_active(sc)
             kills += 1
             assert outcome(wait_all(streams)) == lp_reference, f"killed after {threshold} tokens"
-    recoveries = sc.status()["recoveries"]
-    assert len(recoveries) >= kills
+    recoveries = sc.wait_for(lambda st: len(st["recoveries"]) >= kills and st["recoveries"], timeout=60)
     assert all(rec["requests_lost"] == 0 for rec in recoveries)
 
 

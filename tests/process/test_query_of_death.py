@@ -67,8 +67,14 @@ def test_a_death_counted_before_the_sidecar_is_sigkilled_still_counts_after_its_
     flags = ["--model", str(tiny_model), *FLAGS, "--standbys", "0", "--lease-ms", "3000",
              "--journal-dir", str(tmp_path / "journal")]
     env = {"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv"}
-    first = start_sidecar(flags, env=env)
+    # the first sidecar's executors also stop themselves once attached, while `armed` exists: the
+    # first is attached before it does, and its replacement then waits there, so it cannot re-run
+    # the step before the SIGKILL however slowly this test polls
+    armed = tmp_path / "armed"
+    first = start_sidecar(flags, env={"KVHOLD_FAULT": f"step:token={BAD_TOKEN}:segv,attached:1:stop",
+                                      "KVHOLD_FAULT_IF": str(armed)})
     first.wait_steady(standbys=0, timeout=120)
+    armed.touch()
     with first.new_client(timeout=120) as client:
         reference = client.generate(**GOOD).result().token_ids
         good = client.generate(**GOOD)
@@ -77,7 +83,7 @@ def test_a_death_counted_before_the_sidecar_is_sigkilled_still_counts_after_its_
         while first.status()["request_deaths"]["suspects"] < 1:    # the first death counted
             assert time.monotonic() < deadline, "no death counted"
             time.sleep(0.02)
-        assert len(_deaths(first)) == 1            # the replacement (a cold start) has not run it yet
+        assert len(_deaths(first)) == 1            # the replacement (stopped at attach) has not run it
         os.killpg(first.proc.pid, signal.SIGKILL)  # the sidecar and every process with it
         first.proc.wait()
         second = start_sidecar(flags, instance=first.instance, env=env)

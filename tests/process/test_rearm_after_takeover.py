@@ -8,7 +8,7 @@ import signal
 
 from kvhold.client.client import wait_all
 from kvhold.sidecar.supervisor import TAKEOVER_GRACE_NS
-from tests.process.helpers import FLAGS, ids, submit
+from tests.process.helpers import FLAGS, ids, submit, wait_stopped
 
 SLACK_NS = 50_000_000      # between the grace's start and the promote event's own mark
 GRACE_MARGIN_NS = 5_000_000_000   # a loaded machine's lateness past the grace's end
@@ -34,21 +34,18 @@ def _record(st, fenced_epoch):
     return next(r for r in st["recoveries"] if r.get("fenced_epoch") == fenced_epoch)
 
 
-def test_replacement_standby_starts_after_the_first_resumed_step(tiny_model, reference, start_sidecar):
-    sc = start_sidecar(["--model", str(tiny_model), *FLAGS])
-    sc.wait_steady()
-    killed = {}
+def test_replacement_standby_starts_after_the_first_resumed_step(tiny_model, reference, start_sidecar, tmp_path):
+    # mid-stream: the active executor stops itself at its 5th commit (every request has tokens to
+    # go), however slowly this test follows, and is SIGKILLed there
+    env = {"KVHOLD_FAULT": "commit_finish:5:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--lease-ms", "30000"], env=env)
+    killed = dict(sc.wait_steady())
     with sc.new_client(timeout=60) as client:
         streams = submit(client)
-        seen = [0]
-
-        def on_event(stream, event):
-            seen[0] += 1
-            if seen[0] == 12 and not killed:          # mid-stream: every request has tokens to go
-                killed.update(sc.wait_steady(standbys=0))
-                os.kill(killed["pid"], signal.SIGKILL)
-
-        assert ids(wait_all(streams, on_event)) == reference
+        wait_stopped(killed["pid"], 60)
+        os.kill(killed["pid"], signal.SIGKILL)
+        os.kill(killed["pid"], signal.SIGCONT)
+        assert ids(wait_all(streams)) == reference
     fence, promote, spawn, st = _failover(sc, killed)
     rec = _record(sc.status(), fence["fenced_epoch"])
     assert rec["epoch"] == promote["epoch"] and rec["requests_resumable"] + rec["requests_damaged"] > 0

@@ -7,7 +7,7 @@ import signal
 
 from kvhold.client.client import wait_all
 from kvhold.testing.sidecar_process import SidecarProcess
-from tests.process.helpers import FLAGS, LONG_PROMPT, submit
+from tests.process.helpers import FLAGS, LONG_PROMPT, submit, wait_stopped
 
 GREEDY = dict(prompt_ids=LONG_PROMPT[:40], max_tokens=40, temperature=0.0)
 SAMPLED = dict(prompt="Once upon a time", max_tokens=40, temperature=0.9, seed=4, ignore_eos=True)
@@ -18,7 +18,7 @@ def outcome(results):
     return [(r.token_ids, r.finish_reason) for r in results]
 
 
-def test_min_tokens_continue_identically_after_the_active_executor_is_killed(tiny_model, start_sidecar):
+def test_min_tokens_continue_identically_after_the_active_executor_is_killed(tiny_model, start_sidecar, tmp_path):
     with SidecarProcess(["--model", str(tiny_model), *FLAGS, "--standbys", "0"]) as sc:
         sc.wait_steady(standbys=0)
         with sc.new_client(timeout=60) as client:
@@ -33,17 +33,17 @@ def test_min_tokens_continue_identically_after_the_active_executor_is_killed(tin
         assert len(ids) >= r["min_tokens"]
         assert not set(ids[:r["min_tokens"]]) & set(r.get("stop_token_ids", ()))
 
-    sc = start_sidecar(["--model", str(tiny_model), *FLAGS])
-    sc.wait_steady()
-    seen = [0]
-
-    def on_event(stream, event):
-        seen[0] += 1
-        if seen[0] == 12:               # mid-stream: a dozen deliveries in
-            os.kill(sc.wait_steady(standbys=0)["pid"], signal.SIGKILL)
-
+    # mid-stream: the active executor stops itself at its 5th commit (each request has 20 or more
+    # tokens to come), however slowly this test follows, and is SIGKILLed there
+    env = {"KVHOLD_FAULT": "commit_finish:5:stop", "KVHOLD_FAULT_ONCE": str(tmp_path / "fired")}
+    sc = start_sidecar(["--model", str(tiny_model), *FLAGS, "--lease-ms", "30000"], env=env)
+    pid = sc.wait_steady()["pid"]
     with sc.new_client(timeout=60) as client:
-        assert outcome(wait_all(submit(client, requests), on_event)) == reference
+        streams = submit(client, requests)
+        wait_stopped(pid, 60)
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+        assert outcome(wait_all(streams)) == reference
     recoveries = sc.status()["recoveries"]
-    assert seen[0] > 12 and len(recoveries) == 1
+    assert len(recoveries) == 1
     assert recoveries[0]["requests_lost"] + recoveries[0]["requests_damaged"] == 0

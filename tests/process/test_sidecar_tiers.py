@@ -33,7 +33,9 @@ def test_zygote_forks_the_replacement_when_no_standby_is_ready(tiny_model, refer
             sc.wait_for(_zygote_ready, timeout=120)
             got, victim = _kill_mid_stream(sc, client, 20 + 25 * trial)
             assert got == reference, f"trial {trial}"
-    st = sc.status()
+    # (the status once the last kill's takeover and exit are recorded: the streams may end first)
+    st = sc.wait_for(lambda st: len(st["recoveries"]) == 2 and sc.executors(st, "active")
+                     and any(e["kind"] == "exit" and e["pid"] == victim for e in st["events"]) and st, timeout=60)
     active = sc.executors(st, "active")[0]
     assert active["via"] == "zygote" and active["pid"] != victim
     assert st["zygote"]["forks"] >= 2
@@ -68,12 +70,19 @@ def test_wait_exit_promotes_only_after_the_dead_process_exited(tiny_model, refer
     with sc.new_client(timeout=60) as client:
         got, victim = _kill_mid_stream(sc, client, 30)
     assert got == reference
-    events = sc.status()["events"]
+
+    def recovered(st):      # the kill's exit, fence, promotion and recovery record, once all are in
+        fence = next((e for e in st["events"] if e["kind"] == "fence" and e["pid"] == victim), None)
+        return (fence and st["recoveries"] and any(e["kind"] == "exit" and e["pid"] == victim for e in st["events"])
+                and any(e["kind"] == "promote" and e["ns"] > fence["ns"] for e in st["events"]) and st)
+
+    st = sc.wait_for(recovered, timeout=60)
+    events = st["events"]
     exit_ns = next(e["ns"] for e in events if e["kind"] == "exit" and e["pid"] == victim)
     fence_ns = next(e["ns"] for e in events if e["kind"] == "fence" and e["pid"] == victim)
     promote_ns = next(e["ns"] for e in events if e["kind"] == "promote" and e["ns"] > fence_ns)
     assert promote_ns >= exit_ns
-    rec = sc.status()["recoveries"][-1]
+    rec = st["recoveries"][-1]
     assert rec["pages_copied"] == 0          # nothing pending: tails continue in place
 
 
