@@ -15,7 +15,25 @@ from kvhold.testing.serve_process import http_client
 import openai
 import pytest
 
-from tests.process.helpers import KEY, MAX_SEQ, Server, completion, wait_until
+from tests.process.helpers import KEY, MAX_SEQ, Server, completion, unique_prompt_token, wait_stopped, wait_until
+
+CROSSING = dict(prompt="Never lose a stream", max_tokens=80, temperature=0.9, seed=11)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """The module's server: as the shared one, and its executors stop themselves at the 6th step of
+    the CROSSING prompt while `server.armed` exists (once), so a kill lands mid-stream whatever
+    the client's pace; a lease that outlasts the stop keeps the stopped executor from a hang fence."""
+    root = tmp_path_factory.mktemp("rt")
+    armed = root / "armed"
+    token = unique_prompt_token(tiny_model, [CROSSING], 0)
+    env = {"KVHOLD_FAULT": f"step:token={token}@6:stop", "KVHOLD_FAULT_IF": str(armed),
+           "KVHOLD_FAULT_ONCE": str(root / "fired")}
+    srv = Server(tiny_model, root, root / "serve.log", "--lease-ms", "30000", api_key=KEY, env=env)
+    srv.armed = armed
+    yield srv
+    srv.stop()
 
 
 def test_openai_package_completions_and_chat(server):
@@ -140,14 +158,17 @@ def test_reset_prefix_cache_behind_the_key(server):
 
 
 def test_a_stream_crosses_an_executor_sigkill(server):
-    kw = dict(prompt="Never lose a stream", max_tokens=80, temperature=0.9, seed=11)
-    reference = completion(server, **kw).choices[0].text
+    reference = completion(server, **CROSSING).choices[0].text
     active = server.wait_healthy()["active_pid"]
     parts = []
-    for i, chunk in enumerate(completion(server, stream=True, **kw)):
+    server.armed.touch()
+    for i, chunk in enumerate(completion(server, stream=True, **CROSSING)):
         parts.append(chunk.choices[0].text)
-        if i == 10:
+        if i == 0:              # the executor stops itself at the request's 6th step: killed there
+            wait_stopped(active, 60)
+            server.armed.unlink()
             os.kill(active, signal.SIGKILL)
+            os.kill(active, signal.SIGCONT)
     assert "".join(parts) == reference
     assert server.wait_healthy()["active_pid"] != active
     deadline = time.monotonic() + 10   # the recovery record completes with its first-token time
