@@ -419,13 +419,10 @@ class StreamReads:
         """`Journal.progress` of the k-th slot for `request_id`, from these reads."""
         if self.exec_request_id[k] != request_id:
             return ExecState.NONE, 0, FinishReason.NONE
-        state = _EXEC_STATES.get(self.exec_state[k])
-        if state is None:
-            state = ExecState(self.exec_state[k])      # ValueError, as progress raises
+        state = _member(_EXEC_STATES, ExecState, self.exec_state[k])      # ValueError, as progress raises
         if state != ExecState.FINISHED:
             return state, self.num_generated[k], FinishReason.NONE
-        return state, self.num_generated[k], _FINISH_REASONS.get(self.finish_reason[k]) or \
-            FinishReason(self.finish_reason[k])
+        return state, self.num_generated[k], _member(_FINISH_REASONS, FinishReason, self.finish_reason[k])
 
     def asked_logprobs(self, k: int) -> tuple[int | None, int | None]:
         """`Journal.asked_logprobs` of the k-th slot."""
