@@ -13,7 +13,7 @@ scales beside it; nothing is dequantized into the region or kept dequantized in 
 * CUDA, the default (kvhold.executor.cuda.fp8_gemm, where it applies): the projection reads
   the FP8 weight and dequantizes each tile in registers with `dequantize`'s arithmetic, then runs
   the batch-invariant bf16 kernel's tensor-core steps on its tiles: one byte a weight read, a
-  row's bits the same at any row count (they differ from the path below in last bits). Where
+  row's bits the same at any row count (on the H200, the path below's bits too). Where
   it does not apply (parts not adjacent in the region, block rows that do not tile a part) the
   projection's weight is dequantized to bf16 per call into a temporary and multiplied on
   kvhold.executor.cuda.gemm's kernel, at five bytes a weight moved.

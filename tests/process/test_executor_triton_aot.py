@@ -119,6 +119,12 @@ def test_compiles_the_fp8_kernel_for_an_fp8_checkpoints_shapes_for_sm90_without_
     assert compiled and all(k.metadata.target.arch == 90 for k in compiled)
     sig = compiled[0].src.signature
     assert sig["w_ptr"] == "*fp8e4nv" and sig["s_ptr"] == "*fp32" and sig["x_ptr"] == "*bf16"
+    # mma.sync tiles (16 and 32 rows a program) on the bf16 kernel's K packing, kWidth 2, never the
+    # FP8 load's kWidth 4 (another K order in each k16 step, whose sums differ in last bits from
+    # wgmma's, 64+ rows, on the H200: a row's bits then depended on its row count)
+    mma_sync = [k for k in compiled if "mma.sync" in k.asm["ptx"]]
+    assert mma_sync and all("kWidth = 2" in k.asm["ttgir"] and "kWidth = 4" not in k.asm["ttgir"]
+                            for k in mma_sync)
     assert not triton_aot.compile_only(KernelShapes(**SHAPES), arch=90)[name]
     with pytest.raises(ValueError, match="fp8"):
         KernelShapes(**SHAPES, fp8="128")

@@ -15,11 +15,17 @@ range has one scale column), then runs the bf16 kernel's tensor-core steps over 
 tiles: the decode tiles up to gemm.MAX_ROWS rows, exact_linear's beyond. A row's result depends
 on nothing but that order, so it is the same at every row count and tile (decode at any bucket up
 to 256 rows, an exact prefill chunk of any size): tests/gpu/test_gpu_fp8.py checks the bits on
-the GPU. Against the fallback (dequantize, then the bf16 kernel) it agrees to bf16 rounding, not
-bit for bit: on the H200 some elements differ in their last bits, data-dependently (the
-register-converted operand takes another path to the tensor cores). So a projection keeps one
-path: exact prefill and batch-invariant decode run every FP8 projection that the kernel takes on
-the kernel, at any row count (kvhold.executor.cuda.layers).
+the GPU. That order includes which K elements share a k16 tensor-core step and where in it:
+Triton packs an mma.sync operand's K (kWidth) by the narrowest type its elementwise chain was
+loaded as, and the FP8 load gave kWidth 4 where the bf16 kernel has 2, another K permutation in
+each k16 step, whose fp32 sums differ in their last bits on the H200 from wgmma's (the tiles of
+64+ rows) and the bf16 kernel's: rows 1..32 (mma.sync) then disagreed with rows 33+ (wgmma).
+An opaque bit-preserving move (`_KEEP_16_BIT`) on the dequantized tile ends that chain, so every
+tile runs the bf16 kernel's K packing; the compiled kernels are checked for it on the CPU
+(tests/process/test_executor_triton_aot.py). On the H200 the kernel's rows are then the
+dequantizing path's bits at every row count from 1 to 256. A projection still keeps one path:
+exact prefill and batch-invariant decode run every FP8 projection that the kernel takes on the
+kernel, at any row count (kvhold.executor.cuda.layers).
 
 Activations are not quantized (the weights are the bytes a decode step reads): the FP8 tensor
 cores are not used; KVHOLD_FP8_SCALED_MM=1 runs torch._scaled_mm instead, which is not
@@ -32,6 +38,11 @@ import triton
 import triton.language as tl
 
 from kvhold.executor.cuda import gemm, triton_aot
+
+# A 16-bit move Triton cannot see through (not pure, so no elementwise chain crosses it): the
+# dequantized tile then reaches tl.dot as a 16-bit value, on the bf16 kernel's mma.sync K packing
+# (kWidth 2) instead of the FP8 load's (kWidth 4). It moves a register, no arithmetic.
+_KEEP_16_BIT = tl.constexpr("mov.b16 $0, $1;")
 
 
 @triton_aot.aot
@@ -75,6 +86,8 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride
         if SCALE_BN != 0:
             scale = tl.load(s_ptrs + k0 // SCALE_BK, mask=cols, other=0.0)
         w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        w = tl.inline_asm_elementwise(_KEEP_16_BIT, "=h,h", [w], dtype=x_ptr.dtype.element_ty,
+                                      is_pure=False, pack=1)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

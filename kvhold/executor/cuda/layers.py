@@ -103,7 +103,7 @@ class _Fp8Projection:
       the parts adjacent in the region (one [N, K] FP8 view, as the region lays out a layer's
       q|k|v and gate|up): kvhold.executor.cuda.fp8_gemm reads the FP8 bytes and dequantizes each
       tile in registers. Exact prefill and decode take it at every row count (a row's bits are
-      the same at any count there, and differ from the dequantized path's in last bits).
+      the same at any count there; on the H200 they are also the dequantized path's).
     * Dequantized: the parts dequantized to `dtype` and concatenated, one GEMM on the
       batch-invariant kernels (a projection the kernel cannot take, at every row count) or on
       cuBLAS (a prefill chunk of more than 64 rows without exact prefill, as bf16 weights).
