@@ -135,7 +135,11 @@ def main(argv=None) -> int:
     result = {"command": "python -m tools.bench_decode " + " ".join(argv or sys.argv[1:]),
               "device": torch.cuda.get_device_name(), "weight_bytes": weight_bytes,
               "copy_bandwidth_bytes_per_s": bw, "floor_ms": floor_ms,
-              "floor_without_embedding_ms": read_floor_ms, "rows": rows}
+              "floor_without_embedding_ms": read_floor_ms,
+              # the kernel switches the environment sets (kvhold.executor.cuda.gemm), as run
+              "environment": {k: os.environ[k] for k in ("KVHOLD_WIDE_DECODE_TILES", "KVHOLD_SKINNY_GEMM")
+                              if k in os.environ},
+              "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"floor {floor_ms:.2f} ms/step ({weight_bytes / 2**30:.1f} GiB at {bw / 1e12:.2f} TB/s); wrote {args.out}")

@@ -44,7 +44,34 @@ def _bf16_region(weights):
     return out
 
 
-def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model):
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_wide_decode_tiles_give_a_row_the_bits_of_the_64_row_tile_and_of_the_prefill_tiles(n, k, monkeypatch):
+    """KVHOLD_WIDE_DECODE_TILES=1: 65..256 rows on the 64-row decode tile over row blocks give each
+    row the bits it has at 64 rows, and those the prefill tiles give it without the variable."""
+    from kvhold.executor.cuda import gemm as cuda_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(n - k)
+    x = torch.randn((256, k), generator=gen, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((n, k), generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    h = torch.randn((256, n), generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    def run(m):
+        out = h[:m].clone()
+        return cuda_gemm.exact_linear(x[:m], w, residual=out, out=out)
+
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "0")
+    prefill_tiles = run(256)
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "1")
+    at_64 = run(64)
+    for m in (65, 96, 100, 128, 200, 256):
+        got = run(m)
+        assert torch.equal(got[:64], at_64), m
+        assert torch.equal(got, prefill_tiles[:m]), m
+
+
+@pytest.mark.parametrize("wide", ["0", "1"])
+def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model, wide, monkeypatch):
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", wide)     # buckets 128 and 256: either tile
     from kvhold.executor.cuda.runner import CudaRunner
     from kvhold.executor.kv_cache import KvCache
     from kvhold.executor.llama import LlamaModel

@@ -103,6 +103,24 @@ def test_compiles_the_executor_kernels_for_sm90_without_a_gpu(tmp_path, monkeypa
     assert torch.cuda.is_initialized() == cuda_before        # compiling needs no CUDA context
 
 
+def test_wide_decode_tiles_compile_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """KVHOLD_WIDE_DECODE_TILES=1 at --max-batch 256: the decode buckets 128 and 256 compile the
+    64-row tile with its row blocks grouped (GROUP_M 4), on wgmma as the 64-row step's tile."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "1")
+    from kvhold.executor.cuda import gemm, triton_aot
+
+    shapes = KernelShapes(**dict(SHAPES, max_batch=256, prefill_chunk=16))
+    compiled = triton_aot.compile_only(shapes, arch=90)["kvhold.executor.cuda.gemm._skinny_kernel"]
+    def constant(kernel, name):
+        return kernel.src.constants.get((sig_index(kernel.src.signature, name),))
+
+    grouped = [k for k in compiled if constant(k, "GROUP_M") == gemm.WIDE_GROUP_M]
+    assert grouped and all(constant(k, "BLOCK_M") == gemm.MAX_ROWS for k in grouped)
+    assert all("wgmma" in k.asm["ptx"] for k in grouped)
+
+
 @pytest.mark.parametrize("fp8", ["rows", "128x128"])
 def test_compiles_the_fp8_kernel_for_an_fp8_checkpoints_shapes_for_sm90_without_a_gpu(tmp_path, monkeypatch, fp8):
     """An FP8 checkpoint's projections (kvhold.executor.cuda.fp8_gemm: FP8 weights, float32 scales

@@ -103,6 +103,9 @@ def _tiles(n: int, k: int, rows: int, block_k_max: int) -> tuple[int, int, int, 
     if rows <= gemm.MAX_ROWS:
         bn, bk, warps, stages = gemm.tiles(n, k, rows)
         return gemm.block_m(rows), bn, min(bk, block_k_max), warps, stages, 0
+    if gemm.wide(rows):                 # the 64-row decode tile over row blocks (gemm's docstring)
+        bn, bk, warps, stages = gemm.tiles(n, k, gemm.MAX_ROWS)
+        return gemm.MAX_ROWS, bn, min(bk, block_k_max), warps, stages, gemm.WIDE_GROUP_M
     bm, bn, bk, warps, stages = gemm.prefill_tiles(n, k)
     return bm, bn, min(bk, block_k_max), warps, stages, gemm.PREFILL_GROUP_M
 

@@ -34,6 +34,16 @@ decode step gives it (tests/gpu/test_gpu_exact.py; the sweep over tiles:
 tools/probe_exact --gemm). cuBLAS instead picks its kernel, tile and split-K by shape.
 `KVHOLD_SKINNY_GEMM=0` turns it off (tools/bench_decode measures both). The tile sizes
 were chosen on the H200 by tools/bench_gemm (bench/results/gemm_cuda.json).
+
+`KVHOLD_WIDE_DECODE_TILES=1` (off by default, an experiment until the H200 has measured it)
+runs 65..256 rows (MAX_DECODE_ROWS) on the 64-row decode tile instead of the prefill tiles:
+the same compiled tile as a 64-row decode step's, over ceil(rows / 64) row blocks, the row
+blocks of one column tile launched next to each other (GROUP_M = WIDE_GROUP_M) so that its
+weights come from DRAM once and from L2 after. The prefill tiles give 16-48 programs to a
+decode step's projections (bench/results/decode_cuda_96_192.json: 15.6 ms at 96 rows against
+6.0 ms at 64); the decode tile gives the 64-row step's programs times the row blocks. A row's
+bits are the 64-row tile's either way (the module's invariant, checked by
+tests/gpu/test_gpu_gemm.py with the variable set and unset).
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ from kvhold.executor.cuda import triton_aot
 
 MAX_ROWS = 64            # rows on the decode tiles (one program covers every row)
 MAX_DECODE_ROWS = 256    # a decode step's rows on the kernel: beyond MAX_ROWS on exact_linear's tiles
+WIDE_GROUP_M = MAX_DECODE_ROWS // MAX_ROWS   # row blocks of one column tile next to each other (wide tiles)
 DECODE_BUCKETS = (16, 32, 64, 128, 256)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4       # H200, see module docstring
 # (N, K, rows per program) -> (BLOCK_N, BLOCK_K, warps, stages) where another tile won the
@@ -60,6 +71,17 @@ TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
 
 def enabled() -> bool:
     return os.environ.get("KVHOLD_SKINNY_GEMM", "1") != "0"
+
+
+def wide_decode_tiles() -> bool:
+    """KVHOLD_WIDE_DECODE_TILES=1: 65..MAX_DECODE_ROWS rows on the 64-row decode tile (the
+    module docstring). Read at each launch and by the warm-ups alike, so both take one path."""
+    return os.environ.get("KVHOLD_WIDE_DECODE_TILES", "0") == "1"
+
+
+def wide(rows: int) -> bool:
+    """Whether `rows` rows run on the 64-row decode tile over several row blocks."""
+    return MAX_ROWS < rows <= MAX_DECODE_ROWS and wide_decode_tiles()
 
 
 @triton_aot.aot
@@ -207,6 +229,8 @@ def exact_launch_key(n: int, k: int, rows: int) -> tuple:
     takes the same tiles at every row count)."""
     if rows <= MAX_ROWS:
         return ("decode", block_m(rows), tiles(n, k, rows), rows % 16 == 0, rows == 1)
+    if wide(rows):
+        return ("wide", tiles(n, k, MAX_ROWS), rows % 16 == 0)
     return ("prefill", prefill_tiles(n, k), rows % 16 == 0)
 
 
@@ -243,10 +267,13 @@ def exact_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def exact_linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """skinny(x, w, residual, out) at any number of rows, each row's bits those a decode
-    step gives it: at most MAX_ROWS rows on the decode tiles, more on prefill_tiles."""
+    step gives it: at most MAX_ROWS rows on the decode tiles, more on prefill_tiles (65..256
+    on the 64-row decode tile with KVHOLD_WIDE_DECODE_TILES=1)."""
     m = x.shape[0]
     if m <= MAX_ROWS:
         return skinny(x, w, residual=residual, out=out)
+    if wide(m):
+        return skinny(x, w, residual=residual, out=out, rows_per_program=MAX_ROWS, group_m=WIDE_GROUP_M)
     bm, bn, bk, warps, stages = prefill_tiles(w.shape[0], w.shape[1])
     return skinny(x, w, residual=residual, out=out, block_n=bn, block_k=bk, num_warps=warps,
                   num_stages=stages, rows_per_program=bm, group_m=PREFILL_GROUP_M)
