@@ -11,6 +11,15 @@ library and cuBLASLt), and kvhold.executor.cuda.gemm's kernel at its chosen tile
 with --sweep over a grid of tile sizes, warps and pipeline stages (how those were
 chosen). Each kernel's output is checked against cuBLAS. Writes JSON under
 bench/results/.
+
+`--fp8 rows|block` times kvhold.executor.cuda.fp8_gemm's kernel instead, on FP8 weights with
+one scale per output row (FP8-Dynamic checkpoints) or per 128x128 block: the bytes read are one
+a weight, so its bandwidth is counted on those; cuBLAS runs on the dequantized bf16 weights
+(what a bf16 checkpoint's step reads), and each FP8 output is checked against F.linear of the
+dequantized weight. With --sweep, the FP8 kernel over the same grid of tiles (BLOCK_K at most
+128 with block scales):
+
+    python -m tools.bench_gemm --fp8 rows --sweep --out bench/results/gemm_fp8_cuda.json
 """
 from __future__ import annotations
 
@@ -56,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-rows", default="8,64", help="row counts --sweep times the grid at")
     p.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile sizes, warps and stages at --sweep-rows (not for lm_head)")
+    p.add_argument("--fp8", choices=("rows", "block"), default=None,
+                   help="time the FP8 kernel on FP8 weights (per-row or 128x128 block scales)")
     p.add_argument("--out", type=Path, default=Path("bench/results/gemm_cuda.json"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -72,16 +83,31 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for name in args.shapes.split(","):
         n, k, residual = SHAPES[name]
+        if args.fp8 and name == "lm_head":      # an FP8 checkpoint keeps its lm_head in bf16
+            continue
         layers = 2 if name == "lm_head" else LAYERS
         ws = [torch.randn((n, k), generator=gen, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         nbytes = n * k * 2
+        if args.fp8:        # FP8 weights (+ scales) read by the kernel; cuBLAS on their dequantized bf16
+            from kvhold.executor.cuda import fp8_gemm
+            from kvhold.executor.fp8 import Fp8Weight
+            from kvhold.testing.make_model import quantize_fp8
+
+            block = (128, 128) if args.fp8 == "block" else None
+            quant = [quantize_fp8(w, "fp8-block" if block else "fp8-dynamic", torch.float32) for w in ws]
+            fp8 = [(q, next(iter(sc.values())).reshape(-1) if block is None else next(iter(sc.values())))
+                   for q, sc in quant]
+            ws = [Fp8Weight(name, q, s_, "block" if block else "channel", block).dequantize(torch.bfloat16)
+                  for q, s_ in fp8]
+            nbytes = n * k
 
         def record(impl, m, seconds, config=None, error=None, max_err=None, same_as_16_rows=None):
             row = {"shape": name, "n": n, "k": k, "rows": m, "impl": impl, "config": config}
+            read = nbytes if impl.startswith("fp8") else n * k * 2     # cuBLAS reads the bf16 weight
             if seconds is not None:
                 row.update(us=round(seconds / layers * 1e6, 2),
-                           tb_per_s=round(nbytes * layers / seconds / 1e12, 3),
-                           of_copy_bw=round(nbytes * layers / seconds / bw, 3))
+                           tb_per_s=round(read * layers / seconds / 1e12, 3),
+                           of_copy_bw=round(read * layers / seconds / bw, 3))
             if max_err is not None:
                 row["max_rel_err_vs_cublas"] = max_err
             if same_as_16_rows is not None:
@@ -96,14 +122,21 @@ def main(argv=None) -> int:
                 return lambda: [h.addmm_(x, w.t()) for w in ws]
             return lambda: [F.linear(x, w) for w in ws]
 
+        def kernel(x, i, cfg, **kw):
+            if args.fp8:
+                q, sc = fp8[i]
+                return fp8_gemm.fp8_linear(x, q, sc, block, **{key: v for key, v in cfg.items()
+                                                              if key != "rows_per_program"}, **kw)
+            return cuda_gemm.skinny(x, ws[i], **cfg, **kw)
+
         def skinny_fn(x, h, cfg):
             if residual:
-                return lambda: [cuda_gemm.skinny(x, w, residual=h, out=h, **cfg) for w in ws]
-            return lambda: [cuda_gemm.skinny(x, w, **cfg) for w in ws]
+                return lambda: [kernel(x, i, cfg, residual=h, out=h) for i in range(len(ws))]
+            return lambda: [kernel(x, i, cfg) for i in range(len(ws))]
 
         def check(x, cfg):
             ref = F.linear(x, ws[0]).float()
-            got = cuda_gemm.skinny(x, ws[0], **cfg).float()
+            got = kernel(x, 0, cfg).float()
             return round(((got - ref).abs().max() / ref.abs().max()).item(), 5)
 
         for m in rows_list:
@@ -117,12 +150,18 @@ def main(argv=None) -> int:
                 continue
             default = dict(block_n=cuda_gemm.BLOCK_N, block_k=cuda_gemm.BLOCK_K, num_warps=cuda_gemm.NUM_WARPS,
                            num_stages=cuda_gemm.NUM_STAGES)
+            if args.fp8:        # the kernel's own tiles at this row count, then the grid
+                tuned = cuda_gemm.tiles(n, k, m)
+                default = dict(block_n=tuned[0], block_k=min(tuned[1], 128 if block else k),
+                               num_warps=tuned[2], num_stages=tuned[3])
             configs = [default]
-            if m > 16:              # the same arithmetic per row as at 16 rows: 16 rows per program
+            if m > 16 and not args.fp8:     # the same arithmetic per row as at 16 rows: 16 rows per program
                 configs.append(dict(default, rows_per_program=16))
             if args.sweep and m in sweep_rows and name != "lm_head":
                 configs += [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
-                            itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))]
+                            itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+                            if not (block and bk > 128)]
+            impl = f"fp8-{args.fp8}" if args.fp8 else "skinny"
             for cfg in configs:
                 if n % cfg["block_n"] or k % cfg["block_k"]:
                     continue
@@ -130,12 +169,14 @@ def main(argv=None) -> int:
                     err = check(x, cfg)
                     seconds = time_graph(skinny_fn(x, h, cfg))
                     # does a row come out the same as it would in a batch of 8 (16 rows per program)?
-                    same = bool(torch.equal(cuda_gemm.skinny(x, ws[0], **cfg)[:min(m, 8)],
-                                            cuda_gemm.skinny(x[:8], ws[0], **dict(cfg, rows_per_program=16))[:m]))
-                    record("skinny", m, seconds, cfg, max_err=err, same_as_16_rows=same)
+                    same = bool(torch.equal(kernel(x, 0, cfg)[:min(m, 8)],
+                                            kernel(x[:8], 0, dict(cfg, rows_per_program=16))[:m]))
+                    record(impl, m, seconds, cfg, max_err=err, same_as_16_rows=same)
                 except Exception as exc:  # a tile that does not fit (shared memory): recorded, skipped
-                    record("skinny", m, None, cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
+                    record(impl, m, None, cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
         ws.clear()                      # free this shape's weights before the next
+        if args.fp8:
+            fp8.clear()
         torch.cuda.empty_cache()
     best = {}
     for r in results:

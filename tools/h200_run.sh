@@ -10,6 +10,8 @@
 #   first-kernels  first launch of each Triton kernel in a zygote-forked child     -> first_kernels_cuda.json
 #   prefill-attention  a prefill chunk's attention, first call per key length     -> prefill_attention_cuda.json
 #   gemm           the decode GEMM kernel against cuBLAS, tile sweep               -> gemm_cuda.json
+#   gemm-fp8       the FP8 kernel against cuBLAS on the dequantized weights, tile sweep (FP8_SCALES: rows
+#                  or block)                                                      -> gemm_fp8_cuda.json
 #   decode         Llama-3-8B decode step, commit on/off, batch 1/8/64 (ROUNDS)     -> decode_cuda.json
 #   decode-256     Llama-3-8B decode step at batch 64/128/256 with --max-batch 256 (buckets 16..256, past 64
 #                  rows on exact_linear's tiles), commit on/off (ROUNDS)             -> decode_cuda_256.json
@@ -127,6 +129,10 @@ for phase in "${@:-tests}"; do
     ;;
   gemm)
     timeout 280 python3 -m tools.bench_gemm --sweep --out "$OUT/gemm_cuda.json" 2>&1 | tail -24
+    ;;
+  gemm-fp8)
+    timeout 280 python3 -m tools.bench_gemm --fp8 ${FP8_SCALES:-rows} --sweep --rows 1,8,16,64 \
+        --out "$OUT/gemm_fp8_cuda.json" 2>&1 | tail -12
     ;;
   decode)
     model_8b

@@ -126,14 +126,17 @@ def applies_shape(n: int, k: int, rows: int, block: tuple[int, int] | None) -> b
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-               residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 0,
+               block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
     """x [M, K] @ dequant(w [N, K] float8_e4m3fn).T (+ residual) into out, each row's bits the same
     at any M. `scale`: float32 [N] (one per output row) with
     `block` None, else float32 [ceil(N / block[0]), ceil(K / block[1])]. The caller checks
-    `applies` first."""
+    `applies` first. Tile arguments left 0 take the bf16 kernel's tiles (`_tiles`); tools/bench_gemm
+    --fp8 sets them to compare (BLOCK_K must divide a block's width)."""
     m, k = x.shape
     n = w.shape[0]
     bm, bn, bk, warps, stages, group_m = _tiles(n, k, m, block[1] if block else k)
+    bn, bk, warps, stages = block_n or bn, block_k or bk, num_warps or warps, num_stages or stages
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else out
