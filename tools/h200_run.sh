@@ -161,6 +161,10 @@ for phase in "${@:-tests}"; do
         --rounds ${ROUNDS:-3} --out "$OUT/decode_fp8_cuda.json" 2>&1 | tail -12
     ;;
   fp8-70b)
+    # /dev/shm is a tmpfs of half the RAM by default (64 GiB of 128): the checkpoint needs ~68 GiB
+    have=$(df --output=size -BG /dev/shm | tail -1 | tr -dc 0-9)
+    [ "${have:-0}" -ge 80 ] || mount -o remount,size=80G /dev/shm || echo "fp8-70b: /dev/shm is ${have} GiB and could not grow"
+    df -h /dev/shm | tail -1
     [ -d /dev/shm/l70 ] || python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
         --device cuda 2>&1 | tail -3
     timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 --max-batch 64 \
