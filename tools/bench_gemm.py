@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     sweep_rows = {int(r) for r in args.sweep_rows.split(",")}
     results, gen = [], torch.Generator(device=dev).manual_seed(0)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    block = (128, 128) if args.fp8 == "block" else None      # FP8 block scales (--fp8 block)
     for name in args.shapes.split(","):
         n, k, residual = SHAPES[name]
         if args.fp8 and name == "lm_head":      # an FP8 checkpoint keeps its lm_head in bf16
@@ -88,15 +89,15 @@ def main(argv=None) -> int:
         layers = 2 if name == "lm_head" else LAYERS
         ws = [torch.randn((n, k), generator=gen, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         nbytes = n * k * 2
-        if args.fp8:        # FP8 weights (+ scales) read by the kernel; cuBLAS on their dequantized bf16
+        if args.fp8:        # FP8 weights read by the kernel (their scales not counted); cuBLAS on the dequantized bf16
             from kvhold.executor.cuda import fp8_gemm
             from kvhold.executor.fp8 import Fp8Weight
             from kvhold.testing.make_model import quantize_fp8
 
-            block = (128, 128) if args.fp8 == "block" else None
             quant = [quantize_fp8(w, "fp8-block" if block else "fp8-dynamic", torch.float32) for w in ws]
             fp8 = [(q, next(iter(sc.values())).reshape(-1) if block is None else next(iter(sc.values())))
                    for q, sc in quant]
+            del quant
             ws = [Fp8Weight(name, q, s_, "block" if block else "channel", block).dequantize(torch.bfloat16)
                   for q, s_ in fp8]
             nbytes = n * k

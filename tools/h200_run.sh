@@ -132,7 +132,7 @@ for phase in "${@:-tests}"; do
     ;;
   gemm-fp8)
     timeout 280 python3 -m tools.bench_gemm --fp8 ${FP8_SCALES:-rows} --sweep --rows 1,8,16,64 \
-        --out "$OUT/gemm_fp8_cuda.json" 2>&1 | tail -12
+        --out "$OUT/gemm_fp8_cuda.json" 2>&1 | tail -17
     ;;
   decode)
     model_8b
@@ -149,7 +149,7 @@ for phase in "${@:-tests}"; do
     # its bits first (tests/gpu/test_gpu_gemm.py), then the decode step without and with it
     timeout 180 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemm.py 2>&1 | tail -4
     model_8b
-    timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 64,128,256 \
+    timeout $(( $(left) / 2 )) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 64,128,256 \
         --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256.json" 2>&1 | tail -7
     KVHOLD_WIDE_DECODE_TILES=1 timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b --layers fused \
         --batches 64,128,256 --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256_wide.json" 2>&1 | tail -7

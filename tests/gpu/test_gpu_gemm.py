@@ -44,7 +44,7 @@ def _bf16_region(weights):
     return out
 
 
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 384)])
 def test_wide_decode_tiles_give_a_row_the_bits_of_the_64_row_tile_and_of_the_prefill_tiles(n, k, monkeypatch):
     """KVHOLD_WIDE_DECODE_TILES=1: 65..256 rows on the 64-row decode tile over row blocks give each
     row the bits it has at 64 rows, and those the prefill tiles give it without the variable."""
