@@ -152,9 +152,8 @@ def main(argv=None) -> int:
             default = dict(block_n=cuda_gemm.BLOCK_N, block_k=cuda_gemm.BLOCK_K, num_warps=cuda_gemm.NUM_WARPS,
                            num_stages=cuda_gemm.NUM_STAGES)
             if args.fp8:        # the kernel's own tiles at this row count, then the grid
-                tuned = cuda_gemm.tiles(n, k, m)
-                default = dict(block_n=tuned[0], block_k=min(tuned[1], 128 if block else k),
-                               num_warps=tuned[2], num_stages=tuned[3])
+                _, bn, bk, nw, ns, _ = fp8_gemm._tiles(n, k, m, block[1] if block else k)
+                default = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             configs = [default]
             if m > 16 and not args.fp8:     # the same arithmetic per row as at 16 rows: 16 rows per program
                 configs.append(dict(default, rows_per_program=16))

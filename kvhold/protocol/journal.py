@@ -174,17 +174,16 @@ class Journal:
         """Slots admitted (or cancelled) but not yet released."""
         return (self.req["admit_state"] != AdmitState.FREE).nonzero()[0]
 
-    def holds(self, slots, request_ids, taken: bool = False) -> np.ndarray:
+    def holds(self, slots, request_ids, taken=False) -> np.ndarray:
         """Whether each of `slots` still holds `request_ids[k]` (admitted or cancelled, not yet
-        released), and with `taken`, whether an executor has taken it: array operations over the
-        two records' fields, for the sidecar's bookkeeping between a fence and a promotion."""
+        released), and where `taken` (one bool, or one per slot) whether an executor has taken it
+        too: array operations over the two records' fields, for the sidecar's bookkeeping between
+        a fence and a promotion."""
         slots = np.asarray(slots, dtype=np.int64)
         r = self.req
         rid = r["request_id"][slots]
         held = (rid == np.asarray(request_ids, dtype=np.uint64)) & (r["admit_state"][slots] != AdmitState.FREE)
-        if taken:
-            held &= r["exec_request_id"][slots] == rid
-        return held
+        return held & ((r["exec_request_id"][slots] == rid) | ~np.asarray(taken, dtype=bool))
 
     def live_request_ids(self) -> dict[int, int]:
         """request id -> slot of every live slot."""

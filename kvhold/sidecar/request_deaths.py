@@ -336,12 +336,11 @@ class RequestDeaths:
                 if s.slot < 0:
                     s.slot = by_rid.get(rid, -1)
         rids = list(self.suspects)
-        slots = [max(self.suspects[rid].slot, 0) for rid in rids]
-        held = self.journal.holds(slots, rids).tolist()
-        taken = self.journal.holds(slots, rids, taken=True).tolist()
-        # one restored from the durable journal is not taken yet
-        gone = [rid for rid, h, t in zip(rids, held, taken)
-                if self.suspects[rid].slot < 0 or not (h and (t or self.suspects[rid].read_back))]
+        suspects = [self.suspects[rid] for rid in rids]
+        # taken by an executor, but for one restored from the durable journal: not taken yet
+        held = self.journal.holds([max(s.slot, 0) for s in suspects], rids,
+                                  taken=[not s.read_back for s in suspects]).tolist()
+        gone = [rid for rid, s, h in zip(rids, suspects, held) if s.slot < 0 or not h]
         for rid in gone:
             del self.suspects[rid]
         if gone:

@@ -215,6 +215,8 @@ def test_journal_holds_answers_for_many_slots_at_once(tables):
     slots, rids = [0, 1, 2, 1], [11, 12, 13, 99]
     assert j.holds(slots, rids).tolist() == [True, True, False, False]
     assert j.holds(slots, rids, taken=True).tolist() == [True, False, False, False]
+    assert j.holds(slots, rids, taken=[False, True, False, False]).tolist() == [True, False, False, False]
+    assert j.holds(slots, rids, taken=[True, False, False, False]).tolist() == [True, True, False, False]
     assert j.live_request_ids() == {11: 0, 12: 1}
 
 
