@@ -94,14 +94,20 @@ def test_scaled_mm_fp8_on_the_gpu_is_near_the_reference_and_refuses_exact_prefil
     print(f"{quant} scaled_mm: relative error {rel:.3e} against the float64 reference")
 
 
-@pytest.mark.parametrize("strategy", ("rows", "block"))
+@pytest.mark.parametrize("strategy", ("rows", "block", "rows-epilogue"))
 def test_the_fp8_kernel_gives_a_row_the_same_bits_at_every_row_count_and_is_near_the_dequantized_path(strategy):
     """fp8_linear(x, w, scales): a row's bits are the same at every row count, on the decode tiles
     (1..64 rows), at the decode buckets past them and in exact prefill chunks of any size (600 rows
     here), with and without a residual, at shapes whose N is not a multiple of the tile; and the
-    result is within bf16 rounding of the dequantizing path (exact_linear on the dequantized weight)."""
+    result is within bf16 rounding of the dequantizing path (exact_linear on the dequantized weight).
+    rows-epilogue: row scales applied to the sum (fp8_gemm.epilogue_scale)."""
+    import functools
+
     from kvhold.executor.cuda import fp8_gemm, gemm
     from kvhold.executor.fp8 import Fp8Weight
+
+    fp8_linear = functools.partial(fp8_gemm.fp8_linear, epilogue=strategy == "rows-epilogue")
+    strategy = strategy.removesuffix("-epilogue")
 
     torch.manual_seed(0)
     for n, k in ((1536, 512), (1000, 1024), (512, 1536)):
@@ -118,8 +124,8 @@ def test_the_fp8_kernel_gives_a_row_the_same_bits_at_every_row_count_and_is_near
         dense = fw.dequantize(torch.bfloat16)
         x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
         res = torch.randn(600, n, device="cuda", dtype=torch.bfloat16)
-        full = fp8_gemm.fp8_linear(x, w, scale, block)
-        full_res = fp8_gemm.fp8_linear(x, w, scale, block, residual=res.clone(), out=res.clone())
+        full = fp8_linear(x, w, scale, block)
+        full_res = fp8_linear(x, w, scale, block, residual=res.clone(), out=res.clone())
         want = gemm.exact_linear(x, dense).float()
         err = (full.float() - want).abs().max().item()
         assert err <= 0.02 * want.abs().max().item(), (n, k, err)
@@ -128,9 +134,9 @@ def test_the_fp8_kernel_gives_a_row_the_same_bits_at_every_row_count_and_is_near
         for rows in (1, 2, 7, 16, 17, 31, 32, 33, 48, 64, 65, 100, 128, 200, 256, 300):
             xs = x[:rows]
             assert fp8_gemm.applies(xs, n, k, block)
-            assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block), full[:rows]), (n, k, rows)
+            assert torch.equal(fp8_linear(xs, w, scale, block), full[:rows]), (n, k, rows)
             h = res[:rows].clone()
-            assert torch.equal(fp8_gemm.fp8_linear(xs, w, scale, block, residual=h, out=h), full_res[:rows]), \
+            assert torch.equal(fp8_linear(xs, w, scale, block, residual=h, out=h), full_res[:rows]), \
                 (n, k, rows)
 
 
