@@ -31,19 +31,27 @@ from kvhold.protocol.tables import Tables
 
 def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors laid out as in the sidecar's weights region: one buffer,
-    tensors at their manifest offsets (config order), so fused projections are views."""
+    tensors at their manifest offsets (config order), so fused projections are views. One shard
+    is read at a time and copied into place, so the device holds the region plus one shard (a
+    70B FP8 checkpoint read whole beside its region would not fit an H200)."""
     manifest = build_manifest(model_dir, ModelSpec.from_dir(model_dir))
+    entries = manifest.by_name()
     region = torch.empty(manifest.region_bytes, dtype=torch.uint8, device=device)
-    weights = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        weights.update(load_file(str(f), device=device))
     packed = {}
-    for e in manifest.entries:
-        t = weights.pop(e.name)
-        view = region[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        packed[e.name] = view
-        del t
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        shard = load_file(str(f), device=device)
+        for name in list(shard):
+            t, e = shard.pop(name), entries.get(name)
+            if e is None:           # not a tensor the model reads (the manifest checked the rest)
+                continue
+            view = region[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            packed[e.name] = view
+            del t
+        del shard
+    missing = [e.name for e in manifest.entries if e.name not in packed]
+    if missing:
+        raise ValueError(f"{model_dir}: the manifest names tensors no shard holds: {missing[:5]}")
     return packed
 
 

@@ -21,10 +21,13 @@
 #                  batch 1/8/64, the FP8 weights dequantized in registers (kvhold.executor.cuda.fp8_gemm)
 #                                                                                  -> decode_fp8_cuda.json
 #   fp8-70b        Llama-3-70B's shapes in FP8 (make_model --preset llama3-70b-fp8, about 73 GB: written to
-#                  /dev/shm, the disk being too small; needs an H200): the decode step at batch 8/64 with
-#                  --max-batch 64, hot standby (FP8_KILLS, default 10) and zygote (FP8_ZYGOTE_KILLS, 3) recovery
-#                  at 64 streams, and the cold restart without kvhold. Not yet run
-#                             -> decode_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json, cold_restart_fp8_70b_cuda.json
+#                  /dev/shm, the shards that do not fit spilled to /tmp; needs an H200): the decode step at
+#                  batch 8/64 with --max-batch 64, prefill MFU against the FP8 dense peak (1,979 TFLOP/s),
+#                  hot standby (FP8_KILLS, default 10) and zygote (FP8_ZYGOTE_KILLS, 3) recovery at 64 streams,
+#                  and the cold restart without kvhold. A whole run outlasts one device call: the same steps
+#                  in three back-to-back calls keep the checkpoint between them
+#                  -> decode_fp8_70b_cuda.json, prefill_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json,
+#                     cold_restart_fp8_70b_cuda.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
@@ -166,9 +169,11 @@ for phase in "${@:-tests}"; do
     [ "${have:-0}" -ge 80 ] || mount -o remount,size=80G /dev/shm || echo "fp8-70b: /dev/shm is ${have} GiB and could not grow"
     df -h /dev/shm | tail -1
     [ -d /dev/shm/l70 ] || python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
-        --device cuda 2>&1 | tail -3
+        --spill-dir /tmp/l70-spill --device cuda 2>&1 | tail -3
     timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 --max-batch 64 \
         --rounds ${ROUNDS:-2} --out "$OUT/decode_fp8_70b_cuda.json" 2>&1 | tail -8
+    timeout $(left) python3 -m tools.bench_prefill --model /dev/shm/l70 --prompts 512,2048,8192 --repeats 2 \
+        --peak-tflops 1979 --out "$OUT/prefill_fp8_70b_cuda.json" 2>&1 | tail -6
     timeout $(left) python3 -m tools.bench_recovery ${LOAD/\/tmp\/l8b//dev/shm/l70} --kv-memory 40GiB \
         --kills ${FP8_KILLS:-10} --tiers standby,zygote --zygote-kills ${FP8_ZYGOTE_KILLS:-3} --cold-kills 0 \
         --log-level INFO --out "$OUT/recovery_fp8_70b_cuda.json" 2>&1 | tail -24

@@ -268,9 +268,11 @@ def random_weights(cfg: dict, seed: int, device: str = "cpu"):
 
 def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
           shard_bytes: int = 4 << 30, progress: bool = True, quant: str | None = None,
-          overrides: dict | None = None) -> Path:
+          overrides: dict | None = None, spill: Path | None = None) -> Path:
     """Write a checkpoint to `out` atomically (a temp dir beside it, renamed at the end; its
-    parent folders are made first). `progress`: say on stderr what it does (the tokenizer's
+    parent folders are made first). `spill`: a folder on another file system for the shards that
+    no longer fit beside `out` (each linked from the checkpoint's folder, which loads as one: a
+    70B checkpoint is larger than a GPU machine's /dev/shm or its disk alone). `progress`: say on stderr what it does (the tokenizer's
     training and the weights take tens of seconds on a small machine). `quant`: an FP8 kind
     (QUANT_KINDS); `overrides`: config fields instead of the preset's. Each shard is written
     as soon as it holds `shard_bytes`; several shards get a model.safetensors.index.json."""
@@ -288,6 +290,7 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".kvhold-model-", dir=out.parent))
+    spilled: list[Path] = []
     try:
         vocab = (overrides or {}).get("vocab_size") or PRESETS[preset]["vocab_size"]
         say(f"  {preset}: training the BPE tokenizer" if not vocab else f"  {preset}: making the tokenizer")
@@ -308,9 +311,16 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
         shard, size, parts, weight_map, total = {}, 0, [], {}, 0
         expected, t0 = _checkpoint_bytes(cfg), time.monotonic()
 
-        def flush():
+        def flush(nbytes: int):
             part = tmp / f".part-{len(parts):05d}.safetensors"
-            save_file(shard, str(part), metadata={"format": "pt"})
+            if spill is not None and shutil.disk_usage(tmp).free < nbytes + (1 << 30):
+                Path(spill).mkdir(parents=True, exist_ok=True)
+                target = Path(spill).resolve() / f"{tmp.name}{part.name}"
+                save_file(shard, str(target), metadata={"format": "pt"})
+                spilled.append(target)
+                part.symlink_to(target)
+            else:
+                save_file(shard, str(part), metadata={"format": "pt"})
             parts.append((part, list(shard)))
             shard.clear()
             if progress and (len(parts) > 1 or expected > shard_bytes):   # a line per shard, if several
@@ -327,10 +337,10 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
                 total += nbytes
                 bar.update(nbytes)
                 if size >= shard_bytes:
-                    flush()
+                    flush(size)
                     size = 0
             if shard or not parts:
-                flush()
+                flush(size)
         for n, (part, names) in enumerate(parts):
             name = "model.safetensors" if len(parts) == 1 else f"model-{n + 1:05d}-of-{len(parts):05d}.safetensors"
             part.rename(tmp / name)
@@ -344,7 +354,11 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for path in spilled:
+            path.unlink(missing_ok=True)
         raise
+    if spilled:
+        say(f"  {len(spilled)} shard(s) spilled to {spill}, linked from {out}")
     return out
 
 
@@ -391,13 +405,15 @@ def main(argv=None) -> int:
                         help="write FP8 weights in this published format (see the module's docstring)")
     parser.add_argument("--layers", type=int, default=None, help="the preset's shapes with this many layers")
     parser.add_argument("--shard-gb", type=float, default=4.0, help="the size a shard is written at")
+    parser.add_argument("--spill-dir", type=Path, default=None,
+                        help="where shards go once --out's file system has no room for the next (linked from --out)")
     args = parser.parse_args(argv)
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be at least 1")
     overrides = {"num_hidden_layers": args.layers} if args.layers else None
     try:
         path = build(args.out, args.preset, args.seed, args.device, shard_bytes=int(args.shard_gb * 2**30),
-                     quant=args.quant, overrides=overrides)
+                     quant=args.quant, overrides=overrides, spill=args.spill_dir)
     except ValueError as exc:
         parser.error(str(exc))
     print(f"wrote {args.preset} checkpoint to {path}")

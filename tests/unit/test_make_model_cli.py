@@ -23,3 +23,41 @@ def test_families_needs_a_family_and_writes_it(tmp_path, capsys):
     assert exc.value.code == 2 and "family" in capsys.readouterr().err
     assert families.main(["qwen2", "--out", str(tmp_path / "q")]) == 0
     assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_make_model_spills_the_shards_that_do_not_fit_and_the_checkpoint_loads_as_one(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """--spill-dir: once --out's file system has no room for the next shard, shards are written to
+    the spill folder and linked from the checkpoint's folder, whose manifest and weights read as if
+    every shard lay in it (a 70B checkpoint on a machine whose /dev/shm and disk are each too small)."""
+    import shutil
+    from collections import namedtuple
+
+    import torch
+    from safetensors.torch import load_file
+
+    from kvhold.protocol.checkpoint import build_manifest
+    from kvhold.protocol.model_spec import ModelSpec
+
+    ref = make_model.build(tmp_path / "ref", "tiny", shard_bytes=200_000, progress=False)
+    usage, real = namedtuple("usage", "total used free"), shutil.disk_usage
+    room = {"left": 2}              # two shards fit beside --out, the rest do not
+
+    def disk_usage(path):
+        room["left"] -= 1
+        return usage(1, 0, (1 << 40) if room["left"] >= 0 else 0) if str(path).startswith(
+            str(tmp_path / "m")) else real(path)
+
+    monkeypatch.setattr(make_model.shutil, "disk_usage", disk_usage)
+    out, spill = tmp_path / "m" / "tiny", tmp_path / "spill"
+    assert make_model.main(["--out", str(out), "--shard-gb", str(200_000 / 2**30), "--spill-dir", str(spill)]) == 0
+    shards = sorted(out.glob("*.safetensors"))
+    linked = [p for p in shards if p.is_symlink()]
+    assert len(shards) == len(list(ref.glob("*.safetensors"))) > 3 and len(shards) - len(linked) == 2
+    assert sorted(p.resolve() for p in linked) == sorted(spill.iterdir())
+    assert "spilled to" in capsys.readouterr().err
+    spec = ModelSpec.from_config(json.loads((out / "config.json").read_text()))
+    assert build_manifest(out, spec).fingerprint == build_manifest(ref, spec).fingerprint
+    for a, b in zip(shards, sorted(ref.glob("*.safetensors"))):
+        want = load_file(b)
+        assert all(torch.equal(t, want[name]) for name, t in load_file(a).items())
