@@ -52,7 +52,7 @@ def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
     missing = [e.name for e in manifest.entries if e.name not in packed]
     if missing:
         raise ValueError(f"{model_dir}: the manifest names tensors no shard holds: {missing[:5]}")
-    return packed
+    return {e.name: packed[e.name] for e in manifest.entries}      # in config order, as the region is
 
 
 def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,

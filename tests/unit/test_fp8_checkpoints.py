@@ -413,3 +413,26 @@ def test_the_cuda_layers_hand_the_fp8_kernel_the_regions_bytes_and_scales_that_d
             assert torch.equal((w.to(torch.float32) * per_element).to(torch.bfloat16), proj.dense())
             taken += 1
     assert taken == spec.num_layers * (3 if quant == "fp8-block" else 4)
+
+
+def test_the_benchmarks_weight_loader_lays_out_and_names_the_tensors_in_the_regions_config_order(tmp_path):
+    """tools.bench_engine_setup.load_weights reads one shard at a time (a 70B checkpoint and its
+    region would not fit the GPU together) yet hands the tensors back in the region's order, each
+    at its manifest offset: callers that copy them into another buffer in that order (the GPU
+    tests' bf16 regions) keep q|k|v and gate|up adjacent, which the batch-invariant kernels need."""
+    from safetensors.torch import load_file
+
+    from kvhold.protocol.checkpoint import build_manifest
+    from tools.bench_engine_setup import load_weights
+
+    path = build(tmp_path / "m", "tiny", shard_bytes=150_000, progress=False, quant="fp8-dynamic")
+    assert len(list(path.glob("*.safetensors"))) > 2
+    manifest = build_manifest(path, ModelSpec.from_dir(path))
+    weights = load_weights(path, "cpu")
+    assert list(weights) == [e.name for e in manifest.entries]
+    base = next(iter(weights.values())).untyped_storage().data_ptr()
+    assert [w.data_ptr() - base for w in weights.values()] == [e.offset for e in manifest.entries]
+    stored = {}
+    for f in path.glob("*.safetensors"):
+        stored.update(load_file(f))
+    assert all(torch.equal(w.view(torch.uint8), stored[name].view(torch.uint8)) for name, w in weights.items())
