@@ -16,9 +16,7 @@ bench/results/.
 one scale per output row (FP8-Dynamic checkpoints) or per 128x128 block: the bytes read are one
 a weight, so its bandwidth is counted on those; cuBLAS runs on the dequantized bf16 weights
 (what a bf16 checkpoint's step reads), and each FP8 output is checked against F.linear of the
-dequantized weight. With row scales each tile runs twice: the weight dequantized in registers
-(the default) and the scale applied to the sum (`epilogue`, fp8_gemm.epilogue_scale). With
---sweep, the FP8 kernel over FP8_GRID (BLOCK_K 128 with block scales). `--model 70b` times
+dequantized weight. With --sweep, the FP8 kernel over FP8_GRID (BLOCK_K 128 with block scales). `--model 70b` times
 Llama-3-70B's shapes instead of -8B's. The JSON is rewritten after each shape, so a run cut
 short keeps what it measured:
 
@@ -44,8 +42,8 @@ SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, True), "gate_up": (28672
 SHAPES_70B = {"qkv": (10240, 8192, False), "o": (8192, 8192, True), "gate_up": (57344, 8192, False),
               "down": (8192, 28672, True), "lm_head": (128256, 8192, False)}
 LAYERS = 32
-# --fp8 --sweep's grid: (BLOCK_N, BLOCK_K, warps, stages, scale in the epilogue (row scales only))
-FP8_GRID = tuple(itertools.product((16, 32, 64), (256, 512), (4, 8), (4,), (False, True)))
+# --fp8 --sweep's grid: (BLOCK_N, BLOCK_K, warps, stages)
+FP8_GRID = tuple(itertools.product((16, 32, 64, 128), (256, 512), (4, 8), (3, 4)))
 
 
 def time_graph(fn, replays: int = 20) -> float:
@@ -179,16 +177,13 @@ def main(argv=None) -> int:
                            num_stages=cuda_gemm.NUM_STAGES)
             if args.fp8:        # the kernel's own tiles at this row count, then the grid
                 _, bn, bk, nw, ns, _ = fp8_gemm._tiles(n, k, m, block[1] if block else k)
-                default = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, epilogue=False)
+                default = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             configs = [default]
-            if args.fp8 == "rows":      # the same tiles with the scale in the epilogue
-                configs.append(dict(default, epilogue=True))
             if m > 16 and not args.fp8:     # the same arithmetic per row as at 16 rows: 16 rows per program
                 configs.append(dict(default, rows_per_program=16))
             if args.sweep and m in sweep_rows and name != "lm_head" and args.fp8:
-                configs += [dict(block_n=bn, block_k=bk if not block else 128, num_warps=nw, num_stages=ns,
-                                 epilogue=ep) for bn, bk, nw, ns, ep in FP8_GRID
-                            if not (block and (ep or bk != 256))]
+                configs += [dict(block_n=bn, block_k=bk if not block else 128, num_warps=nw, num_stages=ns)
+                            for bn, bk, nw, ns in FP8_GRID if not (block and bk != 256)]
             elif args.sweep and m in sweep_rows and name != "lm_head":
                 configs += [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                             itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))]

@@ -94,20 +94,15 @@ def test_scaled_mm_fp8_on_the_gpu_is_near_the_reference_and_refuses_exact_prefil
     print(f"{quant} scaled_mm: relative error {rel:.3e} against the float64 reference")
 
 
-@pytest.mark.parametrize("strategy", ("rows", "block", "rows-epilogue"))
+@pytest.mark.parametrize("strategy", ("rows", "block"))
 def test_the_fp8_kernel_gives_a_row_the_same_bits_at_every_row_count_and_is_near_the_dequantized_path(strategy):
     """fp8_linear(x, w, scales): a row's bits are the same at every row count, on the decode tiles
     (1..64 rows), at the decode buckets past them and in exact prefill chunks of any size (600 rows
     here), with and without a residual, at shapes whose N is not a multiple of the tile; and the
-    result is within bf16 rounding of the dequantizing path (exact_linear on the dequantized weight).
-    rows-epilogue: row scales applied to the sum (fp8_gemm.epilogue_scale)."""
-    import functools
-
+    result is within bf16 rounding of the dequantizing path (exact_linear on the dequantized weight)."""
     from kvhold.executor.cuda import fp8_gemm, gemm
+    from kvhold.executor.cuda.fp8_gemm import fp8_linear
     from kvhold.executor.fp8 import Fp8Weight
-
-    fp8_linear = functools.partial(fp8_gemm.fp8_linear, epilogue=strategy == "rows-epilogue")
-    strategy = strategy.removesuffix("-epilogue")
 
     torch.manual_seed(0)
     for n, k in ((1536, 512), (1000, 1024), (512, 1536)):

@@ -47,7 +47,7 @@ def _bf16_region(weights):
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 384)])
 def test_wide_decode_tiles_give_a_row_the_bits_of_the_64_row_tile_and_of_the_prefill_tiles(n, k, monkeypatch):
     """KVHOLD_WIDE_DECODE_TILES=1: 65..256 rows on the 64-row decode tile over row blocks give each
-    row the bits it has at 64 rows, and those the prefill tiles give it without the variable."""
+    row the bits it has at 64 rows, and those the prefill tiles give it with the variable at 0."""
     from kvhold.executor.cuda import gemm as cuda_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(n - k)
@@ -69,7 +69,7 @@ def test_wide_decode_tiles_give_a_row_the_bits_of_the_64_row_tile_and_of_the_pre
         assert torch.equal(got, prefill_tiles[:m]), m
 
 
-@pytest.mark.parametrize("wide", ["0", "1"])
+@pytest.mark.parametrize("wide", ["0", "1", ""])
 def test_a_decode_row_is_the_same_whichever_bucket_its_step_runs_in(tiny_model, wide, monkeypatch):
     monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", wide)     # buckets 128 and 256: either tile
     from kvhold.executor.cuda.runner import CudaRunner

@@ -17,7 +17,7 @@ def _key(shapes, m):
     return tuple(cuda_gemm.exact_launch_key(n, k, m) for n, k in shapes), prefill_launch_key(m)
 
 
-@pytest.mark.parametrize("wide", ["0", "1"])
+@pytest.mark.parametrize("wide", ["0", "1", ""])
 @pytest.mark.parametrize("shapes", [LLAMA_8B, TINY])
 @pytest.mark.parametrize("chunk", [2048, 512, 248, 64, 17, 2])
 def test_every_chunk_size_launches_only_kernels_the_warm_up_launched(shapes, chunk, wide, monkeypatch):
@@ -112,16 +112,25 @@ def test_the_logits_warm_up_runs_the_models_logits_at_each_count(tiny_model):
     assert rows and seen == [(m, spec.hidden_size) for m in rows]
 
 
-def test_wide_decode_tiles_put_65_to_256_rows_on_the_64_row_tile_and_nothing_else(monkeypatch):
-    """KVHOLD_WIDE_DECODE_TILES=1: rows 65..256 launch the 64-row decode tile over row blocks (one
-    compiled kernel per (N, K) and row-count divisibility), 1..64 and 257+ what they launch without it."""
+def test_wide_decode_tiles_put_65_to_128_rows_on_the_64_row_tile_by_default_and_256_when_asked(monkeypatch):
+    """Rows 65..128 launch the 64-row decode tile over row blocks by default (one compiled kernel
+    per (N, K) and row-count divisibility), 129..256 the prefill tiles; KVHOLD_WIDE_DECODE_TILES=1
+    takes 65..256 on the wide tile, =0 none; 1..64 and 257+ launch the same kernels throughout."""
     n, k = LLAMA_8B[1]
-    monkeypatch.delenv("KVHOLD_WIDE_DECODE_TILES", raising=False)
-    plain = {m: cuda_gemm.exact_launch_key(n, k, m) for m in range(1, 600)}
-    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "1")
-    wide = {m: cuda_gemm.exact_launch_key(n, k, m) for m in range(1, 600)}
-    assert all(wide[m] == plain[m] for m in range(1, 65)) and all(wide[m] == plain[m] for m in range(257, 600))
+    keys = {}
+    for value in ("0", "1", None):
+        if value is None:
+            monkeypatch.delenv("KVHOLD_WIDE_DECODE_TILES", raising=False)
+        else:
+            monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", value)
+        keys[value] = {m: cuda_gemm.exact_launch_key(n, k, m) for m in range(1, 600)}
+    plain, wide, default = keys["0"], keys["1"], keys[None]
+    same = [*range(1, 65), *range(257, 600)]
+    assert all(wide[m] == plain[m] == default[m] for m in same)
     assert all(plain[m][0] == "prefill" for m in range(65, 257))
-    assert {wide[m] for m in range(65, 257)} == {("wide", cuda_gemm.tiles(n, k, 64), True),
-                                                  ("wide", cuda_gemm.tiles(n, k, 64), False)}
+    wide_keys = {("wide", cuda_gemm.tiles(n, k, 64), True), ("wide", cuda_gemm.tiles(n, k, 64), False)}
+    assert {wide[m] for m in range(65, 257)} == wide_keys == {default[m] for m in range(65, 129)}
+    assert all(default[m] == plain[m] for m in range(129, 257))
+    assert cuda_gemm.wide(128) and not cuda_gemm.wide(129) and not cuda_gemm.wide(64)
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "1")
     assert cuda_gemm.wide(256) and not cuda_gemm.wide(64) and not cuda_gemm.wide(257)

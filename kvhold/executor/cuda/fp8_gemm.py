@@ -33,8 +33,6 @@ batch-invariant (kvhold.executor.fp8).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -52,11 +50,9 @@ _KEEP_16_BIT = tl.constexpr("mov.b16 $0, $1;")
 def _fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride_w, stride_s, stride_o, stride_r,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                GROUP_M: tl.constexpr = 0, SCALE_EPILOGUE: tl.constexpr = 0):
+                GROUP_M: tl.constexpr = 0):
     # SCALE_BN == 0: one scale per output row (s_ptr [N]); else one per SCALE_BN x SCALE_BK block
-    # (s_ptr [ceil(N / SCALE_BN), stride_s]), and BLOCK_K divides SCALE_BK. SCALE_EPILOGUE (row
-    # scales only): the FP8 weight converted to bf16 as it is (exact), the row's scale applied to
-    # the fp32 sum once, before the residual (`epilogue_scale`)
+    # (s_ptr [ceil(N / SCALE_BN), stride_s]), and BLOCK_K divides SCALE_BK
     if GROUP_M:
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -76,9 +72,7 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride
     cols = rn[:, None] < N
     x_ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    if SCALE_EPILOGUE:
-        scale = 1.0
-    elif SCALE_BN == 0:
+    if SCALE_BN == 0:
         scale = tl.load(s_ptr + rn[:, None], mask=cols, other=0.0)
     else:
         s_ptrs = s_ptr + (rn[:, None] // SCALE_BN) * stride_s
@@ -91,41 +85,36 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride
             w = tl.load(w_ptrs, mask=cols, other=0.0)
         if SCALE_BN != 0:
             scale = tl.load(s_ptrs + k0 // SCALE_BK, mask=cols, other=0.0)
-        if SCALE_EPILOGUE:
-            w = w.to(x_ptr.dtype.element_ty)
-        else:
-            w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
         w = tl.inline_asm_elementwise(_KEEP_16_BIT, "=h,h", [w], dtype=x_ptr.dtype.element_ty,
                                       is_pure=False, pack=1)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_mask = rows & (rn[None, :] < N)
-    if SCALE_EPILOGUE:
-        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if RESIDUAL:
         acc += tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def epilogue_scale() -> bool:
-    """KVHOLD_FP8_EPILOGUE_SCALE=1 (an experiment until the H200 has measured it): with one scale
-    per output row, the weight tile converted to bf16 as stored (exact: e4m3 fits bf16) and the
-    row's scale applied to the fp32 sum once, instead of a float32 multiply and a rounding per
-    weight. Bits differ from the dequantizing path by the rounding; a row's bits still do not
-    depend on the rows beside it. Read at each launch and by the warm-ups alike."""
-    return os.environ.get("KVHOLD_FP8_EPILOGUE_SCALE", "0") == "1"
+# BLOCK_N on the decode and wide tiles: an FP8 weight row is half a bf16 one's bytes, and 64 columns a
+# program read as fast as the bf16 kernel's choices or faster at every Llama-3-70B shape and row count
+# (bench/results/gemm_fp8_70b_h100.json: at 64 rows 0.54-0.59 of the copy bandwidth against 0.39-0.43
+# for o, gate|up and down); stages at most 4 with BLOCK_K 256 (five do not fit shared memory at 64 rows)
+FP8_BLOCK_N = 64
 
 
 def _tiles(n: int, k: int, rows: int, block_k_max: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M): the bf16 kernel's tiles at these rows
-    (exact_linear's past gemm.MAX_ROWS), BLOCK_K at most `block_k_max`."""
-    if rows <= gemm.MAX_ROWS:
-        bn, bk, warps, stages = gemm.tiles(n, k, rows)
-        return gemm.block_m(rows), bn, min(bk, block_k_max), warps, stages, 0
-    if gemm.wide(rows):                 # the 64-row decode tile over row blocks (gemm's docstring)
-        bn, bk, warps, stages = gemm.tiles(n, k, gemm.MAX_ROWS)
-        return gemm.MAX_ROWS, bn, min(bk, block_k_max), warps, stages, gemm.WIDE_GROUP_M
+    (exact_linear's past gemm.MAX_ROWS) with FP8_BLOCK_N on the decode tiles, BLOCK_K at most
+    `block_k_max`."""
+    if rows <= gemm.MAX_ROWS or gemm.wide(rows):
+        _, bk, warps, stages = gemm.tiles(n, k, min(rows, gemm.MAX_ROWS))
+        bk = min(bk, block_k_max)
+        stages = min(stages, 4) if bk >= 256 else stages
+        if rows <= gemm.MAX_ROWS:
+            return gemm.block_m(rows), FP8_BLOCK_N, bk, warps, stages, 0
+        return gemm.MAX_ROWS, FP8_BLOCK_N, bk, warps, stages, gemm.WIDE_GROUP_M   # over row blocks
     bm, bn, bk, warps, stages = gemm.prefill_tiles(n, k)
     return bm, bn, min(bk, block_k_max), warps, stages, gemm.PREFILL_GROUP_M
 
@@ -147,14 +136,12 @@ def applies_shape(n: int, k: int, rows: int, block: tuple[int, int] | None) -> b
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
                residual: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 0,
-               block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
-               epilogue: bool | None = None) -> torch.Tensor:
+               block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
     """x [M, K] @ dequant(w [N, K] float8_e4m3fn).T (+ residual) into out, each row's bits the same
     at any M. `scale`: float32 [N] (one per output row) with
     `block` None, else float32 [ceil(N / block[0]), ceil(K / block[1])]. The caller checks
     `applies` first. Tile arguments left 0 take the bf16 kernel's tiles (`_tiles`); tools/bench_gemm
-    --fp8 sets them to compare (BLOCK_K must divide a block's width). `epilogue` (row scales only;
-    None: `epilogue_scale()`) scales the sum instead of each weight."""
+    --fp8 sets them to compare (BLOCK_K must divide a block's width)."""
     m, k = x.shape
     n = w.shape[0]
     bm, bn, bk, warps, stages, group_m = _tiles(n, k, m, block[1] if block else k)
@@ -163,14 +150,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else out
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),) if group_m else (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    if epilogue is None:
-        epilogue = epilogue_scale()
-    extra = {"SCALE_EPILOGUE": 1} if epilogue and not block else {}   # the default launch keeps its form
     _fp8_kernel[grid](
         x, w, scale, out, res, m, n, k, x.stride(0), w.stride(0), scale.stride(0) if block else 0, out.stride(0),
         res.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, RESIDUAL=residual is not None,
         EVEN_N=n % bn == 0, SCALE_BN=block[0] if block else 0, SCALE_BK=block[1] if block else 1,
-        num_warps=warps, num_stages=stages, GROUP_M=group_m, **extra)
+        num_warps=warps, num_stages=stages, GROUP_M=group_m)
     return out
 
 

@@ -20,8 +20,8 @@ each weight row block once:
 `linear` takes this path only when it applies (CUDA, bf16/fp16, at most 64 rows, N and
 K multiples of the tile sizes, contiguous rows); anything else goes to cuBLAS. A decode
 step of 65..256 rows (MAX_DECODE_ROWS) runs its projections and logits on `exact_linear`
-instead (kvhold.executor.cuda.runner), whose big tiles give a row the bits the decode tiles
-give it: a row's result is the same at every bucket up to 256 rows.
+instead (kvhold.executor.cuda.runner), whose tiles (below) give a row the bits the decode
+tiles give it: a row's result is the same at every bucket up to 256 rows.
 
 Exact prefill (kvhold.executor.cuda.runner) runs a prefill chunk's projections on this
 kernel too, at any row count (`exact_linear`): up to 64 rows on the decode's tiles,
@@ -35,15 +35,16 @@ tools/probe_exact --gemm). cuBLAS instead picks its kernel, tile and split-K by 
 `KVHOLD_SKINNY_GEMM=0` turns it off (tools/bench_decode measures both). The tile sizes
 were chosen on the H200 by tools/bench_gemm (bench/results/gemm_cuda.json).
 
-`KVHOLD_WIDE_DECODE_TILES=1` (off by default, an experiment until the H200 has measured it)
-runs 65..256 rows (MAX_DECODE_ROWS) on the 64-row decode tile instead of the prefill tiles:
+65..128 rows (WIDE_DEFAULT_ROWS; `KVHOLD_WIDE_DECODE_TILES=1`: up to 256, MAX_DECODE_ROWS;
+`=0`: none) run on the 64-row decode tile instead of the prefill tiles:
 the same compiled tile as a 64-row decode step's, over ceil(rows / 64) row blocks, the row
 blocks of one column tile launched next to each other (GROUP_M = WIDE_GROUP_M) so that its
 weights come from DRAM once and from L2 after. The prefill tiles give 16-48 programs to a
 decode step's projections (bench/results/decode_cuda_96_192.json: 15.6 ms at 96 rows against
-6.0 ms at 64); the decode tile gives the 64-row step's programs times the row blocks. A row's
-bits are the 64-row tile's either way (the module's invariant, checked by
-tests/gpu/test_gpu_gemm.py with the variable set and unset).
+6.0 ms at 64); the decode tile gives the 64-row step's programs times the row blocks. At 256
+rows the prefill tiles' reuse of each weight tile wins back what their fewer programs lose, so
+the default stops at 128. A row's bits are the 64-row tile's either way (the module's
+invariant, checked by tests/gpu/test_gpu_gemm.py with the variable at 0 and 1).
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ from kvhold.executor.cuda import triton_aot
 MAX_ROWS = 64            # rows on the decode tiles (one program covers every row)
 MAX_DECODE_ROWS = 256    # a decode step's rows on the kernel: beyond MAX_ROWS on exact_linear's tiles
 WIDE_GROUP_M = MAX_DECODE_ROWS // MAX_ROWS   # row blocks of one column tile next to each other (wide tiles)
+# rows past MAX_ROWS on the wide tiles by default: on an H100 (bench/results/decode_cuda_256_wide_h100.json)
+# they took a 128-row Llama-3-8B step from 15.7 to 10.7 ms, and a 256-row one from 18.2 to 19.0 ms
+WIDE_DEFAULT_ROWS = 128
 DECODE_BUCKETS = (16, 32, 64, 128, 256)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 256, 4, 4       # H200, see module docstring
 # (N, K, rows per program) -> (BLOCK_N, BLOCK_K, warps, stages) where another tile won the
@@ -73,15 +77,17 @@ def enabled() -> bool:
     return os.environ.get("KVHOLD_SKINNY_GEMM", "1") != "0"
 
 
-def wide_decode_tiles() -> bool:
-    """KVHOLD_WIDE_DECODE_TILES=1: 65..MAX_DECODE_ROWS rows on the 64-row decode tile (the
-    module docstring). Read at each launch and by the warm-ups alike, so both take one path."""
-    return os.environ.get("KVHOLD_WIDE_DECODE_TILES", "0") == "1"
+def wide_decode_rows() -> int:
+    """The most rows that run on the 64-row decode tile over row blocks (the module docstring):
+    KVHOLD_WIDE_DECODE_TILES=0 none (MAX_ROWS), =1 every decode bucket (MAX_DECODE_ROWS), unset
+    WIDE_DEFAULT_ROWS. Read at each launch and by the warm-ups alike, so both take one path."""
+    return {"0": MAX_ROWS, "1": MAX_DECODE_ROWS}.get(os.environ.get("KVHOLD_WIDE_DECODE_TILES", ""),
+                                                      WIDE_DEFAULT_ROWS)
 
 
 def wide(rows: int) -> bool:
     """Whether `rows` rows run on the 64-row decode tile over several row blocks."""
-    return MAX_ROWS < rows <= MAX_DECODE_ROWS and wide_decode_tiles()
+    return MAX_ROWS < rows <= wide_decode_rows()
 
 
 @triton_aot.aot
@@ -267,8 +273,8 @@ def exact_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def exact_linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """skinny(x, w, residual, out) at any number of rows, each row's bits those a decode
-    step gives it: at most MAX_ROWS rows on the decode tiles, more on prefill_tiles (65..256
-    on the 64-row decode tile with KVHOLD_WIDE_DECODE_TILES=1)."""
+    step gives it: at most MAX_ROWS rows on the decode tiles, more on prefill_tiles (those that
+    `wide` takes on the 64-row decode tile over row blocks)."""
     m = x.shape[0]
     if m <= MAX_ROWS:
         return skinny(x, w, residual=residual, out=out)
