@@ -15,8 +15,9 @@
 #   decode         Llama-3-8B decode step, commit on/off, batch 1/8/64 (ROUNDS)     -> decode_cuda.json
 #   decode-256     Llama-3-8B decode step at batch 64/128/256 with --max-batch 256 (buckets 16..256, past 64
 #                  rows on exact_linear's tiles), commit on/off (ROUNDS)             -> decode_cuda_256.json
-#   decode-256-wide  decode-256 without and with KVHOLD_WIDE_DECODE_TILES=1 (65..256 rows on the 64-row decode
-#                  tile over row blocks), after test_gpu_gemm.py's bits  -> decode_cuda_256.json, decode_cuda_256_wide.json
+#   decode-256-wide  decode-256 with KVHOLD_WIDE_DECODE_TILES=0 (past 64 rows on the prefill tiles), unset (the
+#                  64-row decode tile over row blocks to 128 rows, the default) and 1 (to 256), after
+#                  test_gpu_gemm.py's bits          -> decode_cuda_256_wide0.json, _widedefault.json, _wide1.json
 #   decode-fp8     the same decode step on Llama-3-8B's shapes in FP8 (fp8-dynamic: per-channel weight scales),
 #                  batch 1/8/64, the FP8 weights dequantized in registers (kvhold.executor.cuda.fp8_gemm)
 #                                                                                  -> decode_fp8_cuda.json
@@ -148,14 +149,14 @@ for phase in "${@:-tests}"; do
         --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256.json" 2>&1 | tail -12
     ;;
   decode-256-wide)
-    # A/B of KVHOLD_WIDE_DECODE_TILES (65..256 rows on the 64-row decode tile over row blocks) in one call:
-    # its bits first (tests/gpu/test_gpu_gemm.py), then the decode step without and with it
+    # the rows past 64 on the prefill tiles (KVHOLD_WIDE_DECODE_TILES=0), the default (the 64-row decode tile over
+    # row blocks to 128 rows) and =1 (to 256) in one call, after their bits (tests/gpu/test_gpu_gemm.py)
     timeout 180 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemm.py 2>&1 | tail -4
     model_8b
-    timeout $(( $(left) / 2 )) python3 -m tools.bench_decode --model /tmp/l8b --layers fused --batches 64,128,256 \
-        --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256.json" 2>&1 | tail -7
-    KVHOLD_WIDE_DECODE_TILES=1 timeout $(left) python3 -m tools.bench_decode --model /tmp/l8b --layers fused \
-        --batches 64,128,256 --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256_wide.json" 2>&1 | tail -7
+    for wide in 0 "" 1; do
+      KVHOLD_WIDE_DECODE_TILES=$wide timeout $(( $(left) / 2 )) python3 -m tools.bench_decode --model /tmp/l8b --layers fused \
+          --batches 64,128,256 --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256_wide${wide:-default}.json" 2>&1 | tail -7
+    done
     ;;
   decode-fp8)
     [ -d /tmp/l8b-fp8 ] || python3 -m kvhold.testing.make_model --preset llama3-8b --quant fp8-dynamic \
