@@ -25,8 +25,9 @@
 #                  /dev/shm, the shards that do not fit spilled to /tmp; needs an H200): the decode step at
 #                  batch 8/64 with --max-batch 64, prefill MFU against the FP8 dense peak (1,979 TFLOP/s),
 #                  hot standby (FP8_KILLS, default 10) and zygote (FP8_ZYGOTE_KILLS, 3) recovery at 64 streams,
-#                  and the cold restart without kvhold. A whole run outlasts one device call: the same steps
-#                  in three back-to-back calls keep the checkpoint between them
+#                  and the cold restart without kvhold. A whole run outlasts one device call: FP8_STEPS
+#                  (default "decode prefill recovery cold"; "build" alone builds) splits it over back-to-back
+#                  calls on one warm machine, which keep the checkpoint
 #                  -> decode_fp8_70b_cuda.json, prefill_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json,
 #                     cold_restart_fp8_70b_cuda.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
@@ -165,21 +166,30 @@ for phase in "${@:-tests}"; do
         --rounds ${ROUNDS:-3} --out "$OUT/decode_fp8_cuda.json" 2>&1 | tail -12
     ;;
   fp8-70b)
-    # /dev/shm is a tmpfs of half the RAM by default (64 GiB of 128): the checkpoint needs ~68 GiB
+    # /dev/shm: the device machines' is 128 GiB (an H100 showed it); a smaller one is grown to 80 GiB if it can
+    # be, and shards that still do not fit are spilled to /tmp. FP8_STEPS picks the steps, so that a run split
+    # over back-to-back calls on one warm machine keeps the checkpoint between them
     have=$(df --output=size -BG /dev/shm | tail -1 | tr -dc 0-9)
     [ "${have:-0}" -ge 80 ] || mount -o remount,size=80G /dev/shm || echo "fp8-70b: /dev/shm is ${have} GiB and could not grow"
     df -h /dev/shm | tail -1
     [ -d /dev/shm/l70 ] || python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
         --spill-dir /tmp/l70-spill --device cuda 2>&1 | tail -3
-    timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 --max-batch 64 \
-        --rounds ${ROUNDS:-2} --out "$OUT/decode_fp8_70b_cuda.json" 2>&1 | tail -8
-    timeout $(left) python3 -m tools.bench_prefill --model /dev/shm/l70 --prompts 512,2048,8192 --repeats 2 \
-        --peak-tflops 1979 --out "$OUT/prefill_fp8_70b_cuda.json" 2>&1 | tail -6
-    timeout $(left) python3 -m tools.bench_recovery ${LOAD/\/tmp\/l8b//dev/shm/l70} --kv-memory 40GiB \
-        --kills ${FP8_KILLS:-10} --tiers standby,zygote --zygote-kills ${FP8_ZYGOTE_KILLS:-3} --cold-kills 0 \
-        --log-level INFO --out "$OUT/recovery_fp8_70b_cuda.json" 2>&1 | tail -24
-    timeout $(left) python3 -m tools.bench_cold_restart --model /dev/shm/l70 --runs 1 \
-        --out "$OUT/cold_restart_fp8_70b_cuda.json" 2>&1 | tail -4
+    for step in ${FP8_STEPS:-decode prefill recovery cold}; do
+      echo "--- fp8-70b $step ($(left) s left)"
+      case "$step" in
+      decode) timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 \
+                  --max-batch 64 --rounds ${ROUNDS:-2} --out "$OUT/decode_fp8_70b_cuda.json" 2>&1 | tail -8 ;;
+      prefill) timeout $(left) python3 -m tools.bench_prefill --model /dev/shm/l70 --prompts 512,2048,8192 --repeats 2 \
+                  --peak-tflops 1979 --out "$OUT/prefill_fp8_70b_cuda.json" 2>&1 | tail -6 ;;
+      recovery) timeout $(left) python3 -m tools.bench_recovery ${LOAD/\/tmp\/l8b//dev/shm/l70} --kv-memory 40GiB \
+                  --kills ${FP8_KILLS:-10} --tiers standby,zygote --zygote-kills ${FP8_ZYGOTE_KILLS:-3} --cold-kills 0 \
+                  --log-level INFO --out "$OUT/recovery_fp8_70b_cuda.json" 2>&1 | tail -24 ;;
+      cold) timeout $(left) python3 -m tools.bench_cold_restart --model /dev/shm/l70 --runs 1 \
+                  --out "$OUT/cold_restart_fp8_70b_cuda.json" 2>&1 | tail -4 ;;
+      build) ;;
+      *) echo "fp8-70b: unknown step $step (build, decode, prefill, recovery, cold)" ;;
+      esac
+    done
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   profile)
