@@ -154,8 +154,9 @@ for phase in "${@:-tests}"; do
     # row blocks to 128 rows) and =1 (to 256) in one call, after their bits (tests/gpu/test_gpu_gemm.py)
     timeout 180 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/gpu/test_gpu_gemm.py 2>&1 | tail -4
     model_8b
+    runs=3
     for wide in 0 "" 1; do
-      KVHOLD_WIDE_DECODE_TILES=$wide timeout $(( $(left) / 2 )) python3 -m tools.bench_decode --model /tmp/l8b --layers fused \
+      KVHOLD_WIDE_DECODE_TILES=$wide timeout $(( $(left) / runs-- )) python3 -m tools.bench_decode --model /tmp/l8b --layers fused \
           --batches 64,128,256 --max-batch 256 --rounds ${ROUNDS:-3} --out "$OUT/decode_cuda_256_wide${wide:-default}.json" 2>&1 | tail -7
     done
     ;;
@@ -172,8 +173,11 @@ for phase in "${@:-tests}"; do
     have=$(df --output=size -BG /dev/shm | tail -1 | tr -dc 0-9)
     [ "${have:-0}" -ge 80 ] || mount -o remount,size=80G /dev/shm || echo "fp8-70b: /dev/shm is ${have} GiB and could not grow"
     df -h /dev/shm | tail -1
-    [ -d /dev/shm/l70 ] || python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
-        --spill-dir /tmp/l70-spill --device cuda 2>&1 | tail -3
+    if [ ! -d /dev/shm/l70 ]; then      # a build cut short by a call's limit leaves its temp folder and spills
+      rm -rf /dev/shm/.kvhold-model-* /tmp/l70-spill
+      timeout $(left) python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
+          --spill-dir /tmp/l70-spill --device cuda 2>&1 | tail -3
+    fi
     for step in ${FP8_STEPS:-decode prefill recovery cold}; do
       echo "--- fp8-70b $step ($(left) s left)"
       case "$step" in

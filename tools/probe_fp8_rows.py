@@ -3,7 +3,8 @@ One GPU, under a minute.
 
     python -m tools.probe_fp8_rows [--no-block] [--bf16-out] > bench/results/fp8_kernel_rows_cuda.txt
 
-For each row count r in 1..256 (every decode bucket and the exact-prefill tiles past 64) it runs
+For each row count r in 1..256 (every decode bucket; past 64 rows the wide decode tile or the
+exact-prefill tiles, as gemm.wide says) it runs
 x[:r] @ dequant(w).T and says whether row 0's bits equal those at r = 1. The output is stored in
 float32 (out_ptr float32: the kernel's fp32 accumulator itself, no bf16 rounding to hide a
 last-bit difference); --bf16-out adds the engine's bf16 output for the two main variants.
@@ -90,7 +91,7 @@ def bf16_launch(x, dense, out_dtype):
 
 def tile_of(r: int) -> str:
     from kvhold.executor.cuda import gemm
-    bm = gemm.block_m(r) if r <= gemm.MAX_ROWS else gemm.prefill_tiles(N, K)[0]
+    bm = gemm.block_m(r) if r <= gemm.MAX_ROWS or gemm.wide(r) else gemm.prefill_tiles(N, K)[0]
     return f"BM{bm:<3d} {'mma.sync' if bm < 64 else 'wgmma'}"
 
 

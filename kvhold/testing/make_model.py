@@ -316,8 +316,8 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
             if spill is not None and shutil.disk_usage(tmp).free < nbytes + (1 << 30):
                 Path(spill).mkdir(parents=True, exist_ok=True)
                 target = Path(spill).resolve() / f"{tmp.name}{part.name}"
+                spilled.append(target)          # first, so that a write cut short is removed too
                 save_file(shard, str(target), metadata={"format": "pt"})
-                spilled.append(target)
                 part.symlink_to(target)
             else:
                 save_file(shard, str(part), metadata={"format": "pt"})
@@ -350,6 +350,8 @@ def build(out: Path, preset: str = "tiny", seed: int = 0, device: str = "cpu",
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
         if out.exists():
+            for link in (p for p in out.iterdir() if p.is_symlink()):   # an earlier build's spilled shards
+                link.resolve().unlink(missing_ok=True)
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:

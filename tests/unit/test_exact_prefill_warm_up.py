@@ -134,3 +134,30 @@ def test_wide_decode_tiles_put_65_to_128_rows_on_the_64_row_tile_by_default_and_
     assert cuda_gemm.wide(128) and not cuda_gemm.wide(129) and not cuda_gemm.wide(64)
     monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "1")
     assert cuda_gemm.wide(256) and not cuda_gemm.wide(64) and not cuda_gemm.wide(257)
+
+
+def test_an_unknown_wide_tiles_setting_is_refused_not_read_as_the_default(monkeypatch):
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", "off")
+    with pytest.raises(ValueError, match="KVHOLD_WIDE_DECODE_TILES='off'"):
+        cuda_gemm.wide(100)
+
+
+@pytest.mark.parametrize("wide", ["0", "1", ""])
+def test_each_launch_key_gives_one_fp8_tile_and_the_fp8_decode_tile_widens_where_the_waves_allow(wide, monkeypatch):
+    """The FP8 kernel's tiles follow from gemm.exact_launch_key (the warm-ups launch one row count
+    per key), and on the decode tiles take 64 columns a program unless that fills the SMs' waves
+    worse than the bf16 choice: Llama-3-70B's q|k|v (160 programs) keeps 32, its o and down take 64."""
+    from kvhold.executor.cuda import fp8_gemm
+
+    monkeypatch.setenv("KVHOLD_WIDE_DECODE_TILES", wide)
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (8192, 8192),
+              (57344, 8192), (8192, 28672), (1000, 1024)]
+    for n, k in shapes:
+        by_key = {}
+        for rows in range(1, 300):
+            for block_k_max in (k, 128):
+                tile = fp8_gemm._tiles(n, k, rows, block_k_max)
+                assert by_key.setdefault((cuda_gemm.exact_launch_key(n, k, rows), block_k_max), tile) == tile
+    assert fp8_gemm._tiles(10240, 8192, 16, 8192)[1] == 32 and fp8_gemm._tiles(10240, 8192, 64, 8192)[1] == 32
+    assert all(fp8_gemm._tiles(n, k, rows, k)[1] == 64 for n, k in ((8192, 8192), (8192, 28672)) for rows in (1, 16, 64))
+    assert fp8_gemm._tiles(8192, 8192, 64, 8192)[4] <= 4        # five stages of 64 x 256 do not fit shared memory

@@ -61,3 +61,7 @@ def test_make_model_spills_the_shards_that_do_not_fit_and_the_checkpoint_loads_a
     for a, b in zip(shards, sorted(ref.glob("*.safetensors"))):
         want = load_file(b)
         assert all(torch.equal(t, want[name]) for name, t in load_file(a).items())
+    # built again over itself: the old build's spilled shards go with it, none is left behind
+    room["left"] = 2
+    assert make_model.main(["--out", str(out), "--shard-gb", str(200_000 / 2**30), "--spill-dir", str(spill)]) == 0
+    assert sorted(p.resolve() for p in out.glob("*.safetensors") if p.is_symlink()) == sorted(spill.iterdir())

@@ -1,5 +1,5 @@
 """FP8 weight GEMMs on CUDA (Triton): the weight read as FP8, dequantized in registers,
-multiplied on kvhold.executor.cuda.gemm's tiles.
+multiplied on kvhold.executor.cuda.gemm's tiles (wider ones on the decode tiles: `_tiles`).
 
 A decode step reads every weight once, so its time is the weights' bytes over the memory
 bandwidth. Dequantizing an FP8 weight to bf16 in memory before the bf16 kernel (the fallback,
@@ -97,24 +97,37 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, M, N, K, stride_x, stride
     tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# BLOCK_N on the decode and wide tiles: an FP8 weight row is half a bf16 one's bytes, and 64 columns a
-# program read as fast as the bf16 kernel's choices or faster at every Llama-3-70B shape and row count
-# (bench/results/gemm_fp8_70b_h100.json: at 64 rows 0.54-0.59 of the copy bandwidth against 0.39-0.43
-# for o, gate|up and down); stages at most 4 with BLOCK_K 256 (five do not fit shared memory at 64 rows)
+# BLOCK_N on the decode and wide tiles where its programs fill the SMs as well as the bf16 kernel's
+# choice: an FP8 weight row is half a bf16 one's bytes, and at Llama-3-70B's o, gate|up and down 64
+# columns a program read 0.54-0.59 of the copy bandwidth at 64 rows against 0.39-0.43, and 7-9% faster
+# at 16 (bench/results/gemm_fp8_70b_h100.json); q|k|v (10,240 columns: 160 programs, a second wave
+# of 28 on 132 SMs) was 12% slower at 16 rows, which the wave count predicts. BLOCK_N decides no bits.
 FP8_BLOCK_N = 64
+SM_COUNT = 132           # an H100's or H200's (SXM): the waves `_block_n` counts; a wrong count costs speed only
+
+
+def _block_n(n: int, bn: int) -> int:
+    """FP8_BLOCK_N unless its column programs fill the waves over SM_COUNT SMs worse than `bn`'s
+    (counted for one row block, so that every row count of a launch key takes one tile)."""
+    def filled(block_n: int) -> float:
+        programs = -(-n // block_n)
+        return programs / (-(-programs // SM_COUNT) * SM_COUNT)
+    return FP8_BLOCK_N if filled(FP8_BLOCK_N) >= filled(bn) else bn
 
 
 def _tiles(n: int, k: int, rows: int, block_k_max: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M): the bf16 kernel's tiles at these rows
-    (exact_linear's past gemm.MAX_ROWS) with FP8_BLOCK_N on the decode tiles, BLOCK_K at most
-    `block_k_max`."""
+    (exact_linear's past gemm.MAX_ROWS), with `_block_n`'s BLOCK_N on the decode and wide tiles
+    (at most 4 stages where it widened a BLOCK_K of 256: five do not fit shared memory at 64 rows),
+    BLOCK_K at most `block_k_max`. A launch key of gemm.exact_launch_key gives one FP8 tile."""
     if rows <= gemm.MAX_ROWS or gemm.wide(rows):
-        _, bk, warps, stages = gemm.tiles(n, k, min(rows, gemm.MAX_ROWS))
+        bf16_bn, bk, warps, stages = gemm.tiles(n, k, min(rows, gemm.MAX_ROWS))
         bk = min(bk, block_k_max)
-        stages = min(stages, 4) if bk >= 256 else stages
-        if rows <= gemm.MAX_ROWS:
-            return gemm.block_m(rows), FP8_BLOCK_N, bk, warps, stages, 0
-        return gemm.MAX_ROWS, FP8_BLOCK_N, bk, warps, stages, gemm.WIDE_GROUP_M   # over row blocks
+        bm = gemm.block_m(rows) if rows <= gemm.MAX_ROWS else gemm.MAX_ROWS
+        bn = _block_n(n, bf16_bn)
+        if bn != bf16_bn and bk >= 256:
+            stages = min(stages, 4)
+        return bm, bn, bk, warps, stages, 0 if rows <= gemm.MAX_ROWS else gemm.WIDE_GROUP_M
     bm, bn, bk, warps, stages = gemm.prefill_tiles(n, k)
     return bm, bn, min(bk, block_k_max), warps, stages, gemm.PREFILL_GROUP_M
 

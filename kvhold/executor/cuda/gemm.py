@@ -81,8 +81,12 @@ def wide_decode_rows() -> int:
     """The most rows that run on the 64-row decode tile over row blocks (the module docstring):
     KVHOLD_WIDE_DECODE_TILES=0 none (MAX_ROWS), =1 every decode bucket (MAX_DECODE_ROWS), unset
     WIDE_DEFAULT_ROWS. Read at each launch and by the warm-ups alike, so both take one path."""
-    return {"0": MAX_ROWS, "1": MAX_DECODE_ROWS}.get(os.environ.get("KVHOLD_WIDE_DECODE_TILES", ""),
-                                                      WIDE_DEFAULT_ROWS)
+    value = os.environ.get("KVHOLD_WIDE_DECODE_TILES", "")
+    rows = {"0": MAX_ROWS, "1": MAX_DECODE_ROWS, "": WIDE_DEFAULT_ROWS}.get(value)
+    if rows is None:
+        raise ValueError(f"KVHOLD_WIDE_DECODE_TILES={value!r}: want 0 (off), 1 (to {MAX_DECODE_ROWS} rows) "
+                         f"or unset (to {WIDE_DEFAULT_ROWS})")
+    return rows
 
 
 def wide(rows: int) -> bool:
@@ -231,8 +235,8 @@ def exact_launch_key(n: int, k: int, rows: int) -> tuple:
     """What decides which compiled kernel `exact_linear` launches at `rows` rows of an
     [rows, k] @ [n, k].T: the tile it takes and how Triton specialises the row count (a
     multiple of 16 or not; one row never comes here from a prefill). Two row counts with
-    the same key run the same compiled kernel (and of kvhold.executor.cuda.fp8_gemm's, which
-    takes the same tiles at every row count)."""
+    the same key run the same compiled kernel (and of kvhold.executor.cuda.fp8_gemm's, whose
+    tiles follow from this key: fp8_gemm._tiles)."""
     if rows <= MAX_ROWS:
         return ("decode", block_m(rows), tiles(n, k, rows), rows % 16 == 0, rows == 1)
     if wide(rows):
