@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from kvhold.executor.commit import CommitProtocol, NoCommit
 from kvhold.executor.engine import Engine
 from kvhold.executor.kv_cache import TORCH_DTYPES, KvCache
 from kvhold.executor.llama import LlamaModel
+from kvhold.executor.weights import WEIGHT_DTYPES, copy_checkpoint, device_writer, host_writer
 from kvhold.protocol.checkpoint import build_manifest
 from kvhold.protocol.journal import Journal
 from kvhold.protocol.layout import KvGeometry, TableGeometry
@@ -31,28 +31,17 @@ from kvhold.protocol.tables import Tables
 
 def load_weights(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors laid out as in the sidecar's weights region: one buffer,
-    tensors at their manifest offsets (config order), so fused projections are views. One shard
-    is read at a time and copied into place, so the device holds the region plus one shard (a
-    70B FP8 checkpoint read whole beside its region would not fit an H200)."""
+    tensors at their manifest offsets (config order), so fused projections are views. Read
+    tensor by tensor as the sidecar's loader reads them (kvhold.executor.weights.copy_checkpoint),
+    so the device holds the region alone (a 70B FP8 checkpoint beside it would not fit an H200)."""
     manifest = build_manifest(model_dir, ModelSpec.from_dir(model_dir))
-    entries = manifest.by_name()
     region = torch.empty(manifest.region_bytes, dtype=torch.uint8, device=device)
-    packed = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        shard = load_file(str(f), device=device)
-        for name in list(shard):
-            t, e = shard.pop(name), entries.get(name)
-            if e is None:           # not a tensor the model reads (the manifest checked the rest)
-                continue
-            view = region[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            packed[e.name] = view
-            del t
-        del shard
-    missing = [e.name for e in manifest.entries if e.name not in packed]
-    if missing:
-        raise ValueError(f"{model_dir}: the manifest names tensors no shard holds: {missing[:5]}")
-    return {e.name: packed[e.name] for e in manifest.entries}      # in config order, as the region is
+    cuda = region.is_cuda
+    copy_checkpoint(manifest, model_dir, device_writer(region) if cuda else host_writer(region.numpy()))
+    if cuda:
+        torch.cuda.synchronize()
+    return {e.name: region[e.offset:e.offset + e.nbytes].view(WEIGHT_DTYPES[e.dtype]).view(e.shape)
+            for e in manifest.entries}
 
 
 def build_engine(model_dir: Path, device: str, kv_pages: int, max_seq_len: int, max_batch: int,

@@ -46,61 +46,72 @@ class WeightsRegion:
         regions through a pinned staging buffer, chunk by chunk."""
         t0 = time.monotonic()
         if self.mapping.info.backend == "cuda":
-            write = self._device_writer()
+            write = device_writer(self.mapping.tensor(torch.uint8, (self.manifest.region_bytes,)))
         else:
-            buf = self.mapping.numpy(np.uint8, (self.manifest.region_bytes,))
-
-            def write(f, offset, nbytes):
-                return f.readinto(memoryview(buf[offset:offset + nbytes]))
-        total = sum(e.nbytes for e in self.manifest.entries)
-        files: dict[str, object] = {}
-        try:
-            with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=None,
-                      mininterval=0.5) as bar:
-                for e in self.manifest.entries:
-                    f = files.get(e.file)
-                    if f is None:
-                        path = self.model_dir / e.file
-                        try:
-                            f = files[e.file] = open(path, "rb")
-                        except OSError as exc:
-                            raise CheckpointError(f"{path}: cannot open ({exc.strerror})") from None
-                    f.seek(e.file_offset)
-                    got = write(f, e.offset, e.nbytes)
-                    if got != e.nbytes:
-                        raise CheckpointError(f"{e.file}: tensor {e.name!r} truncated "
-                                              f"({got} of {e.nbytes} bytes)")
-                    bar.update(e.nbytes)
-                    beat()
-        finally:
-            for f in files.values():
-                f.close()
+            write = host_writer(self.mapping.numpy(np.uint8, (self.manifest.region_bytes,)))
+        copy_checkpoint(self.manifest, self.model_dir, write, beat)
         if self.mapping.info.backend == "cuda":
             torch.cuda.synchronize()
         self.mapping.seal_readonly()
         return (time.monotonic() - t0) * 1e3
 
-    def _device_writer(self, stage_bytes: int = 256 << 20):
-        dst = self.mapping.tensor(torch.uint8, (self.manifest.region_bytes,))
-        stage = torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True)
-        stage_np = stage.numpy()
-
-        def write(f, offset, nbytes):
-            done = 0
-            while done < nbytes:
-                k = min(stage_bytes, nbytes - done)
-                got = f.readinto(memoryview(stage_np[:k]))
-                if got != k:
-                    return done + got
-                dst[offset + done:offset + done + k].copy_(stage[:k])  # synchronous: stage reused next
-                done += k
-            return done
-        return write
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """Zero-copy views of every tensor, keyed by its Hugging Face name."""
         return {e.name: self.mapping.tensor(WEIGHT_DTYPES[e.dtype], e.shape, e.offset)
                 for e in self.manifest.entries}
+
+
+def copy_checkpoint(manifest: Manifest, model_dir: str | Path, write, beat=lambda: None) -> None:
+    """Copy each of the manifest's tensors from its safetensors file, one at a time, with
+    `write(file, region_offset, nbytes) -> bytes written` (host_writer, device_writer), beating
+    after each, with a progress bar. A short or unreadable file is a CheckpointError naming it."""
+    total = sum(e.nbytes for e in manifest.entries)
+    files: dict[str, object] = {}
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=None,
+                  mininterval=0.5) as bar:
+            for e in manifest.entries:
+                f = files.get(e.file)
+                if f is None:
+                    path = Path(model_dir) / e.file
+                    try:
+                        f = files[e.file] = open(path, "rb")
+                    except OSError as exc:
+                        raise CheckpointError(f"{path}: cannot open ({exc.strerror})") from None
+                f.seek(e.file_offset)
+                got = write(f, e.offset, e.nbytes)
+                if got != e.nbytes:
+                    raise CheckpointError(f"{e.file}: tensor {e.name!r} truncated ({got} of {e.nbytes} bytes)")
+                bar.update(e.nbytes)
+                beat()
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def host_writer(buf: np.ndarray):
+    """copy_checkpoint's writer into host memory (uint8): read straight into it."""
+    def write(f, offset, nbytes):
+        return f.readinto(memoryview(buf[offset:offset + nbytes]))
+    return write
+
+
+def device_writer(dst: torch.Tensor, stage_bytes: int = 256 << 20):
+    """copy_checkpoint's writer into device memory (uint8): through a pinned staging buffer."""
+    stage = torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=True)
+    stage_np = stage.numpy()
+
+    def write(f, offset, nbytes):
+        done = 0
+        while done < nbytes:
+            k = min(stage_bytes, nbytes - done)
+            got = f.readinto(memoryview(stage_np[:k]))
+            if got != k:
+                return done + got
+            dst[offset + done:offset + done + k].copy_(stage[:k])  # synchronous: stage reused next
+            done += k
+        return done
+    return write
 
 
 def wait_until_sealed(tables, fingerprint: str, my_epoch: int, beat, timeout_s: float = 3600.0) -> bool:
