@@ -21,6 +21,13 @@ Llama-3-70B's shapes instead of -8B's. The JSON is rewritten after each shape, s
 short keeps what it measured:
 
     python -m tools.bench_gemm --fp8 rows --model 70b --sweep --out bench/results/gemm_fp8_70b_cuda.json
+
+Rows past 64 (up to 256: a decode step's on `exact_linear`) time the path it takes today (`exact`),
+the 64-row decode tile over row blocks (`wide`) and the prefill tiles (`prefill`), with --sweep also
+WIDE_GRID, each with its TFLOP/s and whether every row has the 64-row decode tile's bits (a tile that
+does not cannot serve a decode step):
+
+    python -m tools.bench_gemm --rows 64,128,256 --sweep --sweep-rows 128,256 --shapes qkv,o,gate_up,down
 """
 from __future__ import annotations
 
@@ -42,6 +49,11 @@ SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, True), "gate_up": (28672
 SHAPES_70B = {"qkv": (10240, 8192, False), "o": (8192, 8192, True), "gate_up": (57344, 8192, False),
               "down": (8192, 28672, True), "lm_head": (128256, 8192, False)}
 LAYERS = 32
+# the grid --sweep times at --sweep-rows past 64 (a decode step of 65..256 rows): (BLOCK_M, BLOCK_N,
+# BLOCK_K, warps, stages), the row tiles of one column tile launched next to each other
+WIDE_GRID = ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
+             (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+             (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
 # --fp8 --sweep's grid: (BLOCK_N, BLOCK_K, warps, stages)
 FP8_GRID = tuple(itertools.product((16, 32, 64, 128), (256, 512), (4, 8), (3, 4)))
 
@@ -126,7 +138,8 @@ def main(argv=None) -> int:
                   for q, s_ in fp8]
             nbytes = n * k
 
-        def record(impl, m, seconds, config=None, error=None, max_err=None, same_as_16_rows=None):
+        def record(impl, m, seconds, config=None, error=None, max_err=None, same_as_16_rows=None,
+                   same_as_decode_tile=None):
             row = {"shape": name, "n": n, "k": k, "rows": m, "impl": impl, "config": config}
             read = nbytes if impl.startswith("fp8") else n * k * 2     # cuBLAS reads the bf16 weight
             if seconds is not None:
@@ -137,6 +150,10 @@ def main(argv=None) -> int:
                 row["max_rel_err_vs_cublas"] = max_err
             if same_as_16_rows is not None:
                 row["rows_bit_identical_to_batch_8"] = same_as_16_rows
+            if same_as_decode_tile is not None:
+                row["bit_identical_to_decode_tile"] = same_as_decode_tile
+            if seconds is not None and m > 64:     # past 64 rows the FLOPs count as much as the bytes
+                row["tflops"] = round(2 * m * n * k * layers / seconds / 1e12, 1)
             if error:
                 row["error"] = error
             results.append(row)
@@ -164,6 +181,42 @@ def main(argv=None) -> int:
             got = kernel(x, 0, cfg).float()
             return round(((got - ref).abs().max() / ref.abs().max()).item(), 5)
 
+        def wide_rows(m, x, h, sweep):
+            """A decode step of 65..256 rows (exact_linear): the path it takes today, the 64-row decode
+            tile over row blocks (`wide`), the prefill tiles, and with `sweep` WIDE_GRID; each checked bit
+            for bit against the 64-row decode tile's blocks (what a row gives at 64 rows), which any tile
+            must match to serve a decode step."""
+            ref = torch.cat([cuda_gemm.skinny(x[i:i + cuda_gemm.MAX_ROWS], ws[0])
+                             for i in range(0, m, cuda_gemm.MAX_ROWS)])
+            bm, bn, bk, nw, ns = cuda_gemm.prefill_tiles(n, k)
+            configs = [("exact", {}),
+                       ("wide", dict(rows_per_program=cuda_gemm.MAX_ROWS, group_m=cuda_gemm.WIDE_GROUP_M)),
+                       ("prefill", dict(rows_per_program=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                                        group_m=cuda_gemm.PREFILL_GROUP_M))]
+            if sweep:
+                configs += [("tile", dict(rows_per_program=bm_, block_n=bn_, block_k=bk_, num_warps=nw_,
+                                          num_stages=ns_, group_m=max(1, m // bm_)))
+                            for bm_, bn_, bk_, nw_, ns_ in WIDE_GRID if bm_ <= m]
+            for impl, cfg in configs:
+                if n % cfg.get("block_n", 1) or k % cfg.get("block_k", 1):
+                    continue
+                if impl == "exact":
+                    run = lambda i, **kw: cuda_gemm.exact_linear(x, ws[i], **kw)
+                else:
+                    run = lambda i, cfg=cfg, **kw: cuda_gemm.skinny(x, ws[i], **cfg, **kw)
+                try:
+                    same = bool(torch.equal(run(0), ref))
+                    err = round(((run(0).float() - F.linear(x, ws[0]).float()).abs().max()
+                                 / F.linear(x, ws[0]).float().abs().max()).item(), 5)
+                    if residual:
+                        fn = lambda run=run: [run(i, residual=h, out=h) for i in range(len(ws))]
+                    else:
+                        fn = lambda run=run: [run(i) for i in range(len(ws))]
+                    record(impl, m, time_graph(fn), cfg or {"path": "wide" if cuda_gemm.wide(m) else "prefill"},
+                           max_err=err, same_as_decode_tile=same)
+                except Exception as exc:  # a tile that does not fit (shared memory): recorded, skipped
+                    record(impl, m, None, cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
+
         for m in rows_list:
             x = torch.randn((m, k), generator=gen, device=dev, dtype=torch.bfloat16)
             h = torch.randn((m, n), generator=gen, device=dev, dtype=torch.bfloat16)
@@ -172,6 +225,8 @@ def main(argv=None) -> int:
                 record(lib, m, time_graph(cublas_fn(x, h)))
             torch.backends.cuda.preferred_blas_library("cublas")
             if m > cuda_gemm.MAX_ROWS:
+                if not args.fp8 and m <= cuda_gemm.MAX_DECODE_ROWS and name != "lm_head":
+                    wide_rows(m, x, h, args.sweep and m in sweep_rows)
                 continue
             default = dict(block_n=cuda_gemm.BLOCK_N, block_k=cuda_gemm.BLOCK_K, num_warps=cuda_gemm.NUM_WARPS,
                            num_stages=cuda_gemm.NUM_STAGES)

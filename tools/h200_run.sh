@@ -10,6 +10,9 @@
 #   first-kernels  first launch of each Triton kernel in a zygote-forked child     -> first_kernels_cuda.json
 #   prefill-attention  a prefill chunk's attention, first call per key length     -> prefill_attention_cuda.json
 #   gemm           the decode GEMM kernel against cuBLAS, tile sweep               -> gemm_cuda.json
+#   wide-tiles     a decode step's GEMMs at 128 and 256 rows: the path exact_linear takes, the 64-row decode tile
+#                  over row blocks, the prefill tiles and a grid of tiles (bench_gemm's WIDE_GRID), each with its
+#                  TFLOP/s and whether it gives the 64-row decode tile's bits           -> gemm_wide_cuda.json
 #   gemm-fp8       the FP8 kernel against cuBLAS on the dequantized weights, tile sweep (FP8_SCALES: rows
 #                  or block)                                                      -> gemm_fp8_cuda.json
 #   decode         Llama-3-8B decode step, commit on/off, batch 1/8/64 (ROUNDS)     -> decode_cuda.json
@@ -134,6 +137,10 @@ for phase in "${@:-tests}"; do
     ;;
   gemm)
     timeout 280 python3 -m tools.bench_gemm --sweep --out "$OUT/gemm_cuda.json" 2>&1 | tail -24
+    ;;
+  wide-tiles)
+    timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m tools.bench_gemm --rows 64,128,256 --sweep \
+        --sweep-rows 128,256 --shapes qkv,o,gate_up,down --out "$OUT/gemm_wide_cuda.json" 2>&1 | tail -12
     ;;
   gemm-fp8)
     timeout 280 python3 -m tools.bench_gemm --fp8 ${FP8_SCALES:-rows} --sweep --rows 1,8,16,64 \
