@@ -30,7 +30,8 @@
 #                  hot standby (FP8_KILLS, default 10) and zygote (FP8_ZYGOTE_KILLS, 3) recovery at 64 streams,
 #                  and the cold restart without kvhold. A whole run outlasts one device call: FP8_STEPS
 #                  (default "decode prefill recovery cold"; "build" alone builds) splits it over back-to-back
-#                  calls on one warm machine, which keep the checkpoint
+#                  calls on one warm machine, which keep the checkpoint; "tests" runs the whole GPU suite while
+#                  the checkpoint is written (FP8_STEPS=tests: build and suite in one call, -> gpu_tests.txt)
 #                  -> decode_fp8_70b_cuda.json, prefill_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json,
 #                     cold_restart_fp8_70b_cuda.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
@@ -180,14 +181,24 @@ for phase in "${@:-tests}"; do
     have=$(df --output=size -BG /dev/shm | tail -1 | tr -dc 0-9)
     [ "${have:-0}" -ge 80 ] || mount -o remount,size=80G /dev/shm || echo "fp8-70b: /dev/shm is ${have} GiB and could not grow"
     df -h /dev/shm | tail -1
+    steps=" ${FP8_STEPS:-decode prefill recovery cold} "
     if [ ! -d /dev/shm/l70 ]; then      # a build cut short by a call's limit leaves its temp folder and spills
       rm -rf /dev/shm/.kvhold-model-* /tmp/l70-spill
-      timeout $(left) python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 --out /dev/shm/l70 \
-          --spill-dir /tmp/l70-spill --device cuda 2>&1 | tail -3
+      build() { S0=$SECONDS; timeout $(left) python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 \
+                   --out /dev/shm/l70 --spill-dir /tmp/l70-spill --device cuda 2>&1 | tail -3
+                 echo "fp8-70b: build exited $? after $((SECONDS - S0)) s"; }
+      if [[ $steps == *" tests "* ]]; then build > "$OUT/build_fp8_70b.txt" & else build; fi
     fi
-    for step in ${FP8_STEPS:-decode prefill recovery cold}; do
+    for step in $steps; do
       echo "--- fp8-70b $step ($(left) s left)"
+      if [ "$step" != tests ] && [ -n "$(jobs -p)" ]; then   # the build, if it ran beside the tests
+        wait; cat "$OUT/build_fp8_70b.txt"
+      fi
       case "$step" in
+      # the whole GPU suite while the checkpoint is written (it times nothing): one call does both
+      tests) timeout $(( $(left) < 540 ? $(left) : 540 )) python3 -m pytest -v -n 0 -p no:cacheprovider \
+                  --continue-on-collection-errors -m gpu -rfEs --durations=30 tests 2>&1 \
+                  | tee "$OUT/gpu_tests.txt" | grep -v PASSED | tail -40 ;;
       decode) timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 \
                   --max-batch 64 --rounds ${ROUNDS:-2} --out "$OUT/decode_fp8_70b_cuda.json" 2>&1 | tail -8 ;;
       prefill) timeout $(left) python3 -m tools.bench_prefill --model /dev/shm/l70 --prompts 512,2048,8192 --repeats 2 \
@@ -198,9 +209,10 @@ for phase in "${@:-tests}"; do
       cold) timeout $(left) python3 -m tools.bench_cold_restart --model /dev/shm/l70 --runs 1 \
                   --out "$OUT/cold_restart_fp8_70b_cuda.json" 2>&1 | tail -4 ;;
       build) ;;
-      *) echo "fp8-70b: unknown step $step (build, decode, prefill, recovery, cold)" ;;
+      *) echo "fp8-70b: unknown step $step (tests, build, decode, prefill, recovery, cold)" ;;
       esac
     done
+    wait
     gzip -f "$OUT"/*.log 2>/dev/null
     ;;
   profile)
