@@ -22,8 +22,9 @@ short keeps what it measured:
 
     python -m tools.bench_gemm --fp8 rows --model 70b --sweep --out bench/results/gemm_fp8_70b_cuda.json
 
-Rows past 64 (up to 256: a decode step's on `exact_linear`) time the path it takes today (`exact`),
-the 64-row decode tile over row blocks (`wide`) and the prefill tiles (`prefill`), with --sweep also
+Rows past 64 (up to 256: a decode step's on `exact_linear`) time the 64-row decode tile over row
+blocks (`wide`) and the prefill tiles (`prefill`), the one `exact_linear` takes today marked
+`current`, with --sweep also
 WIDE_GRID, each with its TFLOP/s and whether every row has the 64-row decode tile's bits (a tile that
 does not cannot serve a decode step):
 
@@ -182,38 +183,28 @@ def main(argv=None) -> int:
             return round(((got - ref).abs().max() / ref.abs().max()).item(), 5)
 
         def wide_rows(m, x, h, sweep):
-            """A decode step of 65..256 rows (exact_linear): the path it takes today, the 64-row decode
-            tile over row blocks (`wide`), the prefill tiles, and with `sweep` WIDE_GRID; each checked bit
-            for bit against the 64-row decode tile's blocks (what a row gives at 64 rows), which any tile
-            must match to serve a decode step."""
+            """A decode step of 65..256 rows (exact_linear): the 64-row decode tile over row blocks
+            (`wide`) and the prefill tiles (`prefill`), the one exact_linear takes today marked
+            `current`, and with `sweep` WIDE_GRID; each checked bit for bit against the 64-row decode
+            tile's blocks (what a row gives at 64 rows), which any tile must match to serve a decode step."""
             ref = torch.cat([cuda_gemm.skinny(x[i:i + cuda_gemm.MAX_ROWS], ws[0])
                              for i in range(0, m, cuda_gemm.MAX_ROWS)])
             bm, bn, bk, nw, ns = cuda_gemm.prefill_tiles(n, k)
-            configs = [("exact", {}),
-                       ("wide", dict(rows_per_program=cuda_gemm.MAX_ROWS, group_m=cuda_gemm.WIDE_GROUP_M)),
+            configs = [("wide", dict(rows_per_program=cuda_gemm.MAX_ROWS, group_m=cuda_gemm.WIDE_GROUP_M)),
                        ("prefill", dict(rows_per_program=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
                                         group_m=cuda_gemm.PREFILL_GROUP_M))]
             if sweep:
                 configs += [("tile", dict(rows_per_program=bm_, block_n=bn_, block_k=bk_, num_warps=nw_,
                                           num_stages=ns_, group_m=max(1, m // bm_)))
                             for bm_, bn_, bk_, nw_, ns_ in WIDE_GRID if bm_ <= m]
+            current = "wide" if cuda_gemm.wide(m) else "prefill"
             for impl, cfg in configs:
                 if n % cfg.get("block_n", 1) or k % cfg.get("block_k", 1):
                     continue
-                if impl == "exact":
-                    run = lambda i, **kw: cuda_gemm.exact_linear(x, ws[i], **kw)
-                else:
-                    run = lambda i, cfg=cfg, **kw: cuda_gemm.skinny(x, ws[i], **cfg, **kw)
                 try:
-                    same = bool(torch.equal(run(0), ref))
-                    err = round(((run(0).float() - F.linear(x, ws[0]).float()).abs().max()
-                                 / F.linear(x, ws[0]).float().abs().max()).item(), 5)
-                    if residual:
-                        fn = lambda run=run: [run(i, residual=h, out=h) for i in range(len(ws))]
-                    else:
-                        fn = lambda run=run: [run(i) for i in range(len(ws))]
-                    record(impl, m, time_graph(fn), cfg or {"path": "wide" if cuda_gemm.wide(m) else "prefill"},
-                           max_err=err, same_as_decode_tile=same)
+                    same = bool(torch.equal(kernel(x, 0, cfg), ref))
+                    record(impl, m, time_graph(skinny_fn(x, h, cfg)), dict(cfg, current=impl == current),
+                           max_err=check(x, cfg), same_as_decode_tile=same)
                 except Exception as exc:  # a tile that does not fit (shared memory): recorded, skipped
                     record(impl, m, None, cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
 

@@ -10,9 +10,9 @@
 #   first-kernels  first launch of each Triton kernel in a zygote-forked child     -> first_kernels_cuda.json
 #   prefill-attention  a prefill chunk's attention, first call per key length     -> prefill_attention_cuda.json
 #   gemm           the decode GEMM kernel against cuBLAS, tile sweep               -> gemm_cuda.json
-#   wide-tiles     a decode step's GEMMs at 128 and 256 rows: the path exact_linear takes, the 64-row decode tile
-#                  over row blocks, the prefill tiles and a grid of tiles (bench_gemm's WIDE_GRID), each with its
-#                  TFLOP/s and whether it gives the 64-row decode tile's bits           -> gemm_wide_cuda.json
+#   wide-tiles     a decode step's GEMMs at 128 and 256 rows: the 64-row decode tile over row blocks and the
+#                  prefill tiles (the one exact_linear takes marked), a grid of tiles (bench_gemm's WIDE_GRID),
+#                  each with its TFLOP/s and whether it gives the 64-row decode tile's bits -> gemm_wide_cuda.json
 #   gemm-fp8       the FP8 kernel against cuBLAS on the dequantized weights, tile sweep (FP8_SCALES: rows
 #                  or block)                                                      -> gemm_fp8_cuda.json
 #   decode         Llama-3-8B decode step, commit on/off, batch 1/8/64 (ROUNDS)     -> decode_cuda.json
@@ -31,7 +31,7 @@
 #                  and the cold restart without kvhold. A whole run outlasts one device call: FP8_STEPS
 #                  (default "decode prefill recovery cold"; "build" alone builds) splits it over back-to-back
 #                  calls on one warm machine, which keep the checkpoint; "tests" runs the whole GPU suite while
-#                  the checkpoint is written (FP8_STEPS=tests: build and suite in one call, -> gpu_tests.txt)
+#                  the checkpoint is written (FP8_STEPS=tests: build and suite in one call, -> pytest_gpu.txt)
 #                  -> decode_fp8_70b_cuda.json, prefill_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json,
 #                     cold_restart_fp8_70b_cuda.json
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
@@ -114,13 +114,17 @@ model_8b() { [ -d /tmp/l8b ] || python3 -m kvhold.testing.make_model --preset ll
 LOAD="--device cuda:0 --model /tmp/l8b --requests 64 --prompt-len 512,2048 --max-tokens 64 --max-seq-len 2304
       --max-batch-tokens 8192 --kv-memory 24GiB"
 
+gpu_suite() {    # the whole GPU suite (the tests phase; fp8-70b's tests step, beside its build)
+  python3 -c "import llguidance" 2>/dev/null || echo "tests: no llguidance here (tools/device_wheels.sh adds its wheel to .whl): the GPU constrained-output kill test will skip"
+  timeout $(( $(left) < 540 ? $(left) : 540 )) python3 -m pytest -q -n 0 -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
+      -rfEs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 | tee "$OUT/pytest_gpu.txt"
+}
+
 for phase in "${@:-tests}"; do
   echo "=== $phase ($(left) s left)"
   case "$phase" in
   tests)
-    python3 -c "import llguidance" 2>/dev/null || echo "tests: no llguidance here (tools/device_wheels.sh adds its wheel to .whl): the GPU constrained-output kill test will skip"
-    timeout $(( $(left) < 480 ? $(left) : 480 )) python3 -m pytest -q -n 0 -p no:cacheprovider --continue-on-collection-errors tests -m gpu \
-        -rfEs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 | tee "$OUT/pytest_gpu.txt"
+    gpu_suite
     ;;
   logprobs)
     timeout $(( $(left) < 400 ? $(left) : 400 )) python3 -m pytest -q -n 0 -p no:cacheprovider \
@@ -195,10 +199,7 @@ for phase in "${@:-tests}"; do
         wait; cat "$OUT/build_fp8_70b.txt"
       fi
       case "$step" in
-      # the whole GPU suite while the checkpoint is written (it times nothing): one call does both
-      tests) timeout $(( $(left) < 540 ? $(left) : 540 )) python3 -m pytest -v -n 0 -p no:cacheprovider \
-                  --continue-on-collection-errors -m gpu -rfEs --durations=30 tests 2>&1 \
-                  | tee "$OUT/gpu_tests.txt" | grep -v PASSED | tail -40 ;;
+      tests) gpu_suite ;;      # while the checkpoint is written (the suite times nothing): one call does both
       decode) timeout $(left) python3 -m tools.bench_decode --model /dev/shm/l70 --layers fused --batches 8,64 \
                   --max-batch 64 --rounds ${ROUNDS:-2} --out "$OUT/decode_fp8_70b_cuda.json" 2>&1 | tail -8 ;;
       prefill) timeout $(left) python3 -m tools.bench_prefill --model /dev/shm/l70 --prompts 512,2048,8192 --repeats 2 \
