@@ -196,7 +196,7 @@ for phase in "${@:-tests}"; do
     if [ "${gpu_mib:-0}" -ge 100000 ]; then sfx=""; dec_sz=""; rec_sz="--kv-memory 40GiB"
     else sfx="_h100"; dec_sz="--prompt-len 64 --steps 20 --kv-pages 720 --max-seq-len 256"
          rec_sz="--prompt-len 96,192 --max-tokens 32 --max-seq-len 224 --max-batch-tokens 2048 --kv-memory 4.5GiB"
-         echo "fp8-70b: a ${gpu_mib} MiB card: reduced sizes, results named *_fp8_70b${sfx}.json"; fi
+         echo "fp8-70b: a ${gpu_mib} MiB card: reduced sizes, results named *_fp8_70b${sfx}_cuda.json"; fi
     if [ ! -d /dev/shm/l70 ]; then      # a build cut short by a call's limit leaves its temp folder and spills
       rm -rf /dev/shm/.kvhold-model-* /tmp/l70-spill
       build() { S0=$SECONDS; timeout $(left) python3 -m kvhold.testing.make_model --preset llama3-70b-fp8 \
