@@ -33,7 +33,8 @@ reqs = make_requests(int(sys.argv[3]), (lo, hi), int(sys.argv[5]), cfg["vocab_si
 done = int(sys.argv[5]) // 2          # each request had generated half its tokens when the crash came
 for r in reqs:
     r["prompt_ids"] = r["prompt_ids"] + [5] * done
-engine, tables = build_engine(Path(sys.argv[1]), sys.argv[2], 16384, 4096, 64, 8192, 512, timeline=t)
+engine, tables = build_engine(Path(sys.argv[1]), sys.argv[2], int(sys.argv[6]), int(sys.argv[7]), 64, int(sys.argv[8]), 512,
+                              timeline=t)
 admit(tables, reqs)
 n = 0
 while engine.tokens_generated < len(reqs):
@@ -54,13 +55,18 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", default="512,2048")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--kv-pages", type=int, default=16384,
+                   help="the restarted engine's KV cache in 16-token pages (default 16384: 32 GiB at Llama-3-8B)")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=Path("bench/results/cold_restart_cuda.json"))
     args = p.parse_args(argv)
     runs = []
     for _ in range(args.runs):
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-c", CHILD, str(args.model), args.device, str(args.requests),
-                              args.prompt_len, str(args.max_tokens)], capture_output=True, text=True)
+                              args.prompt_len, str(args.max_tokens), str(args.kv_pages), str(args.max_seq_len),
+                              str(args.max_batch_tokens)], capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1

@@ -194,8 +194,10 @@ for phase in "${@:-tests}"; do
     # pool with 2,048-token steps; those results are named *_h100 and are not the figures
     gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     if [ "${gpu_mib:-0}" -ge 100000 ]; then sfx=""; dec_sz=""; rec_sz="--kv-memory 40GiB"
+         cold_sz="--kv-pages 8448 --max-seq-len 2304"      # 64 x 2,080 tokens in 16-token pages: 43 GiB
     else sfx="_h100"; dec_sz="--prompt-len 64 --steps 20 --kv-pages 720 --max-seq-len 256"
          rec_sz="--prompt-len 96,192 --max-tokens 32 --max-seq-len 224 --max-batch-tokens 2048 --kv-memory 4.5GiB"
+         cold_sz="--prompt-len 96,192 --max-tokens 32 --kv-pages 880 --max-seq-len 224 --max-batch-tokens 2048"
          echo "fp8-70b: a ${gpu_mib} MiB card: reduced sizes, results named *_fp8_70b${sfx}_cuda.json"; fi
     if [ ! -d /dev/shm/l70 ]; then      # a build cut short by a call's limit leaves its temp folder and spills
       rm -rf /dev/shm/.kvhold-model-* /tmp/l70-spill
@@ -218,7 +220,7 @@ for phase in "${@:-tests}"; do
       recovery) timeout $(left) python3 -m tools.bench_recovery ${LOAD/\/tmp\/l8b//dev/shm/l70} $rec_sz \
                   --kills ${FP8_KILLS:-10} --tiers standby,zygote --zygote-kills ${FP8_ZYGOTE_KILLS:-3} --cold-kills 0 \
                   --log-level INFO --out "$OUT/recovery_fp8_70b${sfx}_cuda.json" 2>&1 | tail -24 ;;
-      cold) timeout $(left) python3 -m tools.bench_cold_restart --model /dev/shm/l70 --runs 1 \
+      cold) timeout $(left) python3 -m tools.bench_cold_restart --model /dev/shm/l70 --runs 1 $cold_sz \
                   --out "$OUT/cold_restart_fp8_70b${sfx}_cuda.json" 2>&1 | tail -4 ;;
       build) ;;
       *) echo "fp8-70b: unknown step $step (tests, build, decode, prefill, recovery, cold)" ;;
