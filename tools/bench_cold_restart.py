@@ -39,8 +39,12 @@ admit(tables, reqs)
 n = 0
 while engine.tokens_generated < len(reqs):
     engine.step(); n += 1
+    if n == 1:          # the first step apart: in a cold process it also compiles what it launches first
+        torch.cuda.synchronize()
+        t["first_step"] = time.monotonic()
 torch.cuda.synchronize()
 t["first_token_all"] = time.monotonic()
+t["steps"] = n
 tables.unlink()
 t["tokens_reprefilled"] = sum(len(r["prompt_ids"]) for r in reqs)
 print(json.dumps(t))
@@ -71,8 +75,8 @@ def main(argv=None) -> int:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1
         t = json.loads(out.stdout.strip().splitlines()[-1])
-        phases = {k: (v - t0) * 1e3 for k, v in t.items() if k != "tokens_reprefilled"}
-        runs.append({"ms_from_spawn": phases, "tokens_reprefilled": t["tokens_reprefilled"]})
+        phases = {k: (v - t0) * 1e3 for k, v in t.items() if k not in ("tokens_reprefilled", "steps")}
+        runs.append({"ms_from_spawn": phases, "tokens_reprefilled": t["tokens_reprefilled"], "steps": t["steps"]})
         print(" ".join(f"{k}={v:.0f}ms" for k, v in phases.items()), flush=True)
     result = {"command": "python -m tools.bench_cold_restart " + " ".join(argv or sys.argv[1:]), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
