@@ -34,8 +34,9 @@
 #                  the checkpoint is written (FP8_STEPS=tests: build and suite in one call, -> pytest_gpu.txt)
 #                  -> decode_fp8_70b_cuda.json, prefill_fp8_70b_cuda.json, recovery_fp8_70b_cuda.json,
 #                     cold_restart_fp8_70b_cuda.json. On an 80 GB card (an H100) the checkpoint leaves ~8 GiB, so
-#                  decode and recovery run at reduced sizes (64-token prompts in a 720-page pool; 96-192-token
-#                  prompts in a 4.5 GiB pool) and every file is named *_fp8_70b_h100_cuda.json instead
+#                  decode, recovery and the cold restart run at reduced sizes (64-token prompts in a 720-page
+#                  pool; 96-192-token prompts in a 4.5 GiB pool, or 880 pages for the cold restart) and every file
+#                  is named *_fp8_70b_h100_cuda.json instead
 #   profile        Llama-3-8B decode step, kernel by kernel                        -> decode_profile_cuda.json
 #   recovery       Llama-3-8B, 64 streams: kill -> first resumed token, TIERS
 #                  (default standby,zygote), KILLS (20) / ZYGOTE_KILLS (3) / COLD_KILLS / WAIT_KILLS
